@@ -1,0 +1,23 @@
+"""Elementwise chains of the FLUX blocks, each a named op with a plain PyTorch reference.
+
+Every op here is called by the models through the name exported below. The reference
+implementation *is* the model math (op for op what diffusers runs); fused Triton kernels
+live beside their reference in the same module and are picked by `dispatch`.
+
+This package imports nothing from the rest of `flux_runtime`.
+"""
+
+from flux_runtime.kernels.gated_residual import gated_residual
+from flux_runtime.kernels.gelu import gelu_tanh
+from flux_runtime.kernels.layer_norm_modulate import layer_norm_modulate, residual_layer_norm_modulate
+from flux_runtime.kernels.modulate import modulate
+from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
+
+__all__ = [
+    "gated_residual",
+    "gelu_tanh",
+    "layer_norm_modulate",
+    "modulate",
+    "qk_norm_rope",
+    "residual_layer_norm_modulate",
+]

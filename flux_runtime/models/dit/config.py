@@ -1,0 +1,75 @@
+"""Transformer configurations: one frozen dataclass, named presets with checkpoint-style names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTConfig:
+    """Shape of a FLUX diffusion transformer, in Black Forest Labs' `FluxParams` vocabulary.
+
+    `family` picks the architecture (`flux1`: per-block modulation, GELU MLP, biases;
+    `flux2`: shared modulation, SwiGLU, no biases). Validated on construction.
+    """
+
+    family: Literal["flux1", "flux2"] = "flux1"
+    in_channels: int = 64
+    out_channels: int = 64
+    vec_in_dim: int = 768
+    context_in_dim: int = 4096
+    hidden_size: int = 3072
+    mlp_ratio: float = 4.0
+    num_heads: int = 24
+    depth: int = 19
+    depth_single_blocks: int = 38
+    axes_dim: tuple[int, ...] = (16, 56, 56)
+    theta: int = 10_000
+    qkv_bias: bool = True
+    guidance_embed: bool = True
+
+    def __post_init__(self) -> None:
+        h, n = self.hidden_size, self.num_heads
+        if h <= 0 or n <= 0:
+            raise ValueError(f"hidden_size {h} and num_heads {n} must be positive")
+        if h % n:
+            raise ValueError(f"hidden_size {h} not divisible by num_heads {n}")
+        if sum(self.axes_dim) != h // n:
+            raise ValueError(f"axes_dim {self.axes_dim} sums to {sum(self.axes_dim)}, not head_dim {h // n}")
+        if any(d % 2 for d in self.axes_dim):
+            raise ValueError(f"axes_dim {self.axes_dim} must be even per axis (RoPE rotates pairs)")
+        if self.depth < 0 or self.depth_single_blocks < 0:
+            raise ValueError(f"depth {self.depth} and depth_single_blocks {self.depth_single_blocks} must be >= 0")
+        if self.mlp_hidden_dim <= 0:
+            raise ValueError(f"mlp_ratio {self.mlp_ratio} gives an empty MLP")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+
+FLUX1_DEV = DiTConfig()
+FLUX1_SCHNELL = replace(FLUX1_DEV, guidance_embed=False)
+# The FLUX.1 architecture shrunk for tests and the offline demo: 16 latent channels packed 2x2,
+# text width 32 (tiny T5), pooled width 32 (tiny CLIP).
+TINY = replace(
+    FLUX1_DEV,
+    vec_in_dim=32,
+    context_in_dim=32,
+    hidden_size=64,
+    num_heads=2,
+    depth=2,
+    depth_single_blocks=2,
+    axes_dim=(8, 12, 12),
+)
+
+PRESETS: dict[str, DiTConfig] = {
+    "flux1-dev": FLUX1_DEV,
+    "flux1-schnell": FLUX1_SCHNELL,
+    "tiny": TINY,
+}

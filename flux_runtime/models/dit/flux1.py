@@ -1,0 +1,277 @@
+"""The FLUX.1 [dev] / [schnell] diffusion transformer.
+
+Module names equal Black Forest Labs' checkpoint keys (`double_blocks.N.img_attn.qkv`, ...), so a
+BFL file loads with no key map. The forward pass reproduces diffusers 0.42.1
+`FluxTransformer2DModel` op for op (shared/reference/flux1.md §2): every elementwise chain is one
+call into `flux_runtime.kernels`, whose reference is that chain, and gated residuals are handed to
+the next norm as `Pending` triples so a fused kernel can materialise them in the same pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from flux_runtime import kernels
+from flux_runtime.models.dit.config import DiTConfig
+from flux_runtime.models.dit.layers import (
+    Linear,
+    MLPEmbedder,
+    ModulationOut,
+    Pending,
+    QKNorm,
+    attention,
+    rope_tables,
+    timestep_embedding,
+)
+
+EPS = 1e-6
+FP16_MAX = 65504.0
+
+Stream = Tensor | Pending
+RoPE = tuple[Tensor, Tensor]
+
+
+def materialize(x: Stream) -> Tensor:
+    """Write a pending gated residual out (identity on a plain tensor)."""
+    return kernels.gated_residual(*x) if isinstance(x, Pending) else x
+
+
+def norm_modulate(x: Stream, mod: ModulationOut) -> tuple[Tensor, Tensor]:
+    """Return `(x, LayerNorm(x) * (1 + scale) + shift)`, materialising a pending residual on the way."""
+    if isinstance(x, Pending):
+        return kernels.residual_layer_norm_modulate(*x, mod.shift, mod.scale, EPS)
+    return x, kernels.layer_norm_modulate(x, mod.shift, mod.scale, EPS)
+
+
+def clip_fp16(x: Stream) -> Stream:
+    """diffusers clips the text and joint streams to the fp16 range after each block."""
+    dtype = x.update.dtype if isinstance(x, Pending) else x.dtype
+    if dtype != torch.float16:
+        return x
+    return materialize(x).clip(-FP16_MAX, FP16_MAX)
+
+
+class Modulation(nn.Module):
+    """adaLN projection of the conditioning vector: two triples (double blocks) or one (single)."""
+
+    def __init__(self, dim: int, double: bool) -> None:
+        super().__init__()
+        self.multiplier = 6 if double else 3
+        self.lin = Linear(dim, self.multiplier * dim)
+
+    def forward(self, vec_act: Tensor) -> tuple[ModulationOut, ...]:
+        # vec_act = silu(vec), (B, D); chunks in BFL/diffusers order: shift, scale, gate (x2).
+        out = self.lin(vec_act).chunk(self.multiplier, dim=1)
+        return tuple(ModulationOut(*out[i : i + 3]) for i in range(0, self.multiplier, 3))
+
+
+class SelfAttention(nn.Module):
+    """Projection weights of one attention stream: fused `qkv`, its QK-norm and the output `proj`."""
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = Linear(dim, 3 * dim, qkv_bias)
+        self.norm = QKNorm(dim // num_heads)
+        self.proj = Linear(dim, dim)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v as (B, L, H, Dh) from the normalised stream `x` (B, L, D)."""
+        d = self.qkv.in_features
+        return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in self.qkv.split(x, (d, d, d)))
+
+
+class MLP(nn.Sequential):
+    """`0: Linear → GELU(tanh) → 2: Linear`, BFL's `img_mlp` / `txt_mlp`."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.add_module("0", Linear(dim, hidden))
+        self.add_module("2", Linear(hidden, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self[1](kernels.gelu_tanh(self[0](x)))
+
+
+class DoubleStreamBlock(nn.Module):
+    """Separate image and text weights, one joint attention over `[txt | img]`."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.img_mod = Modulation(d, double=True)
+        self.img_attn = SelfAttention(d, cfg.num_heads, cfg.qkv_bias)
+        self.img_mlp = MLP(d, cfg.mlp_hidden_dim)
+        self.txt_mod = Modulation(d, double=True)
+        self.txt_attn = SelfAttention(d, cfg.num_heads, cfg.qkv_bias)
+        self.txt_mlp = MLP(d, cfg.mlp_hidden_dim)
+
+    def forward(self, img: Stream, txt: Stream, vec_act: Tensor, pe: RoPE) -> tuple[Stream, Stream]:
+        img_mod1, img_mod2 = self.img_mod(vec_act)
+        txt_mod1, txt_mod2 = self.txt_mod(vec_act)
+
+        # prepare img and txt for attention
+        img, img_n = norm_modulate(img, img_mod1)
+        txt, txt_n = norm_modulate(txt, txt_mod1)
+        img_q, img_k, img_v = self.img_attn.project(img_n)
+        txt_q, txt_k, txt_v = self.txt_attn.project(txt_n)
+
+        # joint attention, text first: (B, L_txt + L_img, H, Dh)
+        img_norm, txt_norm = self.img_attn.norm, self.txt_attn.norm
+        q = kernels.qk_norm_rope(txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS)
+        k = kernels.qk_norm_rope(txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS)
+        v = torch.cat([txt_v, img_v], dim=1)
+        txt_attn, img_attn = attention(q, k, v).split_with_sizes([txt_n.shape[1], img_n.shape[1]], dim=1)
+
+        # image stream: attention residual, then MLP residual (both left pending)
+        img = Pending(img, img_mod1.gate, self.img_attn.proj(img_attn.contiguous()))
+        img, img_n = norm_modulate(img, img_mod2)
+        img = Pending(img, img_mod2.gate, self.img_mlp(img_n))
+
+        # text stream
+        txt = Pending(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn.contiguous()))
+        txt, txt_n = norm_modulate(txt, txt_mod2)
+        txt = clip_fp16(Pending(txt, txt_mod2.gate, self.txt_mlp(txt_n)))
+        return img, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """Parallel attention and MLP on the joint stream: `linear1` → [q|k|v|mlp], `linear2` ← [attn|mlp]."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        d, self.num_heads = cfg.hidden_size, cfg.num_heads
+        self.mlp_hidden_dim = cfg.mlp_hidden_dim
+        self.linear1 = Linear(d, 3 * d + self.mlp_hidden_dim, cfg.qkv_bias)
+        self.linear2 = Linear(d + self.mlp_hidden_dim, d)
+        self.norm = QKNorm(cfg.head_dim)
+        self.modulation = Modulation(d, double=False)
+
+    def forward(self, x: Stream, vec_act: Tensor, pe: RoPE) -> Stream:
+        (mod,) = self.modulation(vec_act)
+        x, x_n = norm_modulate(x, mod)
+        d = self.linear1.in_features
+        q, k, v, mlp = self.linear1.split(x_n, (d, d, d, self.mlp_hidden_dim))
+        q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
+        q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
+        k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
+        # (B, L, D + mlp_hidden): attention first, MLP second
+        h = torch.cat([attention(q, k, v), kernels.gelu_tanh(mlp)], dim=2)
+        return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
+
+
+class LastLayer(nn.Module):
+    """Final adaLN (BFL order: shift, scale) and the projection back to latent channels."""
+
+    def __init__(self, dim: int, out_channels: int) -> None:
+        super().__init__()
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
+        self.linear = Linear(dim, out_channels)
+
+    def forward(self, x: Stream, vec_act: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation[1](vec_act).chunk(2, dim=1)
+        _, x = norm_modulate(x, ModulationOut(shift, scale, gate=shift))
+        return self.linear(x)
+
+
+class Flux1Transformer(nn.Module):
+    """FLUX.1 DiT: `model(img, img_ids, txt, txt_ids, timesteps, y, guidance)` → velocity (B, L_img, C)."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        if cfg.family != "flux1":
+            raise ValueError(f"Flux1Transformer needs a flux1 config, got family {cfg.family!r}")
+        self.config = cfg
+        d = cfg.hidden_size
+        self.img_in = Linear(cfg.in_channels, d)
+        self.time_in = MLPEmbedder(256, d)
+        self.vector_in = MLPEmbedder(cfg.vec_in_dim, d)
+        self.guidance_in = MLPEmbedder(256, d) if cfg.guidance_embed else nn.Identity()
+        self.txt_in = Linear(cfg.context_in_dim, d)
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.depth))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.depth_single_blocks))
+        self.final_layer = LastLayer(d, cfg.out_channels)
+
+    def rope(self, txt_ids: Tensor, img_ids: Tensor) -> RoPE:
+        """RoPE tables for the joint sequence `[txt | img]`; build once per image size, pass as `pe`.
+
+        Ids are (L, 3) or (B, L, 3); positions are shared across the batch, as in diffusers.
+        """
+        txt_ids, img_ids = _shared_ids(txt_ids, "txt_ids"), _shared_ids(img_ids, "img_ids")
+        return rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.config.axes_dim, self.config.theta)
+
+    def forward(
+        self,
+        img: Tensor,
+        img_ids: Tensor,
+        txt: Tensor,
+        txt_ids: Tensor,
+        timesteps: Tensor,
+        y: Tensor,
+        guidance: Tensor | None = None,
+        pe: RoPE | None = None,
+    ) -> Tensor:
+        """Predict the flow velocity.
+
+        img (B, L_img, in_channels) packed latents; txt (B, L_txt, context_in_dim) T5 states;
+        timesteps (B,) in [0, 1]; y (B, vec_in_dim) pooled CLIP; guidance (B,) for dev, None for
+        schnell; pe optional precomputed `rope(txt_ids, img_ids)`.
+        """
+        self._check_inputs(img, txt, timesteps, y, guidance)
+        if pe is None:
+            pe = self.rope(txt_ids, img_ids)
+
+        img = self.img_in(img)
+        # conditioning vector, rounded as diffusers: t*1000 in the model dtype, (t + g) + y
+        t = timesteps.to(img.dtype) * 1000
+        vec = self.time_in(timestep_embedding(t).to(y.dtype))
+        if self.config.guidance_embed:
+            g = guidance.to(img.dtype) * 1000
+            vec = vec + self.guidance_in(timestep_embedding(g).to(y.dtype))
+        vec = vec + self.vector_in(y)
+        vec_act = torch.nn.functional.silu(vec)
+        txt = self.txt_in(txt)
+
+        img_s: Stream = img
+        txt_s: Stream = txt
+        for block in self.double_blocks:
+            img_s, txt_s = block(img_s, txt_s, vec_act, pe)
+
+        # (B, L_txt + L_img, D)
+        x: Stream = torch.cat([materialize(txt_s), materialize(img_s)], dim=1)
+        for block in self.single_blocks:
+            x = block(x, vec_act, pe)
+
+        n_txt = txt.shape[1]
+        img_s = Pending(x.residual[:, n_txt:], x.gate, x.update[:, n_txt:]) if isinstance(x, Pending) else x[:, n_txt:]
+        return self.final_layer(img_s, vec_act.to(img.dtype))
+
+    def _check_inputs(
+        self, img: Tensor, txt: Tensor, timesteps: Tensor, y: Tensor, guidance: Tensor | None
+    ) -> None:
+        cfg = self.config
+        if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
+            raise ValueError(f"img must be (B, L, {cfg.in_channels}), got {tuple(img.shape)}")
+        b = img.shape[0]
+        if txt.ndim != 3 or txt.shape[0] != b or txt.shape[-1] != cfg.context_in_dim:
+            raise ValueError(f"txt must be ({b}, L, {cfg.context_in_dim}), got {tuple(txt.shape)}")
+        if y.shape != (b, cfg.vec_in_dim):
+            raise ValueError(f"y must be ({b}, {cfg.vec_in_dim}), got {tuple(y.shape)}")
+        if timesteps.shape != (b,):
+            raise ValueError(f"timesteps must be ({b},), got {tuple(timesteps.shape)}")
+        if cfg.guidance_embed:
+            if guidance is None:
+                raise ValueError("this model embeds guidance (FLUX.1-dev): pass guidance (B,)")
+            if guidance.shape != (b,):
+                raise ValueError(f"guidance must be ({b},), got {tuple(guidance.shape)}")
+        elif guidance is not None:
+            raise ValueError("this model has no guidance embedding (FLUX.1-schnell): pass guidance=None")
+
+
+def _shared_ids(ids: Tensor, name: str) -> Tensor:
+    if ids.ndim == 2:
+        return ids
+    if ids.ndim != 3 or (ids.shape[0] > 1 and not torch.equal(ids, ids[:1].expand_as(ids))):
+        raise ValueError(f"{name} must be (L, 3) or (B, L, 3) with the same positions for every batch row")
+    return ids[0]

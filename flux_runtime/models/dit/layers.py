@@ -1,0 +1,116 @@
+"""Pieces both FLUX transformers share unchanged: projections, embeddings, RoPE tables, QK-norm."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class Linear(nn.Module):
+    """The one projection type of the DiTs: `F.linear` with the bias inside the GEMM.
+
+    Parity needs the bias fused (`F.linear(x, W, b)` is not bit-equal to `x @ W.T + b` on cuBLAS).
+    `split` runs the GEMM once per row block of a merged weight (BFL's fused `qkv`, `linear1`),
+    which is what diffusers computes with its separate `to_q`, `to_k`, `to_v` modules.
+    An FP8 checkpoint replaces this module with a subclass holding e4m3 weights and scales.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def split(self, x: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+        """Project `x` through consecutive row blocks of the weight, one GEMM per block."""
+        weights = self.weight.split(sizes, dim=0)
+        biases = self.bias.split(sizes, dim=0) if self.bias is not None else (None,) * len(sizes)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MLPEmbedder(nn.Module):
+    """`in_layer → SiLU → out_layer`: the time, guidance and pooled-text embedders."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_layer = Linear(in_dim, hidden_dim, bias)
+        self.out_layer = Linear(hidden_dim, hidden_dim, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out_layer(F.silu(self.in_layer(x)))
+
+
+class RMSNormScale(nn.Module):
+    """Holds one QK RMSNorm weight under BFL's name `scale`."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(dim))
+
+
+class QKNorm(nn.Module):
+    """The query and key RMSNorm weights of one attention stream (`norm.query_norm.scale`, ...)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.query_norm = RMSNormScale(dim)
+        self.key_norm = RMSNormScale(dim)
+
+
+class ModulationOut(NamedTuple):
+    """One adaLN modulation triple, each (B, D)."""
+
+    shift: Tensor
+    scale: Tensor
+    gate: Tensor
+
+
+class Pending(NamedTuple):
+    """A gated residual `residual + gate * update` not yet written (deferred to the next norm)."""
+
+    residual: Tensor
+    gate: Tensor
+    update: Tensor
+
+
+def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10_000.0) -> Tensor:
+    """Sinusoidal embedding `[cos | sin]` of `t` (B,), fp32 (B, dim), rounding as diffusers' `Timesteps`."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(0, half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(exponent / half)
+    args = t[:, None].float() * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def rope_tables(ids: Tensor, axes_dim: tuple[int, ...], theta: int) -> tuple[Tensor, Tensor]:
+    """RoPE cos/sin tables (L, sum(axes_dim)) fp32 for position ids (L, n_axes).
+
+    Angles in float64 as diffusers computes them, each frequency repeated for its channel pair.
+    Built once per image size by the caller and reused by every block of every step.
+    """
+    pos = ids.float()
+    # float64 except where the device has none (mps); matches diffusers' choice.
+    freqs_dtype = torch.float32 if pos.device.type == "mps" else torch.float64
+    cos_out, sin_out = [], []
+    for axis, d in enumerate(axes_dim):
+        omega = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=freqs_dtype, device=pos.device) / d))
+        angles = torch.outer(pos[:, axis], omega)
+        cos_out.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin_out.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos_out, dim=-1), torch.cat(sin_out, dim=-1)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Full attention over (B, L, H, D) inputs through default-dispatch SDPA; returns (B, L, H*D)."""
+    out = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
+    return out.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype)

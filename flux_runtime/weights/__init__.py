@@ -1,0 +1,6 @@
+"""Checkpoint discovery, layout conversion and strict streaming loads."""
+
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.transformer import load_transformer
+
+__all__ = ["WeightsError", "load_transformer"]

@@ -1,0 +1,115 @@
+"""The FLUX.1 transformer's diffusers layout, expressed against BFL's keys (our module names).
+
+One table of `{i}` templates: each BFL key and the diffusers keys it is made of. Where BFL fuses
+several diffusers tensors (`qkv` = to_q, to_k, to_v; `linear1` = to_q, to_k, to_v, proj_mlp) they
+are concatenated along the output dim; the final adaLN stores `(shift, scale)` in BFL and
+`(scale, shift)` in diffusers, so its halves are swapped. Both directions are pure and lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+@dataclass(frozen=True)
+class Rule:
+    bfl: str
+    diffusers: tuple[str, ...]
+    swap_halves: bool = False
+
+
+def _linear(bfl: str, *diffusers: str, swap_halves: bool = False) -> list[Rule]:
+    return [
+        Rule(f"{bfl}.{p}", tuple(f"{d}.{p}" for d in diffusers), swap_halves) for p in ("weight", "bias")
+    ]
+
+
+GLOBAL_RULES: list[Rule] = [
+    *_linear("img_in", "x_embedder"),
+    *_linear("txt_in", "context_embedder"),
+    *_linear("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
+    *_linear("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
+    *_linear("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+    *_linear("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+    *_linear("final_layer.linear", "proj_out"),
+    *_linear("final_layer.adaLN_modulation.1", "norm_out.linear", swap_halves=True),
+]
+GUIDANCE_RULES: list[Rule] = [
+    *_linear("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1"),
+    *_linear("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2"),
+]
+_D = "transformer_blocks.{i}"
+DOUBLE_RULES: list[Rule] = [
+    *_linear("double_blocks.{i}.img_mod.lin", f"{_D}.norm1.linear"),
+    *_linear("double_blocks.{i}.txt_mod.lin", f"{_D}.norm1_context.linear"),
+    *_linear("double_blocks.{i}.img_attn.qkv", f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v"),
+    *_linear(
+        "double_blocks.{i}.txt_attn.qkv", f"{_D}.attn.add_q_proj", f"{_D}.attn.add_k_proj", f"{_D}.attn.add_v_proj"
+    ),
+    Rule("double_blocks.{i}.img_attn.norm.query_norm.scale", (f"{_D}.attn.norm_q.weight",)),
+    Rule("double_blocks.{i}.img_attn.norm.key_norm.scale", (f"{_D}.attn.norm_k.weight",)),
+    Rule("double_blocks.{i}.txt_attn.norm.query_norm.scale", (f"{_D}.attn.norm_added_q.weight",)),
+    Rule("double_blocks.{i}.txt_attn.norm.key_norm.scale", (f"{_D}.attn.norm_added_k.weight",)),
+    *_linear("double_blocks.{i}.img_attn.proj", f"{_D}.attn.to_out.0"),
+    *_linear("double_blocks.{i}.txt_attn.proj", f"{_D}.attn.to_add_out"),
+    *_linear("double_blocks.{i}.img_mlp.0", f"{_D}.ff.net.0.proj"),
+    *_linear("double_blocks.{i}.img_mlp.2", f"{_D}.ff.net.2"),
+    *_linear("double_blocks.{i}.txt_mlp.0", f"{_D}.ff_context.net.0.proj"),
+    *_linear("double_blocks.{i}.txt_mlp.2", f"{_D}.ff_context.net.2"),
+]
+_S = "single_transformer_blocks.{i}"
+SINGLE_RULES: list[Rule] = [
+    *_linear("single_blocks.{i}.modulation.lin", f"{_S}.norm.linear"),
+    *_linear(
+        "single_blocks.{i}.linear1", f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v", f"{_S}.proj_mlp"
+    ),
+    *_linear("single_blocks.{i}.linear2", f"{_S}.proj_out"),
+    Rule("single_blocks.{i}.norm.query_norm.scale", (f"{_S}.attn.norm_q.weight",)),
+    Rule("single_blocks.{i}.norm.key_norm.scale", (f"{_S}.attn.norm_k.weight",)),
+]
+
+
+def count_blocks(keys: list[str], prefix: str) -> int:
+    """Number of blocks `prefix.N.*` present (max N + 1)."""
+    ids = {int(k[len(prefix) + 1 :].split(".", 1)[0]) for k in keys if k.startswith(prefix + ".")}
+    return max(ids) + 1 if ids else 0
+
+
+def rules(depth: int, depth_single: int, guidance: bool) -> Iterator[Rule]:
+    """All rules for a model of this depth, with `{i}` filled in."""
+    yield from GLOBAL_RULES
+    if guidance:
+        yield from GUIDANCE_RULES
+    for template, n in ((DOUBLE_RULES, depth), (SINGLE_RULES, depth_single)):
+        for i in range(n):
+            for r in template:
+                yield Rule(r.bfl.format(i=i), tuple(d.format(i=i) for d in r.diffusers), r.swap_halves)
+
+
+def _swap(t: Tensor) -> Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a], dim=0)
+
+
+def diffusers_to_bfl(rule: Rule, get: Callable[[str], Tensor]) -> Tensor:
+    """Build the BFL tensor of `rule` from diffusers tensors read through `get`."""
+    parts = [get(k) for k in rule.diffusers]
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return _swap(t) if rule.swap_halves else t
+
+
+def bfl_to_diffusers(rule: Rule, t: Tensor, hidden_size: int) -> dict[str, Tensor]:
+    """Split the BFL tensor of `rule` into its diffusers tensors (q, k, v blocks are `hidden_size` rows)."""
+    if rule.swap_halves:
+        t = _swap(t)
+    n = len(rule.diffusers)
+    if n == 1:
+        return {rule.diffusers[0]: t}
+    sizes = [hidden_size] * 3 + ([t.shape[0] - 3 * hidden_size] if n == 4 else [])
+    return {k: p.contiguous() for k, p in zip(rule.diffusers, t.split(sizes, dim=0), strict=True)}
