@@ -95,7 +95,6 @@ def _need(shape_of, key: str, what: str) -> tuple[int, ...]:
 def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | None) -> DiTConfig:
     """Read depth, width, heads, channels and guidance from the checkpoint itself."""
     if layout == "diffusers":
-        t = lambda k: k  # noqa: E731
         img_in, txt_in, vec_in = "x_embedder.weight", "context_embedder.weight", "time_text_embed.text_embedder.linear_1.weight"
         qnorm, mlp_in, final = "transformer_blocks.0.attn.norm_q.weight", "transformer_blocks.0.ff.net.0.proj.weight", "proj_out.weight"
         depth = flux1_layout.count_blocks(keys, "transformer_blocks")
@@ -105,7 +104,6 @@ def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | N
             qnorm = "single_transformer_blocks.0.attn.norm_q.weight"
             mlp_in = "single_transformer_blocks.0.proj_mlp.weight"
     else:
-        t = lambda k: k  # noqa: E731
         img_in, txt_in, vec_in = "img_in.weight", "txt_in.weight", "vector_in.in_layer.weight"
         qnorm, mlp_in, final = "double_blocks.0.img_attn.norm.query_norm.scale", "double_blocks.0.img_mlp.0.weight", "final_layer.linear.weight"
         depth = flux1_layout.count_blocks(keys, "double_blocks")
@@ -113,7 +111,7 @@ def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | N
         guidance = any(k.startswith("guidance_in.") for k in keys)
         if depth == 0:
             qnorm = "single_blocks.0.norm.query_norm.scale"
-    hidden, in_ch = _need(shape_of, t(img_in), "hidden size")
+    hidden, in_ch = _need(shape_of, img_in, "hidden size")
     head_dim = _need(shape_of, qnorm, "head dim")[0]
     if layout == "bfl" and depth == 0:
         mlp_hidden = _need(shape_of, "single_blocks.0.linear1.weight", "MLP width")[0] - 3 * hidden
@@ -217,12 +215,15 @@ def load_transformer(
         _raise_key_errors(missing, unexpected)
         sd = {}
         for rule in table:
-            t = flux1_layout.diffusers_to_bfl(rule, lambda k: src.get(k, device, dtype))
-            want = expected[rule.bfl]
-            if tuple(t.shape) != want:
-                parts = ", ".join(f"{d} {src.shape(d)}" for d in rule.diffusers)
-                raise WeightsError(f"{rule.bfl}: expected shape {want}, checkpoint gives {tuple(t.shape)} (from {parts})")
-            sd[rule.bfl] = t
+            # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
+            meta = torch.empty(expected[rule.bfl], device="meta")
+            for d, part in flux1_layout.bfl_to_diffusers(rule, meta, cfg.hidden_size).items():
+                if src.shape(d) != tuple(part.shape):
+                    raise WeightsError(
+                        f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
+                    )
+        for rule in table:
+            sd[rule.bfl] = flux1_layout.diffusers_to_bfl(rule, lambda k: src.get(k, device, dtype))
     model.load_state_dict(sd, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
