@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""FLUX speed and parity on one GPU, measured against diffusers and the library floor in one run.
+
+Sections (pick with flags; default: all that exist):
+  --dit       full-size FLUX.1-dev, random weights, one bf16 step at 1024²: torch.equal with diffusers,
+              per-step ms for the library floor, diffusers eager and ours (median of >= 10 after warm-up).
+Writes a JSON of every number to --json. Never a test: run it on the device, quote the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flux_runtime.models.dit import FLUX1_DEV, Flux1Transformer
+from flux_runtime.weights import flux1_layout
+
+DEV = torch.device("cuda")
+RESULTS: dict[str, object] = {}
+
+
+def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median ms of `fn()` over `iters` runs after `warmup`, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def library_floor(cfg=FLUX1_DEV, n_img: int = 4096, n_txt: int = 512) -> tuple[float, float]:
+    """Sum of the step's cuBLAS GEMMs (F.linear with bias, real shapes) and SDPA calls, each timed alone."""
+    d, mlp, L = cfg.hidden_size, cfg.mlp_hidden_dim, n_img + n_txt
+    gemms: Counter[tuple[int, int, int]] = Counter()
+    for m in (n_img, n_txt):  # double blocks, per stream: q, k, v, out, mlp up, mlp down
+        gemms[(m, d, d)] += 4 * cfg.depth
+        gemms[(m, d, mlp)] += cfg.depth
+        gemms[(m, mlp, d)] += cfg.depth
+    gemms[(1, d, 6 * d)] += 2 * cfg.depth
+    gemms[(L, d, d)] += 3 * cfg.depth_single_blocks
+    gemms[(L, d, mlp)] += cfg.depth_single_blocks
+    gemms[(L, d + mlp, d)] += cfg.depth_single_blocks
+    gemms[(1, d, 3 * d)] += cfg.depth_single_blocks
+    gemms[(n_img, cfg.in_channels, d)] += 1
+    gemms[(n_txt, cfg.context_in_dim, d)] += 1
+    gemms[(n_img, d, cfg.out_channels)] += 1
+    gemms[(1, d, 2 * d)] += 1
+    gemm_ms = 0.0
+    for (m, k, n), count in gemms.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+        gemm_ms += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+    q, k, v = (torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    attn_ms = (cfg.depth + cfg.depth_single_blocks) * cuda_time(lambda: F.scaled_dot_product_attention(q, k, v), iters=20)
+    return gemm_ms, attn_ms
+
+
+def build_pair():
+    """Full-size FLUX.1-dev in diffusers (random init on the GPU) and ours with the same weights."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        ref = FluxTransformer2DModel(guidance_embeds=True).to(torch.bfloat16).eval()
+    sd = ref.state_dict()
+    cfg = FLUX1_DEV
+    ours_sd = {
+        r.bfl: flux1_layout.diffusers_to_bfl(r, sd.__getitem__)
+        for r in flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
+    }
+    with torch.device("meta"):
+        ours = Flux1Transformer(cfg)
+    ours.load_state_dict(ours_sd, strict=True, assign=True)
+    return ref, ours.eval()
+
+
+def step_inputs(n_img: int = 4096, n_txt: int = 512, batch: int = 1):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    bf = torch.bfloat16
+    img = torch.randn(batch, n_img, 64, device=DEV, generator=g).to(bf)
+    txt = torch.randn(batch, n_txt, 4096, device=DEV, generator=g).to(bf)
+    y = torch.randn(batch, 768, device=DEV, generator=g).to(bf)
+    side = int(n_img**0.5)
+    ids = torch.zeros(side, side, 3, device=DEV)
+    ids[..., 1] = torch.arange(side, device=DEV)[:, None]
+    ids[..., 2] = torch.arange(side, device=DEV)[None, :]
+    img_ids = ids.reshape(-1, 3).to(bf)
+    txt_ids = torch.zeros(n_txt, 3, device=DEV, dtype=bf)
+    t = torch.full((batch,), 988.0, device=DEV, dtype=bf) / 1000
+    guidance = torch.full((batch,), 3.5, device=DEV)
+    return img, img_ids, txt, txt_ids, t, y, guidance
+
+
+@torch.no_grad()
+def bench_dit(iters: int) -> None:
+    gemm_ms, attn_ms = library_floor()
+    floor = gemm_ms + attn_ms
+    RESULTS["floor_ms"] = {"gemm": gemm_ms, "attention": attn_ms, "total": floor}
+    print(f"library floor: {floor:.1f} ms/step (GEMMs {gemm_ms:.1f}, attention {attn_ms:.1f})", flush=True)
+
+    t0 = time.perf_counter()
+    ref, ours = build_pair()
+    print(f"built both FLUX.1-dev models in {time.perf_counter() - t0:.1f} s", flush=True)
+    img, img_ids, txt, txt_ids, t, y, g = step_inputs()
+
+    def run_ref():
+        return ref(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=t,
+                   img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False)[0]
+
+    pe = ours.rope(txt_ids, img_ids)
+
+    def run_ours():
+        return ours(img, img_ids, txt, txt_ids, t, y, g, pe=pe)
+
+    a, b = run_ref(), run_ours()
+    equal = torch.equal(a, b)
+    RESULTS["dit_equal"] = equal
+    print(f"one bf16 step at 1024², ours vs diffusers: torch.equal = {equal}"
+          + ("" if equal else f" (max abs diff {(a.float() - b.float()).abs().max().item():.3g})"), flush=True)
+    torch.cuda.reset_peak_memory_stats()
+    ref_ms = cuda_time(run_ref, iters=iters)
+    ref_peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    ours_ms = cuda_time(run_ours, iters=iters)
+    ours_peak = torch.cuda.max_memory_allocated() / 2**30
+    RESULTS["step_ms"] = {"diffusers_eager": ref_ms, "ours_eager": ours_ms}
+    RESULTS["peak_gib_incl_both_models"] = {"diffusers_eager": ref_peak, "ours_eager": ours_peak}
+    print()
+    print("| FLUX.1-dev, 1024², bf16, per step | ms | / floor | / diffusers |")
+    print("|---|---|---|---|")
+    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} |")
+    print(f"| diffusers eager | {ref_ms:.1f} | {ref_ms / floor:.2f} | 1.00 |")
+    print(f"| ours eager (lossless reference ops) | {ours_ms:.1f} | {ours_ms / floor:.2f} | {ours_ms / ref_ms:.2f} |")
+    print(f"peak allocated while stepping (both models resident): diffusers {ref_peak:.1f} GiB, ours {ours_peak:.1f} GiB")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dit", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    run_all = not args.dit
+    if args.dit or run_all:
+        bench_dit(args.iters)
+    if args.json:
+        args.json.write_text(json.dumps(RESULTS, indent=2))
+    return 0 if RESULTS.get("dit_equal", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
