@@ -1,0 +1,84 @@
+"""The flow-matching Euler loop, with `FluxPipeline`'s roundings (diffusers 0.42.1).
+
+Per step i (flux1.md §3.4): `timestep = t.expand(B).to(latents.dtype)`; the denoiser sees
+`timestep / 1000` computed in that dtype (bf16: 988.40863 → 988.0 → 0.98828125); the update is
+`(latents.to(fp32) + dt * pred).to(pred.dtype)` where `dt = σ[i+1] − σ[i]` is a 0-dim fp32 tensor, so by
+type promotion `dt * pred` is a bf16 product added to the fp32 sample (FlowMatchEulerDiscreteScheduler.step).
+The denoiser is a callable, so this module knows nothing of models (import direction: sampling → nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+ModelFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+"""`model_fn(latents (B, L, C), timestep / 1000 (B,), guidance (B,) fp32 or None) -> velocity (B, L, C)`.
+
+The pipeline builds it as a closure over the text embeddings, ids and RoPE tables of one prompt."""
+
+StepCallback = Callable[[int, Tensor, Tensor], None]
+"""`callback(i, t, latents)` after step i (0-based) with that step's fp32 timestep and the new latents."""
+
+
+@torch.no_grad()
+def denoise(
+    model_fn: ModelFn,
+    latents: Tensor,
+    sigmas: Tensor,
+    timesteps: Tensor,
+    *,
+    guidance: Tensor | None = None,
+    negative_model_fn: ModelFn | None = None,
+    true_cfg_scale: float = 1.0,
+    callback: StepCallback | None = None,
+) -> Tensor:
+    """Integrate packed `latents` (B, L, C) from `sigmas[0]` to `sigmas[-1]` with Euler steps; returns (B, L, C).
+
+    `sigmas` (N + 1,) and `timesteps` (N,) are fp32, as `get_schedule` returns them; they are moved to the
+    latents' device, where diffusers keeps them, so `dt` is the same tensor diffusers multiplies with.
+    `guidance` is passed through to `model_fn` untouched (dev: `torch.full([1], g, fp32).expand(B)`;
+    schnell: None). With `negative_model_fn` (true CFG, `true_cfg_scale > 1`), each step also calls it and
+    uses `neg + true_cfg_scale * (pos − neg)` in the prediction dtype, as `FluxPipeline` does with a
+    negative prompt. The result has the prediction's dtype (the model's, normally the latents' dtype).
+    """
+    if latents.ndim != 3:
+        raise ValueError(f"denoise: expected packed latents (B, L, C), got shape {tuple(latents.shape)}")
+    if timesteps.ndim != 1 or sigmas.shape != (timesteps.shape[0] + 1,):
+        raise ValueError(
+            f"denoise: expected sigmas (N + 1,) and timesteps (N,), got {tuple(sigmas.shape)} and "
+            f"{tuple(timesteps.shape)}"
+        )
+    if negative_model_fn is None and true_cfg_scale != 1.0:
+        raise ValueError(f"true_cfg_scale {true_cfg_scale} needs a negative_model_fn")
+    if negative_model_fn is not None and not true_cfg_scale > 1.0:
+        raise ValueError(f"true_cfg_scale {true_cfg_scale} must be > 1 with a negative_model_fn")
+
+    sigmas = sigmas.to(latents.device)
+    timesteps = timesteps.to(latents.device)
+    batch = latents.shape[0]
+    for i, t in enumerate(timesteps):
+        timestep = t.expand(batch).to(latents.dtype)  # (B,)
+        pred = _checked(model_fn(latents, timestep / 1000, guidance), latents, "model_fn")
+        if negative_model_fn is not None:
+            neg = _checked(
+                negative_model_fn(latents, timestep / 1000, guidance), latents, "negative_model_fn"
+            )
+            pred = neg + true_cfg_scale * (pred - neg)
+        # FlowMatchEulerDiscreteScheduler.step: fp32 sample, 0-dim fp32 dt, cast back to pred's dtype
+        sample = latents.to(torch.float32)
+        dt = sigmas[i + 1] - sigmas[i]
+        latents = (sample + dt * pred).to(pred.dtype)
+        if callback is not None:
+            callback(i, t, latents)
+    return latents
+
+
+def _checked(pred: Tensor, latents: Tensor, name: str) -> Tensor:
+    if pred.shape != latents.shape:
+        raise ValueError(
+            f"denoise: {name} returned shape {tuple(pred.shape)}, expected {tuple(latents.shape)}"
+        )
+    return pred
