@@ -172,3 +172,18 @@ def test_config_validation(kwargs: dict, message: str) -> None:
 def test_presets_are_frozen() -> None:
     with pytest.raises(AttributeError):
         FLUX1_DEV_SCHEDULE.shift = 2.0  # type: ignore[misc]
+
+
+def test_dev_preset_is_the_scheduler_config() -> None:
+    """Our dev preset, written back in diffusers' words, builds a scheduler that gives our schedule."""
+    cfg = FLUX1_DEV_SCHEDULE
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=cfg.num_train_timesteps,
+        shift=cfg.shift,
+        use_dynamic_shifting=cfg.mu_rule is not None,
+        base_image_seq_len=cfg.base_image_seq_len,
+        max_image_seq_len=cfg.max_image_seq_len,
+        base_shift=cfg.base_shift,
+        max_shift=cfg.max_shift,
+    )
+    assert {k: scheduler.config[k] for k in DEV_CONFIG} == DEV_CONFIG
