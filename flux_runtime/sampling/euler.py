@@ -51,6 +51,10 @@ def denoise(
             f"denoise: expected sigmas (N + 1,) and timesteps (N,), got {tuple(sigmas.shape)} and "
             f"{tuple(timesteps.shape)}"
         )
+    if sigmas.dtype != torch.float32 or timesteps.dtype != torch.float32:
+        raise ValueError(
+            f"denoise: sigmas and timesteps must be fp32, got {sigmas.dtype} and {timesteps.dtype}"
+        )
     if negative_model_fn is None and true_cfg_scale != 1.0:
         raise ValueError(f"true_cfg_scale {true_cfg_scale} needs a negative_model_fn")
     if negative_model_fn is not None and not true_cfg_scale > 1.0:

@@ -182,6 +182,10 @@ def test_errors() -> None:
         ValueError, match=r"expected sigmas \(N \+ 1,\) and timesteps \(N,\), got \(2,\) and \(2,\)"
     ):
         denoise(identity, latents, sigmas[:2], timesteps)
+    with pytest.raises(
+        ValueError, match=r"sigmas and timesteps must be fp32, got torch\.float64 and torch\.float32"
+    ):
+        denoise(identity, latents, sigmas.double(), timesteps)
     with pytest.raises(ValueError, match=r"model_fn returned shape \(1, 4, 32\), expected \(1, 4, 64\)"):
         denoise(lambda x, t, g: x[..., :32], latents, sigmas, timesteps)
     with pytest.raises(ValueError, match=r"true_cfg_scale 4\.0 needs a negative_model_fn"):

@@ -174,9 +174,11 @@ def test_presets_are_frozen() -> None:
         FLUX1_DEV_SCHEDULE.shift = 2.0  # type: ignore[misc]
 
 
-def test_dev_preset_is_the_scheduler_config() -> None:
-    """Our dev preset, written back in diffusers' words, builds a scheduler that gives our schedule."""
-    cfg = FLUX1_DEV_SCHEDULE
+@pytest.mark.parametrize(
+    ("cfg", "expected"), [(FLUX1_DEV_SCHEDULE, DEV_CONFIG), (FLUX1_SCHNELL_SCHEDULE, SCHNELL_CONFIG)]
+)
+def test_presets_are_the_scheduler_configs(cfg: ScheduleConfig, expected: dict) -> None:
+    """Our presets, written back as FlowMatchEulerDiscreteScheduler arguments, are the repos' scheduler configs."""
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=cfg.num_train_timesteps,
         shift=cfg.shift,
@@ -186,4 +188,4 @@ def test_dev_preset_is_the_scheduler_config() -> None:
         base_shift=cfg.base_shift,
         max_shift=cfg.max_shift,
     )
-    assert {k: scheduler.config[k] for k in DEV_CONFIG} == DEV_CONFIG
+    assert {k: scheduler.config[k] for k in expected} == expected
