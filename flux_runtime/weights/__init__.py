@@ -2,5 +2,6 @@
 
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.transformer import load_transformer
+from flux_runtime.weights.vae import load_vae
 
-__all__ = ["WeightsError", "load_transformer"]
+__all__ = ["WeightsError", "load_transformer", "load_vae"]

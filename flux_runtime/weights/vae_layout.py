@@ -33,7 +33,11 @@ def _pair(bfl: str, diffusers: str, conv1x1: bool = False) -> list[Rule]:
 
 
 def _resnet(bfl: str, diffusers: str, shortcut: bool) -> list[Rule]:
-    out = [r for name in ("norm1", "conv1", "norm2", "conv2") for r in _pair(f"{bfl}.{name}", f"{diffusers}.{name}")]
+    out = [
+        r
+        for name in ("norm1", "conv1", "norm2", "conv2")
+        for r in _pair(f"{bfl}.{name}", f"{diffusers}.{name}")
+    ]
     if shortcut:
         out += _pair(f"{bfl}.nin_shortcut", f"{diffusers}.conv_shortcut")
     return out
@@ -66,9 +70,13 @@ def rules(ch_mult: tuple[int, ...], num_res_blocks: int) -> Iterator[Rule]:
     for i, c in enumerate(ch_mult):
         for j in range(num_res_blocks):
             shortcut = j == 0 and c_in != c
-            yield from _resnet(f"encoder.down.{i}.block.{j}", f"encoder.down_blocks.{i}.resnets.{j}", shortcut)
+            yield from _resnet(
+                f"encoder.down.{i}.block.{j}", f"encoder.down_blocks.{i}.resnets.{j}", shortcut
+            )
         if i != n - 1:
-            yield from _pair(f"encoder.down.{i}.downsample.conv", f"encoder.down_blocks.{i}.downsamplers.0.conv")
+            yield from _pair(
+                f"encoder.down.{i}.downsample.conv", f"encoder.down_blocks.{i}.downsamplers.0.conv"
+            )
         c_in = c
     yield from _mid("encoder")
     yield from _pair("encoder.norm_out", "encoder.conv_norm_out")
