@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,11 +149,8 @@ def _need(shape_of, key: str, what: str) -> tuple[int, ...]:
         raise WeightsError(f"checkpoint has no {key!r} (needed to read the {what})") from None
 
 
-def infer_vae_config(layout: str, keys: list[str], shape_of) -> VAEConfig:
-    """Channels, levels, resnets per level and latent width from the tensor shapes.
-
-    Fields shapes cannot show (`norm_num_groups`, the latent factors) take the FLUX.1 values.
-    """
+def infer_vae_shapes(layout: str, keys: list[str], shape_of) -> dict[str, Any]:
+    """The `SHAPE_FIELDS` of the config, read from the tensor shapes: channels, levels, resnets, latent width."""
     down, block = ("encoder.down", "block") if layout == "bfl" else ("encoder.down_blocks", "resnets")
     levels = count_blocks(keys, down)
     if levels == 0:
@@ -166,15 +163,14 @@ def infer_vae_config(layout: str, keys: list[str], shape_of) -> VAEConfig:
         raise WeightsError(
             f"level widths {tuple(widths)} are not multiples of the first conv's {ch} channels"
         )
-    return replace(
-        FLUX1_VAE,
-        in_channels=in_channels,
-        out_ch=_need(shape_of, "decoder.conv_out.weight", "output channels")[0],
-        ch=ch,
-        ch_mult=tuple(w // ch for w in widths),
-        num_res_blocks=count_blocks(keys, f"{down}.0.{block}"),
-        z_channels=_need(shape_of, "decoder.conv_in.weight", "latent channels")[1],
-    )
+    return {
+        "in_channels": in_channels,
+        "out_ch": _need(shape_of, "decoder.conv_out.weight", "output channels")[0],
+        "ch": ch,
+        "ch_mult": tuple(w // ch for w in widths),
+        "num_res_blocks": count_blocks(keys, f"{down}.0.{block}"),
+        "z_channels": _need(shape_of, "decoder.conv_in.weight", "latent channels")[1],
+    }
 
 
 def config_from_diffusers(cfg: dict[str, Any], where: Path | str) -> VAEConfig:
@@ -223,12 +219,10 @@ def config_from_diffusers(cfg: dict[str, Any], where: Path | str) -> VAEConfig:
         raise WeightsError(f"{where}: {e}") from None
 
 
-def _mismatch(a: VAEConfig, b: VAEConfig, names: tuple[str, ...], a_name: str, b_name: str) -> list[str]:
-    return [
-        f"{f}: {a_name} {getattr(a, f)}, {b_name} {getattr(b, f)}"
-        for f in names
-        if getattr(a, f) != getattr(b, f)
-    ]
+def _mismatch(
+    a: dict[str, Any], b: dict[str, Any], names: tuple[str, ...], a_name: str, b_name: str
+) -> list[str]:
+    return [f"{f}: {a_name} {a[f]}, {b_name} {b[f]}" for f in names if a[f] != b[f]]
 
 
 @dataclass
@@ -258,24 +252,30 @@ def open_vae_checkpoint(path_or_id: str | Path, config: VAEConfig | None = None)
     view = KeyView(TensorSource(files), vae_layout.PREFIXES)
     keys = view.keys()
     layout = detect_vae_layout(keys)
-    cfg = infer_vae_config(layout, keys, view.shape)
-    stated = SHAPE_FIELDS  # what the checkpoint itself says
+    stated = infer_vae_shapes(layout, keys, view.shape)  # what the checkpoint itself says
+    cfg: VAEConfig | None = None
     folder_cfg = files[0].parent / "config.json"
     if layout == "diffusers" and folder_cfg.is_file():
         try:
             raw = json.loads(folder_cfg.read_text())
         except json.JSONDecodeError as e:
             raise WeightsError(f"{folder_cfg}: not valid JSON ({e})") from None
-        from_json = config_from_diffusers(raw, folder_cfg)
-        diffs = _mismatch(from_json, cfg, SHAPE_FIELDS, "config.json", "weights")
+        cfg = config_from_diffusers(raw, folder_cfg)
+        diffs = _mismatch(asdict(cfg), stated, SHAPE_FIELDS, "config.json", "weights")
         if diffs:
             raise WeightsError(f"{folder_cfg} does not match the weights: " + "; ".join(diffs))
-        cfg, stated = from_json, tuple(f.name for f in fields(VAEConfig))
+        stated = asdict(cfg)
     if config is not None:
-        diffs = _mismatch(cfg, config, stated, "checkpoint", "config")
+        diffs = _mismatch(stated, asdict(config), tuple(stated), "checkpoint", "config")
         if diffs:
             raise WeightsError("checkpoint does not match the given config: " + "; ".join(diffs))
         cfg = config
+    if cfg is None:
+        # a BFL file (or a bare diffusers file) states no groups or factors: BFL's code fixes them
+        try:
+            cfg = replace(FLUX1_VAE, **stated)
+        except ValueError as e:
+            raise WeightsError(f"{e}; pass config= with the checkpoint's norm_num_groups") from None
 
     with torch.device("meta"):
         model = Flux1VAE(cfg)

@@ -1,0 +1,143 @@
+"""Flux1VAE against diffusers' AutoencoderKL: torch.equal encode, sample, decode and tiled decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux_runtime import load_vae
+from flux_runtime.models.vae.flux1 import FLUX1_VAE, TINY_VAE, Flux1VAE, VAEConfig
+from flux_runtime.weights import vae_layout
+from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The same tiny VAE as a diffusers folder and as a BFL single file."""
+    root = tmp_path_factory.mktemp("vae")
+    model = make_diffusers_vae()
+    return {
+        "diffusers": save_diffusers_vae(model, root / "vae"),
+        "bfl": save_bfl_vae(model, root / "ae.safetensors"),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """diffusers' own model loaded from the folder, per dtype (as a pipeline with torch_dtype loads it)."""
+    from diffusers import AutoencoderKL
+
+    return {d: AutoencoderKL.from_pretrained(checkpoints["diffusers"], torch_dtype=d).eval() for d in DTYPES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["diffusers", "bfl"])
+@torch.no_grad()
+def test_encode_decode_equal_diffusers(checkpoints, reference, layout, dtype):
+    ours = load_vae(checkpoints[layout], dtype=dtype)
+    ref = reference[dtype]
+    x = make_image(2, 24, 40, dtype)  # non-square, batch of 2
+
+    z = ours.encode(x)
+    assert z.shape == (2, 16, 12, 20) and z.dtype == dtype
+    assert torch.equal(z, ref.encode(x).latent_dist.mode())
+
+    g_ours, g_ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    sampled = ours.encode(x, sample=True, generator=g_ours)
+    assert torch.equal(sampled, ref.encode(x).latent_dist.sample(g_ref))
+    assert not torch.equal(sampled, z)
+
+    image = ours.decode(z)
+    assert image.shape == (2, 3, 24, 40) and image.dtype == dtype
+    assert torch.equal(image, ref.decode(z).sample)
+
+
+@torch.no_grad()
+def test_tiled_decode_equals_diffusers_tiling(checkpoints, reference):
+    from diffusers import AutoencoderKL
+
+    ours = load_vae(checkpoints["diffusers"], dtype=torch.float32)
+    ref = AutoencoderKL.from_pretrained(checkpoints["diffusers"]).eval()
+    ref.enable_tiling()
+    tile = ref.tile_latent_min_size  # sample_size 32 // factor 2
+    assert tile == 16
+    z = torch.randn(1, 16, 30, 21, generator=torch.Generator().manual_seed(1))  # 3 x 2 overlapping tiles
+
+    tiled = ours.decode(z, tile=tile)
+    assert tiled.shape == (1, 3, 60, 42)
+    assert torch.equal(tiled, ref.decode(z).sample)
+    # documented: tiles see only themselves, so tiled decoding is not bit-identical to untiled
+    assert not torch.equal(tiled, ours.decode(z))
+    # a latent that fits in one tile is decoded in one pass
+    small = z[:, :, :16, :12]
+    assert torch.equal(ours.decode(small, tile=tile), ours.decode(small))
+
+
+def test_tile_must_be_a_multiple_of_four():
+    vae = load_vae("tiny", dtype=torch.float32)
+    with pytest.raises(ValueError, match="tile 10 must be a positive multiple of 4"):
+        vae.decode(torch.zeros(1, 16, 24, 24), tile=10)
+
+
+def test_latent_scaling_in_diffusers_order(reference):
+    """scale/unscale are the FLUX pipelines' expressions, bit for bit, with the config's factors."""
+    vae = load_vae("tiny", dtype=torch.float32)
+    cfg = reference[torch.float32].config
+    z = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(vae.scale_latents(z), (z - cfg.shift_factor) * cfg.scaling_factor)
+    assert torch.equal(vae.unscale_latents(z), (z / cfg.scaling_factor) + cfg.shift_factor)
+    torch.testing.assert_close(vae.unscale_latents(vae.scale_latents(z)), z)
+
+
+def test_inputs_are_checked_in_our_words():
+    vae = load_vae("tiny", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"image must be \(B, 3, H, W\), got \(1, 4, 8, 8\)"):
+        vae.encode(torch.zeros(1, 4, 8, 8))
+    with pytest.raises(ValueError, match="image size 9x8 is not divisible by the VAE's factor 2"):
+        vae.encode(torch.zeros(1, 3, 9, 8))
+    with pytest.raises(ValueError, match=r"image is torch\.bfloat16 but the VAE weights are torch\.float32"):
+        vae.encode(torch.zeros(1, 3, 8, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="only matters with sample=True"):
+        vae.encode(torch.zeros(1, 3, 8, 8), generator=torch.Generator())
+    with pytest.raises(ValueError, match=r"latent must be \(B, 16, h, w\), got \(1, 4, 8, 8\)"):
+        vae.decode(torch.zeros(1, 4, 8, 8))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block width 48 not divisible by norm_num_groups 32"):
+        VAEConfig(ch=48, ch_mult=(1, 2))
+    with pytest.raises(ValueError, match="num_res_blocks 0 must be positive"):
+        VAEConfig(num_res_blocks=0)
+    assert FLUX1_VAE.block_channels == (128, 256, 512, 512) and FLUX1_VAE.spatial_factor == 8
+    assert TINY_VAE.block_channels == (32, 32) and TINY_VAE.spatial_factor == 2
+    assert TINY_VAE.z_channels == 16  # the FLUX.1 DiT packs 16 channels 2x2 into 64
+
+
+def test_full_preset_matches_diffusers_flux1_vae_on_meta():
+    """FLUX.1's VAE built on meta: same parameter count as diffusers' and a one-to-one key map."""
+    from diffusers import AutoencoderKL
+
+    n = len(FLUX1_VAE.ch_mult)
+    with torch.device("meta"):
+        ours = Flux1VAE(FLUX1_VAE)
+        ref = AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * n,
+            up_block_types=("UpDecoderBlock2D",) * n,
+            block_out_channels=FLUX1_VAE.block_channels,
+            layers_per_block=2,
+            latent_channels=16,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in ref.parameters()) == 83_819_683
+    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+    table = list(vae_layout.rules(FLUX1_VAE.ch_mult, FLUX1_VAE.num_res_blocks))
+    assert sorted(r.bfl for r in table) == sorted(ours_sd)
+    assert sorted(r.diffusers for r in table) == sorted(ref_sd)
+    for r in table:
+        assert vae_layout.diffusers_shape(r, tuple(ours_sd[r.bfl].shape)) == tuple(
+            ref_sd[r.diffusers].shape
+        ), r

@@ -1,0 +1,213 @@
+"""load_vae: layouts, prefixes, config.json, the tiny preset, and errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flux_runtime import WeightsError, load_vae
+from flux_runtime.models.vae.flux1 import TINY_VAE, VAEConfig
+from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_diffusers_vae()
+
+
+@pytest.fixture
+def bfl_file(tmp_path, model):
+    return save_bfl_vae(model, tmp_path / "ae.safetensors")
+
+
+@pytest.fixture
+def folder(tmp_path, model):
+    return save_diffusers_vae(model, tmp_path / "vae")
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_layouts_roots_and_prefixes_load_the_same_weights(tmp_path, model, bfl_file, folder):
+    from_bfl = load_vae(bfl_file, dtype=torch.float32)
+    assert _same_weights(from_bfl, load_vae(folder, dtype=torch.float32))
+    # a pipeline root holding vae/
+    pipe = tmp_path / "pipe"
+    save_diffusers_vae(model, pipe / "vae")
+    (pipe / "model_index.json").write_text("{}")
+    assert _same_weights(from_bfl, load_vae(pipe, dtype=torch.float32))
+    # a BFL repo root holding ae.safetensors next to the transformer file
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    save_bfl_vae(model, repo / "ae.safetensors")
+    save_file({"img_in.weight": torch.zeros(2, 2)}, repo / "flux1-dev.safetensors")
+    assert _same_weights(from_bfl, load_vae(repo, dtype=torch.float32))
+    # an all-in-one file: the VAE under `vae.`, other components beside it
+    other = {"model.diffusion_model.img_in.weight": torch.zeros(2, 2)}
+    combined = save_bfl_vae(model, tmp_path / "all.safetensors", prefix="vae.", extra=other)
+    assert _same_weights(from_bfl, load_vae(combined, dtype=torch.float32))
+    cfg = from_bfl.config
+    assert (cfg.ch, cfg.ch_mult, cfg.num_res_blocks, cfg.z_channels) == (32, (1, 2), 1, 16)
+
+
+def test_sharded_diffusers_folder(tmp_path, model, bfl_file):
+    sharded = save_diffusers_vae(model, tmp_path / "sharded", max_shard_size="100KB")
+    assert (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert _same_weights(load_vae(sharded, dtype=torch.float32), load_vae(bfl_file, dtype=torch.float32))
+
+
+def test_streams_to_dtype_and_meta_free(folder):
+    vae = load_vae(folder, dtype=torch.bfloat16)
+    assert {p.dtype for p in vae.parameters()} == {torch.bfloat16}
+    assert not any(p.is_meta for p in vae.parameters())
+    assert not any(p.requires_grad for p in vae.parameters())
+    assert not vae.training
+
+
+@torch.no_grad()
+def test_config_json_decides_levels_groups_and_factors(tmp_path):
+    """Three levels (a 4x VAE), 8 groups, other factors: read from config.json, never assumed."""
+    from diffusers import AutoencoderKL
+
+    kw = dict(
+        block_out_channels=(16, 32, 32),
+        layers_per_block=2,
+        norm_num_groups=8,
+        scaling_factor=0.5,
+        shift_factor=-0.25,
+    )
+    folder = save_diffusers_vae(make_diffusers_vae(seed=3, **kw), tmp_path / "vae")
+    ours = load_vae(folder, dtype=torch.float32)
+    assert ours.config == VAEConfig(
+        ch=16, ch_mult=(1, 2, 2), num_res_blocks=2, norm_num_groups=8, scale_factor=0.5, shift_factor=-0.25
+    )
+    assert ours.config.spatial_factor == 4
+    ref = AutoencoderKL.from_pretrained(folder).eval()
+    x = make_image(1, 16, 24, torch.float32)
+    z = ours.encode(x)
+    assert z.shape == (1, 16, 4, 6)
+    assert torch.equal(z, ref.encode(x).latent_dist.mode())
+    assert torch.equal(ours.decode(z), ref.decode(z).sample)
+
+
+@torch.no_grad()
+def test_bfl_file_needs_config_for_what_it_cannot_state(tmp_path):
+    """A BFL file has no groups or factors: 32 groups do not divide 16 channels, so config= must say."""
+    from diffusers import AutoencoderKL
+
+    model = make_diffusers_vae(seed=4, block_out_channels=(16, 32), norm_num_groups=8)
+    path = save_bfl_vae(model, tmp_path / "ae.safetensors")
+    with pytest.raises(WeightsError, match="not divisible by norm_num_groups 32; pass config="):
+        load_vae(path)
+    cfg = replace(TINY_VAE, ch=16, ch_mult=(1, 2), norm_num_groups=8)
+    ours = load_vae(path, dtype=torch.float32, config=cfg)
+    ref = AutoencoderKL.from_pretrained(save_diffusers_vae(model, tmp_path / "vae")).eval()
+    x = make_image(1, 8, 12, torch.float32)
+    assert torch.equal(ours.encode(x), ref.encode(x).latent_dist.mode())
+    with pytest.raises(WeightsError, match=r"ch_mult: checkpoint \(1, 2\), config \(1, 1\)"):
+        load_vae(path, config=replace(cfg, ch_mult=(1, 1)))
+
+
+def test_given_config_must_agree_with_config_json(folder):
+    with pytest.raises(WeightsError, match=r"scale_factor: checkpoint 0\.3611, config 0\.5"):
+        load_vae(folder, config=VAEConfig(ch=32, ch_mult=(1, 2), num_res_blocks=1, scale_factor=0.5))
+
+
+def test_tiny_preset_is_deterministic():
+    a, b = load_vae("tiny", dtype=torch.float32), load_vae("tiny", dtype=torch.float32)
+    assert a.config == TINY_VAE
+    assert _same_weights(a, b)
+    with torch.no_grad():
+        image = a.decode(a.encode(make_image(1, 16, 24, torch.float32)))
+    assert image.shape == (1, 3, 16, 24) and torch.isfinite(image).all()
+
+
+def test_missing_key(tmp_path, bfl_file):
+    sd = load_file(bfl_file)
+    del sd["decoder.up.1.upsample.conv.bias"]
+    save_file(sd, tmp_path / "m.safetensors")
+    with pytest.raises(WeightsError, match=r"missing 1 key\(s\): decoder.up.1.upsample.conv.bias"):
+        load_vae(tmp_path / "m.safetensors")
+
+
+def test_unexpected_key(tmp_path, folder):
+    path = folder / "diffusion_pytorch_model.safetensors"
+    sd = load_file(path)
+    sd["decoder.up_blocks.0.attentions.0.to_q.weight"] = torch.zeros(2, 2)
+    save_file(sd, path)
+    with pytest.raises(
+        WeightsError, match=r"1 unexpected key\(s\): decoder.up_blocks.0.attentions.0.to_q.weight"
+    ):
+        load_vae(folder)
+
+
+def test_wrong_shape_names_key_and_both_shapes(tmp_path, folder, bfl_file):
+    sd = load_file(bfl_file)
+    sd["encoder.mid.attn_1.k.weight"] = torch.zeros(64, 64)  # a linear weight where BFL has a 1x1 conv
+    save_file(sd, tmp_path / "s.safetensors")
+    with pytest.raises(
+        WeightsError,
+        match=r"encoder.mid.attn_1.k.weight: expected shape \(64, 64, 1, 1\), checkpoint has \(64, 64\)",
+    ):
+        load_vae(tmp_path / "s.safetensors")
+
+    path = folder / "diffusion_pytorch_model.safetensors"
+    sd = load_file(path)
+    sd["decoder.mid_block.attentions.0.to_out.0.weight"] = torch.zeros(64, 64, 1, 1)
+    save_file(sd, path)
+    with pytest.raises(
+        WeightsError,
+        match=r"decoder.mid_block.attentions.0.to_out.0.weight: expected shape \(64, 64\), checkpoint has \(64, 64, 1, 1\)",
+    ):
+        load_vae(folder)
+
+
+def test_empty_and_foreign_files(tmp_path):
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(WeightsError, match="the file is empty"):
+        load_vae(tmp_path / "empty.safetensors")
+    save_file({"img_in.weight": torch.zeros(2, 2)}, tmp_path / "dit.safetensors")
+    with pytest.raises(WeightsError, match=r"not a FLUX\.1 VAE in BFL or diffusers form"):
+        load_vae(tmp_path / "dit.safetensors")
+    save_file(
+        {"bn.running_mean": torch.zeros(128), "encoder.conv_in.weight": torch.zeros(2, 3, 3, 3)},
+        tmp_path / "f2.safetensors",
+    )
+    with pytest.raises(WeightsError, match=r"it has bn\.running_mean .*only the FLUX\.1 autoencoder"):
+        load_vae(tmp_path / "f2.safetensors")
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(WeightsError, match="no VAE found"):
+        load_vae(tmp_path / "nothing")
+    with pytest.raises(WeightsError, match="unknown model id 'nobody/no-such-flux'"):
+        load_vae("nobody/no-such-flux")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            {"block_out_channels": [32, 32]},
+            r"does not match the weights: ch_mult: config.json \(1, 1\), weights \(1, 2\)",
+        ),
+        ({"use_quant_conv": True}, "use_quant_conv is True"),
+        ({"_class_name": "AutoencoderKLFlux2"}, "_class_name is 'AutoencoderKLFlux2'"),
+        ({"up_block_types": ["AttnUpDecoderBlock2D", "UpDecoderBlock2D"]}, "up_block_types is"),
+    ],
+)
+def test_config_json_is_checked(folder, edit, message):
+    cfg_path = folder / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **edit}))
+    with pytest.raises(WeightsError, match=message):
+        load_vae(folder)
+
+
+def test_invalid_config_json(folder):
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(WeightsError, match=r"config\.json: not valid JSON"):
+        load_vae(folder)

@@ -1,0 +1,70 @@
+"""Tiny random FLUX.1-style autoencoders written by diffusers, and their BFL single-file twins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flux_runtime.weights import vae_layout
+
+# Two levels (32, 64): a 2x autoencoder with a width change, so `nin_shortcut` appears in both halves.
+# 32 groups as BFL's code fixes them, FLUX.1's 16 latent channels and factors.
+TINY_VAE_KW = dict(
+    in_channels=3,
+    out_channels=3,
+    block_out_channels=(32, 64),
+    layers_per_block=1,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=32,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+
+
+def make_diffusers_vae(seed: int = 0, **overrides):
+    """A tiny `AutoencoderKL` with every parameter (GroupNorm weights and biases too) randomised."""
+    from diffusers import AutoencoderKL
+
+    n = len(overrides.get("block_out_channels", TINY_VAE_KW["block_out_channels"]))
+    types = dict(down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n)
+    kw = {**TINY_VAE_KW, **types, **overrides}
+    torch.manual_seed(seed)
+    model = AutoencoderKL(**kw)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def save_diffusers_vae(model, folder: Path, **kwargs) -> Path:
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return folder
+
+
+def bfl_state_dict(model) -> dict[str, torch.Tensor]:
+    """`model`'s weights under BFL's `ae.safetensors` names, built with our rule table."""
+    sd = model.state_dict()
+    cfg = model.config
+    widths = cfg.block_out_channels
+    ch_mult = tuple(w // widths[0] for w in widths)
+    table = vae_layout.rules(ch_mult, cfg.layers_per_block)
+    return {r.bfl: vae_layout.diffusers_to_bfl(r, sd[r.diffusers]).contiguous() for r in table}
+
+
+def save_bfl_vae(model, path: Path, prefix: str = "", extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `model`'s weights in the BFL single-file layout (optionally prefixed, with other keys)."""
+    out = {prefix + k: v for k, v in bfl_state_dict(model).items()}
+    save_file({**out, **(extra or {})}, str(path))
+    return path
+
+
+def make_image(batch: int, h: int, w: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A random image batch in about [-1, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(batch, 3, h, w, generator=gen) * 2 - 1).to(dtype)
