@@ -161,7 +161,7 @@ class Flux1TextEncoder:
         init_random(t5, seed + 1)
         clip.to(dtype=dtype)
         # As from_pretrained in float16 does, T5's `wo` layers (`_keep_in_fp32_modules`) stay in float32.
-        keep = set(t5._keep_in_fp32_modules) if dtype == torch.float16 else set()
+        keep = set(t5._keep_in_fp32_modules or ()) if dtype == torch.float16 else set()
         for name, param in t5.named_parameters():
             if keep.isdisjoint(name.split(".")):
                 param.data = param.data.to(dtype)
