@@ -59,6 +59,7 @@ def prepare_noise(
     device: torch.device | str = "cpu",
     seed: int | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    vae_scale_factor: int = VAE_SCALE_FACTOR,
 ) -> Tensor:
     """Initial noise `(batch, 16, h, w)` in `dtype` on `device` for a `height` x `width` image (pixels).
 
@@ -72,7 +73,7 @@ def prepare_noise(
     Returns the unpacked grid; `pack` turns it into tokens.
     """
     _check_positive_int("batch", batch)
-    h, w = latent_size(height, width)
+    h, w = latent_size(height, width, vae_scale_factor)
     if (seed is None) == (generator is None):
         raise ValueError("pass exactly one of seed or generator")
     if seed is not None:

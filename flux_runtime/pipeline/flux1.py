@@ -1,0 +1,409 @@
+"""`Pipeline`: FLUX.1 text to image with the same pixels as diffusers' FluxPipeline.
+
+Order of work, as FluxPipeline: encode the prompt (CLIP pooled + T5 states), draw noise with a CPU
+generator in the model dtype, pack it, build the schedule from the image token count, Euler-integrate
+the transformer's velocity, unpack, denormalise, decode, postprocess. Every input is checked before any
+model runs; RoPE tables are built once per image size and reused by every block of every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+import flux_runtime
+from flux_runtime.models.dit import Flux1Transformer
+from flux_runtime.models.vae.flux1 import Flux1VAE
+from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.sources import MODEL_IDS, Sources, find_sources, schedule_config
+from flux_runtime.pipeline.tiers import Tier, resolve_tier, tier_context
+from flux_runtime.sampling import (
+    ScheduleConfig,
+    denoise,
+    denormalize_latents,
+    get_schedule,
+    image_ids,
+    latent_size,
+    pack,
+    prepare_noise,
+    to_pil_images,
+    unpack,
+)
+from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
+from flux_runtime.weights import load_transformer
+from flux_runtime.weights.vae import load_vae
+
+__all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput"]
+
+log = logging.getLogger(__name__)
+
+OutputType = Literal["pil", "pt", "np", "latent"]
+Progress = Callable[[str, int, int], None]
+"""`progress(stage, done, total)` with stage "encode", "denoise" or "decode"."""
+
+
+@dataclass
+class PipelineOutput:
+    """`images`: PIL images, a float tensor (B, 3, H, W) in [0, 1], uint8 arrays, or packed latents.
+
+    `latents` are the final packed latents (B, L, 64) in the model dtype; `info` is the provenance
+    (prompt, seed, size, steps, guidance, model, quality tier actually used, versions).
+    """
+
+    images: Any
+    latents: Tensor
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Pipeline:
+    """FLUX.1 [dev] / [schnell] text-to-image. Build with `Pipeline.from_pretrained`."""
+
+    def __init__(
+        self,
+        transformer: Flux1Transformer,
+        vae: Flux1VAE,
+        text_encoder: Flux1TextEncoder,
+        *,
+        schedule: ScheduleConfig,
+        model_name: str = "custom",
+        weights_id: str = "",
+        quality: Tier = "lossless",
+        cuda_graphs: bool = True,
+        offload_text_encoders: bool = False,
+    ) -> None:
+        self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
+        self.schedule = schedule
+        self.model_name, self.weights_id = model_name, weights_id
+        self.quality: Tier = quality
+        self.cuda_graphs = cuda_graphs
+        self.offload_text_encoders = offload_text_encoders
+        self._graphed: dict[tuple, GraphedDenoiser] = {}
+        self._rope: dict[tuple, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | Path,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        quality: Tier = "lossless",
+        vae: str | Path | None = None,
+        text_encoder: str | Path | None = None,
+        text_encoder_2: str | Path | None = None,
+        cuda_graphs: bool = True,
+        offload_text_encoders: bool = False,
+    ) -> Pipeline:
+        """Open a FLUX.1 pipeline.
+
+        `path_or_id`: `tiny` (built in, random, offline), `flux1-dev` / `flux1-schnell` or any model id in
+        the local Hugging Face cache, a diffusers pipeline folder, or a BFL transformer file (then
+        `ae.safetensors` beside it, or `vae=`; CLIP-L and T5 from `text_encoder` / `text_encoder_2`, folders
+        or cached ids, default openai/clip-vit-large-patch14 and google/t5-v1_1-xxl).
+        `quality`: `lossless` (bit-identical to diffusers) or `high` (approximate fused kernels).
+        """
+        if quality not in ("lossless", "high"):
+            raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise FluxError(f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32")
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise FluxError("device 'cuda' asked for, but torch sees no CUDA GPU")
+        src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
+        transformer = load_transformer(src.transformer, device=device, dtype=dtype)
+        if transformer.config.family != "flux1":
+            raise FluxError(f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1")
+        vae_model = load_vae(src.vae, device=device, dtype=dtype)
+        text_device = "cpu" if offload_text_encoders else device
+        text = _open_text(src, text_device, dtype)
+        return cls(
+            transformer,
+            vae_model,
+            text,
+            schedule=schedule_config(src.scheduler_config, transformer.config.guidance_embed),
+            model_name=src.name,
+            weights_id=_weights_id(src),
+            quality=quality,
+            cuda_graphs=cuda_graphs,
+            offload_text_encoders=offload_text_encoders,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.img_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.img_in.weight.dtype
+
+    @property
+    def is_distilled(self) -> bool:
+        """schnell: no guidance embedding, guidance is ignored."""
+        return not self.transformer.config.guidance_embed
+
+    @property
+    def default_steps(self) -> int:
+        return 4 if self.is_distilled else 28
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        *,
+        height: int = 1024,
+        width: int = 1024,
+        num_steps: int | None = None,
+        guidance: float | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        num_images_per_prompt: int = 1,
+        output_type: OutputType = "pil",
+        prompt_embeds: Tensor | None = None,
+        pooled_prompt_embeds: Tensor | None = None,
+        quality: Tier | None = None,
+        progress: Progress | None = None,
+    ) -> PipelineOutput:
+        """Generate images. Arguments as diffusers' FluxPipeline where they overlap.
+
+        `num_steps` default 28 (dev) / 4 (schnell); `guidance` default 3.5 (dev), ignored with a warning
+        on schnell. Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (B, L, 4096) with
+        `pooled_prompt_embeds` (B, 768) may replace `prompt`.
+        """
+        quality = quality or self.quality
+        steps, g = self._check_call(
+            prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
+            num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, quality,
+        )
+        if seed is None and generator is None:
+            seed = 0
+        tier = resolve_tier(quality, self.device, self.dtype)
+        try:
+            return self._generate(
+                prompt, height, width, steps, g, seed, generator, max_sequence_length,
+                num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, tier, progress,
+            )
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise FluxError(
+                f"out of GPU memory generating {num_images_per_prompt} image(s) of {width}x{height}: try a smaller "
+                "size or batch, offload the text encoders (offload_text_encoders=True / --offload-text-encoders)"
+            ) from None
+
+    def _check_call(
+        self, prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
+        num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, quality,
+    ) -> tuple[int, float | None]:
+        if prompt_embeds is None:
+            prompts = [prompt] if isinstance(prompt, str) else prompt
+            if not prompts or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+                raise FluxError("prompt must be a non-empty string or a list of strings")
+            if any(not p.strip() for p in prompts):
+                raise FluxError("prompt is empty")
+        else:
+            if prompt is not None:
+                raise FluxError("pass either prompt or prompt_embeds, not both")
+            if pooled_prompt_embeds is None:
+                raise FluxError("prompt_embeds needs pooled_prompt_embeds too")
+            cfg = self.transformer.config
+            if prompt_embeds.ndim != 3 or prompt_embeds.shape[-1] != cfg.context_in_dim:
+                raise FluxError(f"prompt_embeds must be (B, L, {cfg.context_in_dim}), got {tuple(prompt_embeds.shape)}")
+            if pooled_prompt_embeds.shape != (prompt_embeds.shape[0], cfg.vec_in_dim):
+                raise FluxError(
+                    f"pooled_prompt_embeds must be ({prompt_embeds.shape[0]}, {cfg.vec_in_dim}), "
+                    f"got {tuple(pooled_prompt_embeds.shape)}"
+                )
+        f = self.vae.config.spatial_factor
+        for name, v in (("height", height), ("width", width)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise FluxError(f"{name} {v!r} must be a positive integer")
+            if v % (2 * f):
+                raise FluxError(f"{name} {v} is not divisible by {2 * f}")
+        steps = self.default_steps if num_steps is None else num_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise FluxError(f"num_steps {num_steps!r} must be an integer >= 1")
+        if self.is_distilled:
+            if guidance is not None:
+                warnings.warn(f"{self.model_name} is guidance-distilled (schnell): guidance {guidance} is ignored", stacklevel=3)
+            g = None
+        else:
+            g = 3.5 if guidance is None else guidance
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
+                raise FluxError(f"guidance {guidance!r} must be a number >= 0")
+        if seed is not None and generator is not None:
+            raise FluxError("pass either seed or generator, not both")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+            raise FluxError(f"seed {seed!r} must be an integer in [0, 2**64)")
+        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
+            raise FluxError(f"max_sequence_length {max_sequence_length!r} must be in 1..{MAX_SEQUENCE_LENGTH}")
+        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise FluxError(f"num_images_per_prompt {num_images_per_prompt!r} must be an integer >= 1")
+        if output_type not in ("pil", "pt", "np", "latent"):
+            raise FluxError(f"unknown output_type {output_type!r}: choose pil, pt, np or latent")
+        if quality not in ("lossless", "high"):
+            raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
+        return steps, g
+
+    def encode_prompt(
+        self, prompt: str | list[str], *, max_sequence_length: int = MAX_SEQUENCE_LENGTH, num_images_per_prompt: int = 1
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`(prompt_embeds (B, L, 4096), pooled (B, 768), text_ids (L, 3))` on the pipeline's device."""
+        te = self.text_encoder
+        if self.offload_text_encoders:
+            te.to(self.device)
+        try:
+            out = te.encode(
+                prompt, max_sequence_length=max_sequence_length, num_images_per_prompt=num_images_per_prompt,
+                device=self.device,
+            )
+        finally:
+            if self.offload_text_encoders:
+                te.offload()
+        return out.prompt_embeds, out.pooled_prompt_embeds, out.text_ids
+
+    def _generate(
+        self, prompt, height, width, steps, guidance, seed, generator, max_sequence_length,
+        num_images_per_prompt, output_type, prompt_embeds, pooled, tier, progress,
+    ) -> PipelineOutput:
+        device = self.device
+        report = progress or (lambda stage, done, total: None)
+
+        # text
+        report("encode", 0, 1)
+        if prompt_embeds is None:
+            prompt_embeds, pooled, text_ids = self.encode_prompt(
+                prompt, max_sequence_length=max_sequence_length, num_images_per_prompt=num_images_per_prompt
+            )
+        else:
+            prompt_embeds = prompt_embeds.to(device=device).repeat_interleave(num_images_per_prompt, dim=0)
+            pooled = pooled.to(device=device).repeat_interleave(num_images_per_prompt, dim=0)
+            text_ids = torch.zeros(prompt_embeds.shape[1], 3).to(device=device, dtype=prompt_embeds.dtype)
+        report("encode", 1, 1)
+        batch = prompt_embeds.shape[0]
+
+        # latents: noise in the text dtype (as FluxPipeline), packed to tokens
+        f = self.vae.config.spatial_factor
+        h, w = latent_size(height, width, f)
+        noise = prepare_noise(
+            batch, height, width, dtype=prompt_embeds.dtype, device=device, seed=seed, generator=generator,
+            vae_scale_factor=f,
+        )
+        latents = pack(noise)
+        img_ids = image_ids(h, w, dtype=prompt_embeds.dtype, device=device)
+        sched = get_schedule(steps, latents.shape[1], config=self.schedule, device=device)
+        g = None if guidance is None else torch.full([1], guidance, device=device, dtype=torch.float32).expand(batch)
+
+        # RoPE tables once per image size, shared by every block and step
+        pe_key = (h, w, text_ids.shape[0], device)
+        if pe_key not in self._rope:
+            self._rope[pe_key] = (img_ids, text_ids, self.transformer.rope(text_ids, img_ids))
+        img_ids, text_ids, pe = self._rope[pe_key]
+        model = self.transformer
+
+        def velocity(x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor, y: Tensor) -> Tensor:
+            with tier_context(tier):
+                return model(x, img_ids, txt, text_ids, t, y, gd, pe=pe)
+
+        use_graphs = self.cuda_graphs and device.type == "cuda"
+        if use_graphs:
+            graphed = self._graphed.setdefault((pe_key, tier), GraphedDenoiser(velocity))
+
+            def model_fn(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
+                return graphed(x, t, gd, prompt_embeds, pooled)
+        else:
+
+            def model_fn(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
+                return velocity(x, t, gd, prompt_embeds, pooled)
+
+        report("denoise", 0, steps)
+        latents = denoise(
+            model_fn, latents, sched.sigmas, sched.timesteps, guidance=g,
+            callback=lambda i, t, x: report("denoise", i + 1, steps),
+        )
+
+        info = self._provenance(prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs)
+        if output_type == "latent":
+            return PipelineOutput(latents, latents, info)
+
+        # decode: unpack, denormalise in the latent dtype, VAE
+        report("decode", 0, 1)
+        z = denormalize_latents(unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor)
+        decoded = self.vae.decode(z)
+        report("decode", 1, 1)
+        if output_type == "pil":
+            images: Any = to_pil_images(decoded)
+        elif output_type == "np":
+            from flux_runtime.sampling import to_uint8_images
+
+            images = to_uint8_images(decoded)
+        else:
+            images = (decoded * 0.5 + 0.5).clamp(0, 1)
+        return PipelineOutput(images, latents, info)
+
+    def _provenance(self, prompt, seed, height, width, steps, guidance, max_len, tier, graphs) -> dict[str, Any]:
+        return {
+            "prompt": prompt,
+            "seed": seed,
+            "height": height,
+            "width": width,
+            "num_steps": steps,
+            "guidance": guidance,
+            "max_sequence_length": max_len,
+            "model": self.model_name,
+            "weights": self.weights_id,
+            "quality": tier,
+            "cuda_graphs": graphs,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or "cpu",
+            "flux_runtime": flux_runtime.__version__,
+            "torch": torch.__version__,
+        }
+
+
+def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:
+    if src.name == "tiny":
+        return Flux1TextEncoder.tiny(device=device, dtype=dtype)
+    if src.text is not None:
+        return Flux1TextEncoder.from_pretrained(src.text, device=device, dtype=dtype)
+    return Flux1TextEncoder.from_components(src.clip, src.t5, device=device, dtype=dtype)
+
+
+def _weights_id(src: Sources) -> str:
+    """A short fingerprint of the transformer weights: sha256 over file names, sizes and headers."""
+    if src.name == "tiny":
+        return "tiny-seed0"
+    root = Path(src.transformer)
+    files = sorted(root.rglob("*.safetensors")) if root.is_dir() else [root]
+    digest = hashlib.sha256()
+    for f in files[:64]:
+        digest.update(f.name.encode())
+        digest.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(1 << 16))
+    return digest.hexdigest()[:16]
+
+
+def save_png(image: Image.Image, path: Path, info: dict[str, Any]) -> None:
+    """Write `image` with the provenance in PNG text chunks (`flux_runtime` JSON + a readable summary)."""
+    import json
+
+    from PIL.PngImagePlugin import PngInfo
+
+    meta = PngInfo()
+    meta.add_text("flux_runtime", json.dumps(info, default=str))
+    meta.add_text("Description", str(info.get("prompt", "")))
+    meta.add_text("Software", f"flux-runtime {flux_runtime.__version__}")
+    image.save(path, pnginfo=meta)

@@ -1,0 +1,98 @@
+"""Where a pipeline's parts come from: a preset name, a diffusers folder or cached id, or a BFL file set."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, FLUX1_SCHNELL_SCHEDULE, ScheduleConfig
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.hub import resolve
+
+log = logging.getLogger(__name__)
+
+# Names `flux-gen --model` and `Pipeline.from_pretrained` accept besides paths and other cached ids.
+MODEL_IDS: dict[str, str] = {
+    "tiny": "tiny",
+    "flux1-dev": "black-forest-labs/FLUX.1-dev",
+    "flux1-schnell": "black-forest-labs/FLUX.1-schnell",
+}
+CLIP_L_ID = "openai/clip-vit-large-patch14"
+T5_XXL_ID = "google/t5-v1_1-xxl"
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Resolved locations of the four parts (None: built in / random)."""
+
+    name: str
+    transformer: str | Path
+    vae: str | Path
+    text: Path | None  # a diffusers root holding text_encoder/, tokenizer/, ...
+    clip: str | Path | None  # separate CLIP-L folder or id (BFL file sets)
+    t5: str | Path | None
+    scheduler_config: dict | None
+
+
+def find_sources(
+    path_or_id: str | Path,
+    *,
+    vae: str | Path | None = None,
+    text_encoder: str | Path | None = None,
+    text_encoder_2: str | Path | None = None,
+) -> Sources:
+    """Work out where each part lives. A BFL transformer file takes `ae.safetensors` beside it by default."""
+    name = MODEL_IDS.get(str(path_or_id), str(path_or_id))
+    if name == "tiny" and not Path(name).exists():
+        return Sources("tiny", "tiny", vae or "tiny", None, None, None, None)
+    root = resolve(name)
+    if root.is_file():
+        ae = vae or root.parent / "ae.safetensors"
+        if not Path(ae).exists() and vae is None:
+            raise WeightsError(f"{root} is a transformer file; no ae.safetensors beside it: pass vae=<path>")
+        return Sources(name, root, ae, None, text_encoder or CLIP_L_ID, text_encoder_2 or T5_XXL_ID, None)
+    if (root / "text_encoder").is_dir() and text_encoder is None and text_encoder_2 is None:
+        text, clip, t5 = root, None, None
+    else:
+        text, clip, t5 = None, text_encoder or CLIP_L_ID, text_encoder_2 or T5_XXL_ID
+    if vae is None:
+        vae = root / "vae" if (root / "vae").is_dir() else root / "ae.safetensors"
+        if not Path(vae).exists():
+            raise WeightsError(f"{root} has neither vae/ nor ae.safetensors: pass vae=<path>")
+    return Sources(name, root, vae, text, clip, t5, _scheduler_config(root))
+
+
+def _scheduler_config(root: Path) -> dict | None:
+    path = root / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+
+
+def schedule_config(scheduler: dict | None, guidance_embed: bool) -> ScheduleConfig:
+    """The folder's FlowMatchEulerDiscreteScheduler settings, or the dev / schnell preset."""
+    if scheduler is None:
+        return FLUX1_DEV_SCHEDULE if guidance_embed else FLUX1_SCHNELL_SCHEDULE
+    unsupported = [
+        k
+        for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling")
+        if scheduler.get(k)
+    ]
+    if scheduler.get("shift_terminal") or scheduler.get("time_shift_type", "exponential") != "exponential":
+        unsupported.append("shift_terminal/time_shift_type")
+    if unsupported:
+        raise WeightsError(f"scheduler_config.json asks for {', '.join(unsupported)}, which FLUX sampling does not use")
+    return ScheduleConfig(
+        num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)),
+        shift=float(scheduler.get("shift", 1.0)),
+        mu_rule="linear" if scheduler.get("use_dynamic_shifting") else None,
+        base_image_seq_len=int(scheduler.get("base_image_seq_len", 256)),
+        max_image_seq_len=int(scheduler.get("max_image_seq_len", 4096)),
+        base_shift=float(scheduler.get("base_shift", 0.5)),
+        max_shift=float(scheduler.get("max_shift", 1.15)),
+    )
