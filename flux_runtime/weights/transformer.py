@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer
+from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux1_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
@@ -170,15 +170,23 @@ def load_transformer(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     config: DiTConfig | None = None,
-) -> Flux1Transformer:
-    """Load a FLUX.1 transformer, ready for inference (eval mode, no grads).
+) -> Flux1Transformer | Flux2Transformer:
+    """Load a FLUX.1 or FLUX.2 transformer, ready for inference (eval mode, no grads).
 
     `path_or_id`: a BFL single file (`flux1-dev.safetensors`, optionally with the
     `model.diffusion_model.` prefix), a diffusers `transformer/` folder or pipeline root (sharded or
     not), a Hugging Face model id in the local cache, or a built-in random preset (`tiny`).
     `config` is optional; when given it must agree with the checkpoint.
+    FLUX.2 checkpoints (and `tiny-flux2`) load through `load_flux2_transformer`; `.config.family` says which.
     """
     device = torch.device(device)
+    # FLUX.2 detect step: told apart by its keys. Its loader builds on this module's helpers, so it is
+    # imported here (a top-level import would be circular).
+    from flux_runtime.weights import flux2_transformer
+
+    if flux2_transformer.is_flux2(path_or_id):
+        return flux2_transformer.load_flux2_transformer(path_or_id, device=device, dtype=dtype, config=config)
+
     if str(path_or_id) in BUILTIN and not Path(path_or_id).exists():
         cfg = config or PRESETS[str(path_or_id)]
         with torch.device("meta"):

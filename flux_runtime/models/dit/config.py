@@ -43,6 +43,12 @@ class DiTConfig:
             raise ValueError(f"depth {self.depth} and depth_single_blocks {self.depth_single_blocks} must be >= 0")
         if self.mlp_hidden_dim <= 0:
             raise ValueError(f"mlp_ratio {self.mlp_ratio} gives an empty MLP")
+        if self.family == "flux2" and (self.qkv_bias or self.vec_in_dim):
+            # FLUX.2 has no Linear biases and no pooled text vector; a config claiming either is wrong.
+            raise ValueError(
+                f"flux2 has no biases and no pooled vector: qkv_bias {self.qkv_bias} must be False, "
+                f"vec_in_dim {self.vec_in_dim} must be 0"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -68,8 +74,60 @@ TINY = replace(
     axes_dim=(8, 12, 12),
 )
 
+# FLUX.2 (shared/reference/flux2.md §1): 128 latent channels (32 VAE channels patchified 2x2), text width
+# 3 x the text encoder's hidden size (three stacked layers: Mistral 5120 for dev, Qwen3 2560 / 4096 for klein).
+FLUX2_DEV = DiTConfig(
+    family="flux2",
+    in_channels=128,
+    out_channels=128,
+    vec_in_dim=0,
+    context_in_dim=15360,
+    hidden_size=6144,
+    mlp_ratio=3.0,
+    num_heads=48,
+    depth=8,
+    depth_single_blocks=48,
+    axes_dim=(32, 32, 32, 32),
+    theta=2000,
+    qkv_bias=False,
+    guidance_embed=True,
+)
+FLUX2_KLEIN_4B = replace(
+    FLUX2_DEV,
+    context_in_dim=7680,
+    hidden_size=3072,
+    num_heads=24,
+    depth=5,
+    depth_single_blocks=20,
+    guidance_embed=False,
+)
+FLUX2_KLEIN_9B = replace(
+    FLUX2_DEV,
+    context_in_dim=12288,
+    hidden_size=4096,
+    num_heads=32,
+    depth=8,
+    depth_single_blocks=24,
+    guidance_embed=False,
+)
+# The FLUX.2 [klein] architecture shrunk for tests and the offline demo: real latent width (128),
+# text width 96 (three layers of a 32-wide tiny text encoder), 2 heads of 32.
+TINY_FLUX2 = replace(
+    FLUX2_KLEIN_4B,
+    context_in_dim=96,
+    hidden_size=64,
+    num_heads=2,
+    depth=2,
+    depth_single_blocks=2,
+    axes_dim=(8, 8, 8, 8),
+)
+
 PRESETS: dict[str, DiTConfig] = {
     "flux1-dev": FLUX1_DEV,
     "flux1-schnell": FLUX1_SCHNELL,
     "tiny": TINY,
+    "flux2-dev": FLUX2_DEV,
+    "flux2-klein-4b": FLUX2_KLEIN_4B,
+    "flux2-klein-9b": FLUX2_KLEIN_9B,
+    "tiny-flux2": TINY_FLUX2,
 }

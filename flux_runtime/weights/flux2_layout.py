@@ -1,0 +1,153 @@
+"""The FLUX.2 transformer's diffusers layout, expressed against BFL's flux2 keys (our module names).
+
+One table of `{i}` templates: each BFL key and the diffusers keys it is made of (shared/reference/
+flux2.md §4.3). FLUX.2 has no biases, so every rule is one `.weight` (or QK-norm `.scale`). Only two
+rules change a tensor; every other rule is a rename:
+- double blocks: BFL fuses `qkv` per stream, diffusers keeps `to_q/to_k/to_v` (image) and
+  `add_q_proj/add_k_proj/add_v_proj` (text) apart: concatenate along the output dim (rows [q; k; v]);
+- final adaLN: BFL stores `(shift, scale)`, diffusers `(scale, shift)`: swap the two row halves.
+Single blocks are fused in both layouts (`linear1` = `to_qkv_mlp_proj`, rows [q; k; v; gate; up];
+`linear2` = `to_out`, columns [attn; mlp]), and the SwiGLU `[gate | up]` order is the same in both.
+Both directions are pure and lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.flux1_layout import BFL_PREFIXES, Rule, count_blocks
+
+GLOBAL_RULES: list[Rule] = [
+    Rule("img_in.weight", ("x_embedder.weight",)),
+    Rule("txt_in.weight", ("context_embedder.weight",)),
+    Rule("time_in.in_layer.weight", ("time_guidance_embed.timestep_embedder.linear_1.weight",)),
+    Rule("time_in.out_layer.weight", ("time_guidance_embed.timestep_embedder.linear_2.weight",)),
+    Rule("double_stream_modulation_img.lin.weight", ("double_stream_modulation_img.linear.weight",)),
+    Rule("double_stream_modulation_txt.lin.weight", ("double_stream_modulation_txt.linear.weight",)),
+    Rule("single_stream_modulation.lin.weight", ("single_stream_modulation.linear.weight",)),
+    Rule("final_layer.linear.weight", ("proj_out.weight",)),
+    Rule("final_layer.adaLN_modulation.1.weight", ("norm_out.linear.weight",), swap_halves=True),
+]
+GUIDANCE_RULES: list[Rule] = [  # [dev] only; [klein] has no guidance embedder
+    Rule("guidance_in.in_layer.weight", ("time_guidance_embed.guidance_embedder.linear_1.weight",)),
+    Rule("guidance_in.out_layer.weight", ("time_guidance_embed.guidance_embedder.linear_2.weight",)),
+]
+_D = "transformer_blocks.{i}"
+DOUBLE_RULES: list[Rule] = [
+    Rule(
+        "double_blocks.{i}.img_attn.qkv.weight",
+        (f"{_D}.attn.to_q.weight", f"{_D}.attn.to_k.weight", f"{_D}.attn.to_v.weight"),
+    ),
+    Rule(
+        "double_blocks.{i}.txt_attn.qkv.weight",
+        (f"{_D}.attn.add_q_proj.weight", f"{_D}.attn.add_k_proj.weight", f"{_D}.attn.add_v_proj.weight"),
+    ),
+    Rule("double_blocks.{i}.img_attn.norm.query_norm.scale", (f"{_D}.attn.norm_q.weight",)),
+    Rule("double_blocks.{i}.img_attn.norm.key_norm.scale", (f"{_D}.attn.norm_k.weight",)),
+    Rule("double_blocks.{i}.txt_attn.norm.query_norm.scale", (f"{_D}.attn.norm_added_q.weight",)),
+    Rule("double_blocks.{i}.txt_attn.norm.key_norm.scale", (f"{_D}.attn.norm_added_k.weight",)),
+    Rule("double_blocks.{i}.img_attn.proj.weight", (f"{_D}.attn.to_out.0.weight",)),
+    Rule("double_blocks.{i}.txt_attn.proj.weight", (f"{_D}.attn.to_add_out.weight",)),
+    Rule("double_blocks.{i}.img_mlp.0.weight", (f"{_D}.ff.linear_in.weight",)),
+    Rule("double_blocks.{i}.img_mlp.2.weight", (f"{_D}.ff.linear_out.weight",)),
+    Rule("double_blocks.{i}.txt_mlp.0.weight", (f"{_D}.ff_context.linear_in.weight",)),
+    Rule("double_blocks.{i}.txt_mlp.2.weight", (f"{_D}.ff_context.linear_out.weight",)),
+]
+_S = "single_transformer_blocks.{i}"
+SINGLE_RULES: list[Rule] = [
+    Rule("single_blocks.{i}.linear1.weight", (f"{_S}.attn.to_qkv_mlp_proj.weight",)),
+    Rule("single_blocks.{i}.linear2.weight", (f"{_S}.attn.to_out.weight",)),
+    Rule("single_blocks.{i}.norm.query_norm.scale", (f"{_S}.attn.norm_q.weight",)),
+    Rule("single_blocks.{i}.norm.key_norm.scale", (f"{_S}.attn.norm_k.weight",)),
+]
+
+# Keys that exist in exactly one layout (after stripping a BFL prefix), whatever the depth.
+_FLUX2_MARKS = ("double_stream_modulation_img.", "double_stream_modulation_txt.", "single_stream_modulation.")
+_BFL_ONLY = (
+    *(f"{m}lin." for m in _FLUX2_MARKS),
+    *("img_in.", "txt_in.", "time_in.", "guidance_in.", "final_layer.", "double_blocks.", "single_blocks."),
+)
+_DIFFUSERS_ONLY = (
+    *(f"{m}linear." for m in _FLUX2_MARKS),
+    *("x_embedder.", "context_embedder.", "time_guidance_embed.", "norm_out.", "proj_out."),
+    *("transformer_blocks.", "single_transformer_blocks."),
+)
+
+
+def strip_prefix(key: str) -> str:
+    """`key` without a ComfyUI-style `model.diffusion_model.` / `diffusion_model.` prefix."""
+    for p in BFL_PREFIXES:
+        if key.startswith(p):
+            return key[len(p) :]
+    return key
+
+
+def is_flux2(keys: Iterable[str]) -> bool:
+    """True when the keys hold FLUX.2's shared modulation (either layout); FLUX.1 has none."""
+    return any(strip_prefix(k).startswith(_FLUX2_MARKS) for k in keys)
+
+
+def detect_layout(keys: Iterable[str]) -> str:
+    """'bfl' or 'diffusers' for a FLUX.2 key set; a file holding names of both is refused."""
+    stripped = [strip_prefix(k) for k in keys]
+    bfl = sorted(k for k in stripped if k.startswith(_BFL_ONLY))
+    diffusers = sorted(k for k in stripped if k.startswith(_DIFFUSERS_ONLY))
+    if bfl and diffusers:
+        raise WeightsError(
+            f"FLUX.2 checkpoint mixes BFL keys ({bfl[0]}, ...) and diffusers keys ({diffusers[0]}, ...)"
+        )
+    return "bfl" if bfl else "diffusers"
+
+
+def rules(depth: int, depth_single: int, guidance: bool) -> Iterator[Rule]:
+    """All rules for a model of this depth, with `{i}` filled in."""
+    yield from GLOBAL_RULES
+    if guidance:
+        yield from GUIDANCE_RULES
+    for template, n in ((DOUBLE_RULES, depth), (SINGLE_RULES, depth_single)):
+        for i in range(n):
+            for r in template:
+                yield Rule(r.bfl.format(i=i), tuple(d.format(i=i) for d in r.diffusers), r.swap_halves)
+
+
+def _swap(t: Tensor) -> Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a], dim=0)
+
+
+def diffusers_to_bfl(rule: Rule, get: Callable[[str], Tensor]) -> Tensor:
+    """Build the BFL tensor of `rule` from diffusers tensors read through `get`.
+
+    A rename returns the tensor itself (no copy); fusing and swapping make a new one.
+    """
+    parts = [get(k) for k in rule.diffusers]
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [q; k; v] rows
+    return _swap(t) if rule.swap_halves else t
+
+
+def bfl_to_diffusers(rule: Rule, t: Tensor) -> dict[str, Tensor]:
+    """Split the BFL tensor of `rule` into its diffusers tensors (q, k, v are equal row blocks)."""
+    if rule.swap_halves:
+        t = _swap(t)
+    if len(rule.diffusers) == 1:
+        return {rule.diffusers[0]: t}
+    parts = t.chunk(len(rule.diffusers), dim=0)
+    return {k: p.contiguous() for k, p in zip(rule.diffusers, parts, strict=True)}
+
+
+def diffusers_depths(keys: Iterable[str]) -> tuple[int, int, bool]:
+    """(double blocks, single blocks, guidance embedder present) of a diffusers-layout key set."""
+    keys = list(keys)
+    guidance = any(k.startswith("time_guidance_embed.guidance_embedder.") for k in keys)
+    return count_blocks(keys, "transformer_blocks"), count_blocks(keys, "single_transformer_blocks"), guidance
+
+
+def bfl_depths(keys: Iterable[str]) -> tuple[int, int, bool]:
+    """(double blocks, single blocks, guidance embedder present) of a BFL-layout key set (prefix stripped)."""
+    keys = list(keys)
+    guidance = any(k.startswith("guidance_in.") for k in keys)
+    return count_blocks(keys, "double_blocks"), count_blocks(keys, "single_blocks"), guidance

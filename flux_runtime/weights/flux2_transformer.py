@@ -1,0 +1,188 @@
+"""`load_flux2_transformer`: a FLUX.2 DiT from a BFL file, a diffusers folder, or a cached model id.
+
+The FLUX.1 loader's steps and helpers (weights/transformer.py), with FLUX.2's key table: the
+layout is read from the keys, the shape from the tensors (plus `config.json` for the RoPE axes when
+there is one), the model is built on the meta device and each tensor is streamed straight to the
+target device and dtype. Missing, unexpected and misshapen keys are named. `load_transformer`
+dispatches here when the keys are FLUX.2's, so callers need only that one entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
+from flux_runtime.weights import flux2_layout
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.random_init import init_random
+from flux_runtime.weights.safetensors_io import TensorSource
+from flux_runtime.weights.transformer import (
+    BUILTIN,
+    _BflView,
+    _check_config,
+    _check_keys,
+    _folder_config,
+    _need,
+    _raise_key_errors,
+    find_transformer_files,
+)
+
+log = logging.getLogger(__name__)
+
+# Random-weight FLUX.2 presets that need no checkpoint (the offline demo and tests), name → seed.
+BUILTIN_FLUX2 = {"tiny-flux2": 0}
+
+ShapeOf = Callable[[str], tuple[int, ...]]
+
+
+def _builtin(path_or_id: str | Path) -> bool:
+    return str(path_or_id) in BUILTIN_FLUX2 and not Path(path_or_id).exists()
+
+
+def is_flux2(path_or_id: str | Path) -> bool:
+    """True for `tiny-flux2` and for checkpoints whose keys are FLUX.2's; False for FLUX.1 ones.
+
+    Reads only the safetensors headers. Raises the loader's `WeightsError` for a path or id that
+    does not resolve to readable safetensors files.
+    """
+    if _builtin(path_or_id):
+        return True
+    if str(path_or_id) in BUILTIN and not Path(path_or_id).exists():
+        return False
+    return flux2_layout.is_flux2(TensorSource(find_transformer_files(resolve(path_or_id))).keys())
+
+
+def infer_config(shape_of: ShapeOf, depths: tuple[int, int, bool], folder_config: dict | None) -> DiTConfig:
+    """Read widths, heads and channels from the checkpoint itself, through BFL key names.
+
+    `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta come
+    from a diffusers `config.json` when there is one, else from the FLUX.2 preset of this head width.
+    """
+    depth, depth_single, guidance = depths
+    hidden, in_ch = _need(shape_of, "img_in.weight", "hidden size")
+    if depth:
+        head_dim = _need(shape_of, "double_blocks.0.img_attn.norm.query_norm.scale", "head dim")[0]
+        mlp_hidden = _need(shape_of, "double_blocks.0.img_mlp.2.weight", "MLP width")[1]
+    elif depth_single:
+        head_dim = _need(shape_of, "single_blocks.0.norm.query_norm.scale", "head dim")[0]
+        mlp_hidden = _need(shape_of, "single_blocks.0.linear2.weight", "MLP width")[1] - hidden
+    else:
+        raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
+    if hidden % head_dim:
+        raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
+    axes_dim, theta = _rope(head_dim, folder_config)
+    cfg = DiTConfig(
+        family="flux2",
+        in_channels=in_ch,
+        out_channels=_need(shape_of, "final_layer.linear.weight", "output channels")[0],
+        vec_in_dim=0,
+        context_in_dim=_need(shape_of, "txt_in.weight", "text width")[1],
+        hidden_size=hidden,
+        mlp_ratio=mlp_hidden / hidden,
+        num_heads=hidden // head_dim,
+        depth=depth,
+        depth_single_blocks=depth_single,
+        axes_dim=axes_dim,
+        theta=theta,
+        qkv_bias=False,
+        guidance_embed=guidance,
+    )
+    if cfg.mlp_hidden_dim != mlp_hidden:
+        raise WeightsError(
+            f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"
+        )
+    return cfg
+
+
+def _rope(head_dim: int, folder_config: dict | None) -> tuple[tuple[int, ...], int]:
+    if folder_config and "axes_dims_rope" in folder_config:
+        return tuple(folder_config["axes_dims_rope"]), int(folder_config.get("rope_theta", 2000))
+    for preset in PRESETS.values():
+        if preset.family == "flux2" and preset.head_dim == head_dim:
+            return preset.axes_dim, preset.theta
+    raise WeightsError(f"cannot tell the RoPE axes for head dim {head_dim}; pass config= with axes_dim")
+
+
+def load_flux2_transformer(
+    path_or_id: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    config: DiTConfig | None = None,
+) -> Flux2Transformer:
+    """Load a FLUX.2 [dev] / [klein] transformer, ready for inference (eval mode, no grads).
+
+    `path_or_id`: a BFL single file (`flux2-dev.safetensors`, optionally `model.diffusion_model.`
+    prefixed), a diffusers `transformer/` folder or pipeline root (sharded or not), a Hugging Face
+    model id in the local cache, or the built-in random preset `tiny-flux2`. `config` is optional;
+    when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used).
+    """
+    device = torch.device(device)
+    if _builtin(path_or_id):
+        with torch.device("meta"):
+            model = Flux2Transformer(config or PRESETS[str(path_or_id)])
+        return init_random(model, BUILTIN_FLUX2[str(path_or_id)], device, dtype).eval()
+
+    files = find_transformer_files(resolve(path_or_id))
+    src = TensorSource(files)
+    if not flux2_layout.is_flux2(src.keys()):
+        raise WeightsError(f"{files[0]}: not a FLUX.2 transformer (no shared modulation weights)")
+    layout = flux2_layout.detect_layout(src.keys())
+    if layout == "bfl":
+        view = _BflView(src)
+        depths = flux2_layout.bfl_depths(view.keys())
+        shape_of: ShapeOf = view.shape
+    else:
+        depths = flux2_layout.diffusers_depths(src.keys())
+        table = list(flux2_layout.rules(*depths))
+        used = {d for r in table for d in r.diffusers}
+        _raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used))
+        shape_of = _fused_shapes(table, src.shape)
+
+    inferred = infer_config(shape_of, depths, _folder_config(files))
+    if config is not None:
+        _check_config(inferred, config)
+        inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
+    log.info("loading %s-layout FLUX.2 transformer from %s (%d files)", layout, files[0].parent, len(files))
+
+    with torch.device("meta"):
+        model = Flux2Transformer(inferred)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    if layout == "bfl":
+        _check_keys(set(view.keys()), expected, shape_of)
+        sd = {k: view.get(k, device, dtype) for k in expected}
+    else:
+        for rule in table:
+            # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
+            meta = torch.empty(expected[rule.bfl], device="meta")
+            for d, part in flux2_layout.bfl_to_diffusers(rule, meta).items():
+                if src.shape(d) != tuple(part.shape):
+                    raise WeightsError(
+                        f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
+                    )
+        sd = {
+            rule.bfl: flux2_layout.diffusers_to_bfl(rule, lambda k: src.get(k, device, dtype))
+            for rule in table
+        }
+    model.load_state_dict(sd, strict=True, assign=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def _fused_shapes(table: list[flux2_layout.Rule], diffusers_shape: ShapeOf) -> ShapeOf:
+    """Shapes under BFL names for a diffusers checkpoint: fused rules stack their parts' rows."""
+    by_bfl = {r.bfl: r for r in table}
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        parts = [diffusers_shape(d) for d in by_bfl[key].diffusers]
+        return (sum(p[0] for p in parts), *parts[0][1:])
+
+    return shape_of

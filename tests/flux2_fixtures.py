@@ -1,0 +1,89 @@
+"""Tiny random FLUX.2 transformers written by diffusers, their BFL single-file twins, and inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flux_runtime.weights import flux2_layout
+
+# The shape of `TINY_FLUX2` in diffusers' vocabulary (guidance_embeds picks [dev] or [klein]).
+TINY_KW = dict(
+    patch_size=1,
+    in_channels=128,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=96,
+    mlp_ratio=3.0,
+    axes_dims_rope=(8, 8, 8, 8),
+    rope_theta=2000,
+)
+TXT_DIM = TINY_KW["joint_attention_dim"]
+
+
+def make_diffusers_flux2(guidance: bool, seed: int = 0, **overrides):
+    """A tiny `Flux2Transformer2DModel` with every parameter (QK-norm weights too) randomised."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Flux2Transformer2DModel(**{**TINY_KW, "guidance_embeds": guidance, **overrides})
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def save_diffusers(model, folder: Path) -> Path:
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def bfl_state_dict(model, prefix: str = "") -> dict[str, torch.Tensor]:
+    """`model`'s weights under BFL flux2 keys, converted by our layout table."""
+    sd = model.state_dict()
+    cfg = model.config
+    table = flux2_layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds)
+    return {prefix + r.bfl: flux2_layout.diffusers_to_bfl(r, sd.__getitem__).contiguous() for r in table}
+
+
+def save_bfl(model, path: Path, prefix: str = "") -> Path:
+    """Write `model`'s weights in the BFL single-file layout (optionally with a key prefix)."""
+    save_file(bfl_state_dict(model, prefix), str(path))
+    return path
+
+
+def image_ids(h: int, w: int, t: int = 0) -> torch.Tensor:
+    """(h*w, 4) int64 ids `(t, i, j, 0)` in row-major token order, as the pipelines build them."""
+    return torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w), torch.tensor([0]))
+
+
+def text_ids(n: int) -> torch.Tensor:
+    """(n, 4) int64 ids `(0, 0, 0, l)`."""
+    return torch.cartesian_prod(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.arange(n))
+
+
+def make_inputs(
+    batch: int,
+    h: int,
+    w: int,
+    txt_len: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    ref: tuple[int, int] | None = None,
+):
+    """Packed latents on an h×w token grid (plus an optional reference image's tokens), text states,
+    int64 ids, timestep/1000 in the model dtype and fp32 guidance 4.0 (what the pipelines pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    img_ids = image_ids(h, w)
+    if ref is not None:
+        img_ids = torch.cat([img_ids, image_ids(*ref, t=10)])
+    img = torch.randn(batch, img_ids.shape[0], 128, generator=gen).to(dtype)
+    txt = torch.randn(batch, txt_len, TXT_DIM, generator=gen).to(dtype)
+    timesteps = (torch.tensor([988.40863, 500.0][:batch] * (batch // 2 + 1))[:batch]).to(dtype) / 1000
+    guidance = torch.full((batch,), 4.0, dtype=torch.float32)
+    return img, img_ids, txt, text_ids(txt_len), timesteps, guidance
