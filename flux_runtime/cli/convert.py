@@ -1,0 +1,84 @@
+"""`flux-convert`: convert a FLUX.1 transformer or VAE between the BFL and diffusers layouts.
+
+One click command: parse, call `flux_runtime.weights.convert.convert`, report what was written.
+Library errors become one line and a non-zero exit here, and only here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import cast
+
+import click
+
+from flux_runtime.weights.convert import COMPONENTS, DEFAULT_MAX_SHARD_SIZE, Component, convert, parse_size
+
+
+class _Size(click.ParamType):
+    """A byte count such as `10GB`, `500MB`, `2GiB` or `1048576`."""
+
+    name = "size"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.argument("component", type=click.Choice(COMPONENTS))
+@click.argument("src", type=str)
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option(
+    "--max-shard-size",
+    type=_Size(),
+    default=DEFAULT_MAX_SHARD_SIZE,
+    help="Largest diffusers shard (GB = 10^9 bytes).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file or folder.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
+def main(component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool) -> None:
+    """Convert the FLUX.1 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
+
+    SRC is a BFL single file (flux1-dev.safetensors, ae.safetensors), a diffusers folder or
+    pipeline root, or a cached Hugging Face model id; its layout is read from its keys. A BFL
+    source becomes a diffusers folder DST (config.json, sharded past --max-shard-size); a diffusers
+    source becomes one BFL file DST (.safetensors). Values and dtypes are kept bit for bit.
+    """
+    logging.basicConfig(level=logging.WARNING, format="flux-convert: %(message)s")
+    bar = None
+    try:
+        progress = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(unit="B", unit_scale=True, desc=component, leave=False)
+            progress = bar.update
+        kind = cast(Component, component)  # click.Choice(COMPONENTS) checked it
+        result = convert(
+            kind, src, dst, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
+        )
+    except (ValueError, OSError) as e:  # WeightsError is a ValueError
+        raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    if not quiet:
+        click.echo(
+            f"{component}: {result.source_layout} -> {result.target_layout}, "
+            f"{result.num_tensors} tensors, {_human(result.total_bytes)}, {len(result.files)} file(s) in {dst}"
+        )
+        for path in result.files:
+            click.echo(f"  {path}")

@@ -1,0 +1,555 @@
+"""Converting FLUX.1 checkpoints between the BFL single-file layout and the diffusers folder layout.
+
+A conversion is planned before any tensor is read: the source is found, its layout read from its
+keys, its config inferred and every key checked against the layout's rule table (the same tables
+and checks the loaders use: `flux1_layout` for the transformer, `vae_layout` for the VAE). The plan
+is a list of steps, one per rule, each knowing the names, shapes and dtypes it will produce
+(computed by running the rule on meta tensors). Writing then streams: the safetensors header is
+written from the plan, and each step reads its few source tensors, transforms them and appends the
+bytes, so memory holds one step's tensors at a time, whatever the model size. diffusers output is
+split into shards of at most `max_shard_size` bytes with the `*.safetensors.index.json` diffusers
+reads; files are written under a `.partial` name and renamed only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from flux_runtime.models.dit import DiTConfig, Flux1Transformer
+from flux_runtime.models.vae.flux1 import VAEConfig
+from flux_runtime.weights import flux1_layout, vae_layout
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.safetensors_io import TensorSource, read_header
+from flux_runtime.weights.transformer import detect_layout, find_transformer_files, infer_config
+from flux_runtime.weights.vae import KeyView, open_vae_checkpoint
+
+log = logging.getLogger(__name__)
+
+Component = Literal["transformer", "vae"]
+COMPONENTS: tuple[Component, ...] = ("transformer", "vae")
+# The diffusers release whose config.json fields and file names we write (our parity target).
+DIFFUSERS_VERSION = "0.42.1"
+DIFFUSERS_STEM = "diffusion_pytorch_model"
+# diffusers' `save_pretrained` default.
+DEFAULT_MAX_SHARD_SIZE = "10GB"
+# What diffusers' FLUX.1 `vae/config.json` says beyond the architecture (shared/reference/vae.md §1).
+FLUX1_VAE_SAMPLE_SIZE = 1024
+
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes in `size`: an int, or a string like diffusers' `"10GB"` (GB = 10^9, GiB = 2^30)."""
+    if isinstance(size, int):
+        n = size
+    else:
+        m = _SIZE.match(size)
+        if not m:
+            raise ValueError(f"cannot read {size!r} as a size: use bytes or a unit, like 10GB, 500MB or 2GiB")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    if n <= 0:
+        raise ValueError(f"size {size!r} must be positive")
+    return n
+
+
+@dataclass(frozen=True)
+class Output:
+    """One tensor a conversion writes."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rule of a layout table: `run()` reads its source tensors and returns `outputs`, in order."""
+
+    outputs: tuple[Output, ...]
+    run: Callable[[], dict[str, Tensor]]
+
+
+@dataclass
+class ConversionPlan:
+    """Everything a conversion writes, known before any tensor is read."""
+
+    component: Component
+    source: list[Path]
+    source_layout: str
+    target_layout: str
+    steps: list[Step]
+    config: DiTConfig | VAEConfig
+    diffusers_config: dict[str, Any]
+
+    def outputs(self) -> Iterator[Output]:
+        for step in self.steps:
+            yield from step.outputs
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs())
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What `convert` wrote."""
+
+    component: Component
+    source_layout: str
+    target_layout: str
+    files: list[Path]
+    num_tensors: int
+    total_bytes: int
+
+
+# ---- config.json, as diffusers writes it
+
+
+def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
+    """The config.json diffusers writes for a `FluxTransformer2DModel` of this shape (same fields)."""
+    unsupported = []
+    if cfg.family != "flux1":
+        unsupported.append(f"family {cfg.family!r}")
+    if cfg.mlp_ratio != 4.0:
+        unsupported.append(f"mlp_ratio {cfg.mlp_ratio} (diffusers fixes 4.0)")
+    if not cfg.qkv_bias:
+        unsupported.append("qkv_bias False")
+    if cfg.theta != 10_000:
+        unsupported.append(f"theta {cfg.theta} (diffusers fixes 10000)")
+    if len(cfg.axes_dim) != 3:
+        unsupported.append(f"{len(cfg.axes_dim)} RoPE axes (diffusers has 3)")
+    if unsupported:
+        raise WeightsError("diffusers' FluxTransformer2DModel cannot express " + ", ".join(unsupported))
+    return {
+        "_class_name": "FluxTransformer2DModel",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "attention_head_dim": cfg.head_dim,
+        "axes_dims_rope": list(cfg.axes_dim),
+        "guidance_embeds": cfg.guidance_embed,
+        "in_channels": cfg.in_channels,
+        "joint_attention_dim": cfg.context_in_dim,
+        "num_attention_heads": cfg.num_heads,
+        "num_layers": cfg.depth,
+        "num_single_layers": cfg.depth_single_blocks,
+        # diffusers' default None means "same as in_channels"
+        "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
+        "patch_size": 1,
+        "pooled_projection_dim": cfg.vec_in_dim,
+    }
+
+
+def vae_diffusers_config(cfg: VAEConfig, sample_size: int = FLUX1_VAE_SAMPLE_SIZE) -> dict[str, Any]:
+    """The config.json diffusers writes for an `AutoencoderKL` of this shape (same fields)."""
+    n = len(cfg.ch_mult)
+    return {
+        "_class_name": "AutoencoderKL",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "act_fn": "silu",
+        "block_out_channels": list(cfg.block_channels),
+        "down_block_types": ["DownEncoderBlock2D"] * n,
+        "force_upcast": True,
+        "in_channels": cfg.in_channels,
+        "latent_channels": cfg.z_channels,
+        "latents_mean": None,
+        "latents_std": None,
+        "layers_per_block": cfg.num_res_blocks,
+        "mid_block_add_attention": True,
+        "norm_num_groups": cfg.norm_num_groups,
+        "out_channels": cfg.out_ch,
+        "sample_size": sample_size,
+        "scaling_factor": cfg.scale_factor,
+        "shift_factor": cfg.shift_factor,
+        "up_block_types": ["UpDecoderBlock2D"] * n,
+        "use_post_quant_conv": False,
+        "use_quant_conv": False,
+    }
+
+
+# ---- planning
+
+
+def _source_dtypes(src: TensorSource) -> dict[str, torch.dtype]:
+    out = {}
+    for path in src.files:
+        for key, info in read_header(path).items():
+            if info["dtype"] not in _TORCH_DTYPES:
+                raise WeightsError(
+                    f"{path}: {key} has dtype {info['dtype']}, which this converter does not handle"
+                )
+            out[key] = _TORCH_DTYPES[info["dtype"]]
+    return out
+
+
+def _meta_getter(view: KeyView, dtypes: dict[str, torch.dtype]) -> Callable[[str], Tensor]:
+    """`get` returning an empty meta tensor with a source key's shape and dtype (for planning)."""
+    return lambda k: torch.empty(view.shape(k), dtype=dtypes[view.names[k]], device="meta")
+
+
+def _outputs(tensors: dict[str, Tensor]) -> tuple[Output, ...]:
+    return tuple(Output(k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+
+def _check_keys(present: list[str], used: list[str]) -> None:
+    missing = [k for k in used if k not in set(present)]
+    if missing:
+        raise WeightsError(f"checkpoint is missing {len(missing)} key(s): {_few(missing)}")
+    unexpected = sorted(set(present) - set(used))
+    if unexpected:
+        raise WeightsError(f"checkpoint has {len(unexpected)} unexpected key(s): {_few(unexpected)}")
+
+
+def _folder_config(files: list[Path]) -> dict | None:
+    cfg = files[0].parent / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{cfg}: not valid JSON ({e})") from None
+
+
+def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
+    """Plan converting a FLUX.1 transformer to the other layout (strict: every key used, every shape right)."""
+    files = find_transformer_files(resolve(path_or_id))
+    src = TensorSource(files)
+    layout = detect_layout(src.keys())
+    view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
+    cfg = infer_config(
+        layout, view.keys(), view.shape, _folder_config(files) if layout == "diffusers" else None
+    )
+    diffusers_cfg = transformer_diffusers_config(cfg)
+    with torch.device("meta"):
+        expected = Flux1Transformer(cfg).state_dict()
+    table = list(flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed))
+    d = cfg.hidden_size
+    # the diffusers shapes each BFL tensor must split into
+    expected_diffusers = {
+        k: tuple(t.shape)
+        for r in table
+        for k, t in flux1_layout.bfl_to_diffusers(r, expected[r.bfl], d).items()
+    }
+    meta_get = _meta_getter(view, _source_dtypes(src))
+
+    if layout == "bfl":
+        _check_keys(view.keys(), [r.bfl for r in table])
+        steps = []
+        for r in table:
+            if view.shape(r.bfl) != tuple(expected[r.bfl].shape):
+                raise WeightsError(
+                    f"{r.bfl}: expected shape {tuple(expected[r.bfl].shape)}, checkpoint has {view.shape(r.bfl)}"
+                )
+            planned = flux1_layout.bfl_to_diffusers(r, meta_get(r.bfl), d)
+
+            def run(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
+                return flux1_layout.bfl_to_diffusers(r, view.get(r.bfl), d)
+
+            steps.append(Step(_outputs(planned), run))
+    else:
+        _check_keys(view.keys(), [k for r in table for k in r.diffusers])
+        for k, want in expected_diffusers.items():
+            if view.shape(k) != want:
+                raise WeightsError(f"{k}: expected shape {want}, checkpoint has {view.shape(k)}")
+        steps = []
+        for r in table:
+            planned = {r.bfl: flux1_layout.diffusers_to_bfl(r, meta_get)}
+
+            def run(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
+                return {r.bfl: flux1_layout.diffusers_to_bfl(r, view.get)}
+
+            steps.append(Step(_outputs(planned), run))
+    target = "diffusers" if layout == "bfl" else "bfl"
+    return ConversionPlan("transformer", files, layout, target, steps, cfg, diffusers_cfg)
+
+
+def plan_vae(path_or_id: str | Path) -> ConversionPlan:
+    """Plan converting a FLUX.1 VAE to the other layout (`open_vae_checkpoint` has checked every key)."""
+    ckpt = open_vae_checkpoint(path_or_id)
+    meta_get = _meta_getter(ckpt.view, _source_dtypes(ckpt.view.src))
+    steps = []
+    for r in ckpt.table:
+        if ckpt.layout == "bfl":
+            planned = {r.diffusers: vae_layout.bfl_to_diffusers(r, meta_get(r.bfl))}
+
+            def run(r: vae_layout.Rule = r) -> dict[str, Tensor]:
+                return {r.diffusers: vae_layout.bfl_to_diffusers(r, ckpt.view.get(r.bfl))}
+        else:
+            planned = {r.bfl: vae_layout.diffusers_to_bfl(r, meta_get(r.diffusers))}
+
+            def run(r: vae_layout.Rule = r) -> dict[str, Tensor]:
+                return {r.bfl: vae_layout.diffusers_to_bfl(r, ckpt.view.get(r.diffusers))}
+
+        steps.append(Step(_outputs(planned), run))
+    target = "diffusers" if ckpt.layout == "bfl" else "bfl"
+    return ConversionPlan(
+        "vae", ckpt.files, ckpt.layout, target, steps, ckpt.config, vae_diffusers_config(ckpt.config)
+    )
+
+
+def plan_conversion(component: Component, path_or_id: str | Path) -> ConversionPlan:
+    """Plan converting `component` found at `path_or_id` to the layout it is not in."""
+    if component == "transformer":
+        return plan_transformer(path_or_id)
+    if component == "vae":
+        return plan_vae(path_or_id)
+    raise ValueError(f"unknown component {component!r}; expected one of {', '.join(COMPONENTS)}")
+
+
+# ---- writing
+
+
+class SafetensorsWriter:
+    """One safetensors file written tensor by tensor: the header from the planned outputs, then the bytes.
+
+    Tensors must arrive in the planned order with the planned shape and dtype; `close` checks that
+    all of them came. The file is the one `safetensors.torch.save_file` would accept loading.
+    """
+
+    def __init__(self, path: Path, outputs: list[Output], metadata: dict[str, str] | None = None) -> None:
+        if sys.byteorder != "little":
+            raise RuntimeError(
+                "safetensors files are little-endian; writing them on a big-endian host is not supported"
+            )
+        header: dict[str, Any] = {}
+        offset = 0
+        for o in outputs:
+            header[o.key] = {
+                "dtype": _ST_DTYPES[o.dtype],
+                "shape": list(o.shape),
+                "data_offsets": [offset, offset + o.nbytes],
+            }
+            offset += o.nbytes
+        header["__metadata__"] = metadata or {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+        self.path, self.outputs, self.written = path, outputs, 0
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by close(), across many write calls)
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+
+    def write(self, key: str, t: Tensor) -> None:
+        want = self.outputs[self.written]
+        if key != want.key or tuple(t.shape) != want.shape or t.dtype != want.dtype:
+            raise AssertionError(f"{self.path}: got {key} {tuple(t.shape)} {t.dtype}, planned {want}")
+        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._file.write(data.data)
+        self.written += 1
+
+    def close(self) -> None:
+        self._file.close()
+        if self.written != len(self.outputs):
+            raise AssertionError(f"{self.path}: wrote {self.written} of {len(self.outputs)} planned tensors")
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def shard(outputs: list[Output], max_shard_size: int) -> list[list[Output]]:
+    """Split `outputs`, in order, into shards of at most `max_shard_size` bytes (a larger tensor goes alone)."""
+    shards: list[list[Output]] = [[]]
+    size = 0
+    for o in outputs:
+        if shards[-1] and size + o.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(o)
+        size += o.nbytes
+    return shards
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def _write_files(
+    plan: ConversionPlan, files: list[tuple[Path, list[Output]]], progress: Callable[[int], None] | None
+) -> None:
+    """Run the plan's steps once, streaming their tensors into `files` (each under a `.partial` name)."""
+    order = iter((path, outputs) for path, outputs in files)
+    writer: SafetensorsWriter | None = None
+    try:
+        for step in plan.steps:
+            tensors = step.run()
+            for o in step.outputs:
+                if writer is None or writer.written == len(writer.outputs):
+                    if writer is not None:
+                        writer.close()
+                    path, outputs = next(order)
+                    log.info("writing %s (%d tensors)", path.name, len(outputs))
+                    writer = SafetensorsWriter(_partial(path), outputs)
+                writer.write(o.key, tensors[o.key])
+                if progress is not None:
+                    progress(o.nbytes)
+        if writer is not None:
+            writer.close()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        for path, _ in files:
+            _partial(path).unlink(missing_ok=True)
+        raise
+
+
+def _check_destination(dst: Path, sources: list[Path], overwrite: bool, folder: bool) -> None:
+    srcs = {p.resolve() for p in sources}
+    target = dst.resolve()
+    if target in srcs or (folder and any(target in p.parents for p in srcs)):
+        raise WeightsError(f"{dst}: the output would overwrite the input checkpoint; choose another path")
+    if folder:
+        if dst.exists() and not dst.is_dir():
+            raise WeightsError(f"{dst} exists and is not a folder (diffusers output is a folder)")
+        if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+            raise WeightsError(
+                f"{dst} already exists and is not empty; pass overwrite (--overwrite) to replace it"
+            )
+    else:
+        if dst.suffix != ".safetensors":
+            raise WeightsError(f"{dst}: BFL output is a single file; give a path ending in .safetensors")
+        if dst.is_dir():
+            raise WeightsError(f"{dst} is a folder; BFL output is a single .safetensors file")
+        if dst.exists() and not overwrite:
+            raise WeightsError(f"{dst} already exists; pass overwrite (--overwrite) to replace it")
+
+
+def write_bfl(
+    plan: ConversionPlan, dst: Path, *, overwrite: bool = False, progress: Callable[[int], None] | None = None
+) -> list[Path]:
+    """Write a plan whose target is BFL as one `.safetensors` file (no prefix, as BFL ships it)."""
+    assert plan.target_layout == "bfl"
+    _check_destination(dst, plan.source, overwrite, folder=False)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _write_files(plan, [(dst, list(plan.outputs()))], progress)
+    os.replace(_partial(dst), dst)
+    return [dst]
+
+
+def write_diffusers(
+    plan: ConversionPlan,
+    dst: Path,
+    *,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> list[Path]:
+    """Write a plan whose target is diffusers as a component folder `from_pretrained` reads.
+
+    `config.json` plus `diffusion_pytorch_model.safetensors`, or, past `max_shard_size`,
+    `diffusion_pytorch_model-0000i-of-0000n.safetensors` with `diffusion_pytorch_model.safetensors.index.json`.
+    With `overwrite`, a previous output's weights, index and config in `dst` are replaced; other files stay.
+    """
+    assert plan.target_layout == "diffusers"
+    limit = parse_size(max_shard_size)
+    _check_destination(dst, plan.source, overwrite, folder=True)
+    shards = shard(list(plan.outputs()), limit)
+    n = len(shards)
+    names = (
+        [f"{DIFFUSERS_STEM}.safetensors"]
+        if n == 1
+        else [f"{DIFFUSERS_STEM}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
+    dst.mkdir(parents=True, exist_ok=True)
+    files = [(dst / name, outputs) for name, outputs in zip(names, shards, strict=True)]
+    _write_files(plan, files, progress)
+
+    # every tensor is on disk: now replace a previous output, then move the new one in place
+    for old in [
+        *dst.glob(f"{DIFFUSERS_STEM}*.safetensors"),
+        dst / f"{DIFFUSERS_STEM}.safetensors.index.json",
+        dst / "config.json",
+    ]:
+        old.unlink(missing_ok=True)
+    for path, _ in files:
+        os.replace(_partial(path), path)
+    written = [path for path, _ in files]
+    if n > 1:
+        index = dst / f"{DIFFUSERS_STEM}.safetensors.index.json"
+        weight_map = {o.key: path.name for path, outputs in files for o in outputs}
+        index.write_text(
+            json.dumps({"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}, indent=2)
+            + "\n"
+        )
+        written.append(index)
+    config = dst / "config.json"
+    config.write_text(json.dumps(plan.diffusers_config, indent=2, sort_keys=True) + "\n")
+    return [*written, config]
+
+
+def convert(
+    component: Component,
+    src: str | Path,
+    dst: str | Path,
+    *,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ConversionResult:
+    """Convert the FLUX.1 `component` at `src` to the layout it is not in, at `dst`.
+
+    BFL → diffusers writes a folder (`dst`); diffusers → BFL writes one file (`dst`, `.safetensors`).
+    Tensors keep their dtype and values bit for bit (fused q/k/v concatenated or split, the final
+    norm's halves swapped, 1x1 convs reshaped). A BFL file carries no config: converting one to
+    diffusers infers the architecture from shapes, with FLUX.1's VAE factors and 32 groups.
+    Raises `WeightsError` (bad source or destination) or `ValueError` (bad `max_shard_size`).
+    """
+    limit = parse_size(max_shard_size)
+    plan = plan_conversion(component, src)
+    dst = Path(dst).expanduser()
+    log.info(
+        "converting %s: %s -> %s, %d bytes",
+        component,
+        plan.source_layout,
+        plan.target_layout,
+        plan.total_bytes,
+    )
+    if plan.target_layout == "bfl":
+        files = write_bfl(plan, dst, overwrite=overwrite, progress=progress)
+    else:
+        files = write_diffusers(plan, dst, max_shard_size=limit, overwrite=overwrite, progress=progress)
+    return ConversionResult(
+        component,
+        plan.source_layout,
+        plan.target_layout,
+        files,
+        sum(1 for _ in plan.outputs()),
+        plan.total_bytes,
+    )
