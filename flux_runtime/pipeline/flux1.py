@@ -27,7 +27,7 @@ from flux_runtime.models.vae.flux1 import Flux1VAE
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.sources import MODEL_IDS, Sources, find_sources, schedule_config
-from flux_runtime.pipeline.tiers import Tier, resolve_tier, tier_context
+from flux_runtime.pipeline.tiers import Tier, fused_tier, resolve_tier, tier_context
 from flux_runtime.sampling import (
     ScheduleConfig,
     denoise,
@@ -157,14 +157,19 @@ class Pipeline:
     def default_steps(self) -> int:
         return 4 if self.is_distilled else 28
 
+    @property
+    def default_size(self) -> int:
+        """Default image side: 1024 (FLUX.1's native size), 128 for the built-in tiny model (fast on a CPU)."""
+        return 128 if self.model_name == "tiny" else 1024
+
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def __call__(
         self,
         prompt: str | list[str] | None = None,
         *,
-        height: int = 1024,
-        width: int = 1024,
+        height: int | None = None,
+        width: int | None = None,
         num_steps: int | None = None,
         guidance: float | None = None,
         seed: int | None = None,
@@ -179,11 +184,13 @@ class Pipeline:
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline where they overlap.
 
-        `num_steps` default 28 (dev) / 4 (schnell); `guidance` default 3.5 (dev), ignored with a warning
+        `height`/`width` default `default_size`; `num_steps` default 28 (dev) / 4 (schnell); `guidance` default 3.5 (dev), ignored with a warning
         on schnell. Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (B, L, 4096) with
         `pooled_prompt_embeds` (B, 768) may replace `prompt`.
         """
         quality = quality or self.quality
+        height = self.default_size if height is None else height
+        width = self.default_size if width is None else width
         steps, g = self._check_call(
             prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
             num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, quality,
@@ -312,9 +319,10 @@ class Pipeline:
             self._rope[pe_key] = (img_ids, text_ids, self.transformer.rope(text_ids, img_ids))
         img_ids, text_ids, pe = self._rope[pe_key]
         model = self.transformer
+        dispatch = fused_tier(tier, device, self.dtype)
 
         def velocity(x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor, y: Tensor) -> Tensor:
-            with tier_context(tier):
+            with tier_context(dispatch):
                 return model(x, img_ids, txt, text_ids, t, y, gd, pe=pe)
 
         use_graphs = self.cuda_graphs and device.type == "cuda"

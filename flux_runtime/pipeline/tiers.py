@@ -37,13 +37,20 @@ def resolve_tier(requested: Tier, device: torch.device, dtype: torch.dtype) -> T
     return requested
 
 
+def fused_tier(tier: Tier, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel dispatch tier: fused kernels only where they exist (CUDA, bf16/fp16), else the reference ops.
+
+    The reference ops *are* the lossless tier, so "off" on a CPU or in fp32 changes no bits.
+    """
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "off"
+    return tier
+
+
 @contextlib.contextmanager
-def tier_context(tier: Tier) -> Iterator[None]:
-    """Mount the fused kernels allowed in `tier` for the ops run inside the block."""
-    try:
-        from flux_runtime.kernels.dispatch import use_fused
-    except ImportError:  # no fused kernels in this build: the reference ops are the lossless tier
-        yield
-        return
-    with use_fused(tier):
+def tier_context(dispatch_tier: str) -> Iterator[None]:
+    """Mount the fused kernels allowed at `dispatch_tier` ("off", "lossless", "high") inside the block."""
+    from flux_runtime.kernels.dispatch import use_fused
+
+    with use_fused(dispatch_tier):  # type: ignore[arg-type]
         yield

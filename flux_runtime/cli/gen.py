@@ -1,0 +1,156 @@
+"""`flux-gen`: one click command: parse, call `Pipeline`, save PNGs with their provenance.
+
+Library errors become one line and a non-zero exit here, and only here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+MODEL_CHOICES = ("tiny", "flux1-dev", "flux1-schnell")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class _Progress:
+    """tqdm bars on stderr for encoding, denoising and decoding."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.bar, self.stage = enabled, None, None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            self.bar = tqdm(total=total, desc=f"{stage:>8}", unit="step" if stage == "denoise" else "", leave=False)
+        assert self.bar is not None
+        self.bar.n = done
+        self.bar.refresh()
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar, self.stage = None, None
+
+
+def read_provenance(png: Path) -> dict[str, Any]:
+    """The generation record `flux-gen` wrote into a PNG's text chunks."""
+    from PIL import Image
+
+    try:
+        with Image.open(png) as im:
+            raw = im.text.get("flux_runtime") if hasattr(im, "text") else None
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"cannot read {png}: {e}") from None
+    if raw is None:
+        raise click.ClickException(f"{png} carries no flux-runtime provenance (was it made by flux-gen?)")
+    return json.loads(raw)
+
+
+def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
+    if out.is_dir() or str(out).endswith(("/", "\\")) or out.suffix == "":
+        out.mkdir(parents=True, exist_ok=True)
+        paths = [out / f"flux-{seed}-{i}.png" for i in range(n)]
+    elif out.suffix.lower() != ".png":
+        raise click.ClickException(f"--out {out}: images are written as PNG; give a .png file or a folder")
+    else:
+        paths = [out] if n == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(n)]
+    clash = [str(p) for p in paths if p.exists()]
+    if clash and not overwrite:
+        raise click.ClickException(f"{', '.join(clash)} already exists; pass --overwrite or choose another --out")
+    return paths
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--prompt", "-p", type=str, help="What to draw.")
+@click.option("--model", "-m", default="tiny", help=f"A preset ({', '.join(MODEL_CHOICES)}), a cached model id or a path.")
+@click.option("--quality", type=click.Choice(["lossless", "high"]), default="lossless", help="lossless = diffusers' bits.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps [default: 28 dev, 4 schnell].")
+@click.option("--guidance", type=click.FloatRange(min=0), default=None, help="Embedded guidance [default: 3.5; schnell ignores it].")
+@click.option("--seed", type=click.IntRange(min=0), default=0)
+@click.option("--width", type=click.IntRange(min=1), default=None, help="Pixels [default: 1024, tiny 128].")
+@click.option("--height", type=click.IntRange(min=1), default=None, help="Pixels [default: 1024, tiny 128].")
+@click.option("--num-images", type=click.IntRange(min=1), default=1)
+@click.option("--max-sequence-length", type=click.IntRange(1, 512), default=512, help="T5 tokens.")
+@click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="[default: bf16 on GPU, fp32 on CPU]")
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("flux.png"), help="A .png file or a folder.")
+@click.option("--overwrite", is_flag=True, help="Replace existing output files.")
+@click.option("--offload-text-encoders", is_flag=True, help="Keep CLIP/T5 on the CPU except while encoding.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs.")
+@click.option("--vae", type=str, default=None, help="Autoencoder file/folder for a BFL transformer file.")
+@click.option("--text-encoder", type=str, default=None, help="CLIP-L folder or id for a BFL transformer file.")
+@click.option("--text-encoder-2", type=str, default=None, help="T5-XXL folder or id for a BFL transformer file.")
+@click.option("--replay", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Regenerate the image recorded in a flux-gen PNG.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+def main(**opts: Any) -> None:
+    """Generate images with FLUX, offline, from local weights."""
+    logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
+    if opts["replay"] is not None:
+        _apply_replay(opts)
+    if not opts["prompt"]:
+        raise click.UsageError("--prompt is required (or --replay an image)")
+    try:
+        _generate(opts)
+    except click.ClickException:
+        raise
+    except (ValueError, OSError, RuntimeError) as e:  # our errors are ValueError subclasses; torch's are RuntimeError
+        raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _apply_replay(opts: dict[str, Any]) -> None:
+    rec = read_provenance(opts["replay"])
+    opts.update(
+        prompt=rec["prompt"], model=rec["model"], quality=rec["quality"], steps=rec["num_steps"],
+        guidance=rec["guidance"], seed=rec["seed"], width=rec["width"], height=rec["height"],
+        max_sequence_length=rec["max_sequence_length"], dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
+    )
+    opts["_replay_weights"] = rec.get("weights")
+    opts["_replay_index"] = rec.get("index", 0)
+
+
+def _generate(opts: dict[str, Any]) -> None:
+    import torch
+
+    from flux_runtime.pipeline import Pipeline
+    from flux_runtime.pipeline.flux1 import save_png
+
+    device = opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = opts["dtype"] or ("bf16" if torch.device(device).type == "cuda" else "fp32")
+    replaying = opts["replay"] is not None
+    n = 1 if replaying else opts["num_images"]
+    paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"])
+    progress = _Progress(not opts["quiet"] and sys.stderr.isatty())
+
+    pipe = Pipeline.from_pretrained(
+        opts["model"], device=device, dtype=getattr(torch, DTYPES[dtype_name]), quality=opts["quality"],
+        vae=opts["vae"], text_encoder=opts["text_encoder"], text_encoder_2=opts["text_encoder_2"],
+        cuda_graphs=not opts["no_cuda_graphs"], offload_text_encoders=opts["offload_text_encoders"],
+    )
+    if replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
+        click.echo(f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
+                   "the image will differ", err=True)
+    num_per_prompt = opts["_replay_index"] + 1 if replaying else n
+    out = pipe(
+        opts["prompt"], height=opts["height"], width=opts["width"], num_steps=opts["steps"],
+        guidance=opts["guidance"], seed=opts["seed"], max_sequence_length=opts["max_sequence_length"],
+        num_images_per_prompt=num_per_prompt, progress=progress,
+    )
+    progress.close()
+    images = out.images[-1:] if replaying else out.images
+    for i, (image, path) in enumerate(zip(images, paths, strict=True)):
+        info = {**out.info, "index": opts["_replay_index"] if replaying else i, "num_images": num_per_prompt}
+        save_png(image, path, info)
+        click.echo(str(path))
