@@ -1,0 +1,218 @@
+"""FLUX.2 through `load_transformer`: both layouts, prefixes, folders, dispatch, and errors that name the problem."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flux_runtime import WeightsError, load_transformer
+from flux_runtime.models.dit import FLUX2_KLEIN_4B, TINY, TINY_FLUX2, Flux1Transformer, Flux2Transformer
+from flux_runtime.weights import flux2_layout
+from flux_runtime.weights.flux2_transformer import is_flux2, load_flux2_transformer
+from tests.flux1_fixtures import make_diffusers_transformer as make_flux1
+from tests.flux1_fixtures import save_bfl as save_flux1_bfl
+from tests.flux2_fixtures import bfl_state_dict, make_diffusers_flux2, save_bfl, save_diffusers
+
+TINY_DEV = replace(TINY_FLUX2, guidance_embed=True)
+
+
+@pytest.fixture(scope="module")
+def dev_model():
+    return make_diffusers_flux2(True)
+
+
+@pytest.fixture
+def bfl_file(tmp_path, dev_model):
+    return save_bfl(dev_model, tmp_path / "flux2-dev.safetensors")
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_layouts_and_prefix_load_the_same_weights(tmp_path, dev_model, bfl_file):
+    from_bfl = load_transformer(bfl_file, dtype=torch.float32)
+    prefixed = load_transformer(
+        save_bfl(dev_model, tmp_path / "comfy.safetensors", "model.diffusion_model."), dtype=torch.float32
+    )
+    folder = save_diffusers(dev_model, tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")
+    from_root = load_transformer(tmp_path / "pipe", dtype=torch.float32)
+    from_folder = load_transformer(folder, dtype=torch.float32)
+    assert _same_weights(from_bfl, prefixed)
+    assert _same_weights(from_bfl, from_root)
+    assert _same_weights(from_bfl, from_folder)
+    # every config field read from the checkpoint (axes/theta from config.json or the FLUX.2 preset)
+    for model in (from_bfl, prefixed, from_root, from_folder):
+        assert isinstance(model, Flux2Transformer)
+        assert model.config == TINY_DEV
+
+
+def test_bfl_repo_root_finds_the_transformer_file(tmp_path, dev_model):
+    # a BFL repo holds the DiT beside the autoencoder; only the DiT's keys mark the file
+    save_file({"encoder.conv_in.weight": torch.zeros(2, 2)}, tmp_path / "ae.safetensors")
+    save_bfl(dev_model, tmp_path / "flux2-dev.safetensors")
+    assert load_transformer(tmp_path, dtype=torch.float32).config == TINY_DEV
+
+
+def test_weights_equal_the_diffusers_tensors(dev_model, bfl_file):
+    model = load_transformer(bfl_file, dtype=torch.float32)
+    ref = dev_model.state_dict()
+    d = TINY_DEV.hidden_size
+    qkv = model.double_blocks[1].txt_attn.qkv.weight
+    assert torch.equal(qkv[:d], ref["transformer_blocks.1.attn.add_q_proj.weight"])
+    assert torch.equal(qkv[2 * d :], ref["transformer_blocks.1.attn.add_v_proj.weight"])
+    ada = model.final_layer.adaLN_modulation[1].weight  # BFL (shift, scale); diffusers (scale, shift)
+    assert torch.equal(ada[:d], ref["norm_out.linear.weight"][d:])
+    assert torch.equal(
+        model.single_blocks[0].linear1.weight, ref["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"]
+    )
+
+
+def test_table_agrees_with_diffusers_own_converter(dev_model):
+    # diffusers' BFL -> diffusers converter (single-file loading) turns our BFL dict back into the model's
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    converted = convert_flux2_transformer_checkpoint_to_diffusers(dict(bfl_state_dict(dev_model)))
+    ref = dev_model.state_dict()
+    assert converted.keys() == ref.keys()
+    assert all(torch.equal(converted[k], ref[k]) for k in ref)
+
+
+def test_layout_round_trip_is_lossless(dev_model):
+    ref = dev_model.state_dict()
+    back: dict[str, torch.Tensor] = {}
+    for rule in flux2_layout.rules(2, 2, True):
+        back.update(flux2_layout.bfl_to_diffusers(rule, flux2_layout.diffusers_to_bfl(rule, ref.__getitem__)))
+    assert back.keys() == ref.keys()
+    assert all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+def test_sharded_diffusers_folder(tmp_path, dev_model):
+    dev_model.save_pretrained(tmp_path / "t", max_shard_size="200KB")
+    assert (tmp_path / "t" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    sharded = load_transformer(tmp_path / "t", dtype=torch.float32)
+    assert _same_weights(
+        sharded, load_transformer(save_diffusers(dev_model, tmp_path / "u"), dtype=torch.float32)
+    )
+
+
+def test_klein_is_detected(tmp_path):
+    model = load_transformer(save_bfl(make_diffusers_flux2(False), tmp_path / "k.safetensors"))
+    assert model.config == TINY_FLUX2
+    assert model.guidance_in.__class__.__name__ == "Identity"
+
+
+def test_dispatch_by_keys_not_names(tmp_path, dev_model):
+    # a FLUX.1 file named like FLUX.2 stays FLUX.1, and the reverse
+    flux1 = save_flux1_bfl(make_flux1(True), tmp_path / "flux2-dev.safetensors")
+    flux2 = save_bfl(dev_model, tmp_path / "flux1-dev.safetensors")
+    assert not is_flux2(flux1) and is_flux2(flux2) and is_flux2("tiny-flux2") and not is_flux2("tiny")
+    assert isinstance(load_transformer(flux1), Flux1Transformer)
+    assert load_transformer(flux2).config.family == "flux2"
+    with pytest.raises(WeightsError, match=r"not a FLUX\.2 transformer"):
+        load_flux2_transformer(flux1)
+
+
+def test_config_json_sets_rope(tmp_path):
+    # axes and theta are not in the tensors: a diffusers folder's config.json supplies them
+    model = make_diffusers_flux2(False, axes_dims_rope=(4, 12, 8, 8), rope_theta=1000)
+    loaded = load_transformer(save_diffusers(model, tmp_path / "t"))
+    assert (loaded.config.axes_dim, loaded.config.theta) == ((4, 12, 8, 8), 1000)
+
+
+def test_streams_to_dtype_and_meta_free(bfl_file):
+    model = load_transformer(bfl_file, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not any(p.is_meta for p in model.parameters())
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_missing_key(tmp_path, bfl_file):
+    sd = load_file(bfl_file)
+    del sd["double_blocks.1.img_mlp.2.weight"]
+    save_file(sd, tmp_path / "m.safetensors")
+    with pytest.raises(WeightsError, match=r"missing 1 key\(s\): double_blocks.1.img_mlp.2.weight"):
+        load_transformer(tmp_path / "m.safetensors")
+
+
+def test_missing_key_in_diffusers_layout(tmp_path, dev_model):
+    folder = save_diffusers(dev_model, tmp_path / "t")
+    sd = load_file(folder / "diffusion_pytorch_model.safetensors")
+    del sd["transformer_blocks.0.attn.add_k_proj.weight"]
+    save_file(sd, folder / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(
+        WeightsError, match=r"missing 1 key\(s\): transformer_blocks.0.attn.add_k_proj.weight"
+    ):
+        load_transformer(folder)
+
+
+def test_unexpected_key(tmp_path, bfl_file):
+    sd = load_file(bfl_file)
+    sd["single_blocks.0.modulation.lin.weight"] = torch.zeros(2, 2)  # a FLUX.1-style per-block modulation
+    save_file(sd, tmp_path / "u.safetensors")
+    with pytest.raises(WeightsError, match=r"unexpected key\(s\): single_blocks.0.modulation.lin.weight"):
+        load_transformer(tmp_path / "u.safetensors")
+
+
+def test_wrong_shape_names_key_and_both_shapes(tmp_path, bfl_file):
+    sd = load_file(bfl_file)
+    sd["single_blocks.1.linear2.weight"] = torch.zeros(64, 200)
+    save_file(sd, tmp_path / "w.safetensors")
+    with pytest.raises(
+        WeightsError,
+        match=r"single_blocks.1.linear2.weight: expected shape \(64, 256\), checkpoint has \(64, 200\)",
+    ):
+        load_transformer(tmp_path / "w.safetensors")
+
+
+def test_wrong_shape_in_diffusers_layout(tmp_path, dev_model):
+    folder = save_diffusers(dev_model, tmp_path / "t")
+    sd = load_file(folder / "diffusion_pytorch_model.safetensors")
+    sd["transformer_blocks.1.attn.to_v.weight"] = torch.zeros(64, 63)
+    save_file(sd, folder / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(
+        WeightsError,
+        match=r"transformer_blocks.1.attn.to_v.weight: expected shape \(64, 64\), checkpoint has \(64, 63\) "
+        r"\(part of double_blocks.1.img_attn.qkv.weight\)",
+    ):
+        load_transformer(folder)
+
+
+def test_mixed_layouts_are_refused(tmp_path, bfl_file):
+    sd = load_file(bfl_file)
+    sd["proj_out.weight"] = sd.pop("final_layer.linear.weight")
+    save_file(sd, tmp_path / "x.safetensors")
+    with pytest.raises(WeightsError, match=r"mixes BFL keys .* and diffusers keys \(proj_out\.weight"):
+        load_transformer(tmp_path / "x.safetensors")
+
+
+def test_config_mismatch_is_named(bfl_file):
+    with pytest.raises(WeightsError, match="depth: checkpoint 2, config 3"):
+        load_transformer(bfl_file, config=replace(TINY_DEV, depth=3))
+    with pytest.raises(WeightsError, match="family: checkpoint flux2, config flux1"):
+        load_transformer(bfl_file, config=TINY)
+    with pytest.raises(WeightsError, match="hidden_size: checkpoint 64, config 3072"):
+        load_transformer(bfl_file, config=FLUX2_KLEIN_4B)
+
+
+def test_config_gives_rope_for_a_bfl_file(bfl_file):
+    model = load_transformer(bfl_file, config=replace(TINY_DEV, axes_dim=(4, 4, 12, 12), theta=500))
+    assert (model.config.axes_dim, model.config.theta) == ((4, 4, 12, 12), 500)
+
+
+def test_builtin_tiny_flux2_is_deterministic():
+    a, b = load_transformer("tiny-flux2"), load_transformer("tiny-flux2")
+    assert _same_weights(a, b)
+    assert a.config == TINY_FLUX2 and isinstance(a, Flux2Transformer)
+    img = torch.randn(1, 6, 128).to(torch.bfloat16)
+    txt = torch.randn(1, 4, 96).to(torch.bfloat16)
+    img_ids = torch.cartesian_prod(torch.tensor([0]), torch.arange(2), torch.arange(3), torch.tensor([0]))
+    txt_ids = torch.cartesian_prod(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.arange(4))
+    with torch.no_grad():
+        out = a(img, img_ids, txt, txt_ids, torch.tensor([0.5], dtype=torch.bfloat16))
+    assert out.shape == (1, 6, 128) and out.isfinite().all()
