@@ -108,16 +108,19 @@ def step_inputs(n_img: int = 4096, n_txt: int = 512, batch: int = 1):
     return img, img_ids, txt, txt_ids, t, y, guidance
 
 
+def _fmt_row(name: str, ms: float, floor: float, ref_ms: float) -> str:
+    return f"| {name} | {ms:.1f} | {ms / floor:.2f} | {ms / ref_ms:.2f} |"
+
+
 @torch.no_grad()
-def bench_dit(iters: int) -> None:
+def bench_dit(ref, ours, iters: int, profile: bool) -> None:
+    from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
+    from flux_runtime.pipeline.graphs import GraphedDenoiser
+
     gemm_ms, attn_ms = library_floor()
     floor = gemm_ms + attn_ms
     RESULTS["floor_ms"] = {"gemm": gemm_ms, "attention": attn_ms, "total": floor}
     print(f"library floor: {floor:.1f} ms/step (GEMMs {gemm_ms:.1f}, attention {attn_ms:.1f})", flush=True)
-
-    t0 = time.perf_counter()
-    ref, ours = build_pair()
-    print(f"built both FLUX.1-dev models in {time.perf_counter() - t0:.1f} s", flush=True)
     img, img_ids, txt, txt_ids, t, y, g = step_inputs()
 
     def run_ref():
@@ -126,47 +129,121 @@ def bench_dit(iters: int) -> None:
 
     pe = ours.rope(txt_ids, img_ids)
 
-    def run_ours():
-        return ours(img, img_ids, txt, txt_ids, t, y, g, pe=pe)
+    def step(x, tt, gg):
+        return ours(x, img_ids, txt, txt_ids, tt, y, gg, pe=pe)
 
-    a, b = run_ref(), run_ours()
-    equal = torch.equal(a, b)
-    RESULTS["dit_equal"] = equal
-    print(f"one bf16 step at 1024², ours vs diffusers: torch.equal = {equal}"
-          + ("" if equal else f" (max abs diff {(a.float() - b.float()).abs().max().item():.3g})"), flush=True)
-    torch.cuda.reset_peak_memory_stats()
+    def tiered(tier):
+        def run(x=img, tt=t, gg=g):
+            with use_fused(tier):
+                return step(x, tt, gg)
+        return run
+
+    expected = run_ref()
+    variants = {
+        "ours eager, reference ops": tiered("off"),
+        "ours eager, lossless fused kernels": tiered("lossless"),
+        "ours lossless + CUDA graph": None,
+        "ours eager, high tier": tiered("high"),
+        "ours high + CUDA graph": None,
+    }
+    graphed = {
+        "ours lossless + CUDA graph": GraphedDenoiser(lambda x, tt, gg: tiered("lossless")(x, tt, gg)),
+        "ours high + CUDA graph": GraphedDenoiser(lambda x, tt, gg: tiered("high")(x, tt, gg)),
+    }
+    for name, gd in graphed.items():
+        variants[name] = lambda gd=gd: gd(img, t, g)
+
+    reset_fused_ops_report()
+    times, equal = {}, {}
     ref_ms = cuda_time(run_ref, iters=iters)
-    ref_peak = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.reset_peak_memory_stats()
-    ours_ms = cuda_time(run_ours, iters=iters)
-    ours_peak = torch.cuda.max_memory_allocated() / 2**30
-    RESULTS["step_ms"] = {"diffusers_eager": ref_ms, "ours_eager": ours_ms}
-    RESULTS["peak_gib_incl_both_models"] = {"diffusers_eager": ref_peak, "ours_eager": ours_peak}
+    times["diffusers eager"] = ref_ms
+    for name, fn in variants.items():
+        out = fn()
+        out = fn()  # graphs: the second call captures and replays
+        equal[name] = torch.equal(out, expected)
+        times[name] = cuda_time(fn, iters=iters)
+        if not equal[name]:
+            err = (out.float() - expected.float()).abs().max().item()
+            equal[name] = f"max abs diff {err:.3g}"
+    RESULTS["step_ms"] = times
+    RESULTS["step_equal_to_diffusers"] = equal
+    RESULTS["dit_equal"] = all(v is True for k, v in equal.items() if "high" not in k)
+    print(fused_ops_report(), flush=True)
+
+    # accuracy of lossless vs high against a float64 reference of the same step
+    acc = step_error_vs_fp64(ours, expected, tiered, (img, img_ids, txt, txt_ids, t, y, g))
+    RESULTS["error_vs_fp64"] = acc
+
     print()
-    print("| FLUX.1-dev, 1024², bf16, per step | ms | / floor | / diffusers |")
-    print("|---|---|---|---|")
-    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} |")
-    print(f"| diffusers eager | {ref_ms:.1f} | {ref_ms / floor:.2f} | 1.00 |")
-    print(f"| ours eager (lossless reference ops) | {ours_ms:.1f} | {ours_ms / floor:.2f} | {ours_ms / ref_ms:.2f} |")
-    print(f"peak allocated while stepping (both models resident): diffusers {ref_peak:.1f} GiB, ours {ours_peak:.1f} GiB")
+    print("| FLUX.1-dev, 1024², bf16, B=1, per step | ms | / floor | / diffusers | torch.equal diffusers |")
+    print("|---|---|---|---|---|")
+    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} | |")
+    print(f"| diffusers eager | {ref_ms:.1f} | {ref_ms / floor:.2f} | 1.00 | |")
+    for name in variants:
+        print(_fmt_row(name, times[name], floor, ref_ms) + f" {equal[name]} |")
+    print(f"relative L2 error vs float64: {acc}")
+
+    if profile:
+        profile_step(tiered("lossless"))
+
+
+def step_error_vs_fp64(ours, expected, tiered, inputs) -> dict[str, float]:
+    """‖out − ref64‖ / ‖ref64‖ for diffusers/lossless and high, ref64 = our model in float64 on the GPU."""
+    import copy
+
+    img, img_ids, txt, txt_ids, t, y, g = inputs
+    m64 = copy.deepcopy(ours).to(torch.float64)
+    cast = lambda x: x.to(torch.float64)  # noqa: E731
+    with torch.no_grad():
+        ref64 = m64(cast(img), img_ids, cast(txt), txt_ids, cast(t), cast(y), g.double(), pe=None)
+    del m64
+    torch.cuda.empty_cache()
+    out = {}
+    for name, result in (("lossless", expected), ("high", tiered("high")())):
+        out[name] = ((result.double() - ref64).norm() / ref64.norm()).item()
+    return out
+
+
+def profile_step(fn) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dit", action="store_true")
+    ap.add_argument("--dit", action="store_true", help="per-step parity and timings at full size")
+    ap.add_argument("--pipeline", action="store_true", help="end-to-end 50-step generation vs FluxPipeline")
+    ap.add_argument("--profile", action="store_true", help="kernel table of one lossless step")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    run_all = not args.dit
-    if args.dit or run_all:
-        bench_dit(args.iters)
-    if args.json:
-        args.json.write_text(json.dumps(RESULTS, indent=2))
-    return 0 if RESULTS.get("dit_equal", True) else 1
+    run_all = not (args.dit or args.pipeline)
+    t0 = time.perf_counter()
+    ref, ours = build_pair()
+    print(f"built both FLUX.1-dev transformers in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        if args.dit or run_all:
+            bench_dit(ref, ours, args.iters, args.profile)
+        if args.pipeline or run_all:
+            from bench_pipeline import bench_pipeline
+
+            bench_pipeline(ref, ours, args.steps, RESULTS)
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps(RESULTS, indent=2, default=str))
+    ok = RESULTS.get("dit_equal", True) and RESULTS.get("pipeline_equal", True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
