@@ -29,7 +29,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit import DiTConfig, Flux1Transformer
 from flux_runtime.models.vae.flux1 import VAEConfig
-from flux_runtime.weights import flux1_layout, vae_layout
+from flux_runtime.weights import flux1_layout, flux2_layout, vae_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
@@ -253,6 +253,8 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
     """Plan converting a FLUX.1 transformer to the other layout (strict: every key used, every shape right)."""
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
+    if flux2_layout.is_flux2(src.keys()):
+        raise WeightsError(f"{files[0]}: a FLUX.2 transformer; conversion handles FLUX.1 checkpoints only")
     layout = detect_layout(src.keys())
     view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
     cfg = infer_config(
