@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from flux_runtime.weights.random_init import init_random
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
 
 log = logging.getLogger(__name__)
+
+ShapeOf = Callable[[str], tuple[int, ...]]
 
 # Random-weight presets that need no checkpoint (the offline demo and tests).
 BUILTIN = {"tiny": 0}
@@ -142,14 +145,14 @@ def detect_vae_layout(keys: list[str]) -> str:
     )
 
 
-def _need(shape_of, key: str, what: str) -> tuple[int, ...]:
+def _need(shape_of: ShapeOf, key: str, what: str) -> tuple[int, ...]:
     try:
         return tuple(shape_of(key))
     except KeyError:
         raise WeightsError(f"checkpoint has no {key!r} (needed to read the {what})") from None
 
 
-def infer_vae_shapes(layout: str, keys: list[str], shape_of) -> dict[str, Any]:
+def infer_vae_shapes(layout: str, keys: list[str], shape_of: ShapeOf) -> dict[str, Any]:
     """The `SHAPE_FIELDS` of the config, read from the tensor shapes: channels, levels, resnets, latent width."""
     down, block = ("encoder.down", "block") if layout == "bfl" else ("encoder.down_blocks", "resnets")
     levels = count_blocks(keys, down)

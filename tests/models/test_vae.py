@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +16,7 @@ from flux_runtime.weights import vae_layout
 from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
 
 DTYPES = [torch.float32, torch.bfloat16]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +147,22 @@ def test_full_preset_matches_diffusers_flux1_vae_on_meta():
         assert vae_layout.diffusers_shape(r, tuple(ours_sd[r.bfl].shape)) == tuple(
             ref_sd[r.diffusers].shape
         ), r
+
+
+def test_runtime_never_imports_diffusers(checkpoints, tmp_path):
+    """Loading, encoding, decoding and converting the VAE work with diffusers made unimportable."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["diffusers"] = None  # any `import diffusers` now raises ImportError
+        import torch, flux_runtime
+        from flux_runtime.weights.convert import convert
+        vae = flux_runtime.load_vae({str(checkpoints["bfl"])!r}, dtype=torch.float32)
+        image = vae.decode(vae.encode(torch.zeros(1, 3, 16, 16)), tile=4)  # 8x8 latent: 3x3 tiles
+        assert image.shape == (1, 3, 16, 16)
+        convert("vae", {str(checkpoints["bfl"])!r}, {str(tmp_path / "out")!r})
+        print("ok")
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO))
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
