@@ -211,3 +211,24 @@ def test_invalid_config_json(folder):
     (folder / "config.json").write_text("{not json")
     with pytest.raises(WeightsError, match=r"config\.json: not valid JSON"):
         load_vae(folder)
+
+
+def test_cached_model_id_loads(tmp_path, monkeypatch, model):
+    """A Hugging Face cache entry laid out by hand, as `hf download` leaves a FLUX.1 repo: vae/ wins over ae.safetensors."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--black-forest-labs--FLUX.1-dev"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / commit
+    save_diffusers_vae(model, snap / "vae")
+    (snap / "ae.safetensors").write_bytes(b"")  # would fail to load: proves vae/ is the one read
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    vae = load_vae("black-forest-labs/FLUX.1-dev", dtype=torch.float32)
+    assert vae.config.scale_factor == 0.3611 and vae.config.ch_mult == (1, 2)
+    with pytest.raises(WeightsError, match=r"unknown model id 'black-forest-labs/FLUX\.1-nope'"):
+        load_vae("black-forest-labs/FLUX.1-nope")
