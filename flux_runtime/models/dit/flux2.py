@@ -227,6 +227,7 @@ class Flux2Transformer(nn.Module):
         t = timesteps.to(img.dtype) * 1000
         vec = self.time_in(timestep_embedding(t).to(t.dtype))
         if self.config.guidance_embed:
+            assert guidance is not None  # checked above
             g = guidance.to(img.dtype) * 1000
             vec = vec + self.guidance_in(timestep_embedding(g).to(g.dtype))
         vec_act = F.silu(vec)
