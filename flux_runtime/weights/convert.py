@@ -489,9 +489,15 @@ def write_diffusers(
         if n == 1
         else [f"{DIFFUSERS_STEM}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     )
+    created = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     files = [(dst / name, outputs) for name, outputs in zip(names, shards, strict=True)]
-    _write_files(plan, files, progress)
+    try:
+        _write_files(plan, files, progress)
+    except BaseException:
+        if created:
+            dst.rmdir()  # _write_files removed its partial files; leave no empty folder behind
+        raise
 
     # every tensor is on disk: now replace a previous output, then move the new one in place
     for old in [

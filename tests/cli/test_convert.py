@@ -227,7 +227,7 @@ def test_partial_output_is_removed_on_failure(tmp_path, monkeypatch):
     original = convert.vae_layout.bfl_to_diffusers
     monkeypatch.setattr(convert.vae_layout, "bfl_to_diffusers", flaky)
     assert "disk full" in _fail("vae", src, tmp_path / "vae")
-    assert list((tmp_path / "vae").iterdir()) == []
+    assert len(calls) == 40 and not (tmp_path / "vae").exists()
 
 
 def test_size_parsing_and_sharding_rules():
