@@ -2,11 +2,19 @@
 
 Every op here is called by the models through the name exported below. The reference
 implementation *is* the model math (op for op what diffusers runs); fused Triton kernels
-live beside their reference in the same module and are picked by `dispatch`.
+live beside their reference in the same module and are picked by `dispatch`: the pipeline sets the
+tier with `use_fused("lossless")` and reads `fused_ops_report()` to say which kernels actually ran.
 
 This package imports nothing from the rest of `flux_runtime`.
 """
 
+from flux_runtime.kernels.dispatch import (
+    FusedOpsReport,
+    fused_ops_report,
+    fused_tier,
+    reset_fused_ops_report,
+    use_fused,
+)
 from flux_runtime.kernels.gated_residual import gated_residual
 from flux_runtime.kernels.gelu import gelu_tanh
 from flux_runtime.kernels.layer_norm_modulate import layer_norm_modulate, residual_layer_norm_modulate
@@ -14,10 +22,15 @@ from flux_runtime.kernels.modulate import modulate
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
 
 __all__ = [
+    "FusedOpsReport",
+    "fused_ops_report",
+    "fused_tier",
     "gated_residual",
     "gelu_tanh",
     "layer_norm_modulate",
     "modulate",
     "qk_norm_rope",
+    "reset_fused_ops_report",
     "residual_layer_norm_modulate",
+    "use_fused",
 ]

@@ -3,6 +3,12 @@
 diffusers normalises each stream's heads with its own `torch.nn.RMSNorm` weight, concatenates
 text before image along the sequence, then applies RoPE in fp32: `x * cos + rot(x) * sin`
 (two fp32 products and one fp32 add, separately rounded) with a single cast back.
+
+The fused kernel reads each head row once from its stream, writes the joint layout directly and is
+lossless: the RMSNorm replays aten's fused CUDA kernel for a 128-wide row (fusions.md §3.2: lane t of
+warp 0 sums the squares of elements 4t..4t+3 with FMAs in order, shuffle-down 16…1, the idle warps
+add zeros, `ms = sum / 128`, `rstd = rsqrtf(ms + eps)`, `y = r(w * (rstd * x))`); RoPE uses
+separately rounded `mul.rn`, `mul.rn`, `add.rn` and a sign-bit negation (R4, R8).
 """
 
 from __future__ import annotations
@@ -10,6 +16,177 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.triton_utils import (
+    ON_GPU,
+    check_aten_vectorized,
+    check_half,
+    check_int32_offsets,
+    check_launchable,
+    check_shape,
+    check_unit_stride,
+    halves,
+    jit,
+    mul_rn,
+    round_to,
+    rsqrtf,
+    tl,
+    to_storage,
+    triton,
+    upcast,
+)
+
+HEAD_DIM = 128  # the kernel is aten's RMSNorm for one 128-wide row: 32 lanes × 4
+
+
+@jit
+def _qk_norm_rope_kernel(
+    txt_ptr,  # (B, L_txt, H, 128), strides (stride_tb, stride_tl, stride_th, 1); img_ptr when no text
+    img_ptr,  # (B, L_img, H, 128), strides (stride_ib, stride_il, stride_ih, 1)
+    w_txt_ptr,  # (128,) text RMSNorm weight (w_img_ptr when no text)
+    w_img_ptr,  # (128,) image RMSNorm weight
+    cos_ptr,  # (L_txt + L_img, 128) fp32 contiguous
+    sin_ptr,  # (L_txt + L_img, 128) fp32 contiguous
+    out_ptr,  # (B, L_txt + L_img, H, 128) contiguous
+    L_txt,
+    L_joint,
+    H,
+    eps,
+    stride_tb,
+    stride_tl,
+    stride_th,
+    stride_ib,
+    stride_il,
+    stride_ih,
+    HEADS: tl.constexpr,  # heads per program
+    GPU: tl.constexpr,
+):
+    # grid: (B * L_joint, cdiv(H, HEADS))
+    DTYPE = out_ptr.dtype.element_ty
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // L_joint
+    pos = tok % L_joint
+    is_txt = pos < L_txt
+    base = tl.where(
+        is_txt, txt_ptr + b * stride_tb + pos * stride_tl, img_ptr + b * stride_ib + (pos - L_txt) * stride_il
+    )
+    stride_h = tl.where(is_txt, stride_th, stride_ih)
+    w_ptr = tl.where(is_txt, w_txt_ptr, w_img_ptr)
+
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    head_ok = (head < H)[:, None, None]
+    lane = tl.arange(0, 32)
+    col = lane[:, None] * 4 + tl.arange(0, 4)[None, :]  # (32, 4): lane t holds elements 4t..4t+3
+    x = tl.load(base + head[:, None, None] * stride_h + col[None, :, :], mask=head_ok, other=0.0)
+    x = upcast(x, GPU)
+
+    # RMSNorm statistics: per lane fma(x, x, sum) in element order, then shuffle-down 16..1
+    x02, x13 = tl.split(tl.reshape(x, (HEADS, 32, 2, 2)))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    total = tl.fma(x0, x0, 0.0)
+    total = tl.fma(x1, x1, total)
+    total = tl.fma(x2, x2, total)
+    total = tl.fma(x3, x3, total)
+    total = tl.reshape(total, (HEADS, 1, 32))
+    lo, hi = halves(total, HEADS, 1, 16)
+    total = lo + hi  # self + other
+    lo, hi = halves(total, HEADS, 1, 8)
+    total = lo + hi
+    lo, hi = halves(total, HEADS, 1, 4)
+    total = lo + hi
+    lo, hi = halves(total, HEADS, 1, 2)
+    total = lo + hi
+    lo, hi = halves(total, HEADS, 1, 1)
+    total = lo + hi  # (HEADS, 1, 1); warps 1-3 of aten's block hold zeros and add nothing
+    ms = tl.math.div_rn(total, tl.full(total.shape, 128.0, tl.float32))
+    rstd = rsqrtf(ms + eps, GPU)  # (HEADS, 1, 1)
+    w = upcast(tl.load(w_ptr + col), GPU)
+    x = round_to(w[None, :, :] * (rstd * x), DTYPE, GPU)  # RMSNorm output, stored as DTYPE by eager
+
+    # RoPE on channel pairs (2i, 2i+1): out = r(x * cos + rot(x) * sin), rot = (-x[2i+1], x[2i])
+    pair = tl.arange(0, 64)
+    row = pos * 128 + pair * 2
+    cos_e = tl.load(cos_ptr + row)
+    cos_o = tl.load(cos_ptr + row + 1)
+    sin_e = tl.load(sin_ptr + row)
+    sin_o = tl.load(sin_ptr + row + 1)
+    x_e, x_o = tl.split(tl.reshape(x, (HEADS, 64, 2)))
+    out_e = mul_rn(x_e, cos_e[None, :], GPU) + mul_rn(-x_o, sin_e[None, :], GPU)
+    out_o = mul_rn(x_o, cos_o[None, :], GPU) + mul_rn(x_e, sin_o[None, :], GPU)
+    out = tl.reshape(tl.join(out_e, out_o), (HEADS, 32, 4))
+    out_off = (tok * H + head[:, None, None]) * 128 + col[None, :, :]
+    tl.store(out_ptr + out_off, to_storage(out, DTYPE, GPU), mask=head_ok)
+
+
+def _check_stream(op: str, name: str, x: Tensor, w: Tensor) -> None:
+    if x.ndim != 4 or x.shape[-1] != HEAD_DIM:
+        raise UnsupportedInput(f"{op}: {name} must be (B, L, H, {HEAD_DIM}), got {tuple(x.shape)}")
+    check_unit_stride(op, name, x)
+    check_int32_offsets(op, name, x)
+    check_aten_vectorized(op, name, x)
+    check_shape(op, f"{name} weight", w, (HEAD_DIM,))
+    if w.stride(0) != 1:
+        raise UnsupportedInput(f"{op}: {name} weight must be contiguous, got stride {w.stride()}")
+    check_aten_vectorized(op, f"{name} weight", w)
+
+
+def qk_norm_rope_triton(
+    x_txt: Tensor | None,
+    x_img: Tensor,
+    weight_txt: Tensor | None,
+    weight_img: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float = 1e-6,
+    *,
+    heads_per_program: int = 8,
+) -> Tensor:
+    """Fused `qk_norm_rope_reference` → (B, L_txt + L_img, H, 128) contiguous.
+
+    Streams may be strided views (unit last stride); weights bf16/fp16 like the streams (a weight of
+    another dtype sends aten down its composite RMSNorm path, which this kernel does not replay).
+    """
+    op = "qk_norm_rope"
+    tensors = [x_img, weight_img, cos, sin] + [t for t in (x_txt, weight_txt) if t is not None]
+    check_launchable(op, *tensors)
+    if (x_txt is None) != (weight_txt is None):
+        raise UnsupportedInput(f"{op}: x_txt and weight_txt must both be given or both be None")
+    named = {"x_img": x_img, "weight_img": weight_img}
+    if x_txt is not None and weight_txt is not None:
+        named |= {"x_txt": x_txt, "weight_txt": weight_txt}
+    check_half(op, **named)
+    _check_stream(op, "x_img", x_img, weight_img)
+    b, l_img, h, _ = x_img.shape
+    l_txt = 0
+    if x_txt is not None and weight_txt is not None:
+        _check_stream(op, "x_txt", x_txt, weight_txt)
+        if x_txt.shape[0] != b or x_txt.shape[2] != h:
+            raise UnsupportedInput(
+                f"{op}: x_txt {tuple(x_txt.shape)} does not match x_img {tuple(x_img.shape)}"
+            )
+        l_txt = x_txt.shape[1]
+    l_joint = l_txt + l_img
+    if b == 0 or l_joint == 0 or h == 0:
+        raise UnsupportedInput(f"{op}: empty input {tuple(x_img.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32:
+            raise UnsupportedInput(f"{op}: {name} must be fp32, got {t.dtype}")
+        check_shape(op, name, t, (l_joint, HEAD_DIM))
+        if not t.is_contiguous():
+            raise UnsupportedInput(f"{op}: {name} must be contiguous")
+    out = torch.empty((b, l_joint, h, HEAD_DIM), dtype=x_img.dtype, device=x_img.device)
+    check_int32_offsets(op, "out", out)
+    txt = x_txt if x_txt is not None else x_img
+    w_txt = weight_txt if weight_txt is not None else weight_img
+    grid = (b * l_joint, triton.cdiv(h, heads_per_program))
+    _qk_norm_rope_kernel[grid](
+        txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps,
+        txt.stride(0), txt.stride(1), txt.stride(2), x_img.stride(0), x_img.stride(1), x_img.stride(2),
+        HEADS=heads_per_program, GPU=ON_GPU, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -46,6 +223,9 @@ def qk_norm_rope_reference(
     return rope_reference(x, cos, sin)
 
 
+_QK_NORM_ROPE = FusedOp("qk_norm_rope", fused=qk_norm_rope_triton, reference=qk_norm_rope_reference)
+
+
 def qk_norm_rope(
     x_txt: Tensor | None,
     x_img: Tensor,
@@ -55,5 +235,5 @@ def qk_norm_rope(
     sin: Tensor,
     eps: float = 1e-6,
 ) -> Tensor:
-    """QK-norm + RoPE; see `qk_norm_rope_reference`."""
-    return qk_norm_rope_reference(x_txt, x_img, weight_txt, weight_img, cos, sin, eps)
+    """QK-norm + RoPE; see `qk_norm_rope_reference` (fused when `dispatch` allows)."""
+    return run_op(_QK_NORM_ROPE, x_txt, x_img, weight_txt, weight_img, cos, sin, eps)

@@ -1,0 +1,209 @@
+"""Shared pieces of the fused Triton kernels: optional import, exact rounding helpers, input guards.
+
+Exactness rules (shared/reference/fusions.md §0.3) that every kernel here relies on:
+
+- Each eager op rounds once to the storage dtype (R1). `round_to` reproduces that rounding on an fp32
+  value and hands back fp32, so the next op sees exactly what eager would have loaded.
+- On the GPU `round_to` is the hardware `cvt.rn` conversion (round to nearest even). The Triton
+  interpreter (CPU CI, `TRITON_INTERPRET=1`) truncates instead (shared/reference/h200_baseline.md), so
+  there the same rounding is done with integer bit operations, which are exact RNE for finite values.
+- No FMA contraction across ops that eager ran separately (R4): where a product feeds an add, the
+  product goes through `mul_rn` (an opaque `mul.rn.f32` on the GPU), or is rounded to the storage
+  dtype first, which already blocks contraction. FMAs that aten's own SASS has are written as `tl.fma`.
+- `rsqrtf` is CUDA's `rsqrt.approx.f32` (MUFU.RSQ with its subnormal rescale), called as inline PTX so
+  the libdevice flush-to-zero setting Triton uses cannot change it (R6).
+
+Every kernel takes a `GPU: tl.constexpr` flag (False under the interpreter) that selects between the
+hardware instruction and its interpreter equivalent at compile time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from flux_runtime.kernels.dispatch import UnsupportedInput
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # Triton is Linux-only; the references still work everywhere.
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# Read once at import, like Triton itself does when it decorates the kernels.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Passed to every kernel as its `GPU` constexpr.
+ON_GPU = not INTERPRET
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def jit(fn: F) -> F:
+    """`triton.jit` when Triton is importable; otherwise the plain function, which is never launched."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+# --------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@jit
+def round_to(x, DTYPE: tl.constexpr, GPU: tl.constexpr):
+    """Round fp32 `x` to the nearest-even `DTYPE` (bf16 or fp16) value and return it as fp32."""
+    if GPU:
+        y = x.to(DTYPE, fp_downcast_rounding="rtne").to(tl.float32)
+    elif DTYPE.is_bf16():
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    else:
+        # fp16: normal range rounds the mantissa to 10 bits; below 2^-14 the grid is 2^-24, which
+        # an fp32 add of 0.5 (ulp 2^-24) rounds to, ties to even; past 65504 the result is inf.
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = bits & 0x80000000
+        mag = bits & 0x7FFFFFFF
+        a = mag.to(tl.float32, bitcast=True)
+        normal = ((mag + 0xFFF + ((mag >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        normal = tl.where(normal > 65504.0, float("inf"), normal)
+        sub = (a + 0.5) - 0.5
+        r = tl.where(a < 6.103515625e-05, sub, normal)
+        r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        y = tl.where(x != x, x, r)
+    return y
+
+
+@jit
+def to_storage(x, DTYPE: tl.constexpr, GPU: tl.constexpr):
+    """Round fp32 `x` to nearest-even `DTYPE` and return a `DTYPE` tensor (for stores)."""
+    if GPU:
+        y = x.to(DTYPE, fp_downcast_rounding="rtne")
+    elif DTYPE.is_bf16():
+        # the interpreter's fp32 -> bf16 cast also mangles subnormals: move the top 16 bits instead
+        bits = round_to(x, DTYPE, GPU).to(tl.uint32, bitcast=True)
+        bits = tl.where(x != x, 0x7FC00000, bits)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = round_to(x, DTYPE, GPU).to(DTYPE)  # exactly representable, so the cast is exact
+    return y
+
+
+@jit
+def upcast(x, GPU: tl.constexpr):
+    """bf16/fp16 `x` as fp32 (exact). The interpreter's bf16 -> fp32 cast loses subnormals."""
+    if GPU:
+        y = x.to(tl.float32)
+    elif x.dtype.is_bf16():
+        y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@jit
+def mul_rn(a, b, GPU: tl.constexpr):
+    """fp32 product rounded on its own: never contracted into an FMA with a following add."""
+    if GPU:
+        p = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        p = a * b
+    return p
+
+
+@jit
+def rsqrtf(x, GPU: tl.constexpr):
+    """CUDA `rsqrtf` as aten calls it (`rsqrt.approx.f32`); `1/sqrt` in the interpreter."""
+    if GPU:
+        y = tl.inline_asm_elementwise(
+            "rsqrt.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        y = tl.math.rsqrt(x)
+    return y
+
+
+@jit
+def halves(v, R: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
+    """Split lanes `v` (R, W, 2K) into their lower (R, W, K) and upper (R, W, K) halves.
+
+    One step of a CUDA shuffle-down tree with offset K: lane i < K of each group of 2K lanes
+    combines its own value (lower) with lane i + K's (upper).
+    """
+    v = tl.reshape(v, (R, W, 2, K))
+    v = tl.permute(v, (0, 1, 3, 2))
+    return tl.split(v)
+
+
+# --------------------------------------------------------------------------------------------------
+# launcher guards
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def triton_dtype(dtype: torch.dtype) -> Any:
+    """The Triton element type of a bf16/fp16 torch dtype."""
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+
+def check_launchable(op: str, *tensors: Tensor) -> None:
+    """Triton present, all tensors on one CUDA device (CPU tensors only under the interpreter)."""
+    if not HAS_TRITON:
+        raise UnsupportedInput(f"{op}: Triton is not importable")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise UnsupportedInput(f"{op}: inputs on several devices {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
+        raise UnsupportedInput(f"{op}: needs CUDA tensors, got device {device.type}")
+    if device.type == "cuda" and torch.version.hip is not None:
+        raise UnsupportedInput(f"{op}: the kernels use NVIDIA PTX; ROCm is not supported")
+
+
+def check_half(op: str, **tensors: Tensor) -> torch.dtype:
+    """All named tensors share one dtype, bf16 or fp16; returns it."""
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) != 1:
+        got = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
+        raise UnsupportedInput(f"{op}: expected one dtype for all inputs, got {got}")
+    dtype = dtypes.pop()
+    if dtype not in HALF_DTYPES:
+        raise UnsupportedInput(f"{op}: expected bf16/fp16 tensors, got {dtype}")
+    return dtype
+
+
+def check_shape(op: str, name: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    """`t.shape == shape`."""
+    if tuple(t.shape) != shape:
+        raise UnsupportedInput(f"{op}: {name} must be {shape}, got {tuple(t.shape)}")
+
+
+def check_unit_stride(op: str, name: str, t: Tensor) -> None:
+    """The last dim is dense (stride 1); other strides are passed to the kernel."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise UnsupportedInput(f"{op}: {name} needs a unit last stride, got strides {t.stride()}")
+
+
+def check_int32_offsets(op: str, name: str, t: Tensor) -> None:
+    """Every element offset of `t` fits the kernels' int32 index arithmetic."""
+    span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    if span >= 2**31:
+        raise UnsupportedInput(f"{op}: {name} spans {span} elements; the kernel indexes with int32")
+
+
+def check_aten_vectorized(op: str, name: str, t: Tensor) -> None:
+    """aten's vectorised norm kernel (the one replicated) needs a 4-element-aligned buffer.
+
+    A non-contiguous input is copied by aten first (a fresh, aligned buffer); a contiguous one is used
+    in place, and if its data pointer is misaligned aten runs a different kernel with other numerics.
+    """
+    if t.is_contiguous() and t.data_ptr() % (4 * t.element_size()) != 0:
+        raise UnsupportedInput(f"{op}: {name} is not 4-element aligned, so aten takes its unvectorised path")
