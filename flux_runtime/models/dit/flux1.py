@@ -15,41 +15,21 @@ from torch import Tensor, nn
 from flux_runtime import kernels
 from flux_runtime.models.dit.config import DiTConfig
 from flux_runtime.models.dit.layers import (
+    EPS,
     Linear,
     MLPEmbedder,
     ModulationOut,
     Pending,
     QKNorm,
+    RoPE,
+    Stream,
     attention,
+    clip_fp16,
+    materialize,
+    norm_modulate,
     rope_tables,
     timestep_embedding,
 )
-
-EPS = 1e-6
-FP16_MAX = 65504.0
-
-Stream = Tensor | Pending
-RoPE = tuple[Tensor, Tensor]
-
-
-def materialize(x: Stream) -> Tensor:
-    """Write a pending gated residual out (identity on a plain tensor)."""
-    return kernels.gated_residual(*x) if isinstance(x, Pending) else x
-
-
-def norm_modulate(x: Stream, mod: ModulationOut) -> tuple[Tensor, Tensor]:
-    """Return `(x, LayerNorm(x) * (1 + scale) + shift)`, materialising a pending residual on the way."""
-    if isinstance(x, Pending):
-        return kernels.residual_layer_norm_modulate(*x, mod.shift, mod.scale, EPS)
-    return x, kernels.layer_norm_modulate(x, mod.shift, mod.scale, EPS)
-
-
-def clip_fp16(x: Stream) -> Stream:
-    """diffusers clips the text and joint streams to the fp16 range after each block."""
-    dtype = x.update.dtype if isinstance(x, Pending) else x.dtype
-    if dtype != torch.float16:
-        return x
-    return materialize(x).clip(-FP16_MAX, FP16_MAX)
 
 
 class Modulation(nn.Module):

@@ -25,14 +25,19 @@ from torch import Tensor, nn
 from flux_runtime import kernels
 from flux_runtime.kernels.swiglu import swiglu
 from flux_runtime.models.dit.config import DiTConfig
-from flux_runtime.models.dit.flux1 import EPS, RoPE, Stream, clip_fp16, materialize, norm_modulate
 from flux_runtime.models.dit.layers import (
+    EPS,
     Linear,
     MLPEmbedder,
     ModulationOut,
     Pending,
     QKNorm,
+    RoPE,
+    Stream,
     attention,
+    clip_fp16,
+    materialize,
+    norm_modulate,
     rope_tables,
     timestep_embedding,
 )

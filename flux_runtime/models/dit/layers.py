@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flux_runtime import kernels
+
 
 class Linear(nn.Module):
     """The one projection type of the DiTs: `F.linear` with the bias inside the GEMM.
@@ -81,6 +83,33 @@ class Pending(NamedTuple):
     residual: Tensor
     gate: Tensor
     update: Tensor
+
+
+EPS = 1e-6
+FP16_MAX = 65504.0
+
+Stream = Tensor | Pending  # a residual stream, possibly with its gated update deferred
+RoPE = tuple[Tensor, Tensor]
+
+
+def materialize(x: Stream) -> Tensor:
+    """Write a pending gated residual out (identity on a plain tensor)."""
+    return kernels.gated_residual(*x) if isinstance(x, Pending) else x
+
+
+def norm_modulate(x: Stream, mod: ModulationOut) -> tuple[Tensor, Tensor]:
+    """Return `(x, LayerNorm(x) * (1 + scale) + shift)`, materialising a pending residual on the way."""
+    if isinstance(x, Pending):
+        return kernels.residual_layer_norm_modulate(*x, mod.shift, mod.scale, EPS)
+    return x, kernels.layer_norm_modulate(x, mod.shift, mod.scale, EPS)
+
+
+def clip_fp16(x: Stream) -> Stream:
+    """diffusers clips the text and joint streams to the fp16 range after each block."""
+    dtype = x.update.dtype if isinstance(x, Pending) else x.dtype
+    if dtype != torch.float16:
+        return x
+    return materialize(x).clip(-FP16_MAX, FP16_MAX)
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10_000.0) -> Tensor:
