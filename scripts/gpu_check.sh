@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# One device call: install the carried diffusers wheel, run the GPU tests, the kernel check and the bench.
-# Usage on the device (carry .whl):  bash scripts/gpu_check.sh [bench.py flags]
+# The device check, in two phases that each fit one device call (10 minutes):
+#   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
+#   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench
+# Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
+phase=${1:-kernels}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
 status=0
-if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
-fi
-if [ -f scripts/kernel_check.py ] && [ -z "${SKIP_KERNELS:-}" ]; then
-  timeout 240 python3 scripts/kernel_check.py 2>&1 | tee "$OUT/kernel_check.txt" || status=1
-fi
-python3 scripts/bench.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt" || status=1
+case "$phase" in
+  kernels)
+    timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.txt" | tail -20 || status=1
+    timeout 200 python3 scripts/kernel_check.py 2>&1 | tee "$OUT/kernel_check.txt" || status=1
+    timeout 240 python3 scripts/bench.py --dit --profile --json "$OUT/bench_dit.json" 2>&1 | tee "$OUT/bench_dit.txt" || status=1
+    ;;
+  e2e)
+    timeout 330 python3 scripts/bench.py --pipeline --json "$OUT/bench_pipeline.json" 2>&1 | tee "$OUT/bench_pipeline.txt" || status=1
+    timeout 240 python3 scripts/bench_flux2.py --json "$OUT/bench_flux2.json" 2>&1 | tee "$OUT/bench_flux2.txt" || status=1
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
 exit $status
