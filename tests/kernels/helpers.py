@@ -1,0 +1,95 @@
+"""Shapes and inputs shared by the kernel tests: the FLUX sites, and the CPU/GPU run conditions.
+
+GPU tests (`gpu` marker) run the compiled kernels at full FLUX sizes and demand `torch.equal`.
+CPU tests run the same kernels under the Triton interpreter (`TRITON_INTERPRET=1` set before import,
+as CI does) on a few rows with small blocks; they skip when the interpreter is off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from flux_runtime.kernels import triton_utils
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = triton_utils.INTERPRET and triton_utils.HAS_TRITON
+
+# GPU runs need compiled kernels: the interpreter would copy CUDA tensors to the host.
+gpu = pytest.mark.skipif(
+    not (HAS_CUDA and triton_utils.HAS_TRITON) or triton_utils.INTERPRET,
+    reason="needs a CUDA GPU, Triton, and TRITON_INTERPRET unset",
+)
+interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="set TRITON_INTERPRET=1 before import to run the Triton kernels on the CPU"
+)
+
+DTYPES = (torch.bfloat16, torch.float16)
+WIDTHS = (3072, 6144)  # FLUX.1 / FLUX.2 hidden sizes
+HEADS = {3072: 24, 6144: 48}  # heads of 128
+TXT_TOKENS = 512
+IMAGE_TOKENS = {"512x512": 1024, "1024x1024": 4096, "768x1344": 4032}
+# txt stream, img stream and joint (single-block) lengths at the three image sizes
+SEQ_LENS = tuple(
+    sorted({TXT_TOKENS, *IMAGE_TOKENS.values(), *(TXT_TOKENS + n for n in IMAGE_TOKENS.values())})
+)
+BATCHES = (1, 2)
+# rows not a multiple of any block, width not a multiple of 512 (aten threads with fewer elements)
+ODD_ROWS = (2, 7, 1000)
+ODD_HEADS = 3
+
+# every (B, L, D) site of the row-wise ops, plus the odd size
+FLUX_ROWS = [(b, n, d) for d in WIDTHS for n in SEQ_LENS for b in BATCHES] + [ODD_ROWS]
+# (B, L_txt, L_img, H) for QK-norm + RoPE: double blocks (text + image) and single blocks (joint only)
+FLUX_QK = [(b, TXT_TOKENS, n, HEADS[d]) for d in WIDTHS for n in IMAGE_TOKENS.values() for b in BATCHES]
+FLUX_QK += [(b, 0, TXT_TOKENS + n, HEADS[d]) for d in WIDTHS for n in IMAGE_TOKENS.values() for b in BATCHES]
+FLUX_QK += [(2, 3, 5, ODD_HEADS)]
+
+
+def row_id(shape: tuple[int, ...]) -> str:
+    """Readable pytest id for a shape tuple."""
+    return "x".join(map(str, shape))
+
+
+def modulation(
+    b: int, d: int, dtype: torch.dtype, device: str | torch.device, chunks: int = 6
+) -> list[Tensor]:
+    """`chunks` (B, D) views of one (B, chunks * D) projection output, as the model's `chunk` gives.
+
+    Row stride chunks * D, unit last stride: the layout the kernels see in FLUX.
+    """
+    out = (torch.randn(b, chunks * d, device=device) * 0.6).to(dtype)
+    return list(out.chunk(chunks, dim=1))
+
+
+def activations(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> Tensor:
+    """Activations with a per-row offset and spread, so row means and variances are not trivial."""
+    x = torch.randn(shape, device=device)
+    offset = torch.randn(*shape[:-1], 1, device=device) * 2
+    spread = torch.rand(*shape[:-1], 1, device=device) * 4 + 0.25
+    return (x * spread + offset).to(dtype)
+
+
+def rope_tables(length: int, device: str | torch.device) -> tuple[Tensor, Tensor]:
+    """(L, 128) fp32 cos/sin built as diffusers builds FLUX.1's (axes 16/56/56, theta 10000)."""
+    pos = torch.stack(
+        [torch.zeros(length), torch.randint(0, 64, (length,)), torch.randint(0, 84, (length,))], dim=1
+    ).to(torch.float64)
+    cos, sin = [], []
+    for axis, d in enumerate((16, 56, 56)):
+        omega = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        angles = torch.outer(pos[:, axis], omega)
+        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos, dim=-1).to(device), torch.cat(sin, dim=-1).to(device)
+
+
+def ulp_distance(a: Tensor, b: Tensor) -> Tensor:
+    """Distance in units in the last place between same-dtype 16-bit tensors (sign-magnitude aware)."""
+
+    def ordered(t: Tensor) -> Tensor:
+        i = t.view(torch.int16).int()
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+
+    return (ordered(a) - ordered(b)).abs()

@@ -1,0 +1,83 @@
+"""Fused tanh-GELU (F10 activation): exhaustive over all 65,536 inputs of each 16-bit dtype.
+
+On the GPU the kernel calls libdevice's `__nv_tanhf`, the function nvcc links into aten's GELU, and
+must be bit-exact for every input. The interpreter emulates `__nv_tanhf` with exact `exp2` and
+division in place of `ex2.approx` / `rcp.approx`, so on the CPU a few inputs may differ where
+`1 + tanh` cancels (x near -5) or sits on a rounding boundary; the test bounds how many and by how much.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flux_runtime.kernels.dispatch import UnsupportedInput
+from flux_runtime.kernels.gelu import all_half_values, exhaustive_check, gelu_tanh_reference, gelu_tanh_triton
+from tests.kernels.helpers import BATCHES, DTYPES, SEQ_LENS, gpu, interpreter, row_id
+
+# the interpreter computes in numpy, which warns on the inf/NaN inputs of the exhaustive sweep
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
+)
+
+FF_INNER = 12288  # FLUX.1 MLP hidden size (4 x 3072)
+# (tokens, FF_INNER): double-block FF (txt or img tokens) and single-block MLP (joint tokens)
+GELU_ROWS = [(b * n, FF_INNER) for n in SEQ_LENS for b in BATCHES] + [(3, 1001)]
+
+
+def same(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Elementwise equality that counts NaN == NaN (the exhaustive inputs include NaNs)."""
+    return (out == ref) | (out.isnan() & ref.isnan())
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_interpreter_exhaustive(dtype: torch.dtype) -> None:
+    x = all_half_values(dtype, "cpu")
+    out = gelu_tanh_triton(x, block=8192)
+    ref = F.gelu(x.float(), approximate="tanh").to(dtype)  # aten's fp32 opmath, one rounding
+    bad = ~same(out, ref)
+    assert int(bad.sum()) <= 64, f"{int(bad.sum())} inputs differ"
+    # where they differ, it is by a few fp32 ulps of tanh (scaled by 0.5 * |x|) plus one output ulp
+    xb, ob, rb = x[bad].float(), out[bad].float(), ref[bad].float()
+    ulp = torch.finfo(dtype).eps * rb.abs().clamp(min=torch.finfo(dtype).tiny)
+    assert bool(((ob - rb).abs() <= xb.abs() * 2**-21 + ulp).all())
+
+
+@interpreter
+def test_gelu_interpreter_any_shape_is_the_elementwise_map() -> None:
+    """A 2-D input with a masked last block maps each element exactly as the 1-D sweep does."""
+    table = gelu_tanh_triton(all_half_values(torch.bfloat16, "cpu"), block=8192)
+    x = (torch.randn(3, 1001) * 3).bfloat16()
+    out = gelu_tanh_triton(x, block=1024)
+    assert torch.equal(out, table[x.view(torch.int16).long() + 2**15])
+
+
+@interpreter
+def test_gelu_guards_name_the_problem() -> None:
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedInput, match="contiguous"):
+        gelu_tanh_triton(x.t())
+    with pytest.raises(UnsupportedInput, match="bf16/fp16"):
+        gelu_tanh_triton(x.float())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_gpu_exhaustive_bit_exact(dtype: torch.dtype) -> None:
+    x = all_half_values(dtype, "cuda")
+    out, ref = gelu_tanh_triton(x), gelu_tanh_reference(x)
+    bad = ~same(out, ref)
+    assert not bool(bad.any()), f"{int(bad.sum())} inputs differ, e.g. {x[bad][:8].float().tolist()}"
+    assert exhaustive_check(x) is None
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", GELU_ROWS, ids=row_id)
+def test_gelu_gpu_flux_shapes(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    x = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    assert torch.equal(gelu_tanh_triton(x), gelu_tanh_reference(x))

@@ -1,0 +1,173 @@
+"""Fused LayerNorm + modulate (F2) and deferred residual + LayerNorm + modulate (F4).
+
+On the GPU the kernels must equal the eager chain (`torch.equal`). On the CPU, aten's own LayerNorm
+reduces in another order than its CUDA kernel, so the interpreter is checked bit-exactly against
+`layer_norm_replay` (aten's CUDA algorithm in plain fp32 torch ops) and within one ulp against the CPU
+reference; `test_layer_norm_replay_matches_aten_gpu` closes the loop by checking the replay on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flux_runtime.kernels.dispatch import UnsupportedInput
+from flux_runtime.kernels.gated_residual import gated_residual_reference
+from flux_runtime.kernels.layer_norm_modulate import (
+    layer_norm_modulate_reference,
+    layer_norm_modulate_triton,
+    residual_layer_norm_modulate_reference,
+    residual_layer_norm_modulate_triton,
+)
+from flux_runtime.kernels.modulate import modulate_reference
+from tests.kernels.aten_replay import layer_norm_replay
+from tests.kernels.helpers import (
+    DTYPES,
+    FLUX_ROWS,
+    ODD_ROWS,
+    activations,
+    gpu,
+    interpreter,
+    modulation,
+    row_id,
+    ulp_distance,
+)
+
+EPS = 1e-6
+# (B, L, D): both FLUX widths (every aten thread full) and the odd width (trailing threads short)
+CPU_ROWS = [(1, 2, 3072), (1, 2, 6144), (2, 3, 1000)]
+
+
+def replayed(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return modulate_reference(layer_norm_replay(x, EPS), shift, scale)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CPU_ROWS, ids=row_id)
+def test_layer_norm_modulate_interpreter_replays_aten(
+    shape: tuple[int, int, int], dtype: torch.dtype
+) -> None:
+    b, _, d = shape
+    shift, scale = modulation(b, d, dtype, "cpu")[:2]
+    x = activations(shape, dtype, "cpu")
+    out = layer_norm_modulate_triton(x, shift, scale, EPS, rows_per_program=4)  # 4 rows: masked tail
+    assert torch.equal(out, replayed(x, shift, scale))
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_norm_interpreter_within_one_ulp_of_cpu_aten(dtype: torch.dtype) -> None:
+    """Without modulation the output is the LayerNorm itself: at most 1 ulp from aten's CPU kernel."""
+    b, n, d = 2, 2, 3072
+    zero = torch.zeros(b, d, dtype=dtype)
+    x = activations((b, n, d), dtype, "cpu")
+    out = layer_norm_modulate_triton(x, zero, zero, EPS, rows_per_program=4)
+    ref = layer_norm_modulate_reference(x, zero, zero, EPS)
+    assert int(ulp_distance(out, ref).max()) <= 1
+    assert (out == ref).float().mean() > 0.99
+
+
+@interpreter
+def test_layer_norm_replay_is_not_a_generic_layer_norm() -> None:
+    """The replay (and so the kernel) pins one reduction tree: a two-pass fp32 LayerNorm differs."""
+    x = (torch.randn(16, 3072) * 0.05 + 37.0).bfloat16()
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True)
+    two_pass = ((xf - mean) * torch.rsqrt(((xf - mean) ** 2).mean(-1, keepdim=True) + EPS)).bfloat16()
+    assert not torch.equal(layer_norm_replay(x, EPS), two_pass)
+
+
+@interpreter
+def test_layer_norm_modulate_strided_input() -> None:
+    """A non-contiguous x is copied by aten before its (vectorised) kernel: same bits here."""
+    b, n, d = 2, 3, 512
+    shift, scale = modulation(b, d, torch.bfloat16, "cpu")[:2]
+    x = activations((b, 2 * n, d), torch.bfloat16, "cpu")[:, 1::2]
+    out = layer_norm_modulate_triton(x, shift, scale, EPS, rows_per_program=2)
+    assert torch.equal(out, replayed(x, shift, scale))
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2, 3072), (2, 3, 1000)], ids=row_id)
+def test_residual_layer_norm_modulate_interpreter(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    b, _, d = shape
+    shift, scale, gate = modulation(b, d, dtype, "cpu")[:3]
+    residual = activations(shape, dtype, "cpu") * 4
+    update = activations(shape, dtype, "cpu")
+    r, y = residual_layer_norm_modulate_triton(residual, gate, update, shift, scale, EPS, rows_per_program=4)
+    r_ref = gated_residual_reference(residual, gate, update)
+    assert torch.equal(r, r_ref)
+    assert torch.equal(y, replayed(r_ref, shift, scale))
+
+
+@interpreter
+def test_residual_layer_norm_modulate_token_slices() -> None:
+    """Final layer: image-token slices of the joint stream (batch stride (L_txt + L_img) * D)."""
+    b, n_txt, n_img, d = 2, 2, 3, 1024
+    shift, scale, gate = modulation(b, d, torch.bfloat16, "cpu", chunks=3)
+    joint_res = activations((b, n_txt + n_img, d), torch.bfloat16, "cpu")
+    joint_upd = activations((b, n_txt + n_img, d), torch.bfloat16, "cpu")
+    res, upd = joint_res[:, n_txt:], joint_upd[:, n_txt:]
+    r, y = residual_layer_norm_modulate_triton(res, gate, upd, shift, scale, EPS, rows_per_program=2)
+    r_ref = gated_residual_reference(res, gate, upd)
+    assert torch.equal(r, r_ref)
+    assert torch.equal(y, replayed(r_ref, shift, scale))
+
+
+@interpreter
+def test_layer_norm_modulate_guards_name_the_problem() -> None:
+    shift = torch.zeros(1, 3072, dtype=torch.bfloat16)
+    x = torch.zeros(1, 2, 3072, dtype=torch.bfloat16)
+    misaligned = torch.zeros(2 * 3072 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 3072)
+    with pytest.raises(UnsupportedInput, match="unvectorised"):
+        layer_norm_modulate_triton(misaligned, shift, shift)
+    with pytest.raises(UnsupportedInput, match="multiple of 4"):
+        layer_norm_modulate_triton(x[..., :3070], shift[:, :3070], shift[:, :3070])
+    wide = torch.zeros(1, 1, 8704, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedInput, match="maximum fused width 8192"):
+        layer_norm_modulate_triton(wide, wide[0], wide[0])
+    with pytest.raises(UnsupportedInput, match="bf16/fp16"):
+        residual_layer_norm_modulate_triton(x.float(), shift.float(), x.float(), shift.float(), shift.float())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FLUX_ROWS, ids=row_id)
+def test_layer_norm_modulate_gpu_bit_exact(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    b, _, d = shape
+    shift, scale = modulation(b, d, dtype, "cuda")[:2]
+    x = activations(shape, dtype, "cuda")
+    out = layer_norm_modulate_triton(x, shift, scale, EPS)
+    assert torch.equal(out, layer_norm_modulate_reference(x, shift, scale, EPS))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FLUX_ROWS, ids=row_id)
+def test_residual_layer_norm_modulate_gpu_bit_exact(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    b, _, d = shape
+    shift, scale, gate = modulation(b, d, dtype, "cuda")[:3]
+    residual = activations(shape, dtype, "cuda") * 4
+    update = activations(shape, dtype, "cuda")
+    r, y = residual_layer_norm_modulate_triton(residual, gate, update, shift, scale, EPS)
+    r_ref, y_ref = residual_layer_norm_modulate_reference(residual, gate, update, shift, scale, EPS)
+    assert torch.equal(r, r_ref)
+    assert torch.equal(y, y_ref)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 4096, 3072), (2, 4608, 6144), ODD_ROWS], ids=row_id)
+def test_layer_norm_replay_matches_aten_gpu(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The algorithm read from aten (fusions.md §3.1) is the one torch runs on this GPU.
+
+    If this fails, the kernel's failure is in the reading of aten, not in Triton.
+    """
+    x = activations(shape, dtype, "cuda")
+    assert torch.equal(layer_norm_replay(x, EPS), F.layer_norm(x, (shape[-1],), None, None, EPS))

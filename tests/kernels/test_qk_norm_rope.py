@@ -1,0 +1,107 @@
+"""Fused QK RMSNorm + RoPE + joint text/image layout (F7).
+
+On the GPU the kernel must equal the eager chain (`torch.equal`). On the CPU, aten's RMSNorm reduces
+differently from its CUDA kernel, so the interpreter is checked bit-exactly against `rms_norm_replay`
+(aten's CUDA algorithm in fp32 torch ops) followed by the reference RoPE, and within one ulp of the
+CPU reference; `test_rms_norm_replay_matches_aten_gpu` checks the replay itself on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flux_runtime.kernels.dispatch import UnsupportedInput
+from flux_runtime.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_reference
+from tests.kernels.aten_replay import rms_norm_replay
+from tests.kernels.helpers import DTYPES, FLUX_QK, gpu, interpreter, rope_tables, row_id, ulp_distance
+
+EPS = 1e-6
+# (B, L_txt, L_img, H): double block, single block (no text), odd head count with a masked head block
+CPU_QK = [(1, 2, 3, 24), (1, 0, 3, 48), (2, 3, 2, 3)]
+
+
+def head_states(b: int, n: int, h: int, dtype: torch.dtype, device: str, packed: bool) -> Tensor:
+    """(B, L, H, 128) projections; `packed` gives a q-slice view of a fused (B, L, 3, H, 128) output."""
+    if packed:
+        x = torch.randn(b, n, 3, h, 128, device=device)[:, :, 0]
+    else:
+        x = torch.randn(b, n, h, 128, device=device)
+    scale = torch.rand(b, n, h, 1, device=device) * 8 + 0.1  # per-head magnitudes, as after a GEMM
+    return (x * scale).to(dtype)
+
+
+QKArgs = tuple[Tensor | None, Tensor, Tensor | None, Tensor, Tensor, Tensor]
+
+
+def inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, packed: bool = False) -> QKArgs:
+    """(x_txt, x_img, weight_txt, weight_img, cos, sin) for one attention call."""
+    b, n_txt, n_img, h = shape
+    x_img = head_states(b, n_img, h, dtype, device, packed)
+    w_img = (torch.rand(128, device=device) * 2).to(dtype)
+    x_txt = head_states(b, n_txt, h, dtype, device, packed) if n_txt else None
+    w_txt = (torch.rand(128, device=device) * 2).to(dtype) if n_txt else None
+    cos, sin = rope_tables(n_txt + n_img, device)
+    return x_txt, x_img, w_txt, w_img, cos, sin
+
+
+def replayed(
+    x_txt: Tensor | None, x_img: Tensor, w_txt: Tensor | None, w_img: Tensor, cos: Tensor, sin: Tensor
+) -> Tensor:
+    x = rms_norm_replay(x_img, w_img, EPS)
+    if x_txt is not None and w_txt is not None:
+        x = torch.cat([rms_norm_replay(x_txt, w_txt, EPS), x], dim=1)
+    return rope_reference(x, cos, sin)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CPU_QK, ids=row_id)
+def test_qk_norm_rope_interpreter_replays_aten(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    args = inputs(shape, dtype, "cpu", packed=shape[0] == 2)
+    out = qk_norm_rope_triton(*args, EPS, heads_per_program=16)
+    assert out.shape == (shape[0], shape[1] + shape[2], shape[3], 128) and out.is_contiguous()
+    assert torch.equal(out, replayed(*args))
+    # the CPU reference (aten's CPU RMSNorm) differs by at most one ulp
+    assert int(ulp_distance(out, qk_norm_rope_reference(*args, EPS)).max()) <= 1
+
+
+@interpreter
+def test_qk_norm_rope_guards_name_the_problem() -> None:
+    x_txt, x_img, w_txt, w_img, cos, sin = inputs((1, 2, 3, 2), torch.bfloat16, "cpu")
+    with pytest.raises(UnsupportedInput, match="fp32"):
+        qk_norm_rope_triton(x_txt, x_img, w_txt, w_img, cos.double(), sin, EPS)
+    with pytest.raises(UnsupportedInput, match=r"cos must be \(5, 128\)"):
+        qk_norm_rope_triton(x_txt, x_img, w_txt, w_img, cos[:4], sin, EPS)
+    with pytest.raises(UnsupportedInput, match="one dtype"):
+        qk_norm_rope_triton(x_txt, x_img, w_txt, w_img.float(), cos, sin, EPS)
+    with pytest.raises(UnsupportedInput, match=r"\(B, L, H, 128\)"):
+        qk_norm_rope_triton(None, x_img[..., :64], None, w_img[:64], cos[:3], sin[:3], EPS)
+    with pytest.raises(UnsupportedInput, match="both be given"):
+        qk_norm_rope_triton(x_txt, x_img, None, w_img, cos, sin, EPS)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "packed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FLUX_QK, ids=row_id)
+def test_qk_norm_rope_gpu_bit_exact(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, packed: bool
+) -> None:
+    args = inputs(shape, dtype, "cuda", packed)
+    assert torch.equal(qk_norm_rope_triton(*args, EPS), qk_norm_rope_reference(*args, EPS))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 4608, 24), (2, 4544, 48), (2, 7, 3)], ids=row_id)
+def test_rms_norm_replay_matches_aten_gpu(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The RMSNorm read from aten (fusions.md §3.2) is what `F.rms_norm` runs on this GPU."""
+    b, n, h = shape
+    x = head_states(b, n, h, dtype, "cuda", packed=False)
+    w = (torch.rand(128, device="cuda") * 2).to(dtype)
+    assert torch.equal(rms_norm_replay(x, w, EPS), F.rms_norm(x, (128,), w, EPS))
