@@ -153,7 +153,11 @@ def run_op(op: FusedOp, *args: Any) -> Any:
     if _RANK[op.tier] > _RANK[tier]:
         _fallback(op.name, f"{op.tier}-tier kernel, active tier is {tier}", logging.INFO)
         return op.reference(*args)
-    device = next(a.device for a in args if isinstance(a, Tensor))
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        _fallback(op.name, "inputs require grad; the fused kernels have no backward")
+        return op.reference(*args)
+    device = tensors[0].device
     if device.type not in op.devices:
         _fallback(op.name, f"inputs on {device.type}; the kernel runs on {'/'.join(op.devices)}")
         return op.reference(*args)

@@ -113,6 +113,18 @@ def test_outputs_match_the_reference_whatever_the_tier() -> None:
         assert all(torch.equal(a, b) for a, b in zip(outs, refs, strict=True)), name
 
 
+def test_autograd_inputs_keep_the_reference() -> None:
+    op, fused, _ = cpu_op(lambda x: x * 2)
+    x = torch.randn(3, requires_grad=True)
+    with use_fused("lossless"):
+        out = run_op(op, x)
+        with torch.no_grad():
+            run_op(op, x)
+    assert out.requires_grad and fused.calls == 1  # only the no_grad call ran fused
+    reason = "inputs require grad; the fused kernels have no backward"
+    assert fused_ops_report().fallbacks == {("fake", reason): 1}
+
+
 def test_verified_signature_then_runs_fused_only() -> None:
     op, fused, ref = cpu_op(lambda x: x * 2)
     x = torch.randn(4, 8)
