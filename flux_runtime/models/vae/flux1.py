@@ -9,11 +9,16 @@ view, as diffusers does with its `nn.Linear` projections.
 
 Latents come in two scales: `encode`/`decode` work on the raw latent, as diffusers' `AutoencoderKL`
 does; the DiT sees `scale_latents(z)` = `(z - shift_factor) * scale_factor`.
+
+The FLUX.2 autoencoder (flux2.py) is this network with a latent 1x1 conv on each side and BatchNorm
+statistics instead of the affine; it imports the shared parts from here: `VAEShape` (the architecture
+fields), the blocks, and `KLAutoencoder` (encode to the posterior, plain or tiled decode).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar, Generic, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +30,13 @@ TILE_OVERLAP = 0.25
 
 
 @dataclass(frozen=True, kw_only=True)
-class VAEConfig:
-    """Shape of a FLUX.1-style autoencoder, in BFL's `AutoEncoderParams` vocabulary.
+class VAEShape:
+    """The architecture both FLUX autoencoders share, in BFL's `AutoEncoderParams` vocabulary.
 
     Level `i` of the encoder has `ch * ch_mult[i]` channels (diffusers' `block_out_channels`) and
     `num_res_blocks` resnets (the decoder has one more per level); every level but the last halves
     the resolution, so the spatial factor is `2 ** (len(ch_mult) - 1)`. `norm_num_groups` is fixed
-    to 32 in BFL's code. The latent affine `scale_factor`/`shift_factor` maps raw latents to what
-    the DiT sees (diffusers' `scaling_factor`/`shift_factor`).
+    to 32 in BFL's code. Each family's config adds how its latents are normalised.
     """
 
     in_channels: int = 3
@@ -42,8 +46,6 @@ class VAEConfig:
     num_res_blocks: int = 2
     z_channels: int = 16
     norm_num_groups: int = 32
-    scale_factor: float = 0.3611
-    shift_factor: float = 0.1159
 
     def __post_init__(self) -> None:
         if min(self.in_channels, self.out_ch, self.ch, self.z_channels, self.norm_num_groups) <= 0:
@@ -58,8 +60,6 @@ class VAEConfig:
         for c in self.block_channels:
             if c % self.norm_num_groups:
                 raise ValueError(f"block width {c} not divisible by norm_num_groups {self.norm_num_groups}")
-        if self.scale_factor == 0:
-            raise ValueError("scale_factor must be non-zero")
 
     @property
     def block_channels(self) -> tuple[int, ...]:
@@ -70,6 +70,24 @@ class VAEConfig:
     def spatial_factor(self) -> int:
         """Image pixels per latent pixel along each side."""
         return 2 ** (len(self.ch_mult) - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VAEConfig(VAEShape):
+    """Shape of the FLUX.1 autoencoder: `VAEShape` plus its latent affine.
+
+    `scale_factor`/`shift_factor` map raw latents to what the DiT sees (diffusers'
+    `scaling_factor`/`shift_factor`).
+    """
+
+    family: ClassVar[Literal["flux1"]] = "flux1"
+    scale_factor: float = 0.3611
+    shift_factor: float = 0.1159
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scale_factor == 0:
+            raise ValueError("scale_factor must be non-zero")
 
 
 FLUX1_VAE = VAEConfig()
@@ -206,7 +224,7 @@ class UpLevel(nn.Module):
 class Encoder(nn.Module):
     """Image (B, in_channels, H, W) → posterior moments (B, 2*z_channels, H/f, W/f): mean, then logvar."""
 
-    def __init__(self, cfg: VAEConfig) -> None:
+    def __init__(self, cfg: VAEShape) -> None:
         super().__init__()
         g, widths = cfg.norm_num_groups, cfg.block_channels
         self.conv_in = conv3x3(cfg.in_channels, widths[0])
@@ -235,7 +253,7 @@ class Decoder(nn.Module):
     `up_blocks` are in execution order, so `up_blocks.k` is `up.{n-1-k}`.
     """
 
-    def __init__(self, cfg: VAEConfig) -> None:
+    def __init__(self, cfg: VAEShape) -> None:
         super().__init__()
         g, widths = cfg.norm_num_groups, cfg.block_channels
         self.conv_in = conv3x3(cfg.z_channels, widths[-1])
@@ -258,18 +276,22 @@ class Decoder(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h)))
 
 
-class Flux1VAE(nn.Module):
-    """The FLUX.1 autoencoder: `encode` images to raw latents, `decode` raw latents to images.
+ConfigT = TypeVar("ConfigT", bound=VAEShape)
 
-    Images are in [-1, 1]; raw latents are what diffusers' `AutoencoderKL.encode` returns and
-    `decode` takes. Use `scale_latents` / `unscale_latents` to go to and from the DiT's latents.
+
+class KLAutoencoder(nn.Module, Generic[ConfigT]):
+    """What both FLUX autoencoders do alike: `encode` images to raw latents, `decode` raw latents to images.
+
+    `encoder` maps an image to the posterior moments and `decoder` a raw latent to an image, whatever
+    each family puts inside them (FLUX.2 adds its 1x1 quant convs there, where BFL stores them).
+    Images are in [-1, 1]; raw latents are what diffusers' `encode(x).latent_dist` gives and `decode` takes.
     """
 
-    def __init__(self, cfg: VAEConfig) -> None:
+    def __init__(self, cfg: ConfigT, encoder: Encoder, decoder: Decoder) -> None:
         super().__init__()
-        self.config = cfg
-        self.encoder = Encoder(cfg)
-        self.decoder = Decoder(cfg)
+        self.config: ConfigT = cfg
+        self.encoder = encoder
+        self.decoder = decoder
 
     def _param_dtype(self) -> torch.dtype:
         return self.encoder.conv_in.weight.dtype
@@ -308,7 +330,7 @@ class Flux1VAE(nn.Module):
         of 4) bounds memory for large images: a latent wider or taller than `T` is decoded in
         `T x T` tiles that overlap by `T/4` and are blended linearly, holding one row of decoded
         tiles at a time. That is diffusers' `enable_tiling()` decode, bit for bit, when `T` is its
-        `tile_latent_min_size` (`sample_size // f`, 128 for FLUX.1). Tiled output is *not*
+        `tile_latent_min_size` (`sample_size // f`, 128 for FLUX.1 and FLUX.2). Tiled output is *not*
         bit-identical to untiled output: each tile's GroupNorm statistics and attention see only
         that tile, so seams are smoothed, not exact.
         """
@@ -344,6 +366,22 @@ class Flux1VAE(nn.Module):
             prev = row
         return torch.cat(out_rows, dim=2)
 
+    def _check_dtype(self, t: Tensor, what: str) -> None:
+        want = self._param_dtype()
+        if t.dtype != want:
+            raise ValueError(f"{what} is {t.dtype} but the VAE weights are {want}; cast it first")
+
+
+class Flux1VAE(KLAutoencoder[VAEConfig]):
+    """The FLUX.1 autoencoder: `encode` images to raw latents, `decode` raw latents to images.
+
+    Images are in [-1, 1]; raw latents are what diffusers' `AutoencoderKL.encode` returns and
+    `decode` takes. Use `scale_latents` / `unscale_latents` to go to and from the DiT's latents.
+    """
+
+    def __init__(self, cfg: VAEConfig) -> None:
+        super().__init__(cfg, Encoder(cfg), Decoder(cfg))
+
     def scale_latents(self, z: Tensor) -> Tensor:
         """Raw latent → DiT latent: `(z - shift_factor) * scale_factor` (diffusers' img2img order)."""
         return (z - self.config.shift_factor) * self.config.scale_factor
@@ -351,11 +389,6 @@ class Flux1VAE(nn.Module):
     def unscale_latents(self, z: Tensor) -> Tensor:
         """DiT latent → raw latent: `z / scale_factor + shift_factor` (diffusers' order before decode)."""
         return (z / self.config.scale_factor) + self.config.shift_factor
-
-    def _check_dtype(self, t: Tensor, what: str) -> None:
-        want = self._param_dtype()
-        if t.dtype != want:
-            raise ValueError(f"{what} is {t.dtype} but the VAE weights are {want}; cast it first")
 
 
 def _blend_v(a: Tensor, b: Tensor, extent: int) -> None:
