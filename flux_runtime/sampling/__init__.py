@@ -1,13 +1,32 @@
 """Sampling: schedules, latents, the Euler loop and postprocessing; tensors in, tensors out.
 
-The denoiser comes in as a callable (`denoise(model_fn, ...)`), so nothing here imports `models`.
+FLUX.1 and FLUX.2 share the schedule code, `denoise` and image postprocessing; FLUX.2's latent layout,
+BatchNorm normalization and reference images are in `flux2` and `reference_images`. The denoiser and the
+VAE encoder come in as callables (`denoise(model_fn, ...)`, `encode_reference_images(..., encode_fn, ...)`),
+so nothing here imports `models`.
 """
 
 from flux_runtime.sampling.euler import ModelFn, StepCallback, denoise
+from flux_runtime.sampling.flux2 import (
+    FLUX2_LATENT_CHANNELS,
+    FLUX2_TOKEN_CHANNELS,
+    bn_denormalize,
+    bn_normalize,
+    flux2_image_ids,
+    flux2_pack,
+    flux2_prepare_noise,
+    flux2_text_ids,
+    flux2_unpack,
+    klein_uses_cfg,
+    latent_bn_stats,
+    patchify,
+    unpatchify,
+)
 from flux_runtime.sampling.latents import (
     LATENT_CHANNELS,
     VAE_SCALE_FACTOR,
     check_image_size,
+    draw_noise,
     image_ids,
     latent_size,
     num_image_tokens,
@@ -16,6 +35,17 @@ from flux_runtime.sampling.latents import (
     unpack,
 )
 from flux_runtime.sampling.postprocess import denormalize_latents, to_pil_images, to_uint8_images
+from flux_runtime.sampling.reference_images import (
+    REFERENCE_MAX_AREA,
+    REFERENCE_MAX_ASPECT,
+    REFERENCE_MIN_SIDE,
+    REFERENCE_TIME_SCALE,
+    EncodeFn,
+    check_reference_image,
+    encode_reference_images,
+    preprocess_reference_images,
+    reference_time,
+)
 from flux_runtime.sampling.schedule import (
     FLUX1_DEV_SCHEDULE,
     FLUX1_SCHNELL_SCHEDULE,
@@ -28,23 +58,46 @@ from flux_runtime.sampling.schedule import (
 __all__ = [
     "FLUX1_DEV_SCHEDULE",
     "FLUX1_SCHNELL_SCHEDULE",
+    "FLUX2_LATENT_CHANNELS",
     "FLUX2_SCHEDULE",
+    "FLUX2_TOKEN_CHANNELS",
     "LATENT_CHANNELS",
+    "REFERENCE_MAX_AREA",
+    "REFERENCE_MAX_ASPECT",
+    "REFERENCE_MIN_SIDE",
+    "REFERENCE_TIME_SCALE",
     "VAE_SCALE_FACTOR",
+    "EncodeFn",
     "ModelFn",
     "Schedule",
     "ScheduleConfig",
     "StepCallback",
+    "bn_denormalize",
+    "bn_normalize",
     "check_image_size",
+    "check_reference_image",
     "denoise",
     "denormalize_latents",
+    "draw_noise",
+    "encode_reference_images",
+    "flux2_image_ids",
+    "flux2_pack",
+    "flux2_prepare_noise",
+    "flux2_text_ids",
+    "flux2_unpack",
     "get_schedule",
     "image_ids",
+    "klein_uses_cfg",
+    "latent_bn_stats",
     "latent_size",
     "num_image_tokens",
     "pack",
+    "patchify",
     "prepare_noise",
+    "preprocess_reference_images",
+    "reference_time",
     "to_pil_images",
     "to_uint8_images",
     "unpack",
+    "unpatchify",
 ]

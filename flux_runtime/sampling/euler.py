@@ -1,9 +1,11 @@
-"""The flow-matching Euler loop, with `FluxPipeline`'s roundings (diffusers 0.42.1).
+"""The flow-matching Euler loop, with `FluxPipeline`'s and `Flux2Pipeline`'s roundings (diffusers 0.42.1).
 
 Per step i (flux1.md §3.4): `timestep = t.expand(B).to(latents.dtype)`; the denoiser sees
 `timestep / 1000` computed in that dtype (bf16: 988.40863 → 988.0 → 0.98828125); the update is
 `(latents.to(fp32) + dt * pred).to(pred.dtype)` where `dt = σ[i+1] − σ[i]` is a 0-dim fp32 tensor, so by
 type promotion `dt * pred` is a bf16 product added to the fp32 sample (FlowMatchEulerDiscreteScheduler.step).
+FLUX.2 runs the same steps (flux2.md §3.3), plus reference-image tokens appended to the model input and cut
+from its prediction, and klein's CFG, which is FLUX.1's true-CFG formula with `guidance_scale`.
 The denoiser is a callable, so this module knows nothing of models (import direction: sampling → nothing).
 """
 
@@ -17,7 +19,9 @@ from torch import Tensor
 ModelFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 """`model_fn(latents (B, L, C), timestep / 1000 (B,), guidance (B,) fp32 or None) -> velocity (B, L, C)`.
 
-The pipeline builds it as a closure over the text embeddings, ids and RoPE tables of one prompt."""
+The pipeline builds it as a closure over the text embeddings, ids and RoPE tables of one prompt. FLUX.2
+closures cast the input to the transformer's dtype (`latent_model_input.to(transformer.dtype)`); with
+reference tokens, `L` counts them too and the ids are `cat([image ids, reference ids])`."""
 
 StepCallback = Callable[[int, Tensor, Tensor], None]
 """`callback(i, t, latents)` after step i (0-based) with that step's fp32 timestep and the new latents."""
@@ -33,6 +37,7 @@ def denoise(
     guidance: Tensor | None = None,
     negative_model_fn: ModelFn | None = None,
     true_cfg_scale: float = 1.0,
+    reference_tokens: Tensor | None = None,
     callback: StepCallback | None = None,
 ) -> Tensor:
     """Integrate packed `latents` (B, L, C) from `sigmas[0]` to `sigmas[-1]` with Euler steps; returns (B, L, C).
@@ -42,7 +47,11 @@ def denoise(
     `guidance` is passed through to `model_fn` untouched (dev: `torch.full([1], g, fp32).expand(B)`;
     schnell: None). With `negative_model_fn` (true CFG, `true_cfg_scale > 1`), each step also calls it and
     uses `neg + true_cfg_scale * (pos − neg)` in the prediction dtype, as `FluxPipeline` does with a
-    negative prompt. The result has the prediction's dtype (the model's, normally the latents' dtype).
+    negative prompt (klein base models: `true_cfg_scale = guidance_scale`, see `klein_uses_cfg`).
+    `reference_tokens` (B, L_ref, C) (FLUX.2 editing, `encode_reference_images`) are appended to the latents
+    for every model call, `torch.cat([latents, reference_tokens], dim=1)`, and the prediction is cut back to
+    the first L tokens before guidance and the step, so they condition without being updated (FLUX.2
+    `__call__`). The result has the prediction's dtype (the model's, normally the latents' dtype).
     """
     if latents.ndim != 3:
         raise ValueError(f"denoise: expected packed latents (B, L, C), got shape {tuple(latents.shape)}")
@@ -59,17 +68,27 @@ def denoise(
         raise ValueError(f"true_cfg_scale {true_cfg_scale} needs a negative_model_fn")
     if negative_model_fn is not None and not true_cfg_scale > 1.0:
         raise ValueError(f"true_cfg_scale {true_cfg_scale} must be > 1 with a negative_model_fn")
+    if reference_tokens is not None and (
+        reference_tokens.ndim != 3
+        or reference_tokens.shape[0] != latents.shape[0]
+        or reference_tokens.shape[2] != latents.shape[2]
+    ):
+        raise ValueError(
+            f"denoise: expected reference_tokens (B, L_ref, C) = ({latents.shape[0]}, L_ref, {latents.shape[2]}), "
+            f"got shape {tuple(reference_tokens.shape)}"
+        )
 
     sigmas = sigmas.to(latents.device)
     timesteps = timesteps.to(latents.device)
     batch = latents.shape[0]
     for i, t in enumerate(timesteps):
         timestep = t.expand(batch).to(latents.dtype)  # (B,)
-        pred = _checked(model_fn(latents, timestep / 1000, guidance), latents, "model_fn")
+        # FLUX.2 editing: (B, L + L_ref, C); the prediction for the reference tokens is dropped
+        x = latents if reference_tokens is None else torch.cat([latents, reference_tokens], dim=1)
+        pred = _checked(model_fn(x, timestep / 1000, guidance), x, "model_fn")[:, : latents.shape[1]]
         if negative_model_fn is not None:
-            neg = _checked(
-                negative_model_fn(latents, timestep / 1000, guidance), latents, "negative_model_fn"
-            )
+            neg = _checked(negative_model_fn(x, timestep / 1000, guidance), x, "negative_model_fn")
+            neg = neg[:, : latents.shape[1]]
             pred = neg + true_cfg_scale * (pred - neg)
         # FlowMatchEulerDiscreteScheduler.step: fp32 sample, 0-dim fp32 dt, cast back to pred's dtype
         sample = latents.to(torch.float32)

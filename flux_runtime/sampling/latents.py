@@ -74,6 +74,26 @@ def prepare_noise(
     """
     _check_positive_int("batch", batch)
     h, w = latent_size(height, width, vae_scale_factor)
+    return draw_noise(
+        (batch, LATENT_CHANNELS, h, w), dtype=dtype, device=device, seed=seed, generator=generator
+    )
+
+
+def draw_noise(
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> Tensor:
+    """Standard normal noise of `shape` (batch first) with diffusers' `randn_tensor` seed semantics.
+
+    The rules `prepare_noise` documents (exactly one of `seed` / `generator`; a CPU generator draws on the
+    CPU and the result is moved; a list draws one sample per generator), for any latent layout: FLUX.1
+    draws `(B, 16, h, w)`, FLUX.2 `(B, 128, h/2, w/2)`.
+    """
+    batch = shape[0]
     if (seed is None) == (generator is None):
         raise ValueError("pass exactly one of seed or generator")
     if seed is not None:
@@ -93,7 +113,6 @@ def prepare_noise(
     else:
         raise ValueError(f"cannot draw noise for {device} with a {gen_type} generator")
 
-    shape = (batch, LATENT_CHANNELS, h, w)
     if isinstance(generator, list) and len(generator) == 1:
         generator = generator[0]
     if isinstance(generator, list):

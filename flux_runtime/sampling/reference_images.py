@@ -1,0 +1,146 @@
+"""FLUX.2 reference images (editing): preprocessing, VAE encoding through a callable, tokens and their ids.
+
+Each reference image is checked, shrunk to at most 1024² pixels, center-cropped to a multiple of 16 and
+scaled to [-1, 1]; the VAE encodes it (the latent distribution's mean), the latents are patchified and
+BatchNorm-normalized like the generated image's, and their tokens follow the noise tokens in the sequence
+with ids `(10 + 10k, i, j, 0)` for reference k, a separate time coordinate per image. The transformer sees
+them at every step; they are never updated (`denoise(..., reference_tokens=...)`).
+
+Follows `Flux2Pipeline.__call__` step 4, `Flux2ImageProcessor` (`check_image_input`, `_resize_to_target_area`,
+its crop-only `_resize_and_crop`, `VaeImageProcessor.preprocess`), `prepare_image_latents`,
+`_encode_vae_image` and `_prepare_image_ids` (diffusers 0.42.1, identical in `Flux2KleinPipeline`).
+The VAE comes in as `encode_fn`, so this module imports no models.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from flux_runtime.sampling.flux2 import bn_normalize, flux2_image_ids, flux2_pack, patchify
+from flux_runtime.sampling.latents import VAE_SCALE_FACTOR, _check_positive_int
+
+EncodeFn = Callable[[Tensor], Tensor]
+"""`encode_fn(image (1, 3, H, W) in [-1, 1], VAE dtype and device) -> latent mean (1, 32, H/8, W/8)`.
+
+The pipeline passes its VAE encoder returning the posterior's mode (`latent_dist.mode()`), not a sample."""
+
+# Flux2ImageProcessor.check_image_input defaults and Flux2Pipeline.__call__'s area cap.
+REFERENCE_MIN_SIDE = 64
+REFERENCE_MAX_ASPECT = 8
+REFERENCE_MAX_AREA = 1024 * 1024
+# `_prepare_image_ids(scale=10)`: reference k sits at time 10 + 10k; the generated image at time 0.
+REFERENCE_TIME_SCALE = 10
+
+
+def reference_time(k: int) -> int:
+    """The time coordinate of reference image k (0-based): 10, 20, 30, …"""
+    return REFERENCE_TIME_SCALE + REFERENCE_TIME_SCALE * k
+
+
+def check_reference_image(image: object) -> None:
+    """Raise ValueError unless `image` is a PIL image with both sides ≥ 64 px and an aspect ratio ≤ 8.
+
+    `Flux2ImageProcessor.check_image_input`, on the image as given (before any resize), in our words.
+    """
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"reference image must be a PIL image, got {type(image).__name__}")
+    width, height = image.size
+    if width < REFERENCE_MIN_SIDE or height < REFERENCE_MIN_SIDE:
+        raise ValueError(
+            f"reference image {width}x{height} is too small: both sides must be at least {REFERENCE_MIN_SIDE} px"
+        )
+    aspect = max(width / height, height / width)
+    if aspect > REFERENCE_MAX_ASPECT:
+        raise ValueError(
+            f"reference image {width}x{height} has aspect ratio {aspect:.1f}; the limit is {REFERENCE_MAX_ASPECT}"
+        )
+
+
+def preprocess_reference_images(
+    images: Image.Image | Sequence[Image.Image], *, vae_scale_factor: int = VAE_SCALE_FACTOR
+) -> list[Tensor]:
+    """PIL reference images to fp32 tensors `(1, 3, h, w)` in [-1, 1], `h`, `w` multiples of 16; one per image.
+
+    All images are checked first (`check_reference_image`), then each, as `Flux2Pipeline.__call__` does:
+    1. if it has more than 1024² pixels, resize (LANCZOS) to `int(W·s) x int(H·s)`, `s = sqrt(1024² / (W·H))`;
+    2. center-crop (no resize) to the sides floored to a multiple of `2 * vae_scale_factor`, the crop box
+       starting at `((W − w) // 2, (H − h) // 2)`;
+    3. convert to RGB, `uint8 → float32 / 255`, NCHW, `2x − 1`.
+    The tensor keeps numpy's channels-last memory (a transposed view, strides `(h·w·3, 1, w·3, 3)`) as
+    diffusers' does, so the VAE sees the same layout. The first image's `(h, w)` is the pipeline's default
+    output size when none is given.
+    """
+    _check_positive_int("vae_scale_factor", vae_scale_factor)
+    images = [images] if isinstance(images, Image.Image) else list(images)
+    if not images:
+        raise ValueError("no reference images given")
+    for image in images:
+        check_reference_image(image)
+    return [_preprocess(image, 2 * vae_scale_factor) for image in images]
+
+
+def _preprocess(image: Image.Image, multiple: int) -> Tensor:
+    width, height = image.size
+    if width * height > REFERENCE_MAX_AREA:
+        # Flux2ImageProcessor._resize_to_target_area
+        scale = math.sqrt(REFERENCE_MAX_AREA / (width * height))
+        image = image.resize((int(width * scale), int(height * scale)), Image.Resampling.LANCZOS)
+        width, height = image.size
+    w, h = (width // multiple) * multiple, (height // multiple) * multiple
+    if w == 0 or h == 0:
+        raise ValueError(f"reference image {width}x{height} is smaller than {multiple} px after resizing")
+    # Flux2ImageProcessor._resize_and_crop: a center crop only
+    left, top = (width - w) // 2, (height - h) // 2
+    image = image.crop((left, top, left + w, top + h)).convert("RGB")
+    # VaeImageProcessor.pil_to_numpy, numpy_to_pt, normalize
+    array = np.stack([np.array(image).astype(np.float32) / 255.0], axis=0)  # (1, h, w, 3)
+    pixels = torch.from_numpy(array.transpose(0, 3, 1, 2))  # (1, 3, h, w), channels-last memory
+    return 2.0 * pixels - 1.0
+
+
+def encode_reference_images(
+    images: Sequence[Tensor],
+    encode_fn: EncodeFn,
+    mean: Tensor,
+    std: Tensor,
+    *,
+    batch: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[Tensor, Tensor]:
+    """Encode preprocessed reference images into tokens `(batch, L_ref, 128)` and ids `(L_ref, 4)` int64.
+
+    For each image k (`Flux2Pipeline.prepare_image_latents`): cast to the VAE's `dtype` on `device`,
+    `encode_fn` → `(1, 32, h, w)`, `patchify`, `bn_normalize` with `mean`/`std` from `latent_bn_stats`, pack
+    to `(h/2)·(w/2)` tokens with ids `(reference_time(k), i, j, 0)`. The tokens of all images are
+    concatenated in order and repeated for each of `batch` images; they stay in the VAE's dtype (the loop
+    casts the model input, as diffusers casts `cat([latents, image_latents])` to the transformer's dtype).
+    Append the ids after the generated image's: `torch.cat([flux2_image_ids(h, w), ref_ids])`.
+    """
+    _check_positive_int("batch", batch)
+    if len(images) == 0:
+        raise ValueError("encode_reference_images: no reference images given")
+    tokens, ids = [], []
+    for k, image in enumerate(images):
+        if image.ndim != 4 or image.shape[:2] != (1, 3):
+            raise ValueError(
+                f"encode_reference_images: reference {k} must be (1, 3, H, W), got {tuple(image.shape)}"
+            )
+        latents = encode_fn(image.to(device=device, dtype=dtype))
+        if latents.ndim != 4 or latents.shape[0] != 1:
+            raise ValueError(
+                f"encode_reference_images: encode_fn returned shape {tuple(latents.shape)} for reference {k}, "
+                f"expected (1, C, h, w)"
+            )
+        grid = bn_normalize(patchify(latents), mean, std)  # (1, 128, h/2, w/2)
+        h, w = latents.shape[-2:]
+        ids.append(flux2_image_ids(h, w, time=reference_time(k), device=device))
+        tokens.append(flux2_pack(grid).squeeze(0))  # (h/2·w/2, 128)
+    ref_tokens = torch.cat(tokens, dim=0).unsqueeze(0).repeat(batch, 1, 1)  # (B, L_ref, 128)
+    return ref_tokens, torch.cat(ids, dim=0)  # (L_ref, 4)
