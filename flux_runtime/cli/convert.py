@@ -1,4 +1,4 @@
-"""`flux-convert`: convert a FLUX.1 transformer or VAE between the BFL and diffusers layouts.
+"""`flux-convert`: convert a FLUX.1 or FLUX.2 transformer or VAE between the BFL and diffusers layouts.
 
 One click command: parse, call `flux_runtime.weights.convert.convert`, report what was written.
 Library errors become one line and a non-zero exit here, and only here.
@@ -50,10 +50,11 @@ def _human(n: int) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file or folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
 def main(component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool) -> None:
-    """Convert the FLUX.1 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
+    """Convert the FLUX.1 or FLUX.2 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
 
-    SRC is a BFL single file (flux1-dev.safetensors, ae.safetensors), a diffusers folder or
-    pipeline root, or a cached Hugging Face model id; its layout is read from its keys. A BFL
+    SRC is a BFL single file (flux1-dev.safetensors, flux2-dev.safetensors, ae.safetensors), a
+    diffusers folder or pipeline root, or a cached Hugging Face model id; its family and layout are
+    read from its keys. A BFL
     source becomes a diffusers folder DST (config.json, sharded past --max-shard-size); a diffusers
     source becomes one BFL file DST (.safetensors). Values and dtypes are kept bit for bit.
     """

@@ -1,8 +1,9 @@
-"""Converting FLUX.1 checkpoints between the BFL single-file layout and the diffusers folder layout.
+"""Converting FLUX.1 and FLUX.2 checkpoints between the BFL single-file layout and the diffusers folder layout.
 
-A conversion is planned before any tensor is read: the source is found, its layout read from its
-keys, its config inferred and every key checked against the layout's rule table (the same tables
-and checks the loaders use: `flux1_layout` for the transformer, `vae_layout` for the VAE). The plan
+A conversion is planned before any tensor is read: the source is found, its family and layout read
+from its keys, its config inferred and every key checked against the layout's rule table (the same
+tables and checks the loaders use: `flux1_layout` / `flux2_layout` for the transformer,
+`vae_layout` / `vae2_layout` for the VAE). The plan
 is a list of steps, one per rule, each knowing the names, shapes and dtypes it will produce
 (computed by running the rule on meta tensors). Writing then streams: the safetensors header is
 written from the plan, and each step reads its few source tensors, transforms them and appends the
@@ -27,14 +28,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from flux_runtime.models.dit import DiTConfig, Flux1Transformer
-from flux_runtime.models.vae.flux1 import VAEConfig
-from flux_runtime.weights import flux1_layout, flux2_layout, vae_layout
+from flux_runtime.models.dit import DiTConfig, Flux1Transformer, Flux2Transformer
+from flux_runtime.models.vae.flux2 import PATCH, Flux2VAEConfig
+from flux_runtime.weights import flux1_layout, flux2_layout, flux2_transformer, vae_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
 from flux_runtime.weights.transformer import detect_layout, find_transformer_files, infer_config
-from flux_runtime.weights.vae import KeyView, open_vae_checkpoint
+from flux_runtime.weights.vae import AnyVAEConfig, KeyView, open_vae_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ DIFFUSERS_STEM = "diffusion_pytorch_model"
 DEFAULT_MAX_SHARD_SIZE = "10GB"
 # What diffusers' FLUX.1 `vae/config.json` says beyond the architecture (shared/reference/vae.md §1).
 FLUX1_VAE_SAMPLE_SIZE = 1024
+# What FLUX.2's BFL code fixes and diffusers' configs state (AutoencoderKLFlux2 and
+# Flux2Transformer2DModel defaults, which diffusers' FLUX.2 converter keeps).
+FLUX2_VAE_SAMPLE_SIZE = 1024
+FLUX2_BN_MOMENTUM = 0.1
+FLUX2_DIFFUSERS_FIXED: dict[str, Any] = {"patch_size": 1, "timestep_guidance_channels": 256, "eps": 1e-6}
 
 _ST_DTYPES = {
     torch.float64: "F64",
@@ -115,7 +121,7 @@ class ConversionPlan:
     source_layout: str
     target_layout: str
     steps: list[Step]
-    config: DiTConfig | VAEConfig
+    config: DiTConfig | AnyVAEConfig
     diffusers_config: dict[str, Any]
 
     def outputs(self) -> Iterator[Output]:
@@ -143,7 +149,26 @@ class ConversionResult:
 
 
 def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
-    """The config.json diffusers writes for a `FluxTransformer2DModel` of this shape (same fields)."""
+    """The config.json diffusers writes for a `FluxTransformer2DModel` (FLUX.1) or a
+    `Flux2Transformer2DModel` (FLUX.2) of this shape (same fields)."""
+    if cfg.family == "flux2":
+        return {
+            "_class_name": "Flux2Transformer2DModel",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "attention_head_dim": cfg.head_dim,
+            "axes_dims_rope": list(cfg.axes_dim),
+            "guidance_embeds": cfg.guidance_embed,
+            "in_channels": cfg.in_channels,
+            "joint_attention_dim": cfg.context_in_dim,
+            "mlp_ratio": cfg.mlp_ratio,
+            "num_attention_heads": cfg.num_heads,
+            "num_layers": cfg.depth,
+            "num_single_layers": cfg.depth_single_blocks,
+            # diffusers' default None means "same as in_channels"
+            "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
+            "rope_theta": cfg.theta,
+            **FLUX2_DIFFUSERS_FIXED,
+        }
     unsupported = []
     if cfg.family != "flux1":
         unsupported.append(f"family {cfg.family!r}")
@@ -175,9 +200,32 @@ def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
     }
 
 
-def vae_diffusers_config(cfg: VAEConfig, sample_size: int = FLUX1_VAE_SAMPLE_SIZE) -> dict[str, Any]:
-    """The config.json diffusers writes for an `AutoencoderKL` of this shape (same fields)."""
+def vae_diffusers_config(cfg: AnyVAEConfig) -> dict[str, Any]:
+    """The config.json diffusers writes for an `AutoencoderKL` (FLUX.1) or an `AutoencoderKLFlux2`
+    (FLUX.2) of this shape (same fields; `sample_size`, diffusers' tile size, is FLUX's 1024)."""
     n = len(cfg.ch_mult)
+    if isinstance(cfg, Flux2VAEConfig):
+        return {
+            "_class_name": "AutoencoderKLFlux2",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "act_fn": "silu",
+            "batch_norm_eps": cfg.batch_norm_eps,
+            "batch_norm_momentum": FLUX2_BN_MOMENTUM,
+            "block_out_channels": list(cfg.block_channels),
+            "decoder_block_out_channels": None,
+            "down_block_types": ["DownEncoderBlock2D"] * n,
+            "in_channels": cfg.in_channels,
+            "latent_channels": cfg.z_channels,
+            "layers_per_block": cfg.num_res_blocks,
+            "mid_block_add_attention": True,
+            "norm_num_groups": cfg.norm_num_groups,
+            "out_channels": cfg.out_ch,
+            "patch_size": [PATCH, PATCH],
+            "sample_size": FLUX2_VAE_SAMPLE_SIZE,
+            "up_block_types": ["UpDecoderBlock2D"] * n,
+            "use_post_quant_conv": True,
+            "use_quant_conv": True,
+        }
     return {
         "_class_name": "AutoencoderKL",
         "_diffusers_version": DIFFUSERS_VERSION,
@@ -193,7 +241,7 @@ def vae_diffusers_config(cfg: VAEConfig, sample_size: int = FLUX1_VAE_SAMPLE_SIZ
         "mid_block_add_attention": True,
         "norm_num_groups": cfg.norm_num_groups,
         "out_channels": cfg.out_ch,
-        "sample_size": sample_size,
+        "sample_size": FLUX1_VAE_SAMPLE_SIZE,
         "scaling_factor": cfg.scale_factor,
         "shift_factor": cfg.shift_factor,
         "up_block_types": ["UpDecoderBlock2D"] * n,
@@ -249,12 +297,16 @@ def _folder_config(files: list[Path]) -> dict | None:
         raise WeightsError(f"{cfg}: not valid JSON ({e})") from None
 
 
+Split = Callable[[flux1_layout.Rule, Tensor], dict[str, Tensor]]
+Fuse = Callable[[flux1_layout.Rule, Callable[[str], Tensor]], Tensor]
+
+
 def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
-    """Plan converting a FLUX.1 transformer to the other layout (strict: every key used, every shape right)."""
+    """Plan converting a FLUX.1 or FLUX.2 transformer to the other layout (strict: every key used, every shape right)."""
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
     if flux2_layout.is_flux2(src.keys()):
-        raise WeightsError(f"{files[0]}: a FLUX.2 transformer; conversion handles FLUX.1 checkpoints only")
+        return _plan_flux2_transformer(files, src)
     layout = detect_layout(src.keys())
     view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
     cfg = infer_config(
@@ -265,47 +317,99 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
         expected = Flux1Transformer(cfg).state_dict()
     table = list(flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed))
     d = cfg.hidden_size
-    # the diffusers shapes each BFL tensor must split into
-    expected_diffusers = {
-        k: tuple(t.shape)
-        for r in table
-        for k, t in flux1_layout.bfl_to_diffusers(r, expected[r.bfl], d).items()
-    }
-    meta_get = _meta_getter(view, _source_dtypes(src))
 
+    def split(r: flux1_layout.Rule, t: Tensor) -> dict[str, Tensor]:
+        return flux1_layout.bfl_to_diffusers(r, t, d)  # q, k, v blocks are `d` rows
+
+    steps = _transformer_steps(layout, view, table, expected, split, flux1_layout.diffusers_to_bfl)
+    target = "diffusers" if layout == "bfl" else "bfl"
+    return ConversionPlan("transformer", files, layout, target, steps, cfg, diffusers_cfg)
+
+
+def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionPlan:
+    """`plan_transformer` for FLUX.2 keys: `flux2_layout`'s table, the FLUX.2 loader's config inference."""
+    layout = flux2_layout.detect_layout(src.keys())
+    view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
+    folder = _folder_config(files) if layout == "diffusers" else None
+    if layout == "bfl":
+        depths = flux2_layout.bfl_depths(view.keys())
+        shape_of = view.shape
+    else:
+        depths = flux2_layout.diffusers_depths(view.keys())
+        table = list(flux2_layout.rules(*depths))
+        _check_keys(view.keys(), [k for r in table for k in r.diffusers])
+        shape_of = flux2_transformer._fused_shapes(table, view.shape)
+    cfg = flux2_transformer.infer_config(shape_of, depths, folder)
+    # a BFL file cannot state these: refuse a diffusers config whose values BFL's code would not reproduce
+    lost = [
+        f"{k} {folder[k]} (BFL fixes {v})"
+        for k, v in FLUX2_DIFFUSERS_FIXED.items()
+        if folder and k in folder and folder[k] != v
+    ]
+    if lost:
+        raise WeightsError(
+            f"{files[0].parent / 'config.json'}: BFL's FLUX.2 cannot express " + ", ".join(lost)
+        )
+    with torch.device("meta"):
+        expected = Flux2Transformer(cfg).state_dict()
+    table = list(flux2_layout.rules(*depths))
+    steps = _transformer_steps(
+        layout, view, table, expected, flux2_layout.bfl_to_diffusers, flux2_layout.diffusers_to_bfl
+    )
+    target = "diffusers" if layout == "bfl" else "bfl"
+    return ConversionPlan("transformer", files, layout, target, steps, cfg, transformer_diffusers_config(cfg))
+
+
+def _transformer_steps(
+    layout: str,
+    view: KeyView,
+    table: list[flux1_layout.Rule],
+    expected: dict[str, Tensor],
+    split: Split,
+    fuse: Fuse,
+) -> list[Step]:
+    """One step per rule: `split` a BFL tensor into its diffusers tensors, or `fuse` them into it.
+
+    Checks first that the source has exactly the table's keys, each of the shape the model (BFL
+    names) or the split of the model's tensor (diffusers names) gives.
+    """
+    meta_get = _meta_getter(view, _source_dtypes(view.src))
+    steps = []
     if layout == "bfl":
         _check_keys(view.keys(), [r.bfl for r in table])
-        steps = []
         for r in table:
             if view.shape(r.bfl) != tuple(expected[r.bfl].shape):
                 raise WeightsError(
                     f"{r.bfl}: expected shape {tuple(expected[r.bfl].shape)}, checkpoint has {view.shape(r.bfl)}"
                 )
-            planned = flux1_layout.bfl_to_diffusers(r, meta_get(r.bfl), d)
+            planned = split(r, meta_get(r.bfl))
 
             def run(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
-                return flux1_layout.bfl_to_diffusers(r, view.get(r.bfl), d)
+                return split(r, view.get(r.bfl))
 
             steps.append(Step(_outputs(planned), run))
-    else:
-        _check_keys(view.keys(), [k for r in table for k in r.diffusers])
-        for k, want in expected_diffusers.items():
-            if view.shape(k) != want:
-                raise WeightsError(f"{k}: expected shape {want}, checkpoint has {view.shape(k)}")
-        steps = []
-        for r in table:
-            planned = {r.bfl: flux1_layout.diffusers_to_bfl(r, meta_get)}
+        return steps
 
-            def run(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
-                return {r.bfl: flux1_layout.diffusers_to_bfl(r, view.get)}
+    _check_keys(view.keys(), [k for r in table for k in r.diffusers])
+    for r in table:
+        for k, part in split(r, expected[r.bfl]).items():
+            if view.shape(k) != tuple(part.shape):
+                raise WeightsError(f"{k}: expected shape {tuple(part.shape)}, checkpoint has {view.shape(k)}")
+    for r in table:
+        planned = {r.bfl: fuse(r, meta_get)}
 
-            steps.append(Step(_outputs(planned), run))
-    target = "diffusers" if layout == "bfl" else "bfl"
-    return ConversionPlan("transformer", files, layout, target, steps, cfg, diffusers_cfg)
+        def run_fuse(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
+            return {r.bfl: fuse(r, view.get)}
+
+        steps.append(Step(_outputs(planned), run_fuse))
+    return steps
 
 
 def plan_vae(path_or_id: str | Path) -> ConversionPlan:
-    """Plan converting a FLUX.1 VAE to the other layout (`open_vae_checkpoint` has checked every key)."""
+    """Plan converting a FLUX.1 or FLUX.2 VAE to the other layout (`open_vae_checkpoint` has checked every key).
+
+    FLUX.2's optional `bn.num_batches_tracked` has one name in both layouts: copied when present.
+    """
     ckpt = open_vae_checkpoint(path_or_id)
     meta_get = _meta_getter(ckpt.view, _source_dtypes(ckpt.view.src))
     steps = []
@@ -322,6 +426,12 @@ def plan_vae(path_or_id: str | Path) -> ConversionPlan:
                 return {r.bfl: vae_layout.diffusers_to_bfl(r, ckpt.view.get(r.diffusers))}
 
         steps.append(Step(_outputs(planned), run))
+    for key in ckpt.optional:
+
+        def copy(key: str = key) -> dict[str, Tensor]:
+            return {key: ckpt.view.get(key)}
+
+        steps.append(Step(_outputs({key: meta_get(key)}), copy))
     target = "diffusers" if ckpt.layout == "bfl" else "bfl"
     return ConversionPlan(
         "vae", ckpt.files, ckpt.layout, target, steps, ckpt.config, vae_diffusers_config(ckpt.config)
@@ -531,12 +641,13 @@ def convert(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> ConversionResult:
-    """Convert the FLUX.1 `component` at `src` to the layout it is not in, at `dst`.
+    """Convert the FLUX.1 or FLUX.2 `component` at `src` to the layout it is not in, at `dst`.
 
     BFL → diffusers writes a folder (`dst`); diffusers → BFL writes one file (`dst`, `.safetensors`).
     Tensors keep their dtype and values bit for bit (fused q/k/v concatenated or split, the final
     norm's halves swapped, 1x1 convs reshaped). A BFL file carries no config: converting one to
-    diffusers infers the architecture from shapes, with FLUX.1's VAE factors and 32 groups.
+    diffusers infers the architecture from shapes, with 32 groups and the family's fixed values
+    (FLUX.1's VAE factors, FLUX.2's BatchNorm eps, the RoPE axes of the preset with that head width).
     Raises `WeightsError` (bad source or destination) or `ValueError` (bad `max_shard_size`).
     """
     limit = parse_size(max_shard_size)

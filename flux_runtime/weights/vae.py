@@ -1,11 +1,13 @@
-"""`load_vae`: the FLUX.1 autoencoder from a BFL file, a diffusers folder, or a cached model id.
+"""`load_vae`: the FLUX.1 or FLUX.2 autoencoder from a BFL file, a diffusers folder, or a cached model id.
 
-The layout is read from the keys present, never from file names. Channels, levels and resnets per
-level come from the tensor shapes; a diffusers folder's `config.json` also decides the GroupNorm
-groups and the latent scale/shift factors (and must agree with the shapes). A BFL `ae.safetensors`
-stores neither, so it gets BFL's 32 groups and the FLUX.1 factors unless `config=` says otherwise.
-The model is built on the meta device, each tensor is streamed to the target device and dtype, and
-the match is strict: missing, unexpected and misshapen keys are named.
+The family and the layout are read from the keys present, never from file names: FLUX.2's VAE is the
+one with the latent BatchNorm (`bn.running_mean`, same name in both layouts). Channels, levels and
+resnets per level come from the tensor shapes; a diffusers folder's `config.json` also decides the
+GroupNorm groups and the latent normalisation (FLUX.1's scale/shift factors, FLUX.2's BatchNorm eps),
+and must agree with the shapes. A BFL `ae.safetensors` stores neither, so it gets BFL's 32 groups and
+its family's fixed values unless `config=` says otherwise. The model is built on the meta device, each
+tensor is streamed to the target device and dtype, and the match is strict: missing, unexpected and
+misshapen keys are named (FLUX.2's optional BatchNorm counter `bn.num_batches_tracked` aside).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from flux_runtime.models.vae.flux1 import FLUX1_VAE, VAE_PRESETS, Flux1VAE, VAEConfig
-from flux_runtime.weights import vae_layout
+from flux_runtime.models.vae.flux2 import FLUX2_VAE, FLUX2_VAE_PRESETS, PATCH, Flux2VAE, Flux2VAEConfig
+from flux_runtime.weights import vae2_layout, vae_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import count_blocks
 from flux_runtime.weights.hub import resolve, safetensors_files
@@ -30,14 +33,18 @@ from flux_runtime.weights.safetensors_io import TensorSource, read_header
 log = logging.getLogger(__name__)
 
 ShapeOf = Callable[[str], tuple[int, ...]]
+Family = Literal["flux1", "flux2"]
+AnyVAEConfig = VAEConfig | Flux2VAEConfig
+AnyVAE = Flux1VAE | Flux2VAE
 
-# Random-weight presets that need no checkpoint (the offline demo and tests).
-BUILTIN = {"tiny": 0}
+# Random-weight presets that need no checkpoint (the offline demo and tests), name → seed.
+BUILTIN = {"tiny": 0, "tiny-flux2": 0}
+_PRESETS: dict[str, AnyVAEConfig] = {**VAE_PRESETS, **FLUX2_VAE_PRESETS}
+FAMILY_NAMES: dict[Family, str] = {"flux1": "FLUX.1", "flux2": "FLUX.2"}
 _BFL_STARTS = ("encoder.down.", "encoder.mid.", "decoder.up.", "decoder.mid.")
 _DIFFUSERS_STARTS = ("encoder.down_blocks.", "encoder.mid_block.", "decoder.up_blocks.", "decoder.mid_block.")
-# Keys only the FLUX.2 autoencoder (or an SD-style VAE) has: latent BatchNorm and quant convs.
-_NOT_FLUX1 = (
-    "bn.running_mean",
+# Quant convs without the latent BatchNorm: an SD-style autoencoder, neither FLUX.1 nor FLUX.2.
+_QUANT_KEYS = (
     "quant_conv.weight",
     "post_quant_conv.weight",
     "encoder.quant_conv.weight",
@@ -59,6 +66,26 @@ _DIFFUSERS_DEFAULTS: dict[str, Any] = {
     "use_quant_conv": True,
     "use_post_quant_conv": True,
     "mid_block_add_attention": True,
+}
+# diffusers' AutoencoderKLFlux2 defaults (its signature: FLUX.2's own values).
+_FLUX2_DIFFUSERS_DEFAULTS: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "decoder_block_out_channels": None,
+    "layers_per_block": 2,
+    "act_fn": "silu",
+    "latent_channels": 32,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "use_quant_conv": True,
+    "use_post_quant_conv": True,
+    "mid_block_add_attention": True,
+    "batch_norm_eps": 1e-4,
+    "batch_norm_momentum": 0.1,
+    "patch_size": [2, 2],
 }
 
 
@@ -127,21 +154,32 @@ class KeyView:
         return self.src.get(self.names[key], device, dtype)
 
 
-def detect_vae_layout(keys: list[str]) -> str:
-    """'bfl' or 'diffusers', from the keys present (prefixes already stripped)."""
-    flux2 = [k for k in _NOT_FLUX1 if k in keys]
-    if flux2:
+def detect_vae_family(keys: list[str]) -> Family:
+    """'flux2' when the keys (prefixes stripped) hold the latent BatchNorm, else 'flux1'.
+
+    Quant convs without a BatchNorm belong to neither (an SD-style autoencoder) and are refused.
+    """
+    if vae2_layout.is_flux2(keys):
+        return "flux2"
+    quant = [k for k in _QUANT_KEYS if k in keys]
+    if quant:
         raise WeightsError(
-            f"not a FLUX.1 VAE: it has {', '.join(flux2)} (the FLUX.2 or an SD-style autoencoder); "
-            "only the FLUX.1 autoencoder is supported"
+            f"not a FLUX VAE: it has {', '.join(quant)} but no latent BatchNorm (bn.running_mean), "
+            "so it is an SD-style autoencoder; only the FLUX.1 and FLUX.2 autoencoders are supported"
         )
+    return "flux1"
+
+
+def detect_vae_layout(keys: list[str], family: Family = "flux1") -> str:
+    """'bfl' or 'diffusers', from the keys present (prefixes already stripped); the same for both families."""
     if any(k.startswith(_BFL_STARTS) for k in keys):
         return "bfl"
     if any(k.startswith(_DIFFUSERS_STARTS) for k in keys):
         return "diffusers"
     sample = ", ".join(sorted(keys)[:5]) or "no keys at all"
     raise WeightsError(
-        f"unknown checkpoint layout: not a FLUX.1 VAE in BFL or diffusers form (keys: {sample}, ...)"
+        f"unknown checkpoint layout: not a {FAMILY_NAMES[family]} VAE in BFL or diffusers form "
+        f"(keys: {sample}, ...)"
     )
 
 
@@ -176,24 +214,35 @@ def infer_vae_shapes(layout: str, keys: list[str], shape_of: ShapeOf) -> dict[st
     }
 
 
-def config_from_diffusers(cfg: dict[str, Any], where: Path | str) -> VAEConfig:
-    """Our config from a diffusers `AutoencoderKL` config.json (its defaults fill absent fields).
+def config_from_diffusers(cfg: dict[str, Any], where: Path | str, family: Family = "flux1") -> AnyVAEConfig:
+    """Our config from a diffusers config.json: `AutoencoderKL` for FLUX.1, `AutoencoderKLFlux2` for FLUX.2.
 
-    Raises `WeightsError` for what the FLUX.1 VAE does not have (quant convs, other block types,
-    another activation, no mid-block attention).
+    The class's own defaults fill absent fields. Raises `WeightsError` for what the family's VAE does
+    not have (quant convs present or missing, other block types, another activation, no mid-block
+    attention; for FLUX.2 also a decoder wider than the encoder or patches other than 2x2).
     """
-    c = {**_DIFFUSERS_DEFAULTS, **cfg}
-    name = c.get("_class_name", "AutoencoderKL")
+    flux2 = family == "flux2"
+    c = {**(_FLUX2_DIFFUSERS_DEFAULTS if flux2 else _DIFFUSERS_DEFAULTS), **cfg}
+    cls = "AutoencoderKLFlux2" if flux2 else "AutoencoderKL"
+    name = c.get("_class_name", cls)
     problems = []
-    if name != "AutoencoderKL":
-        problems.append(f"_class_name is {name!r}, not 'AutoencoderKL'")
+    if name != cls:
+        problems.append(f"_class_name is {name!r}, not {cls!r}")
     for key, want in (
-        ("use_quant_conv", False),
-        ("use_post_quant_conv", False),
+        ("use_quant_conv", flux2),
+        ("use_post_quant_conv", flux2),
         ("mid_block_add_attention", True),
     ):
         if bool(c[key]) != want:
-            problems.append(f"{key} is {c[key]} (the FLUX.1 VAE has {want})")
+            problems.append(f"{key} is {c[key]} (the {FAMILY_NAMES[family]} VAE has {want})")
+    if flux2:
+        decoder = c["decoder_block_out_channels"]
+        if decoder is not None and list(decoder) != list(c["block_out_channels"]):
+            problems.append(
+                f"decoder_block_out_channels is {list(decoder)} (BFL's decoder mirrors block_out_channels)"
+            )
+        if list(c["patch_size"]) != [PATCH, PATCH]:
+            problems.append(f"patch_size is {list(c['patch_size'])} (the FLUX.2 pipelines patchify 2x2)")
     if c["act_fn"] != "silu":
         problems.append(f"act_fn is {c['act_fn']!r}, not 'silu'")
     n = len(c["block_out_channels"])
@@ -202,12 +251,12 @@ def config_from_diffusers(cfg: dict[str, Any], where: Path | str) -> VAEConfig:
         if got != [want] * n:
             problems.append(f"{key} is {got}, expected {n} x {want!r}")
     if problems:
-        raise WeightsError(f"{where}: not a FLUX.1-style AutoencoderKL: " + "; ".join(problems))
+        raise WeightsError(f"{where}: not a {FAMILY_NAMES[family]}-style {cls}: " + "; ".join(problems))
     widths = [int(w) for w in c["block_out_channels"]]
     if not widths or any(w % widths[0] for w in widths):
         raise WeightsError(f"{where}: block_out_channels {widths} are not multiples of the first")
     try:
-        return VAEConfig(
+        shape: dict[str, Any] = dict(
             in_channels=int(c["in_channels"]),
             out_ch=int(c["out_channels"]),
             ch=widths[0],
@@ -215,11 +264,22 @@ def config_from_diffusers(cfg: dict[str, Any], where: Path | str) -> VAEConfig:
             num_res_blocks=int(c["layers_per_block"]),
             z_channels=int(c["latent_channels"]),
             norm_num_groups=int(c["norm_num_groups"]),
+        )
+        if flux2:
+            # batch_norm_momentum only steers training; sample_size only diffusers' tiling
+            return Flux2VAEConfig(**shape, batch_norm_eps=float(c["batch_norm_eps"]))
+        return VAEConfig(
+            **shape,
             scale_factor=float(c["scaling_factor"]),
             shift_factor=float(c["shift_factor"] or 0.0),
         )
     except (ValueError, TypeError) as e:
         raise WeightsError(f"{where}: {e}") from None
+
+
+def build_vae(cfg: AnyVAEConfig) -> AnyVAE:
+    """The model of `cfg`'s family (`Flux2VAE` for a `Flux2VAEConfig`), on the current default device."""
+    return Flux2VAE(cfg) if isinstance(cfg, Flux2VAEConfig) else Flux1VAE(cfg)
 
 
 def _mismatch(
@@ -230,13 +290,22 @@ def _mismatch(
 
 @dataclass
 class VAECheckpoint:
-    """A checked VAE checkpoint: its layout, config and rule table, every key present and well shaped."""
+    """A checked VAE checkpoint: its layout, config and rule table, every key present and well shaped.
+
+    `optional` lists the keys it has beyond the table that are allowed and not loaded (FLUX.2's
+    `bn.num_batches_tracked`); a conversion copies them as they are.
+    """
 
     files: list[Path]
     view: KeyView
     layout: str
-    config: VAEConfig
+    config: AnyVAEConfig
     table: list[vae_layout.Rule]
+    optional: list[str]
+
+    @property
+    def family(self) -> Family:
+        return self.config.family
 
     def source_key(self, rule: vae_layout.Rule) -> str:
         return rule.bfl if self.layout == "bfl" else rule.diffusers
@@ -249,51 +318,70 @@ class VAECheckpoint:
         return t if self.layout == "bfl" else vae_layout.diffusers_to_bfl(rule, t)
 
 
-def open_vae_checkpoint(path_or_id: str | Path, config: VAEConfig | None = None) -> VAECheckpoint:
-    """Find, identify and check a VAE checkpoint without reading any tensor data."""
+def open_vae_checkpoint(path_or_id: str | Path, config: AnyVAEConfig | None = None) -> VAECheckpoint:
+    """Find, identify and check a FLUX.1 or FLUX.2 VAE checkpoint without reading any tensor data."""
     files = find_vae_files(resolve(path_or_id))
     view = KeyView(TensorSource(files), vae_layout.PREFIXES)
     keys = view.keys()
-    layout = detect_vae_layout(keys)
+    family = detect_vae_family(keys)
+    layout = detect_vae_layout(keys, family)
     stated = infer_vae_shapes(layout, keys, view.shape)  # what the checkpoint itself says
-    cfg: VAEConfig | None = None
+    cfg: AnyVAEConfig | None = None
     folder_cfg = files[0].parent / "config.json"
     if layout == "diffusers" and folder_cfg.is_file():
         try:
             raw = json.loads(folder_cfg.read_text())
         except json.JSONDecodeError as e:
             raise WeightsError(f"{folder_cfg}: not valid JSON ({e})") from None
-        cfg = config_from_diffusers(raw, folder_cfg)
+        cfg = config_from_diffusers(raw, folder_cfg, family)
         diffs = _mismatch(asdict(cfg), stated, SHAPE_FIELDS, "config.json", "weights")
         if diffs:
             raise WeightsError(f"{folder_cfg} does not match the weights: " + "; ".join(diffs))
         stated = asdict(cfg)
     if config is not None:
+        if config.family != family:
+            raise WeightsError(
+                f"checkpoint is a {FAMILY_NAMES[family]} VAE but config is a {type(config).__name__} "
+                f"({FAMILY_NAMES[config.family]})"
+            )
         diffs = _mismatch(stated, asdict(config), tuple(stated), "checkpoint", "config")
         if diffs:
             raise WeightsError("checkpoint does not match the given config: " + "; ".join(diffs))
         cfg = config
     if cfg is None:
-        # a BFL file (or a bare diffusers file) states no groups or factors: BFL's code fixes them
+        # a BFL file (or a bare diffusers file) states no groups, factors or eps: BFL's code fixes them
         try:
-            cfg = replace(FLUX1_VAE, **stated)
+            cfg = replace(FLUX2_VAE if family == "flux2" else FLUX1_VAE, **stated)
         except ValueError as e:
             raise WeightsError(f"{e}; pass config= with the checkpoint's norm_num_groups") from None
 
     with torch.device("meta"):
-        model = Flux1VAE(cfg)
+        model = build_vae(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    table = list(vae_layout.rules(cfg.ch_mult, cfg.num_res_blocks))
-    assert {r.bfl for r in table} == set(expected), "vae_layout.rules disagrees with Flux1VAE"
-    ckpt = VAECheckpoint(files, view, layout, cfg, table)
+    layout_rules = vae2_layout.rules if family == "flux2" else vae_layout.rules
+    table = list(layout_rules(cfg.ch_mult, cfg.num_res_blocks))
+    assert {r.bfl for r in table} == set(expected), f"rule table disagrees with {type(model).__name__}"
+    optional = [k for k in vae2_layout.OPTIONAL if k in view] if family == "flux2" else []
+    ckpt = VAECheckpoint(files, view, layout, cfg, table, optional)
     used = [ckpt.source_key(r) for r in table]
-    _raise_key_errors(sorted(k for k in used if k not in view), sorted(set(keys) - set(used)))
+    unexpected = sorted(set(keys) - set(used) - set(optional))
+    _raise_key_errors(sorted(k for k in used if k not in view), unexpected)
     for rule in table:
         want = expected[rule.bfl] if layout == "bfl" else vae_layout.diffusers_shape(rule, expected[rule.bfl])
         got = view.shape(ckpt.source_key(rule))
         if tuple(got) != want:
             raise WeightsError(f"{ckpt.source_key(rule)}: expected shape {want}, checkpoint has {tuple(got)}")
-    log.info("found a %s-layout FLUX.1 VAE in %s (%d files): %s", layout, files[0].parent, len(files), cfg)
+    for key in optional:
+        if view.shape(key) != ():
+            raise WeightsError(f"{key}: expected shape () (a counter), checkpoint has {view.shape(key)}")
+    log.info(
+        "found a %s-layout %s VAE in %s (%d files): %s",
+        layout,
+        FAMILY_NAMES[family],
+        files[0].parent,
+        len(files),
+        cfg,
+    )
     return ckpt
 
 
@@ -312,28 +400,51 @@ def load_vae(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
-    config: VAEConfig | None = None,
-) -> Flux1VAE:
-    """Load the FLUX.1 autoencoder, ready for inference (eval mode, no grads).
+    config: AnyVAEConfig | None = None,
+) -> AnyVAE:
+    """Load the FLUX.1 or FLUX.2 autoencoder, ready for inference (eval mode, no grads).
 
     `path_or_id`: a BFL `ae.safetensors` (optionally under a `vae.` / `first_stage_model.`
     prefix), a diffusers `vae/` folder or pipeline root (sharded or not), a Hugging Face model id in
-    the local cache, or a built-in random preset (`tiny`). `config` is optional; when given it must
-    agree with the checkpoint (its shapes, and its config.json if it has one) and supplies what a BFL
-    file cannot state (GroupNorm groups, latent factors).
+    the local cache, or a built-in random preset (`tiny`, `tiny-flux2`). The keys decide the family:
+    a `Flux2VAE` for a checkpoint with the latent BatchNorm, else a `Flux1VAE` (`.config.family` says
+    which). `config` (a `VAEConfig` or `Flux2VAEConfig`) is optional; when given it must be of the
+    checkpoint's family and agree with it (its shapes, and its config.json if it has one), and supplies
+    what a BFL file cannot state (GroupNorm groups, latent factors, BatchNorm eps). Every tensor,
+    the BatchNorm statistics included, is loaded in `dtype`, as diffusers' `torch_dtype` does.
     """
     device = torch.device(device)
     name = str(path_or_id)
     if name in BUILTIN and not Path(path_or_id).exists():
+        preset = _PRESETS[name]
+        if config is not None and config.family != preset.family:
+            raise WeightsError(
+                f"{name!r} is a {FAMILY_NAMES[preset.family]} preset but config is a {type(config).__name__}"
+            )
         with torch.device("meta"):
-            model = Flux1VAE(config or VAE_PRESETS[name])
-        return init_random(model, BUILTIN[name], device, dtype).eval()
+            model = build_vae(config or preset)
+        init_random(model, BUILTIN[name], device, dtype)
+        if isinstance(model, Flux2VAE):
+            _random_stats(model, BUILTIN[name], device, dtype)
+        return model.eval()
 
     ckpt = open_vae_checkpoint(path_or_id, config)
     with torch.device("meta"):
-        model = Flux1VAE(ckpt.config)
+        model = build_vae(ckpt.config)
     sd = {rule.bfl: ckpt.read(rule, device, dtype) for rule in ckpt.table}
     model.load_state_dict(sd, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+@torch.no_grad()
+def _random_stats(model: Flux2VAE, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Seeded BatchNorm statistics for a random preset (`init_random` fills parameters, not buffers).
+
+    Means near 0 and variances near 1, drawn on the CPU in fp32 and then moved, like `init_random`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    n = model.config.latent_channels
+    model.bn.running_mean = (0.1 * torch.randn(n, generator=gen)).to(device, dtype)
+    model.bn.running_var = (1.0 + 0.2 * torch.rand(n, generator=gen)).to(device, dtype)
