@@ -91,7 +91,7 @@ def gated_residual_triton(
     _gated_residual_kernel[grid](
         residual, gate, update, out, length, d,
         residual.stride(0), residual.stride(1), gate.stride(0), update.stride(0), update.stride(1),
-        BLOCK_L=block_l, BLOCK_D=block_d, GPU=ON_GPU, num_warps=4,
+        BLOCK_L=block_l, BLOCK_D=block_d, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 

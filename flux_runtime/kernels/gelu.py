@@ -104,7 +104,15 @@ def gelu_tanh_triton(x: Tensor, *, block: int = 4096) -> Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     _gelu_tanh_kernel[(triton.cdiv(n, block),)](
-        x, out, n, K_BETA=K_BETA, K_KAPPA=K_KAPPA, BLOCK=block, GPU=ON_GPU, num_warps=8
+        x,
+        out,
+        n,
+        K_BETA=K_BETA,
+        K_KAPPA=K_KAPPA,
+        BLOCK=block,
+        GPU=ON_GPU,
+        num_warps=8,
+        enable_fp_fusion=False,
     )
     return out
 

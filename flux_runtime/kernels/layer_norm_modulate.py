@@ -232,7 +232,7 @@ def _launch(
         x.stride(0), x.stride(1), gate.stride(0) if gate is not None else 0, upd.stride(0), upd.stride(1),
         shift.stride(0), scale.stride(0),
         ITERS=triton.cdiv(d, _THREADS * _VEC), EVEN=d % (_THREADS * _VEC) == 0, ROWS=rows_per_program,
-        HAS_RESIDUAL=gate is not None, GPU=ON_GPU, num_warps=4,
+        HAS_RESIDUAL=gate is not None, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return r, y
 

@@ -83,7 +83,7 @@ def modulate_triton(
     grid = (triton.cdiv(length, block_l), triton.cdiv(d, block_d), b)
     _modulate_kernel[grid](
         y, shift, scale, out, length, d, y.stride(0), y.stride(1), shift.stride(0), scale.stride(0),
-        BLOCK_L=block_l, BLOCK_D=block_d, GPU=ON_GPU, num_warps=4,
+        BLOCK_L=block_l, BLOCK_D=block_d, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 

@@ -184,7 +184,7 @@ def qk_norm_rope_triton(
     _qk_norm_rope_kernel[grid](
         txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps,
         txt.stride(0), txt.stride(1), txt.stride(2), x_img.stride(0), x_img.stride(1), x_img.stride(2),
-        HEADS=heads_per_program, GPU=ON_GPU, num_warps=4,
+        HEADS=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
