@@ -86,7 +86,7 @@ class FusedOp:
 class FusedOpsReport:
     """What ran since the last reset: fused calls per op, fallbacks per (op, reason), failed checks."""
 
-    tier: Tier
+    tiers: tuple[Tier, ...]  # tiers other than "off" that were active during the recorded calls
     fused_calls: dict[str, int]
     fallbacks: dict[tuple[str, str], int]
     mismatches: tuple[str, ...]
@@ -97,9 +97,17 @@ class FusedOpsReport:
         """True when at least one op ran fused and nothing fell back to its reference."""
         return bool(self.fused_calls) and not self.fallbacks
 
+    @property
+    def tier_used(self) -> str:
+        """What actually ran: "off", the requested tier, or "<tier>, partly reference"."""
+        if not self.tiers:
+            return "off"
+        tier = max(self.tiers, key=_RANK.__getitem__)
+        return tier if not self.fallbacks else f"{tier}, partly reference"
+
     def __str__(self) -> str:
         lines = [
-            f"fused tier {self.tier}: {sum(self.fused_calls.values())} fused calls, "
+            f"fused tier {self.tier_used}: {sum(self.fused_calls.values())} fused calls, "
             f"{sum(self.fallbacks.values())} reference fallbacks, "
             f"{self.verified_signatures} signatures verified bit-exact"
         ]
@@ -114,6 +122,7 @@ class _Record:
     fused_calls: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[tuple[str, str]] = field(default_factory=Counter)
     mismatches: list[str] = field(default_factory=list)
+    tiers: set[Tier] = field(default_factory=set)
     logged: set[tuple[str, str]] = field(default_factory=set)
     # signature -> None (verified) or the reason the reference is used for it from now on
     signatures: dict[tuple[Any, ...], str | None] = field(default_factory=dict)
@@ -127,7 +136,7 @@ def fused_ops_report() -> FusedOpsReport:
     """Summary of fused and reference calls since the last `reset_fused_ops_report()`."""
     with _lock:
         return FusedOpsReport(
-            tier=_tier.get(),
+            tiers=tuple(sorted(_record.tiers, key=_RANK.__getitem__)),
             fused_calls=dict(_record.fused_calls),
             fallbacks=dict(_record.fallbacks),
             mismatches=tuple(_record.mismatches),
@@ -150,6 +159,9 @@ def run_op(op: FusedOp, *args: Any) -> Any:
     tier = _tier.get()
     if tier == "off":
         return op.reference(*args)
+    if tier not in _record.tiers:
+        with _lock:
+            _record.tiers.add(tier)
     if _RANK[op.tier] > _RANK[tier]:
         _fallback(op.name, f"{op.tier}-tier kernel, active tier is {tier}", logging.INFO)
         return op.reference(*args)

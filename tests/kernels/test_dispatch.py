@@ -77,6 +77,7 @@ def test_tier_off_runs_the_reference_and_records_nothing() -> None:
         call()
     report = fused_ops_report()
     assert report.fused_calls == {} and report.fallbacks == {} and not report.all_fused
+    assert report.tier_used == "off"
 
 
 def test_use_fused_sets_and_restores_the_tier() -> None:
@@ -102,6 +103,7 @@ def test_cpu_inputs_fall_back_with_a_recorded_reason(caplog: pytest.LogCaptureFi
     assert len(caplog.records) == len(calls)  # one warning per (op, reason), not per call
     assert "not used: inputs on cpu" in caplog.records[0].getMessage()
     assert "reference gelu_tanh: 2 x inputs on cpu" in str(report)
+    assert report.tier_used == "lossless, partly reference"
 
 
 def test_outputs_match_the_reference_whatever_the_tier() -> None:
@@ -134,8 +136,9 @@ def test_verified_signature_then_runs_fused_only() -> None:
         assert (fused.calls, ref.calls) == (3, 1)  # the reference ran once, to verify
         run_op(op, torch.randn(5, 8))  # a new shape is a new signature: verified again
         assert (fused.calls, ref.calls) == (4, 2)
-    report = fused_ops_report()
+    report = fused_ops_report()  # read after the block: still says which tier ran
     assert report.fused_calls == {"fake": 4} and report.verified_signatures == 2 and report.all_fused
+    assert report.tier_used == "lossless" and "fused tier lossless: 4 fused calls" in str(report)
 
 
 def test_verification_accepts_nans_in_the_same_places() -> None:
