@@ -12,6 +12,17 @@ grid, as FLUX.1's `unpack` and `image_ids` do. Everything follows `Flux2Pipeline
 (diffusers 0.42.1): `prepare_latents`, `_pack_latents`, `_unpack_latents_with_ids`, `_patchify_latents`,
 `_unpatchify_latents`, `_prepare_latent_ids`, `_prepare_text_ids` and the BatchNorm lines of `__call__`
 and `_encode_vae_image` (flux2.md §3.2).
+
+The order `Flux2Pipeline` / `Flux2KleinPipeline.__call__` runs them in (tests/sampling/test_flux2_euler.py
+does exactly this against both pipelines):
+1. text: `prompt_embeds` (B, S, D) and `flux2_text_ids(S)`; klein with `klein_uses_cfg`: the negative `""` too;
+2. references (optional): `preprocess_reference_images`, `latent_bn_stats`, `encode_reference_images`;
+3. `flux2_pack(flux2_prepare_noise(..., dtype=prompt_embeds.dtype))`, ids
+   `cat([flux2_image_ids(h, w), ref_ids])`, `get_schedule(N, L, config=FLUX2_SCHEDULE)` with L the
+   generated tokens only;
+4. `denoise(model_fn, ..., guidance=dev ? full([1], g, fp32).expand(B) : None, reference_tokens=...)`,
+   with `negative_model_fn` and `true_cfg_scale=guidance_scale` for klein CFG;
+5. `unpatchify(bn_denormalize(flux2_unpack(latents, h, w), mean, std))` → VAE decoder → `to_pil_images`.
 """
 
 from __future__ import annotations

@@ -77,12 +77,12 @@ def preprocess_reference_images(
     output size when none is given.
     """
     _check_positive_int("vae_scale_factor", vae_scale_factor)
-    images = [images] if isinstance(images, Image.Image) else list(images)
-    if not images:
+    given = [images] if isinstance(images, Image.Image) else list(images)
+    if not given:
         raise ValueError("no reference images given")
-    for image in images:
+    for image in given:
         check_reference_image(image)
-    return [_preprocess(image, 2 * vae_scale_factor) for image in images]
+    return [_preprocess(image, 2 * vae_scale_factor) for image in given]
 
 
 def _preprocess(image: Image.Image, multiple: int) -> Tensor:
@@ -126,7 +126,8 @@ def encode_reference_images(
     _check_positive_int("batch", batch)
     if len(images) == 0:
         raise ValueError("encode_reference_images: no reference images given")
-    tokens, ids = [], []
+    tokens: list[Tensor] = []
+    ids: list[Tensor] = []
     for k, image in enumerate(images):
         if image.ndim != 4 or image.shape[:2] != (1, 3):
             raise ValueError(
