@@ -4,7 +4,7 @@ The pipeline sets the quality tier for a block of work::
 
     with use_fused("lossless"):
         image = pipe(...)
-    print(fused_ops_report())
+    print(fused_ops_report())  # `.tier_used`: what actually ran
 
 - `off`: every op runs its reference (the eager model math).
 - `lossless`: kernels that are bit-identical to their reference. Each one is verified on the first call

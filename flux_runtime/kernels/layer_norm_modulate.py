@@ -101,7 +101,9 @@ def _load_row_vectors(
         prod = round_to(upcast(g, GPU) * upcast(u, GPU), DTYPE, GPU)
         x = round_to(x + prod, DTYPE, GPU)
         if STORE_R:
-            tl.store(r_out_ptr + row[:, None, None] * D + col[None, :, :], x.to(DTYPE), mask=mask)
+            tl.store(
+                r_out_ptr + row[:, None, None] * D + col[None, :, :], to_storage(x, DTYPE, GPU), mask=mask
+            )
     return x
 
 

@@ -62,3 +62,16 @@ def test_gated_residual_gpu_bit_exact(shape: tuple[int, int, int], dtype: torch.
     update = activations(shape, dtype, "cuda")
     out = gated_residual_triton(residual, gate, update)
     assert torch.equal(out, gated_residual_reference(residual, gate, update))
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_residual_subnormal_values(dtype: torch.dtype) -> None:
+    """Results in the subnormal range round like aten's (the interpreter's own casts lose them)."""
+    tiny = torch.finfo(dtype).tiny
+    residual = (torch.randn(1, 2, 512) * tiny).to(dtype)
+    update = (torch.randn(1, 2, 512) * tiny).to(dtype)
+    gate = torch.randn(1, 512).to(dtype)
+    ref = gated_residual_reference(residual, gate, update)
+    assert int(((ref != 0) & (ref.abs() < tiny)).sum()) > 100
+    assert torch.equal(gated_residual_triton(residual, gate, update, block_d=256), ref)

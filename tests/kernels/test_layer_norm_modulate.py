@@ -107,6 +107,19 @@ def test_residual_layer_norm_modulate_interpreter(shape: tuple[int, int, int], d
 
 
 @interpreter
+def test_residual_layer_norm_modulate_subnormal_residual() -> None:
+    """r is written exactly also where it is subnormal; the LayerNorm of such a row is still defined."""
+    tiny = torch.finfo(torch.bfloat16).tiny
+    residual = (torch.randn(1, 2, 512) * tiny).bfloat16()
+    update = (torch.randn(1, 2, 512) * tiny).bfloat16()
+    shift, scale, gate = modulation(1, 512, torch.bfloat16, "cpu")[:3]
+    r, y = residual_layer_norm_modulate_triton(residual, gate, update, shift, scale, EPS, rows_per_program=2)
+    r_ref = gated_residual_reference(residual, gate, update)
+    assert torch.equal(r, r_ref)
+    assert torch.equal(y, replayed(r_ref, shift, scale))
+
+
+@interpreter
 def test_residual_layer_norm_modulate_token_slices() -> None:
     """Final layer: image-token slices of the joint stream (batch stride (L_txt + L_img) * D)."""
     b, n_txt, n_img, d = 2, 2, 3, 1024
