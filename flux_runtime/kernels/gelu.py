@@ -46,7 +46,9 @@ def _tanhf_emulated(x):
     `exp2` and `1 / d` standing in for the `ex2.approx` / `rcp.approx` hardware instructions.
 
     Constants are libdevice's fp32 values (printed exactly). Only CPU CI runs this; the GPU calls
-    libdevice itself, which is what nvcc links into aten's `tanhf`.
+    libdevice's `__nv_tanhf` itself, the device `tanhf` that aten's functor calls. That the two
+    builds agree (Triton's bundled libdevice vs the CUDA that built torch) is what the exhaustive GPU
+    test and the first-use check establish.
     """
     a = tl.abs(x)
     # |x| >= 0.6: 1 - 2 / (exp(2|x|) + 1), saturating to 1 from 9.0109
