@@ -1,7 +1,8 @@
-"""Build the tiny CLIP and T5 tokenizers shipped in `flux_runtime/assets/tokenizers/` (run once, commit output).
+"""Build the tiny tokenizers shipped in `flux_runtime/assets/tokenizers/` (run once, commit output).
 
-The real FLUX.1 tokenizers (CLIP-L's 49408-token BPE, T5's 32100-piece SentencePiece Unigram) are large
-downloads; tests and the offline demo need tokenizers with the same *structure* but a few hundred entries:
+The real tokenizers (FLUX.1: CLIP-L's 49408-token BPE, T5's 32100-piece SentencePiece Unigram; FLUX.2: Mistral
+Small 3.1's 131072-token tekken BPE, Qwen3's 151669-token BPE) are large downloads; tests and the offline demo
+need tokenizers with the same *structure* but a few hundred entries:
 
 - CLIP: byte-level BPE with the `</w>` end-of-word suffix, the vocabulary laid out like CLIP's (256 byte
   symbols, the same 256 with `</w>`, one token per merge, then `<|startoftext|>`, `<|endoftext|>` as the two
@@ -11,13 +12,27 @@ downloads; tests and the offline demo need tokenizers with the same *structure* 
   `unk_id=2`), Metaspace pre-tokenization, `</s>` appended; every printable ASCII character is a piece,
   so any ASCII prompt tokenizes without `<unk>`. No normalizer: transformers rebuilds a T5 tokenizer from
   the vocabulary and keeps a normalizer only if it is a precompiled SentencePiece charsmap.
+- Mistral (FLUX.2 [dev]; the `tokenizer/` folder of a diffusers Flux2Pipeline is a PixtralProcessor folder):
+  byte-level BPE laid out like tekken (20 control tokens at Mistral Small 3.1's ids: `<unk>`=0, `<s>`=1,
+  `</s>`=2, `[INST]`=3, `[/INST]`=4, `[IMG]`=10, `<pad>`=11, `[SYSTEM_PROMPT]`=17, `[/SYSTEM_PROMPT]`=18, ...;
+  then the 256 bytes in byte order, then one token per merge), tekken's pre-tokenizer regex, `<s>` prepended,
+  no `padding_side` (so transformers pads on the right). Beside the tokenizer files: a `[SYSTEM_PROMPT]` /
+  `[INST]` chat template in `chat_template.jinja` and the processor and image-processor configs
+  PixtralProcessor reads (the image side is never used for text prompts).
+- Qwen3 (FLUX.2 [klein]): byte-level BPE with Qwen2's pre-tokenizer regex and NFC normalizer, the 256 byte
+  symbols first, then the merges, then `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos), `<think>`,
+  `</think>`; no BOS. Its ChatML template (in tokenizer_config.json, as the Qwen3 repos ship it) honours
+  `add_generation_prompt` and `enable_thinking=False` (an empty `<think>` block) the way Qwen3's does.
+  Every byte has a symbol in both, so any prompt tokenizes without an unknown token.
 
-CLIP's merges are learned by plain BPE on the small CORPUS below; T5's pieces are its printable ASCII
-characters and most frequent words, scored by log frequency. Both are computed with explicit tie-breaks
+CLIP's merges are learned by plain BPE on the small CORPUS below; Mistral's and Qwen3's on CORPUS plus FLUX.2's
+system message (so the chat wrapping stays short, as with the real vocabularies); T5's pieces are its printable
+ASCII characters and most frequent words, scored by log frequency. All are computed with explicit tie-breaks
 (the `tokenizers` trainers break ties by hash order), so a rerun writes the same bytes. The `tokenizers`
 library pre-tokenizes the corpus and builds and serializes the tokenizers. The script then loads each folder
-through transformers' `CLIPTokenizer` / `T5TokenizerFast` and checks that they tokenize like the
-`tokenizers` object written.
+through the transformers class diffusers uses (`CLIPTokenizer`, `T5TokenizerFast`, `TokenizersBackend` as
+PixtralProcessor loads it, `Qwen2TokenizerFast`) and checks that they tokenize like the `tokenizers` object
+written. The chat templates are written here, in Mistral Small 3.1's and Qwen3's formats; they are not copies.
 
 Usage: python scripts/build_tiny_tokenizers.py [--out flux_runtime/assets/tokenizers]
 """
@@ -33,6 +48,9 @@ from itertools import pairwise
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PATTERN
+
+from flux_runtime.text.flux2 import SYSTEM_MESSAGE
 
 CORPUS = """\
 a photo of a cat sitting on a wooden table next to a window
@@ -96,6 +114,81 @@ SAMPLES = [
     "naïve café — 東京",
     "",
 ]
+# Rendered chats (special tokens inside the text), checked on the FLUX.2 tokenizers only.
+CHAT_SAMPLES = {
+    "mistral": [
+        f"<s>[SYSTEM_PROMPT]{SYSTEM_MESSAGE}[/SYSTEM_PROMPT][INST]a photo of a cat[/INST]",
+        "<s>[INST]Two lines\nand  double  spaces[/INST]ok</s><pad>[IMG][IMG_BREAK][IMG_END]",
+    ],
+    "qwen3": [
+        "<|im_start|>user\na photo of a cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nIt's 3 o'clock!<|im_end|><|endoftext|>",
+    ],
+}
+
+# tekken's pre-tokenizer pattern (transformers' MistralConverter and its `fix_mistral_regex` use the same).
+TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral Small 3.1's first 20 control tokens, at their ids (the real vocabulary reserves 1000 such slots).
+MISTRAL_CONTROL = [
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+]  # fmt: skip
+# Mistral Small 3.1's format: <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user[/INST]assistant</s>, content as
+# a string or a list of text / image blocks (an image block renders as [IMG]). Unlike the real template there is
+# no default system prompt (and so no date in it) when the conversation has none.
+MISTRAL_CHAT_TEMPLATE = r"""{{- bos_token }}
+{%- for message in messages %}
+    {%- if message['content'] is string %}
+        {%- set blocks = [{'type': 'text', 'text': message['content']}] %}
+    {%- else %}
+        {%- set blocks = message['content'] %}
+    {%- endif %}
+    {%- if message['role'] == 'system' %}
+        {{- '[SYSTEM_PROMPT]' }}
+    {%- elif message['role'] == 'user' %}
+        {{- '[INST]' }}
+    {%- elif message['role'] != 'assistant' %}
+        {{- raise_exception('Only system, user and assistant messages are supported') }}
+    {%- endif %}
+    {%- for block in blocks %}
+        {%- if block['type'] == 'text' %}
+            {{- block['text'] }}
+        {%- elif block['type'] in ['image', 'image_url'] and message['role'] == 'user' %}
+            {{- '[IMG]' }}
+        {%- else %}
+            {{- raise_exception('Unsupported content block in a ' + message['role'] + ' message') }}
+        {%- endif %}
+    {%- endfor %}
+    {%- if message['role'] == 'system' %}
+        {{- '[/SYSTEM_PROMPT]' }}
+    {%- elif message['role'] == 'user' %}
+        {{- '[/INST]' }}
+    {%- else %}
+        {{- eos_token }}
+    {%- endif %}
+{%- endfor %}
+"""
+# Qwen3's ChatML format, reduced to plain system / user / assistant turns: each turn is
+# <|im_start|>role\ncontent<|im_end|>\n; the generation prompt opens the assistant turn and, with
+# enable_thinking=False, closes an empty think block as Qwen3's template does.
+QWEN3_CHAT_TEMPLATE = r"""{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('Only system, user and assistant messages are supported') }}
+    {%- endif %}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -134,12 +227,13 @@ def clip_pipeline(tok: Tokenizer) -> None:
     )
 
 
-def learn_bpe(words: Counter[str], num_merges: int) -> list[tuple[str, str]]:
+def learn_bpe(words: Counter[str], num_merges: int, suffix: str = "</w>") -> list[tuple[str, str]]:
     """Classic BPE merge learning on `words` (byte-level symbols), most frequent pair first, ties by name.
 
-    Each word ends in a `</w>` symbol as in CLIP. Stops early when no pair occurs twice.
+    Each word's last symbol carries `suffix`: `</w>` as in CLIP, nothing for GPT-style byte-level BPE (Mistral,
+    Qwen). Stops early when no pair occurs twice.
     """
-    seqs = {w: [*w[:-1], w[-1] + "</w>"] for w in words}
+    seqs = {w: [*w[:-1], w[-1] + suffix] for w in words}
     merges: list[tuple[str, str]] = []
     while len(merges) < num_merges:
         pairs: Counter[tuple[str, str]] = Counter()
@@ -275,16 +369,168 @@ def build_t5(out: Path, num_words: int) -> Tokenizer:
     return tok
 
 
+def bytelevel_pipeline(tok: Tokenizer, pattern: str) -> None:
+    """GPT-style byte-level pre-tokenization (regex split, then bytes to symbols) and decoder, as tekken and
+    Qwen2 tokenizers are converted."""
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+
+
+def learn_bytelevel_merges(tok: Tokenizer, num_merges: int) -> list[tuple[str, str]]:
+    """`num_merges` BPE merges learned on CORPUS and the system message, pre-tokenized by `tok`'s pipeline."""
+    text = CORPUS + " " + SYSTEM_MESSAGE
+    if tok.normalizer is not None:
+        text = tok.normalizer.normalize_str(text)
+    words = Counter(w for w, _ in tok.pre_tokenizer.pre_tokenize_str(text))
+    merges = learn_bpe(words, num_merges, suffix="")
+    assert len(merges) == num_merges, f"the corpus yields only {len(merges)} merges"
+    return merges
+
+
+def build_mistral(out: Path, num_merges: int) -> Tokenizer:
+    """Write a Mistral-Small-3.1-layout tokenizer folder (a PixtralProcessor folder) to `out`."""
+    splitter = Tokenizer(models.BPE())
+    bytelevel_pipeline(splitter, TEKKEN_PATTERN)
+    merges = learn_bytelevel_merges(splitter, num_merges)
+
+    # tekken's layout: control tokens, the 256 bytes in byte order, then one token per merge.
+    byte_symbols = bytes_to_unicode()
+    tokens = MISTRAL_CONTROL + [byte_symbols[b] for b in range(256)] + [a + b for a, b in merges]
+    assert len(set(tokens)) == len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # transformers' tekken conversion sets ignore_merges (a word that is a token is taken whole).
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=True))
+    bytelevel_pipeline(tok, TEKKEN_PATTERN)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in MISTRAL_CONTROL])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", vocab["<s>"])]
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    write_json(out / "special_tokens_map.json", specials)
+    # As Mistral Small 3.1's: a LlamaTokenizer class name (PixtralProcessor ignores it), <s> added, no padding_side.
+    write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "LlamaTokenizer",
+            "processor_class": "PixtralProcessor",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 131072,
+            **specials,
+        },
+    )
+    (out / "chat_template.jinja").write_text(MISTRAL_CHAT_TEMPLATE, encoding="utf-8")
+    # PixtralProcessor's own settings and its image processor's (Mistral Small 3.1's values; unused for text).
+    write_json(
+        out / "processor_config.json",
+        {
+            "processor_class": "PixtralProcessor",
+            "image_token": "[IMG]",
+            "image_break_token": "[IMG_BREAK]",
+            "image_end_token": "[IMG_END]",
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+        },
+    )
+    write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "PixtralImageProcessor",
+            "processor_class": "PixtralProcessor",
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "patch_size": 14,
+            "resample": 3,
+            "rescale_factor": 0.00392156862745098,
+            "size": {"longest_edge": 1540},
+        },
+    )
+    return tok
+
+
+def build_qwen3(out: Path, num_merges: int) -> Tokenizer:
+    """Write a Qwen3-layout tokenizer folder to `out`."""
+    splitter = Tokenizer(models.BPE())
+    splitter.normalizer = normalizers.NFC()
+    bytelevel_pipeline(splitter, QWEN2_PATTERN)
+    merges = learn_bytelevel_merges(splitter, num_merges)
+
+    # Qwen's layout: the byte alphabet, one token per merge, then the added tokens.
+    tokens = list(bytes_to_unicode().values()) + [a + b for a, b in merges]
+    assert len(set(tokens)) == len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+        )
+    )
+    tok.normalizer = normalizers.NFC()
+    bytelevel_pipeline(tok, QWEN2_PATTERN)
+    # <think> and </think> are ordinary added tokens in Qwen3 (decoded even with skip_special_tokens).
+    added = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True)]
+    added += [("<think>", False), ("</think>", False)]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, special in added if special])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, special in added if not special])
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    write_json(out / "special_tokens_map.json", specials)
+    decoder = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
+        for t, special in added
+    }
+    write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "added_tokens_decoder": decoder,
+            "bos_token": None,
+            "chat_template": QWEN3_CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "errors": "replace",
+            "model_max_length": 131072,
+            "split_special_tokens": False,
+            "unk_token": None,
+            **specials,
+        },
+    )
+    return tok
+
+
 def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def check(folder: Path, raw: Tokenizer, cls_name: str) -> None:
+def check(folder: Path, raw: Tokenizer, cls_name: str, samples: list[str] = SAMPLES) -> None:
     """Fail unless transformers' `cls_name` loaded from `folder` gives the ids of the written tokenizer."""
     import transformers
 
     hf = getattr(transformers, cls_name).from_pretrained(folder, local_files_only=True)
-    for text in SAMPLES:
+    for text in samples:
         want = raw.encode(text).ids
         got = hf(text).input_ids
         assert got == want, f"{cls_name} {folder}: {text!r}: {got} != {want}"
@@ -300,8 +546,13 @@ def main() -> None:
     args = parser.parse_args()
     clip = build_clip(args.out / "clip", num_merges=200)
     t5 = build_t5(args.out / "t5", num_words=256)
+    mistral = build_mistral(args.out / "mistral", num_merges=256)
+    qwen3 = build_qwen3(args.out / "qwen3", num_merges=256)
     check(args.out / "clip", clip, "CLIPTokenizer")
     check(args.out / "t5", t5, "T5TokenizerFast")
+    # PixtralProcessor loads its tokenizer with TokenizersBackend whatever tokenizer_class says.
+    check(args.out / "mistral", mistral, "TokenizersBackend", SAMPLES + CHAT_SAMPLES["mistral"])
+    check(args.out / "qwen3", qwen3, "Qwen2TokenizerFast", SAMPLES + CHAT_SAMPLES["qwen3"])
     unk = t5.token_to_id("<unk>")
     assert unk not in t5.encode(string.printable.strip()).ids, "an ASCII character maps to <unk>"
 

@@ -1,4 +1,8 @@
-"""Text encoders: prompts to the embeddings the DiT is conditioned on (FLUX.1: CLIP-L pooled + T5-XXL)."""
+"""Text encoders: prompts to the embeddings the DiT is conditioned on.
+
+FLUX.1: CLIP-L pooled + T5-XXL sequence. FLUX.2: three stacked hidden states of a chat LLM (Mistral Small 3.x for
+[dev], Qwen3 for [klein]).
+"""
 
 from flux_runtime.text.flux1 import (
     CLIP_L_ID,
@@ -7,5 +11,27 @@ from flux_runtime.text.flux1 import (
     Flux1TextEmbeddings,
     Flux1TextEncoder,
 )
+from flux_runtime.text.flux2 import (
+    MISTRAL_PROCESSOR_ID,
+    MISTRAL_SMALL_ID,
+    QWEN3_4B_ID,
+    QWEN3_8B_ID,
+    Flux2TextEmbeddings,
+    Flux2TextEncoder,
+    KleinTextEncoder,
+)
 
-__all__ = ["CLIP_L_ID", "MAX_SEQUENCE_LENGTH", "T5_XXL_ID", "Flux1TextEmbeddings", "Flux1TextEncoder"]
+__all__ = [
+    "CLIP_L_ID",
+    "MAX_SEQUENCE_LENGTH",
+    "MISTRAL_PROCESSOR_ID",
+    "MISTRAL_SMALL_ID",
+    "QWEN3_4B_ID",
+    "QWEN3_8B_ID",
+    "T5_XXL_ID",
+    "Flux1TextEmbeddings",
+    "Flux1TextEncoder",
+    "Flux2TextEmbeddings",
+    "Flux2TextEncoder",
+    "KleinTextEncoder",
+]

@@ -1,0 +1,140 @@
+"""Chat-formatted tokenization of FLUX.2's language-model encoders, as diffusers' pipelines do it.
+
+FLUX.2 wraps each prompt in its encoder's chat template before tokenizing, then pads or truncates to exactly
+`max_length` tokens:
+
+- [dev] (Mistral Small 3.x): the `tokenizer/` folder is a PixtralProcessor folder. diffusers calls
+  `processor.apply_chat_template(conversations, tokenize=True, padding="max_length", truncation=True, ...)`;
+  for text-only conversations the processor renders its own chat template (from `chat_template.jinja`,
+  `chat_template.json` or `processor_config.json`, never the tokenizer's) and tokenizes with a
+  `TokenizersBackend` tokenizer, adding no special tokens when the text already starts with `<s>`. We do the
+  same without the processor, whose image side needs torchvision.
+- [klein] (Qwen3): `Qwen2TokenizerFast` renders its own template with `add_generation_prompt=True,
+  enable_thinking=False`, then tokenizes the text with its defaults (no special tokens exist to add).
+
+Both pad on the tokenizer's `padding_side` (right for these classes: Mistral's folder sets none) and truncate on
+its `truncation_side` (right), returning the attention mask the encoder is run with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase, Qwen2TokenizerFast, TokenizersBackend
+
+from flux_runtime.weights.errors import WeightsError
+
+logger = logging.getLogger(__name__)
+
+
+def load_mistral_tokenizer(folder: Path) -> tuple[PreTrainedTokenizerBase, str]:
+    """Mistral Small 3.1's tokenizer and chat template from a PixtralProcessor folder, as the processor loads them.
+
+    PixtralProcessor opens the tokenizer with `TokenizersBackend` whatever `tokenizer_class` says (the Hub folders
+    declare LlamaTokenizer, whose transformers 5 class would rebuild the byte-level vocabulary as SentencePiece).
+    """
+    if not (folder / "tokenizer.json").is_file():
+        raise WeightsError(
+            f"{folder}: no tokenizer.json; expected Mistral Small 3.1's processor folder "
+            "(tokenizer.json, tokenizer_config.json and a chat template)"
+        )
+    tokenizer = TokenizersBackend.from_pretrained(folder, local_files_only=True)
+    return tokenizer, processor_chat_template(folder)
+
+
+def processor_chat_template(folder: Path) -> str:
+    """The chat template a transformers processor loaded from `folder` renders with.
+
+    Its precedence: a `chat_template` key in `processor_config.json`, else the legacy `chat_template.json`, else
+    `chat_template.jinja`. A template stored only in `tokenizer_config.json` is not the processor's.
+    """
+    config = folder / "processor_config.json"
+    if config.is_file() and (template := _read_json(config).get("chat_template")) is not None:
+        return _template_string(template, config)
+    legacy = folder / "chat_template.json"
+    if legacy.is_file():
+        return _template_string(_read_json(legacy).get("chat_template"), legacy)
+    raw = folder / "chat_template.jinja"
+    if raw.is_file():
+        return raw.read_text(encoding="utf-8")
+    raise WeightsError(
+        f"{folder}: no chat template (chat_template.jinja, chat_template.json or processor_config.json); "
+        "FLUX.2 [dev] formats prompts with Mistral Small 3.1's processor template"
+    )
+
+
+def load_qwen3_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """Qwen3's tokenizer from `folder` with `Qwen2TokenizerFast`, as diffusers' Flux2KleinPipeline opens it."""
+    if not (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").is_file():
+        raise WeightsError(
+            f"{folder}: no Qwen3 tokenizer here (expected tokenizer.json, or vocab.json and merges.txt)"
+        )
+    tokenizer = Qwen2TokenizerFast.from_pretrained(folder, local_files_only=True)
+    if tokenizer.chat_template is None:
+        raise WeightsError(
+            f"{folder}: the Qwen3 tokenizer has no chat template (tokenizer_config.json or chat_template.jinja); "
+            "FLUX.2 [klein] formats prompts with it"
+        )
+    return tokenizer
+
+
+def tokenize_chats(
+    tokenizer: PreTrainedTokenizerBase,
+    texts: list[str],
+    max_length: int,
+    *,
+    add_special_tokens: bool,
+    encoder: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask `[B, max_length]` int64 of rendered chats, padded and truncated as diffusers.
+
+    A chat longer than `max_length` tokens loses its end (the end of the prompt and the template's closing
+    tokens); a warning names the prompt, its length, how many tokens are dropped and (the start of) their
+    text; `encoder` names the tokenizer in that message.
+    """
+    batch = tokenizer(
+        texts,
+        padding="max_length",
+        truncation=True,
+        max_length=max_length,
+        add_special_tokens=add_special_tokens,
+        return_tensors="pt",
+    )
+    # verbose=False: our warning below replaces transformers' "sequence length is longer than" message.
+    full = tokenizer(texts, add_special_tokens=add_special_tokens, verbose=False).input_ids
+    left = tokenizer.truncation_side == "left"
+    for i, ids in enumerate(full):
+        if len(ids) > max_length:
+            excess = len(ids) - max_length
+            dropped = ids[:excess] if left else ids[max_length:]
+            logger.warning(
+                "prompt %d is %d %s tokens in its chat template; the limit is %d, so its %s %d tokens are "
+                "dropped: %.200r",
+                i,
+                len(ids),
+                encoder,
+                max_length,
+                "first" if left else "last",
+                excess,
+                tokenizer.decode(dropped),
+            )
+    return batch.input_ids, batch.attention_mask
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: expected a JSON object")
+    return data
+
+
+def _template_string(template: object, path: Path) -> str:
+    if not isinstance(template, str):
+        raise WeightsError(f"{path}: 'chat_template' is not a single template string")
+    return template
