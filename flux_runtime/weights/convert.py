@@ -170,8 +170,6 @@ def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
             **FLUX2_DIFFUSERS_FIXED,
         }
     unsupported = []
-    if cfg.family != "flux1":
-        unsupported.append(f"family {cfg.family!r}")
     if cfg.mlp_ratio != 4.0:
         unsupported.append(f"mlp_ratio {cfg.mlp_ratio} (diffusers fixes 4.0)")
     if not cfg.qkv_bias:
