@@ -23,7 +23,7 @@ from torch import Tensor
 
 import flux_runtime
 from flux_runtime.models.dit import Flux1Transformer
-from flux_runtime.models.vae.flux1 import Flux1VAE
+from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.sources import MODEL_IDS, Sources, find_sources, schedule_config
@@ -126,6 +126,8 @@ class Pipeline:
         if transformer.config.family != "flux1":
             raise FluxError(f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1")
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
+        if vae_model.config.family != "flux1":
+            raise FluxError(f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE")
         text_device = "cpu" if offload_text_encoders else device
         text = _open_text(src, text_device, dtype)
         return cls(
