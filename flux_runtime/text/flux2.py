@@ -227,9 +227,7 @@ class Flux2TextEncoder(_StackedStatesEncoder):
         of a diffusers FLUX.2 [dev] folder or cached id (black-forest-labs/FLUX.2-dev), weights in `dtype`
         (FLUX.2 runs them in bf16), on `device`. Never touches the network."""
         root = _pipeline_root(path_or_id, "FLUX.2 [dev]", "Flux2TextEncoder.from_components")
-        tokenizer, template = load_mistral_tokenizer(root / "tokenizer")
-        model = _load_model(Mistral3ForConditionalGeneration, root / "text_encoder", dtype, cls)
-        return cls(model, tokenizer, template).to(device)
+        return cls._open(root / "text_encoder", root / "tokenizer", device, dtype)
 
     @classmethod
     def from_components(
@@ -245,8 +243,15 @@ class Flux2TextEncoder(_StackedStatesEncoder):
         The defaults are the pair BFL's reference code loads: Mistral Small 3.2's weights, Mistral Small 3.1's
         processor. Never touches the network.
         """
-        tokenizer, template = load_mistral_tokenizer(resolve(processor))
-        loaded = _load_model(Mistral3ForConditionalGeneration, resolve(model), dtype, cls)
+        return cls._open(resolve(model), resolve(processor), device, dtype)
+
+    @classmethod
+    def _open(
+        cls, model: Path, processor: Path, device: torch.device | str, dtype: torch.dtype
+    ) -> Flux2TextEncoder:
+        _check_model_folder(model, cls)  # before reading anything large
+        tokenizer, template = load_mistral_tokenizer(processor)
+        loaded = _load_model(Mistral3ForConditionalGeneration, model, dtype, cls)
         return cls(loaded, tokenizer, template).to(device)
 
     @classmethod
@@ -312,9 +317,7 @@ class KleinTextEncoder(_StackedStatesEncoder):
         [klein] folder or cached id, weights in `dtype` (FLUX.2 runs them in bf16), on `device`. Never touches
         the network."""
         root = _pipeline_root(path_or_id, "FLUX.2 [klein]", "KleinTextEncoder.from_components")
-        tokenizer = load_qwen3_tokenizer(root / "tokenizer")
-        model = _load_model(Qwen3ForCausalLM, root / "text_encoder", dtype, cls)
-        return cls(model, tokenizer).to(device)
+        return cls._open(root / "text_encoder", root / "tokenizer", device, dtype)
 
     @classmethod
     def from_components(
@@ -328,8 +331,15 @@ class KleinTextEncoder(_StackedStatesEncoder):
         """Open Qwen3 from a folder or cached id (`QWEN3_4B_ID` for klein 4B, `QWEN3_8B_ID` for klein 9B), its
         tokenizer from the same place unless `tokenizer` names another. Never touches the network."""
         model_dir = resolve(model)
-        loaded_tokenizer = load_qwen3_tokenizer(model_dir if tokenizer is None else resolve(tokenizer))
-        loaded = _load_model(Qwen3ForCausalLM, model_dir, dtype, cls)
+        return cls._open(model_dir, model_dir if tokenizer is None else resolve(tokenizer), device, dtype)
+
+    @classmethod
+    def _open(
+        cls, model: Path, tokenizer: Path, device: torch.device | str, dtype: torch.dtype
+    ) -> KleinTextEncoder:
+        _check_model_folder(model, cls)  # before reading anything large
+        loaded_tokenizer = load_qwen3_tokenizer(tokenizer)
+        loaded = _load_model(Qwen3ForCausalLM, model, dtype, cls)
         return cls(loaded, loaded_tokenizer).to(device)
 
     @classmethod
@@ -473,14 +483,8 @@ def _pipeline_root(path_or_id: str | Path, model: str, alternative: str) -> Path
     return root
 
 
-def _load_model(
-    cls: type[Mistral3ForConditionalGeneration] | type[Qwen3ForCausalLM],
-    folder: Path,
-    dtype: torch.dtype,
-    encoder: type[_StackedStatesEncoder],
-) -> PreTrainedModel:
-    """`cls.from_pretrained(folder)` in `dtype`, offline, failing on missing files, another model or missing
-    weights in our words."""
+def _check_model_folder(folder: Path, encoder: type[_StackedStatesEncoder]) -> None:
+    """Fail in our words unless `folder` holds a config.json of `encoder`'s model type and weights."""
     config = folder / "config.json"
     if not config.is_file():
         raise WeightsError(f"{folder}: no config.json; expected the {encoder.family} text encoder")
@@ -497,6 +501,15 @@ def _load_model(
         raise WeightsError(
             f"{folder}: no weights for the {encoder.family} text encoder (expected one of {', '.join(_WEIGHT_FILES)})"
         )
+
+
+def _load_model(
+    cls: type[Mistral3ForConditionalGeneration] | type[Qwen3ForCausalLM],
+    folder: Path,
+    dtype: torch.dtype,
+    encoder: type[_StackedStatesEncoder],
+) -> PreTrainedModel:
+    """`cls.from_pretrained(folder)` in `dtype`, offline; a checkpoint missing weights is an error."""
     # transformers random-initializes weights missing from the checkpoint; for us that is an error.
     model, info = cls.from_pretrained(folder, dtype=dtype, local_files_only=True, output_loading_info=True)
     missing = sorted(info["missing_keys"])
