@@ -1,7 +1,7 @@
 """Build the tiny tokenizers shipped in `flux_runtime/assets/tokenizers/` (run once, commit output).
 
 The real tokenizers (FLUX.1: CLIP-L's 49408-token BPE, T5's 32100-piece SentencePiece Unigram; FLUX.2: Mistral
-Small 3.1's 131072-token tekken BPE, Qwen3's 151669-token BPE) are large downloads; tests and the offline demo
+Small 3.1's 131072-token tekken BPE, Qwen3's ~152k-token BPE) are large downloads; tests and the offline demo
 need tokenizers with the same *structure* but a few hundred entries:
 
 - CLIP: byte-level BPE with the `</w>` end-of-word suffix, the vocabulary laid out like CLIP's (256 byte
@@ -477,6 +477,7 @@ def build_qwen3(out: Path, num_merges: int) -> Tokenizer:
             vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
         )
     )
+    # transformers' Qwen2Tokenizer rebuilds exactly this normalizer and pre-tokenizer when it loads the folder.
     tok.normalizer = normalizers.NFC()
     bytelevel_pipeline(tok, QWEN2_PATTERN)
     # <think> and </think> are ordinary added tokens in Qwen3 (decoded even with skip_special_tokens).
