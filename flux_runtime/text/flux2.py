@@ -21,7 +21,6 @@ Row `b * n + j` belongs to prompt `b` (`n = num_images_per_prompt`), as diffuser
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeVar
 
@@ -42,8 +41,6 @@ from flux_runtime.text.tiny import TINY_WIDTH, init_random
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
-
-logger = logging.getLogger(__name__)
 
 # BFL's FLUX.2 [dev] and diffusers' converter pair Mistral Small 3.2's weights with Mistral Small 3.1's processor.
 MISTRAL_SMALL_ID = "mistralai/Mistral-Small-3.2-24B-Instruct-2506"
@@ -81,7 +78,7 @@ _Encoder = TypeVar("_Encoder", bound="_StackedStatesEncoder")
 class _StackedStatesEncoder:
     """A chat LLM read at three depths: what both FLUX.2 encoders share past tokenization.
 
-    Subclasses name the `layers` read, the model family and how prompts become `(input_ids, attention_mask)`.
+    Subclasses name the `layers` read and the model family, and `render` prompts in their chat template.
     Inference only: the model is put in eval mode and runs under `torch.no_grad`.
     """
 
