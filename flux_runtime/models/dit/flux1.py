@@ -71,7 +71,7 @@ class MLP(nn.Sequential):
         self.add_module("2", Linear(hidden, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self[1](kernels.gelu_tanh(self[0](x)))
+        return self[1](self[0].forward_gelu(x))
 
 
 class DoubleStreamBlock(nn.Module):
@@ -132,12 +132,12 @@ class SingleStreamBlock(nn.Module):
         (mod,) = self.modulation(vec_act)
         x, x_n = norm_modulate(x, mod)
         d = self.linear1.in_features
-        q, k, v, mlp = self.linear1.split(x_n, (d, d, d, self.mlp_hidden_dim))
+        q, k, v, mlp = self.linear1.split(x_n, (d, d, d, self.mlp_hidden_dim), gelu_last=True)
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
         # (B, L, D + mlp_hidden): attention first, MLP second
-        h = torch.cat([attention(q, k, v), kernels.gelu_tanh(mlp)], dim=2)
+        h = torch.cat([attention(q, k, v), mlp], dim=2)
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 
 

@@ -16,8 +16,8 @@ class Linear(nn.Module):
     """The one projection type of the DiTs: `F.linear` with the bias inside the GEMM.
 
     Parity needs the bias fused (`F.linear(x, W, b)` is not bit-equal to `x @ W.T + b` on cuBLAS).
-    `split` runs the GEMM once per row block of a merged weight (BFL's fused `qkv`, `linear1`),
-    which is what diffusers computes with its separate `to_q`, `to_k`, `to_v` modules.
+    `split` projects through row blocks of a merged weight (BFL's fused `qkv`, `linear1`), which is
+    what diffusers computes with its separate `to_q`, `to_k`, `to_v` modules.
     An FP8 checkpoint replaces this module with a subclass holding e4m3 weights and scales.
     """
 
@@ -30,11 +30,23 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def split(self, x: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
-        """Project `x` through consecutive row blocks of the weight, one GEMM per block."""
-        weights = self.weight.split(sizes, dim=0)
-        biases = self.bias.split(sizes, dim=0) if self.bias is not None else (None,) * len(sizes)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+    def split(self, x: Tensor, sizes: tuple[int, ...], *, gelu_last: bool = False) -> tuple[Tensor, ...]:
+        """Project `x` through consecutive row blocks of the weight.
+
+        One GEMM per block (diffusers' separate modules), or one merged GEMM where the fused tier has
+        verified it bit-identical. `gelu_last` applies tanh-GELU to the last block (FLUX.1's single-block
+        MLP input), through `forward_gelu`'s path.
+        """
+        w, b = self.weight, self.bias
+        if not gelu_last:
+            return kernels.split_linear(x, w, b, tuple(sizes))
+        n = sum(sizes[:-1])
+        head = kernels.split_linear(x, w[:n], None if b is None else b[:n], tuple(sizes[:-1]))
+        return (*head, kernels.linear_gelu(x, w[n:], None if b is None else b[n:]))
+
+    def forward_gelu(self, x: Tensor) -> Tensor:
+        """tanh-GELU of the projection (the GEMM epilogue does it in the `high` tier)."""
+        return kernels.linear_gelu(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
