@@ -22,6 +22,7 @@ from PIL import Image
 from torch import Tensor
 
 import flux_runtime
+from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
 from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.pipeline.errors import FluxError
@@ -339,12 +340,15 @@ class Pipeline:
                 return velocity(x, t, gd, prompt_embeds, pooled)
 
         report("denoise", 0, steps)
+        reset_fused_ops_report()
         latents = denoise(
             model_fn, latents, sched.sigmas, sched.timesteps, guidance=g,
             callback=lambda i, t, x: report("denoise", i + 1, steps),
         )
 
         info = self._provenance(prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs)
+        # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
+        info["kernels"] = fused_ops_report().tier_used
         if output_type == "latent":
             return PipelineOutput(latents, latents, info)
 

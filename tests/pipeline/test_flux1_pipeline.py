@@ -142,3 +142,23 @@ def test_unknown_model_id_is_one_clear_error(tmp_path, monkeypatch):
 
     with pytest.raises(WeightsError, match=r"unknown model id 'black-forest-labs/FLUX\.1-dev'"):
         Pipeline.from_pretrained("flux1-dev", device="cpu")
+
+
+def test_provenance_says_which_kernels_ran():
+    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32, quality="high")
+    out = pipe("a cat", height=16, width=16, num_steps=1, output_type="latent")
+    assert out.info["quality"] == "lossless"  # high needs CUDA: said once, recorded here
+    assert out.info["kernels"] == "off"  # the reference ops ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quality", ["lossless", "high"])
+def test_cuda_graph_replay_gives_the_eager_latents(quality):
+    eager = Pipeline.from_pretrained("tiny", device="cuda", dtype=torch.bfloat16, cuda_graphs=False, quality=quality)
+    graphed = Pipeline.from_pretrained("tiny", device="cuda", dtype=torch.bfloat16, quality=quality)
+    kw = dict(height=64, width=96, num_steps=4, seed=3, output_type="latent")
+    a = eager(["a red fox", "a cat"], **kw)
+    b = graphed(["a red fox", "a cat"], **kw)
+    c = graphed(["a red fox", "a cat"], **kw)  # second call: pure replays
+    assert b.info["cuda_graphs"] and torch.equal(a.latents, b.latents) and torch.equal(b.latents, c.latents)
+    assert a.info["kernels"].startswith(quality)
