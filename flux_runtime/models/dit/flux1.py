@@ -22,9 +22,11 @@ from flux_runtime.models.dit.layers import (
     Pending,
     QKNorm,
     RoPE,
+    SelfAttention,
     Stream,
     attention,
     clip_fp16,
+    double_stream,
     materialize,
     norm_modulate,
     rope_tables,
@@ -44,22 +46,6 @@ class Modulation(nn.Module):
         # vec_act = silu(vec), (B, D); chunks in BFL/diffusers order: shift, scale, gate (x2).
         out = self.lin(vec_act).chunk(self.multiplier, dim=1)
         return tuple(ModulationOut(*out[i : i + 3]) for i in range(0, self.multiplier, 3))
-
-
-class SelfAttention(nn.Module):
-    """Projection weights of one attention stream: fused `qkv`, its QK-norm and the output `proj`."""
-
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.qkv = Linear(dim, 3 * dim, qkv_bias)
-        self.norm = QKNorm(dim // num_heads)
-        self.proj = Linear(dim, dim)
-
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v as (B, L, H, Dh) from the normalised stream `x` (B, L, D)."""
-        d = self.qkv.in_features
-        return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in self.qkv.split(x, (d, d, d)))
 
 
 class MLP(nn.Sequential):
@@ -88,32 +74,7 @@ class DoubleStreamBlock(nn.Module):
         self.txt_mlp = MLP(d, cfg.mlp_hidden_dim)
 
     def forward(self, img: Stream, txt: Stream, vec_act: Tensor, pe: RoPE) -> tuple[Stream, Stream]:
-        img_mod1, img_mod2 = self.img_mod(vec_act)
-        txt_mod1, txt_mod2 = self.txt_mod(vec_act)
-
-        # prepare img and txt for attention
-        img, img_n = norm_modulate(img, img_mod1)
-        txt, txt_n = norm_modulate(txt, txt_mod1)
-        img_q, img_k, img_v = self.img_attn.project(img_n)
-        txt_q, txt_k, txt_v = self.txt_attn.project(txt_n)
-
-        # joint attention, text first: (B, L_txt + L_img, H, Dh)
-        img_norm, txt_norm = self.img_attn.norm, self.txt_attn.norm
-        q = kernels.qk_norm_rope(txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS)
-        k = kernels.qk_norm_rope(txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS)
-        v = torch.cat([txt_v, img_v], dim=1)
-        txt_attn, img_attn = attention(q, k, v).split_with_sizes([txt_n.shape[1], img_n.shape[1]], dim=1)
-
-        # image stream: attention residual, then MLP residual (both left pending)
-        img = Pending(img, img_mod1.gate, self.img_attn.proj(img_attn.contiguous()))
-        img, img_n = norm_modulate(img, img_mod2)
-        img = Pending(img, img_mod2.gate, self.img_mlp(img_n))
-
-        # text stream
-        txt = Pending(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn.contiguous()))
-        txt, txt_n = norm_modulate(txt, txt_mod2)
-        txt = clip_fp16(Pending(txt, txt_mod2.gate, self.txt_mlp(txt_n)))
-        return img, txt
+        return double_stream(self, img, txt, self.img_mod(vec_act), self.txt_mod(vec_act), pe)
 
 
 class SingleStreamBlock(nn.Module):

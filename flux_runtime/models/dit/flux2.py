@@ -33,9 +33,11 @@ from flux_runtime.models.dit.layers import (
     Pending,
     QKNorm,
     RoPE,
+    SelfAttention,
     Stream,
     attention,
     clip_fp16,
+    double_stream,
     materialize,
     norm_modulate,
     rope_tables,
@@ -57,25 +59,6 @@ class Modulation(nn.Module):
         return tuple(ModulationOut(*out[i : i + 3]) for i in range(0, self.multiplier, 3))
 
 
-class SelfAttention(nn.Module):
-    """Projection weights of one double-block stream: fused `qkv`, its QK RMSNorm and `proj`."""
-
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.qkv = Linear(dim, 3 * dim, bias=False)
-        self.norm = QKNorm(dim // num_heads)
-        self.proj = Linear(dim, dim, bias=False)
-
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v as (B, L, H, Dh) from the modulated stream `x` (B, L, D).
-
-        Three GEMMs on the row blocks of `qkv.weight`: diffusers runs `to_q`, `to_k`, `to_v` separately.
-        """
-        d = self.qkv.in_features
-        return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in self.qkv.split(x, (d, d, d)))
-
-
 class MLP(nn.Sequential):
     """`0: Linear → SwiGLU → 2: Linear`, BFL's `img_mlp` / `txt_mlp` (diffusers `ff.linear_in/out`)."""
 
@@ -94,9 +77,9 @@ class DoubleStreamBlock(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.img_attn = SelfAttention(d, cfg.num_heads)
+        self.img_attn = SelfAttention(d, cfg.num_heads, bias=False)
         self.img_mlp = MLP(d, cfg.mlp_hidden_dim)
-        self.txt_attn = SelfAttention(d, cfg.num_heads)
+        self.txt_attn = SelfAttention(d, cfg.num_heads, bias=False)
         self.txt_mlp = MLP(d, cfg.mlp_hidden_dim)
 
     def forward(
@@ -107,32 +90,7 @@ class DoubleStreamBlock(nn.Module):
         mod_txt: tuple[ModulationOut, ...],
         pe: RoPE,
     ) -> tuple[Stream, Stream]:
-        img_mod1, img_mod2 = mod_img
-        txt_mod1, txt_mod2 = mod_txt
-
-        # prepare img and txt for attention
-        img, img_n = norm_modulate(img, img_mod1)
-        txt, txt_n = norm_modulate(txt, txt_mod1)
-        img_q, img_k, img_v = self.img_attn.project(img_n)
-        txt_q, txt_k, txt_v = self.txt_attn.project(txt_n)
-
-        # joint attention, text first: (B, L_txt + L_img, H, Dh)
-        img_norm, txt_norm = self.img_attn.norm, self.txt_attn.norm
-        q = kernels.qk_norm_rope(txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS)
-        k = kernels.qk_norm_rope(txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS)
-        v = torch.cat([txt_v, img_v], dim=1)
-        txt_attn, img_attn = attention(q, k, v).split_with_sizes([txt_n.shape[1], img_n.shape[1]], dim=1)
-
-        # image stream: attention residual, then SwiGLU MLP residual (both left pending)
-        img = Pending(img, img_mod1.gate, self.img_attn.proj(img_attn.contiguous()))
-        img, img_n = norm_modulate(img, img_mod2)
-        img = Pending(img, img_mod2.gate, self.img_mlp(img_n))
-
-        # text stream
-        txt = Pending(txt, txt_mod1.gate, self.txt_attn.proj(txt_attn.contiguous()))
-        txt, txt_n = norm_modulate(txt, txt_mod2)
-        txt = clip_fp16(Pending(txt, txt_mod2.gate, self.txt_mlp(txt_n)))
-        return img, txt
+        return double_stream(self, img, txt, mod_img, mod_txt, pe)
 
 
 class SingleStreamBlock(nn.Module):

@@ -155,3 +155,62 @@ def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Full attention over (B, L, H, D) inputs through default-dispatch SDPA; returns (B, L, H*D)."""
     out = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
     return out.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Projection weights of one double-block stream: fused `qkv`, its QK RMSNorm and the output `proj`."""
+
+    def __init__(self, dim: int, num_heads: int, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = Linear(dim, 3 * dim, bias)
+        self.norm = QKNorm(dim // num_heads)
+        self.proj = Linear(dim, dim, bias)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v as (B, L, H, Dh) from the modulated stream `x` (B, L, D).
+
+        diffusers runs `to_q`, `to_k`, `to_v` separately; `Linear.split` gives those bits.
+        """
+        d = self.qkv.in_features
+        return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in self.qkv.split(x, (d, d, d)))
+
+
+def double_stream(
+    block: nn.Module,
+    img: Stream,
+    txt: Stream,
+    img_mods: tuple[ModulationOut, ...],
+    txt_mods: tuple[ModulationOut, ...],
+    pe: RoPE,
+) -> tuple[Stream, Stream]:
+    """The double-stream block of both FLUX generations: image and text weights apart, one joint attention.
+
+    `block` holds `img_attn`, `txt_attn` (SelfAttention) and `img_mlp`, `txt_mlp`; the two
+    modulation pairs come from the block (FLUX.1) or are shared by all blocks (FLUX.2).
+    """
+    (img_mod1, img_mod2), (txt_mod1, txt_mod2) = img_mods, txt_mods
+
+    # prepare img and txt for attention
+    img, img_n = norm_modulate(img, img_mod1)
+    txt, txt_n = norm_modulate(txt, txt_mod1)
+    img_q, img_k, img_v = block.img_attn.project(img_n)
+    txt_q, txt_k, txt_v = block.txt_attn.project(txt_n)
+
+    # joint attention, text first: (B, L_txt + L_img, H, Dh)
+    img_norm, txt_norm = block.img_attn.norm, block.txt_attn.norm
+    q = kernels.qk_norm_rope(txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS)
+    k = kernels.qk_norm_rope(txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS)
+    v = torch.cat([txt_v, img_v], dim=1)
+    txt_attn, img_attn = attention(q, k, v).split_with_sizes([txt_n.shape[1], img_n.shape[1]], dim=1)
+
+    # image stream: attention residual, then MLP residual (both left pending)
+    img = Pending(img, img_mod1.gate, block.img_attn.proj(img_attn.contiguous()))
+    img, img_n = norm_modulate(img, img_mod2)
+    img = Pending(img, img_mod2.gate, block.img_mlp(img_n))
+
+    # text stream
+    txt = Pending(txt, txt_mod1.gate, block.txt_attn.proj(txt_attn.contiguous()))
+    txt, txt_n = norm_modulate(txt, txt_mod2)
+    txt = clip_fp16(Pending(txt, txt_mod2.gate, block.txt_mlp(txt_n)))
+    return img, txt
