@@ -33,9 +33,10 @@ from flux_runtime.models.vae.flux2 import PATCH, Flux2VAEConfig
 from flux_runtime.weights import flux1_layout, flux2_layout, flux2_transformer, vae_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.keys import KeyView
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
 from flux_runtime.weights.transformer import detect_layout, find_transformer_files, infer_config
-from flux_runtime.weights.vae import AnyVAEConfig, KeyView, open_vae_checkpoint
+from flux_runtime.weights.vae import AnyVAEConfig, open_vae_checkpoint
 
 log = logging.getLogger(__name__)
 

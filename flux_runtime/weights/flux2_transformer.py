@@ -19,17 +19,16 @@ import torch
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
 from flux_runtime.weights import flux2_layout
 from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
 from flux_runtime.weights.random_init import init_random
 from flux_runtime.weights.safetensors_io import TensorSource
 from flux_runtime.weights.transformer import (
     BUILTIN,
-    _BflView,
     _check_config,
     _check_keys,
     _folder_config,
-    _need,
-    _raise_key_errors,
     find_transformer_files,
 )
 
@@ -65,13 +64,13 @@ def infer_config(shape_of: ShapeOf, depths: tuple[int, int, bool], folder_config
     from a diffusers `config.json` when there is one, else from the FLUX.2 preset of this head width.
     """
     depth, depth_single, guidance = depths
-    hidden, in_ch = _need(shape_of, "img_in.weight", "hidden size")
+    hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size")
     if depth:
-        head_dim = _need(shape_of, "double_blocks.0.img_attn.norm.query_norm.scale", "head dim")[0]
-        mlp_hidden = _need(shape_of, "double_blocks.0.img_mlp.2.weight", "MLP width")[1]
+        head_dim = need_shape(shape_of, "double_blocks.0.img_attn.norm.query_norm.scale", "head dim")[0]
+        mlp_hidden = need_shape(shape_of, "double_blocks.0.img_mlp.2.weight", "MLP width")[1]
     elif depth_single:
-        head_dim = _need(shape_of, "single_blocks.0.norm.query_norm.scale", "head dim")[0]
-        mlp_hidden = _need(shape_of, "single_blocks.0.linear2.weight", "MLP width")[1] - hidden
+        head_dim = need_shape(shape_of, "single_blocks.0.norm.query_norm.scale", "head dim")[0]
+        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear2.weight", "MLP width")[1] - hidden
     else:
         raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
     if hidden % head_dim:
@@ -80,9 +79,9 @@ def infer_config(shape_of: ShapeOf, depths: tuple[int, int, bool], folder_config
     cfg = DiTConfig(
         family="flux2",
         in_channels=in_ch,
-        out_channels=_need(shape_of, "final_layer.linear.weight", "output channels")[0],
+        out_channels=need_shape(shape_of, "final_layer.linear.weight", "output channels")[0],
         vec_in_dim=0,
-        context_in_dim=_need(shape_of, "txt_in.weight", "text width")[1],
+        context_in_dim=need_shape(shape_of, "txt_in.weight", "text width")[1],
         hidden_size=hidden,
         mlp_ratio=mlp_hidden / hidden,
         num_heads=hidden // head_dim,
@@ -135,14 +134,14 @@ def load_flux2_transformer(
         raise WeightsError(f"{files[0]}: not a FLUX.2 transformer (no shared modulation weights)")
     layout = flux2_layout.detect_layout(src.keys())
     if layout == "bfl":
-        view = _BflView(src)
+        view = KeyView(src, BFL_PREFIXES)
         depths = flux2_layout.bfl_depths(view.keys())
         shape_of: ShapeOf = view.shape
     else:
         depths = flux2_layout.diffusers_depths(src.keys())
         table = list(flux2_layout.rules(*depths))
         used = {d for r in table for d in r.diffusers}
-        _raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used))
+        raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used))
         shape_of = _fused_shapes(table, src.shape)
 
     inferred = infer_config(shape_of, depths, _folder_config(files))

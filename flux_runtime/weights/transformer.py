@@ -19,6 +19,7 @@ from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2T
 from flux_runtime.weights import flux1_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
+from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors, strip_prefix
 from flux_runtime.weights.random_init import init_random
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
 
@@ -49,29 +50,7 @@ def find_transformer_files(path: Path) -> list[Path]:
 
 
 def _strip(key: str) -> str:
-    for p in flux1_layout.BFL_PREFIXES:
-        if key.startswith(p):
-            return key[len(p) :]
-    return key
-
-
-class _BflView:
-    """A TensorSource seen through BFL names (with the ComfyUI-style prefix stripped)."""
-
-    def __init__(self, src: TensorSource) -> None:
-        self.src, self.names = src, {_strip(k): k for k in src.keys()}
-
-    def keys(self) -> list[str]:
-        return list(self.names)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.names
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.src.shape(self.names[key])
-
-    def get(self, key: str, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-        return self.src.get(self.names[key], device, dtype)
+    return strip_prefix(key, flux1_layout.BFL_PREFIXES)
 
 
 def detect_layout(keys: list[str]) -> str:
@@ -83,13 +62,6 @@ def detect_layout(keys: list[str]) -> str:
         return "diffusers"
     sample = ", ".join(sorted(keys)[:5]) or "no keys at all"
     raise WeightsError(f"unknown checkpoint layout: not a FLUX.1 transformer in BFL or diffusers form (keys: {sample}, ...)")
-
-
-def _need(shape_of, key: str, what: str) -> tuple[int, ...]:
-    try:
-        return shape_of(key)
-    except KeyError:
-        raise WeightsError(f"checkpoint has no {key!r} (needed to read the {what})") from None
 
 
 def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | None) -> DiTConfig:
@@ -111,20 +83,20 @@ def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | N
         guidance = any(k.startswith("guidance_in.") for k in keys)
         if depth == 0:
             qnorm = "single_blocks.0.norm.query_norm.scale"
-    hidden, in_ch = _need(shape_of, img_in, "hidden size")
-    head_dim = _need(shape_of, qnorm, "head dim")[0]
+    hidden, in_ch = need_shape(shape_of, img_in, "hidden size")
+    head_dim = need_shape(shape_of, qnorm, "head dim")[0]
     if layout == "bfl" and depth == 0:
-        mlp_hidden = _need(shape_of, "single_blocks.0.linear1.weight", "MLP width")[0] - 3 * hidden
+        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear1.weight", "MLP width")[0] - 3 * hidden
     else:
-        mlp_hidden = _need(shape_of, mlp_in, "MLP width")[0]
+        mlp_hidden = need_shape(shape_of, mlp_in, "MLP width")[0]
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
     axes = _axes_dim(head_dim, folder_config)
     return DiTConfig(
         in_channels=in_ch,
-        out_channels=_need(shape_of, final, "output channels")[0],
-        vec_in_dim=_need(shape_of, vec_in, "pooled text width")[1],
-        context_in_dim=_need(shape_of, txt_in, "text width")[1],
+        out_channels=need_shape(shape_of, final, "output channels")[0],
+        vec_in_dim=need_shape(shape_of, vec_in, "pooled text width")[1],
+        context_in_dim=need_shape(shape_of, txt_in, "text width")[1],
         hidden_size=hidden,
         mlp_ratio=mlp_hidden / hidden,
         num_heads=hidden // head_dim,
@@ -197,7 +169,7 @@ def load_transformer(
     src = TensorSource(files)
     layout = detect_layout(src.keys())
     if layout == "bfl":
-        view = _BflView(src)
+        view = KeyView(src, flux1_layout.BFL_PREFIXES)
         keys, shape_of = view.keys(), view.shape
     else:
         keys, shape_of = src.keys(), src.shape
@@ -220,7 +192,7 @@ def load_transformer(
         used = {d for r in table for d in r.diffusers}
         missing = sorted(d for d in used if d not in src)
         unexpected = sorted(set(keys) - used)
-        _raise_key_errors(missing, unexpected)
+        raise_key_errors(missing, unexpected)
         sd = {}
         for rule in table:
             # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
@@ -239,21 +211,11 @@ def load_transformer(
 
 
 def _check_keys(keys: set[str], expected: dict[str, tuple[int, ...]], shape_of) -> None:
-    _raise_key_errors(sorted(set(expected) - keys), sorted(keys - set(expected)))
+    raise_key_errors(sorted(set(expected) - keys), sorted(keys - set(expected)))
     for k, want in expected.items():
         got = tuple(shape_of(k))
         if got != want:
             raise WeightsError(f"{k}: expected shape {want}, checkpoint has {got}")
-
-
-def _raise_key_errors(missing: list[str], unexpected: list[str]) -> None:
-    def few(ks: list[str]) -> str:
-        return ", ".join(ks[:5]) + (f" (+{len(ks) - 5} more)" if len(ks) > 5 else "")
-
-    if missing:
-        raise WeightsError(f"checkpoint is missing {len(missing)} key(s): {few(missing)}")
-    if unexpected:
-        raise WeightsError(f"checkpoint has {len(unexpected)} unexpected key(s): {few(unexpected)}")
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -27,12 +26,12 @@ from flux_runtime.weights import vae2_layout, vae_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import count_blocks
 from flux_runtime.weights.hub import resolve, safetensors_files
+from flux_runtime.weights.keys import KeyView, ShapeOf, need_shape, raise_key_errors, strip_prefix
 from flux_runtime.weights.random_init import init_random
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
 
 log = logging.getLogger(__name__)
 
-ShapeOf = Callable[[str], tuple[int, ...]]
 Family = Literal["flux1", "flux2"]
 AnyVAEConfig = VAEConfig | Flux2VAEConfig
 AnyVAE = Flux1VAE | Flux2VAE
@@ -109,49 +108,7 @@ def find_vae_files(path: Path) -> list[Path]:
 
 
 def _strip(key: str) -> str:
-    for p in vae_layout.PREFIXES:
-        if key.startswith(p):
-            return key[len(p) :]
-    return key
-
-
-class KeyView:
-    """A TensorSource seen through one component's own names.
-
-    When some keys carry one of `prefixes` (`vae.`, `model.diffusion_model.`, ...), the file holds
-    several components: only the keys under the first such prefix are kept, with it stripped.
-    Otherwise every key is kept as is.
-    """
-
-    def __init__(self, src: TensorSource, prefixes: tuple[str, ...]) -> None:
-        self.src = src
-        keys = src.keys()
-        self.names = {k: k for k in keys}
-        for p in prefixes:
-            if any(k.startswith(p) for k in keys):
-                self.names = {k[len(p) :]: k for k in keys if k.startswith(p)}
-                if len(self.names) < len(keys):
-                    log.info(
-                        "reading the %d keys under %r, ignoring %d others",
-                        len(self.names),
-                        p,
-                        len(keys) - len(self.names),
-                    )
-                break
-
-    def keys(self) -> list[str]:
-        return list(self.names)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.names
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.src.shape(self.names[key])
-
-    def get(
-        self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        return self.src.get(self.names[key], device, dtype)
+    return strip_prefix(key, vae_layout.PREFIXES)
 
 
 def detect_vae_family(keys: list[str]) -> Family:
@@ -183,22 +140,15 @@ def detect_vae_layout(keys: list[str], family: Family = "flux1") -> str:
     )
 
 
-def _need(shape_of: ShapeOf, key: str, what: str) -> tuple[int, ...]:
-    try:
-        return tuple(shape_of(key))
-    except KeyError:
-        raise WeightsError(f"checkpoint has no {key!r} (needed to read the {what})") from None
-
-
 def infer_vae_shapes(layout: str, keys: list[str], shape_of: ShapeOf) -> dict[str, Any]:
     """The `SHAPE_FIELDS` of the config, read from the tensor shapes: channels, levels, resnets, latent width."""
     down, block = ("encoder.down", "block") if layout == "bfl" else ("encoder.down_blocks", "resnets")
     levels = count_blocks(keys, down)
     if levels == 0:
         raise WeightsError(f"checkpoint has no {down}.0.* keys: cannot tell the encoder's levels")
-    ch, in_channels = _need(shape_of, "encoder.conv_in.weight", "first level's width")[:2]
+    ch, in_channels = need_shape(shape_of, "encoder.conv_in.weight", "first level's width")[:2]
     widths = [
-        _need(shape_of, f"{down}.{i}.{block}.0.conv1.weight", f"width of level {i}")[0] for i in range(levels)
+        need_shape(shape_of, f"{down}.{i}.{block}.0.conv1.weight", f"width of level {i}")[0] for i in range(levels)
     ]
     if any(w % ch for w in widths):
         raise WeightsError(
@@ -206,11 +156,11 @@ def infer_vae_shapes(layout: str, keys: list[str], shape_of: ShapeOf) -> dict[st
         )
     return {
         "in_channels": in_channels,
-        "out_ch": _need(shape_of, "decoder.conv_out.weight", "output channels")[0],
+        "out_ch": need_shape(shape_of, "decoder.conv_out.weight", "output channels")[0],
         "ch": ch,
         "ch_mult": tuple(w // ch for w in widths),
         "num_res_blocks": count_blocks(keys, f"{down}.0.{block}"),
-        "z_channels": _need(shape_of, "decoder.conv_in.weight", "latent channels")[1],
+        "z_channels": need_shape(shape_of, "decoder.conv_in.weight", "latent channels")[1],
     }
 
 
@@ -365,7 +315,7 @@ def open_vae_checkpoint(path_or_id: str | Path, config: AnyVAEConfig | None = No
     ckpt = VAECheckpoint(files, view, layout, cfg, table, optional)
     used = [ckpt.source_key(r) for r in table]
     unexpected = sorted(set(keys) - set(used) - set(optional))
-    _raise_key_errors(sorted(k for k in used if k not in view), unexpected)
+    raise_key_errors(sorted(k for k in used if k not in view), unexpected)
     for rule in table:
         want = expected[rule.bfl] if layout == "bfl" else vae_layout.diffusers_shape(rule, expected[rule.bfl])
         got = view.shape(ckpt.source_key(rule))
@@ -383,16 +333,6 @@ def open_vae_checkpoint(path_or_id: str | Path, config: AnyVAEConfig | None = No
         cfg,
     )
     return ckpt
-
-
-def _raise_key_errors(missing: list[str], unexpected: list[str]) -> None:
-    def few(ks: list[str]) -> str:
-        return ", ".join(ks[:5]) + (f" (+{len(ks) - 5} more)" if len(ks) > 5 else "")
-
-    if missing:
-        raise WeightsError(f"checkpoint is missing {len(missing)} key(s): {few(missing)}")
-    if unexpected:
-        raise WeightsError(f"checkpoint has {len(unexpected)} unexpected key(s): {few(unexpected)}")
 
 
 def load_vae(
