@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from PIL import Image
@@ -43,7 +43,11 @@ from flux_runtime.sampling import (
 )
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
+from flux_runtime.weights.flux2_transformer import is_flux2
 from flux_runtime.weights.vae import load_vae
+
+if TYPE_CHECKING:
+    from flux_runtime.pipeline.flux2 import Flux2Pipe
 
 __all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput"]
 
@@ -56,10 +60,11 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass
 class PipelineOutput:
-    """`images`: PIL images, a float tensor (B, 3, H, W) in [0, 1], uint8 arrays, or packed latents.
+    """`images`: PIL images, a float tensor (B, 3, H, W) in [0, 1], uint8 arrays, or latents.
 
-    `latents` are the final packed latents (B, L, 64) in the model dtype; `info` is the provenance
-    (prompt, seed, size, steps, guidance, model, quality tier actually used, versions).
+    `latents` are the final packed latents (B, L, 64), FLUX.2 (B, L, 128), in the model dtype; `info` is the
+    provenance (prompt, seed, size, steps, guidance, model, quality tier actually used, versions; FLUX.2 adds
+    its reference images).
     """
 
     images: Any
@@ -106,13 +111,15 @@ class Pipeline:
         text_encoder_2: str | Path | None = None,
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
-    ) -> Pipeline:
-        """Open a FLUX.1 pipeline.
+    ) -> Pipeline | Flux2Pipe:
+        """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) when the transformer's keys are FLUX.2's.
 
-        `path_or_id`: `tiny` (built in, random, offline), `flux1-dev` / `flux1-schnell` or any model id in
-        the local Hugging Face cache, a diffusers pipeline folder, or a BFL transformer file (then
-        `ae.safetensors` beside it, or `vae=`; CLIP-L and T5 from `text_encoder` / `text_encoder_2`, folders
-        or cached ids, default openai/clip-vit-large-patch14 and google/t5-v1_1-xxl).
+        `path_or_id`: `tiny` / `tiny-flux2` (built in, random, offline), `flux1-dev` / `flux1-schnell` /
+        `flux2-dev` / `flux2-klein-4b` / `flux2-klein-9b` or any model id in the local Hugging Face cache, a
+        diffusers pipeline folder, or a BFL transformer file (then `ae.safetensors` beside it, or `vae=`;
+        FLUX.1: CLIP-L and T5 from `text_encoder` / `text_encoder_2`, folders or cached ids, default
+        openai/clip-vit-large-patch14 and google/t5-v1_1-xxl; FLUX.2: its one LLM from `text_encoder`, default
+        the one BFL pairs with the transformer, see `Flux2Pipe.from_sources`).
         `quality`: `lossless` (bit-identical to diffusers) or `high` (approximate fused kernels).
         """
         if quality not in ("lossless", "high"):
@@ -123,6 +130,13 @@ class Pipeline:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise FluxError("device 'cuda' asked for, but torch sees no CUDA GPU")
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
+        if is_flux2(src.transformer):  # reads the safetensors headers only
+            from flux_runtime.pipeline.flux2 import Flux2Pipe
+
+            return Flux2Pipe.from_sources(
+                src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
+                text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+            )  # fmt: skip
         transformer = load_transformer(src.transformer, device=device, dtype=dtype)
         if transformer.config.family != "flux1":
             raise FluxError(f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1")

@@ -1,13 +1,17 @@
-"""Where a pipeline's parts come from: a preset name, a diffusers folder or cached id, or a BFL file set."""
+"""Where a pipeline's parts come from: a preset name, a diffusers folder or cached id, or a BFL file set.
+
+The same for FLUX.1 and FLUX.2: the family is told by the transformer's keys afterwards
+(`Pipeline.from_pretrained`), not by the name.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, FLUX1_SCHNELL_SCHEDULE, ScheduleConfig
+from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, FLUX1_SCHNELL_SCHEDULE, FLUX2_SCHEDULE, ScheduleConfig
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 
@@ -18,7 +22,13 @@ MODEL_IDS: dict[str, str] = {
     "tiny": "tiny",
     "flux1-dev": "black-forest-labs/FLUX.1-dev",
     "flux1-schnell": "black-forest-labs/FLUX.1-schnell",
+    "tiny-flux2": "tiny-flux2",
+    "flux2-dev": "black-forest-labs/FLUX.2-dev",
+    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
+    "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B",
 }
+# Built-in random models (no files): FLUX.1-shaped `tiny`, FLUX.2 [klein]-shaped `tiny-flux2`.
+BUILTIN_MODELS = ("tiny", "tiny-flux2")
 CLIP_L_ID = "openai/clip-vit-large-patch14"
 T5_XXL_ID = "google/t5-v1_1-xxl"
 
@@ -34,6 +44,7 @@ class Sources:
     clip: str | Path | None  # separate CLIP-L folder or id (BFL file sets)
     t5: str | Path | None
     scheduler_config: dict | None
+    model_index: dict | None = None  # a diffusers root's model_index.json (FLUX.2 [klein]: `is_distilled`)
 
 
 def find_sources(
@@ -45,8 +56,8 @@ def find_sources(
 ) -> Sources:
     """Work out where each part lives. A BFL transformer file takes `ae.safetensors` beside it by default."""
     name = MODEL_IDS.get(str(path_or_id), str(path_or_id))
-    if name == "tiny" and not Path(name).exists():
-        return Sources("tiny", "tiny", vae or "tiny", None, None, None, None)
+    if name in BUILTIN_MODELS and not Path(name).exists():
+        return Sources(name, name, vae or name, None, None, None, None)
     root = resolve(name)
     if root.is_file():
         ae = vae or root.parent / "ae.safetensors"
@@ -61,11 +72,14 @@ def find_sources(
         vae = root / "vae" if (root / "vae").is_dir() else root / "ae.safetensors"
         if not Path(vae).exists():
             raise WeightsError(f"{root} has neither vae/ nor ae.safetensors: pass vae=<path>")
-    return Sources(name, root, vae, text, clip, t5, _scheduler_config(root))
+    return Sources(name, root, vae, text, clip, t5, _scheduler_config(root), _json(root / "model_index.json"))
 
 
 def _scheduler_config(root: Path) -> dict | None:
-    path = root / "scheduler" / "scheduler_config.json"
+    return _json(root / "scheduler" / "scheduler_config.json")
+
+
+def _json(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
@@ -96,3 +110,18 @@ def schedule_config(scheduler: dict | None, guidance_embed: bool) -> ScheduleCon
         base_shift=float(scheduler.get("base_shift", 0.5)),
         max_shift=float(scheduler.get("max_shift", 1.15)),
     )
+
+
+def flux2_schedule_config(scheduler: dict | None) -> ScheduleConfig:
+    """FLUX.2: the folder's FlowMatchEulerDiscreteScheduler settings with the pipelines' mu rule, or the preset.
+
+    Flux2Pipeline / Flux2KleinPipeline always pass `mu = compute_empirical_mu(tokens, steps)`; the scheduler
+    uses it only when `use_dynamic_shifting` is on (the converted FLUX.2 folders), otherwise its static `shift`.
+    `use_flow_sigmas` makes the pipelines drop their sigmas altogether, a path FLUX.2 checkpoints do not take.
+    """
+    if scheduler is None:
+        return FLUX2_SCHEDULE
+    if scheduler.get("use_flow_sigmas"):
+        raise WeightsError("scheduler_config.json asks for use_flow_sigmas, which FLUX.2 sampling does not use")
+    cfg = schedule_config(scheduler, guidance_embed=True)
+    return replace(cfg, mu_rule="empirical") if cfg.mu_rule is not None else cfg
