@@ -1,6 +1,9 @@
 """`flux-gen`: one click command: parse, call `Pipeline`, save PNGs with their provenance.
 
-Library errors become one line and a non-zero exit here, and only here.
+FLUX.1 and FLUX.2 alike (`Pipeline.from_pretrained` picks by the checkpoint); FLUX.2 also edits with
+`--image` reference images, whose paths and pixel fingerprints go into the provenance so `--replay` can
+refuse a reference that has gone or changed. Library errors become one line and a non-zero exit here,
+and only here.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import click
 
-MODEL_CHOICES = ("tiny", "flux1-dev", "flux1-schnell")
+MODEL_CHOICES = ("tiny", "flux1-dev", "flux1-schnell", "tiny-flux2", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -76,21 +79,29 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
 @click.option("--prompt", "-p", type=str, help="What to draw.")
 @click.option("--model", "-m", default="tiny", help=f"A preset ({', '.join(MODEL_CHOICES)}), a cached model id or a path.")
 @click.option("--quality", type=click.Choice(["lossless", "high"]), default="lossless", help="lossless = diffusers' bits.")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps [default: 28 dev, 4 schnell].")
-@click.option("--guidance", type=click.FloatRange(min=0), default=None, help="Embedded guidance [default: 3.5; schnell ignores it].")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Denoising steps [default: FLUX.1 28 dev, 4 schnell; FLUX.2 50 (distilled klein is made for 4)].")
+@click.option("--guidance", type=click.FloatRange(min=0), default=None,
+              help="FLUX.1 / FLUX.2 dev: embedded guidance; klein: CFG scale (CFG when > 1, not on distilled models) "
+                   "[default: FLUX.1 3.5, FLUX.2 4.0; schnell and distilled klein ignore it].")
 @click.option("--seed", type=click.IntRange(min=0), default=0)
-@click.option("--width", type=click.IntRange(min=1), default=None, help="Pixels [default: 1024, tiny 128].")
-@click.option("--height", type=click.IntRange(min=1), default=None, help="Pixels [default: 1024, tiny 128].")
+@click.option("--width", type=click.IntRange(min=1), default=None,
+              help="Pixels [default: 1024, tiny models 128; with --image the first image's].")
+@click.option("--height", type=click.IntRange(min=1), default=None,
+              help="Pixels [default: 1024, tiny models 128; with --image the first image's].")
+@click.option("--image", "-i", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
+              help="FLUX.2: a reference image to edit or draw from (repeatable).")
 @click.option("--num-images", type=click.IntRange(min=1), default=1)
-@click.option("--max-sequence-length", type=click.IntRange(1, 512), default=512, help="T5 tokens.")
+@click.option("--max-sequence-length", type=click.IntRange(1, 512), default=512, help="Text tokens (T5, Mistral, Qwen3).")
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="[default: bf16 on GPU, fp32 on CPU]")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("flux.png"), help="A .png file or a folder.")
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
-@click.option("--offload-text-encoders", is_flag=True, help="Keep CLIP/T5 on the CPU except while encoding.")
+@click.option("--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU except while encoding.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs.")
 @click.option("--vae", type=str, default=None, help="Autoencoder file/folder for a BFL transformer file.")
-@click.option("--text-encoder", type=str, default=None, help="CLIP-L folder or id for a BFL transformer file.")
+@click.option("--text-encoder", type=str, default=None,
+              help="CLIP-L (FLUX.1) or the Mistral / Qwen3 model (FLUX.2) folder or id for a BFL transformer file.")
 @click.option("--text-encoder-2", type=str, default=None, help="T5-XXL folder or id for a BFL transformer file.")
 @click.option("--replay", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Regenerate the image recorded in a flux-gen PNG.")
@@ -116,9 +127,39 @@ def _apply_replay(opts: dict[str, Any]) -> None:
         prompt=rec["prompt"], model=rec["model"], quality=rec["quality"], steps=rec["num_steps"],
         guidance=rec["guidance"], seed=rec["seed"], width=rec["width"], height=rec["height"],
         max_sequence_length=rec["max_sequence_length"], dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
+        image=_replay_images(opts["replay"], rec.get("reference_images") or []),
     )
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
+
+
+def _replay_images(png: Path, recorded: list[dict[str, Any]]) -> tuple[Path, ...]:
+    """The reference images a FLUX.2 PNG was made from, each still at its path with the same pixels."""
+    from flux_runtime.pipeline.flux2 import image_fingerprint
+
+    paths = []
+    for k, ref in enumerate(recorded):
+        if not ref.get("path"):
+            raise click.ClickException(f"cannot replay {png}: reference image {k} was passed in memory, not as a file")
+        path = Path(ref["path"])
+        if not path.is_file():
+            raise click.ClickException(f"cannot replay {png}: its reference image {path} is gone")
+        if image_fingerprint(_open_image(path)) != ref.get("sha256"):
+            raise click.ClickException(f"cannot replay {png}: its reference image {path} has changed since")
+        paths.append(path)
+    return tuple(paths)
+
+
+def _open_image(path: Path) -> Any:
+    """A reference image, decoded now (so a bad file fails here); PIL keeps `path` as its `filename`."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(path)
+        image.load()
+    except (OSError, UnidentifiedImageError) as e:
+        raise click.ClickException(f"cannot read image {path}: {e}") from None
+    return image
 
 
 def _generate(opts: dict[str, Any]) -> None:
@@ -126,6 +167,7 @@ def _generate(opts: dict[str, Any]) -> None:
 
     from flux_runtime.pipeline import Pipeline
     from flux_runtime.pipeline.flux1 import save_png
+    from flux_runtime.pipeline.flux2 import Flux2Pipe
 
     device = opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = opts["dtype"] or ("bf16" if torch.device(device).type == "cuda" else "fp32")
@@ -133,6 +175,7 @@ def _generate(opts: dict[str, Any]) -> None:
     n = 1 if replaying else opts["num_images"]
     paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"])
     progress = _Progress(not opts["quiet"] and sys.stderr.isatty())
+    images_in = [_open_image(p.resolve()) for p in opts["image"]]
 
     pipe = Pipeline.from_pretrained(
         opts["model"], device=device, dtype=getattr(torch, DTYPES[dtype_name]), quality=opts["quality"],
@@ -143,11 +186,17 @@ def _generate(opts: dict[str, Any]) -> None:
         click.echo(f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
                    "the image will differ", err=True)
     num_per_prompt = opts["_replay_index"] + 1 if replaying else n
-    out = pipe(
-        opts["prompt"], height=opts["height"], width=opts["width"], num_steps=opts["steps"],
-        guidance=opts["guidance"], seed=opts["seed"], max_sequence_length=opts["max_sequence_length"],
-        num_images_per_prompt=num_per_prompt, progress=progress,
+    common = dict(
+        height=opts["height"], width=opts["width"], num_steps=opts["steps"], guidance=opts["guidance"],
+        seed=opts["seed"], max_sequence_length=opts["max_sequence_length"], num_images_per_prompt=num_per_prompt,
+        progress=progress,
     )
+    if isinstance(pipe, Flux2Pipe):
+        out = pipe(opts["prompt"], image=images_in or None, **common)
+    elif images_in:
+        raise click.ClickException(f"--image needs a FLUX.2 model; {opts['model']} is FLUX.1")
+    else:
+        out = pipe(opts["prompt"], **common)
     progress.close()
     images = out.images[-1:] if replaying else out.images
     for i, (image, path) in enumerate(zip(images, paths, strict=True)):
