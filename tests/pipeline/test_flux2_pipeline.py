@@ -9,6 +9,7 @@ when guidance > 1) and a step-distilled one (`is_distilled: true`, never CFG).
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,10 +29,10 @@ from flux_runtime.sampling import get_schedule
 from flux_runtime.text import Flux2TextEncoder, KleinTextEncoder
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
 from flux_runtime.weights import WeightsError
-from tests.flux2_fixtures import make_diffusers_flux2
+from tests.flux2_fixtures import make_diffusers_flux2, save_bfl
 from tests.sampling.flux2_helpers import FLUX2_SCHEDULER_CONFIG, random_image
 from tests.text.test_flux2_text import pixtral  # noqa: F401  (fixture: PixtralProcessor without torchvision)
-from tests.weights.vae_fixtures import make_diffusers_flux2_vae
+from tests.weights.vae_fixtures import make_diffusers_flux2_vae, save_bfl_flux2_vae
 
 PROMPTS = ["a red fox in the snow", "An astronaut riding a horse on the Moon"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -321,6 +322,29 @@ def test_parts_that_do_not_fit_are_refused(folders) -> None:
     # a [dev] folder's Mistral encoder in place of [klein]'s Qwen3: opened by its config.json, same width here
     mixed = Pipeline.from_pretrained(folders["klein"], text_encoder=folders["dev"], device="cpu", dtype=torch.float32)
     assert isinstance(mixed, Flux2Pipe) and isinstance(mixed.text_encoder, Flux2TextEncoder)
+
+
+def test_bfl_file_set_equals_the_diffusers_folder(folders, tmp_path) -> None:
+    """BFL `flux-2-klein.safetensors` + `ae.safetensors` beside it, the text encoder named separately."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    klein = folders["klein"]
+    model = save_bfl(Flux2Transformer2DModel.from_pretrained(klein / "transformer"), tmp_path / "flux-2-klein.safetensors")
+    save_bfl_flux2_vae(AutoencoderKLFlux2.from_pretrained(klein / "vae"), tmp_path / "ae.safetensors")
+    # Qwen3 as its own repo holds the model and the tokenizer in one folder
+    qwen3 = shutil.copytree(klein / "text_encoder", tmp_path / "Qwen3-tiny")
+    for f in (klein / "tokenizer").iterdir():
+        shutil.copy(f, qwen3)
+    folder = Pipeline.from_pretrained(klein, device="cpu", dtype=torch.float32)
+    kw = dict(seed=4, num_steps=2, output_type="latent", **KW)
+    want = folder(PROMPTS[0], **kw).latents
+    for text_encoder in (qwen3, klein):  # a model folder, or a whole diffusers folder
+        bfl = Pipeline.from_pretrained(model, text_encoder=text_encoder, device="cpu", dtype=torch.float32)
+        assert isinstance(bfl, Flux2Pipe) and not bfl.is_distilled  # no model_index.json: diffusers' default
+        assert torch.equal(bfl(PROMPTS[0], **kw).latents, want)
+    # without text_encoder=, BFL's pairing by the text width: none is 96 wide
+    with pytest.raises(FluxError, match=r"no known \[klein\] text encoder is 96 wide: pass text_encoder="):
+        Pipeline.from_pretrained(model, device="cpu", dtype=torch.float32)
 
 
 def test_unknown_model_id_is_one_clear_error(tmp_path, monkeypatch) -> None:
