@@ -123,7 +123,9 @@ class Flux2Pipe:
         offload_text_encoders: bool = False,
     ) -> None:
         if transformer.config.family != "flux2":
-            raise FluxError(f"{model_name} is a {transformer.config.family} transformer; this pipeline runs FLUX.2")
+            raise FluxError(
+                f"{model_name} is a {transformer.config.family} transformer; this pipeline runs FLUX.2"
+            )
         if vae.config.family != "flux2":
             raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.2 needs the FLUX.2 VAE")
         width = transformer.config.context_in_dim
@@ -133,7 +135,9 @@ class Flux2Pipe:
                 f"transformer reads {width} (FLUX.2 [dev] takes Mistral Small, [klein] 4B Qwen3-4B, 9B Qwen3-8B)"
             )
         if transformer.config.guidance_embed and is_distilled:
-            raise FluxError("is_distilled is a FLUX.2 [klein] setting; this transformer embeds guidance ([dev])")
+            raise FluxError(
+                "is_distilled is a FLUX.2 [klein] setting; this transformer embeds guidance ([dev])"
+            )
         self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
         self.schedule = schedule
         self.is_distilled = is_distilled
@@ -212,7 +216,9 @@ class Flux2Pipe:
     def default_size(self) -> int:
         """Default image side: diffusers' 128 latent pixels x the VAE factor (1024), 128 for the built-in tiny
         model (fast on a CPU). With reference images the first one's size is the default instead."""
-        return 128 if self.model_name == "tiny-flux2" else DEFAULT_SAMPLE_SIZE * self.vae.config.spatial_factor
+        return (
+            128 if self.model_name == "tiny-flux2" else DEFAULT_SAMPLE_SIZE * self.vae.config.spatial_factor
+        )
 
     def uses_cfg(self, guidance: float) -> bool:
         """Whether a call with this guidance runs classifier-free guidance: [klein], not distilled, guidance > 1."""
@@ -330,8 +336,17 @@ class Flux2Pipe:
                 or not 1 <= prompt_embeds.shape[1] <= MAX_SEQUENCE_LENGTH
                 or not prompt_embeds.is_floating_point()
             ):
-                shape = tuple(prompt_embeds.shape) if isinstance(prompt_embeds, Tensor) else type(prompt_embeds).__name__
-                raise FluxError(f"prompt_embeds must be a float tensor (B, L <= {MAX_SEQUENCE_LENGTH}, {dim}), got {shape}")
+                shape = (
+                    tuple(prompt_embeds.shape)
+                    if isinstance(prompt_embeds, Tensor)
+                    else type(prompt_embeds).__name__
+                )
+                raise FluxError(
+                    f"prompt_embeds must be a float tensor (B, L <= {MAX_SEQUENCE_LENGTH}, {dim}), got {shape}"
+                )
+            if prompt_embeds.dtype != self.dtype:
+                # the noise is drawn in the embeddings' dtype, as diffusers does: they must be the model's
+                raise FluxError(f"prompt_embeds are {prompt_embeds.dtype}; this pipeline runs {self.dtype}")
             batch = prompt_embeds.shape[0]
         f = self.vae.config.spatial_factor
         for name, v in (("height", height), ("width", width)):
@@ -350,17 +365,22 @@ class Flux2Pipe:
             if guidance is not None and guidance > 1:
                 # Flux2KleinPipeline.check_inputs logs the same
                 warnings.warn(
-                    f"{self.model_name} is step-distilled: guidance {guidance} is ignored (no CFG)", stacklevel=3
+                    f"{self.model_name} is step-distilled: guidance {guidance} is ignored (no CFG)",
+                    stacklevel=3,
                 )
             g_used: float | None = None
         else:
             g_used = g
         if seed is not None and generator is not None:
             raise FluxError("pass either seed or generator, not both")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+        ):
             raise FluxError(f"seed {seed!r} must be an integer in [0, 2**64)")
         if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise FluxError(f"max_sequence_length {max_sequence_length!r} must be in 1..{MAX_SEQUENCE_LENGTH}")
+            raise FluxError(
+                f"max_sequence_length {max_sequence_length!r} must be in 1..{MAX_SEQUENCE_LENGTH}"
+            )
         n = num_images_per_prompt
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise FluxError(f"num_images_per_prompt {n!r} must be an integer >= 1")
@@ -370,7 +390,9 @@ class Flux2Pipe:
                     f"a list of generators needs one torch.Generator per image: {batch * n}, got {len(generator)}"
                 )
         elif generator is not None and not isinstance(generator, torch.Generator):
-            raise FluxError(f"generator must be a torch.Generator or a list of them, got {type(generator).__name__}")
+            raise FluxError(
+                f"generator must be a torch.Generator or a list of them, got {type(generator).__name__}"
+            )
         if output_type not in ("pil", "pt", "np", "latent"):
             raise FluxError(f"unknown output_type {output_type!r}: choose pil, pt, np or latent")
         if quality not in ("lossless", "high"):
@@ -414,7 +436,10 @@ class Flux2Pipe:
                 # Flux2KleinPipeline.__call__: "" once per prompt, encoded with the same settings
                 # (KleinTextEncoder.encode_negative; written out so any FLUX.2 encoder can serve)
                 negative = te.encode(
-                    [NEGATIVE_PROMPT] * batch, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device
+                    [NEGATIVE_PROMPT] * batch,
+                    max_sequence_length=max_len,
+                    num_images_per_prompt=n,
+                    device=self.device,
                 ).prompt_embeds
         finally:
             if self.offload_text_encoders and need_encoder:
@@ -445,7 +470,9 @@ class Flux2Pipe:
 
         # text (and the negative prompt for CFG), then the reference images through the VAE encoder
         report("encode", 0, 1)
-        embeds, negative = self._encode(prompt, prompt_embeds, cfg, max_sequence_length, num_images_per_prompt)
+        embeds, negative = self._encode(
+            prompt, prompt_embeds, cfg, max_sequence_length, num_images_per_prompt
+        )
         batch, txt_len = embeds.shape[:2]
         vae = self.vae
         f = vae.config.spatial_factor
@@ -570,7 +597,9 @@ class Flux2Pipe:
             "quality": tier,
             "cuda_graphs": graphs,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or "cpu",
+            "device": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else platform.processor() or "cpu",
             "flux_runtime": flux_runtime.__version__,
             "torch": torch.__version__,
             "reference_images": [
@@ -609,7 +638,9 @@ def _open_text(
     # a BFL file set: the encoder BFL pairs with this transformer
     cfg = transformer.config
     if cfg.guidance_embed:
-        return Flux2TextEncoder.from_components(MISTRAL_SMALL_ID, MISTRAL_PROCESSOR_ID, device=device, dtype=dtype)
+        return Flux2TextEncoder.from_components(
+            MISTRAL_SMALL_ID, MISTRAL_PROCESSOR_ID, device=device, dtype=dtype
+        )
     if cfg.context_in_dim not in _KLEIN_ENCODERS:
         raise FluxError(
             f"no known [klein] text encoder is {cfg.context_in_dim} wide: pass text_encoder=<Qwen3 folder or id>"
@@ -629,4 +660,6 @@ def _encoder_class(folder: Path) -> type[Flux2TextEncoder] | type[KleinTextEncod
     for cls in (Flux2TextEncoder, KleinTextEncoder):
         if model_type == cls.model_type:
             return cls
-    raise WeightsError(f"{folder} holds a {model_type!r} model; FLUX.2 reads Mistral3 ([dev]) or Qwen3 ([klein])")
+    raise WeightsError(
+        f"{folder} holds a {model_type!r} model; FLUX.2 reads Mistral3 ([dev]) or Qwen3 ([klein])"
+    )

@@ -45,12 +45,20 @@ def test_writes_png_with_flux2_defaults_and_provenance(tmp_path) -> None:
         assert im.size == (48, 32)
     info = _info(out)
     assert info["prompt"] == "a red fox" and info["seed"] == 5 and info["num_steps"] == 2
-    assert info["model"] == "tiny-flux2" and info["weights"] == "tiny-flux2-seed0" and info["quality"] == "lossless"
-    assert info["guidance"] == 4.0  # diffusers' FLUX.2 default (tiny-flux2 is an undistilled klein: CFG scale)
+    assert (
+        info["model"] == "tiny-flux2"
+        and info["weights"] == "tiny-flux2-seed0"
+        and info["quality"] == "lossless"
+    )
+    assert (
+        info["guidance"] == 4.0
+    )  # diffusers' FLUX.2 default (tiny-flux2 is an undistilled klein: CFG scale)
     assert info["reference_images"] == [] and info["kernels"] == "off" and info["dtype"] == "float32"
     # the same call through the library gives the same pixels
     pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
-    want = pipe("a red fox", seed=5, height=32, width=48, num_steps=2, max_sequence_length=48, output_type="np")
+    want = pipe(
+        "a red fox", seed=5, height=32, width=48, num_steps=2, max_sequence_length=48, output_type="np"
+    )
     assert np.array_equal(_pixels(out), want.images[0])
 
 
@@ -59,7 +67,9 @@ def test_image_edits_and_replays(tmp_path) -> None:
     random_image(64, 72, seed=4).save(ref)
     first, again = tmp_path / "edit.png", tmp_path / "again.png"
     # guidance 1: no CFG, to keep the test fast; the recorded guidance is replayed too
-    res = _run("--prompt", "make it blue", "--image", str(ref), "--seed", "2", "--guidance", "1", "--out", str(first))
+    res = _run(
+        "--prompt", "make it blue", "--image", str(ref), "--seed", "2", "--guidance", "1", "--out", str(first)
+    )
     assert res.exit_code == 0, res.output
     with Image.open(first) as im:
         assert im.size == (64, 72)  # the reference's size by default
@@ -68,13 +78,21 @@ def test_image_edits_and_replays(tmp_path) -> None:
         recorded = {"path": str(ref.resolve()), "width": 64, "height": 72, "sha256": image_fingerprint(image)}
         pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
         want = pipe(
-            "make it blue", image=image, seed=2, guidance=1.0, num_steps=2, max_sequence_length=48, output_type="np"
+            "make it blue",
+            image=image,
+            seed=2,
+            guidance=1.0,
+            num_steps=2,
+            max_sequence_length=48,
+            output_type="np",
         )
     info = _info(first)
     assert info["reference_images"] == [recorded] and info["guidance"] == 1.0
     assert np.array_equal(_pixels(first), want.images[0])
 
-    res = CliRunner().invoke(main, ["--replay", str(first), "--out", str(again), "--quiet"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main, ["--replay", str(first), "--out", str(again), "--quiet"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     assert np.array_equal(_pixels(first), _pixels(again))
 
@@ -114,7 +132,10 @@ def test_errors_are_one_line(tmp_path) -> None:
         (["--image", str(small)], "reference image 32x80 is too small"),
         (["--image", str(text)], "cannot read image"),
         (["--image", str(tmp_path / "missing.png")], "does not exist"),
-        (["--model", "tiny", "--image", str(tmp_path / "fox.png")], "--image needs a FLUX.2 model; tiny is FLUX.1"),
+        (
+            ["--model", "tiny", "--image", str(tmp_path / "fox.png")],
+            "--image needs a FLUX.2 model; tiny is FLUX.1",
+        ),
     ]
     for args, message in cases:
         res = CliRunner().invoke(main, [*BASE, "--prompt", "a", *args, "--out", str(tmp_path / "e.png")])

@@ -47,7 +47,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory, pixtral: type) -> dict[str
     root = tmp_path_factory.mktemp("flux2-pipelines")
     out = {}
     common = lambda: dict(  # noqa: E731
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG), vae=make_diffusers_flux2_vae(seed=2)
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
+        vae=make_diffusers_flux2_vae(seed=2),
     )
     mistral = Flux2TextEncoder.tiny(seed=3)
     dev = Flux2Pipeline(
@@ -72,7 +73,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory, pixtral: type) -> dict[str
     return out
 
 
-def _diffusers(folders: dict[str, Path], flavour: str, dtype: torch.dtype) -> Flux2Pipeline | Flux2KleinPipeline:
+def _diffusers(
+    folders: dict[str, Path], flavour: str, dtype: torch.dtype
+) -> Flux2Pipeline | Flux2KleinPipeline:
     pipe = REFERENCE[flavour].from_pretrained(folders[flavour], dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -115,7 +118,12 @@ def test_two_prompts_equal_diffusers(folders, flavour: str, guidance: float | No
     steps = 3 if flavour == "dev" else 2
     # diffusers' default guidance_scale (4.0) where we pass None
     want_pil, want_latents = _run_diffusers(
-        ref, PROMPTS, seed=42, num_inference_steps=steps, guidance_scale=4.0 if guidance is None else guidance, **KW
+        ref,
+        PROMPTS,
+        seed=42,
+        num_inference_steps=steps,
+        guidance_scale=4.0 if guidance is None else guidance,
+        **KW,
     )
     got = ours(PROMPTS, seed=42, num_steps=steps, guidance=guidance, **KW)
     assert ours.uses_cfg(4.0 if guidance is None else guidance) == cfg
@@ -136,7 +144,13 @@ def test_reference_image_edit_equals_diffusers(folders, flavour: str) -> None:
     ref = _diffusers(folders, flavour, dtype)
     ours = Pipeline.from_pretrained(folders[flavour], device="cpu", dtype=dtype)
     want_pil, want_latents = _run_diffusers(
-        ref, PROMPTS[0], seed=7, image=image, num_inference_steps=2, guidance_scale=4.0, max_sequence_length=48
+        ref,
+        PROMPTS[0],
+        seed=7,
+        image=image,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        max_sequence_length=48,
     )
     got = ours(PROMPTS[0], image=image, seed=7, num_steps=2, max_sequence_length=48)
     assert torch.equal(got.latents, want_latents)
@@ -156,7 +170,11 @@ def test_latent_output_is_what_diffusers_returns(folders, flavour: str) -> None:
     ref = _diffusers(folders, flavour, torch.float32)
     ours = Pipeline.from_pretrained(folders[flavour], device="cpu", dtype=torch.float32)
     want = ref(
-        prompt=PROMPTS[0], generator=torch.Generator().manual_seed(3), num_inference_steps=2, output_type="latent", **KW
+        prompt=PROMPTS[0],
+        generator=torch.Generator().manual_seed(3),
+        num_inference_steps=2,
+        output_type="latent",
+        **KW,
     ).images
     got = ours(PROMPTS[0], seed=3, num_steps=2, output_type="latent", **KW)
     assert want.shape == ((1, 96, 128) if flavour == "dev" else (1, 32, 16, 24))
@@ -173,14 +191,23 @@ def test_generators_images_per_prompt_and_embeds(folders) -> None:
     def gens():
         return [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
 
-    want = ref(prompt=PROMPTS[0], generator=gens(), num_images_per_prompt=2, num_inference_steps=2, output_type="np", **kw)
+    want = ref(
+        prompt=PROMPTS[0],
+        generator=gens(),
+        num_images_per_prompt=2,
+        num_inference_steps=2,
+        output_type="np",
+        **kw,
+    )
     got = ours(PROMPTS[0], generator=gens(), num_images_per_prompt=2, num_steps=2, output_type="np", **kw)
     assert got.images.dtype == np.uint8 and got.images.shape == (2, 16, 24, 3)
     assert np.array_equal(got.images, (want.images * 255).round().astype("uint8"))
     # the embeddings passed in give the same result; the CFG negative is still encoded
     embeds, text_ids = ours.encode_prompt(PROMPTS[0], max_sequence_length=16)
     assert embeds.shape == (1, 16, TINY_FLUX2.context_in_dim) and text_ids.shape == (1, 16, 4)
-    again = ours(prompt_embeds=embeds, generator=gens(), num_images_per_prompt=2, num_steps=2, output_type="np", **kw)
+    again = ours(
+        prompt_embeds=embeds, generator=gens(), num_images_per_prompt=2, num_steps=2, output_type="np", **kw
+    )
     assert np.array_equal(again.images, got.images)
 
 
@@ -225,7 +252,9 @@ def test_distilled_klein_ignores_guidance_with_a_warning(folders) -> None:
 
 
 def test_offloaded_text_encoder_moves_once_per_call(folders, monkeypatch) -> None:
-    pipe = Pipeline.from_pretrained(folders["klein"], device="cpu", dtype=torch.float32, offload_text_encoders=True)
+    pipe = Pipeline.from_pretrained(
+        folders["klein"], device="cpu", dtype=torch.float32, offload_text_encoders=True
+    )
     calls: list[str] = []
     monkeypatch.setattr(pipe.text_encoder, "offload", lambda: calls.append("offload"))
     out = pipe(PROMPTS, seed=1, num_steps=1, output_type="latent", **KW)  # CFG: positive and negative prompts
@@ -295,8 +324,15 @@ def test_tiny_builtin_is_deterministic(tiny: Flux2Pipe) -> None:
         (dict(image=[random_image(64, 64), "cat.png"]), "reference image must be a PIL image, got str"),
         (dict(image=random_image(48, 80)), "reference image 48x80 is too small"),
         (dict(image=random_image(640, 64)), "reference image 640x64 has aspect ratio 10.0; the limit is 8"),
-        (dict(prompt=None, prompt_embeds=torch.zeros(1, 8, 64)), r"prompt_embeds must be a float tensor \(B, L <= 512, 96\)"),
+        (
+            dict(prompt=None, prompt_embeds=torch.zeros(1, 8, 64)),
+            r"prompt_embeds must be a float tensor \(B, L <= 512, 96\)",
+        ),
         (dict(prompt_embeds=torch.zeros(1, 8, 96)), "either prompt or prompt_embeds"),
+        (
+            dict(prompt=None, prompt_embeds=torch.zeros(1, 8, 96, dtype=torch.bfloat16)),
+            "prompt_embeds are torch.bfloat16; this pipeline runs torch.float32",
+        ),
     ],
 )
 def test_inputs_are_validated_before_any_model_work(tiny: Flux2Pipe, kwargs, message, monkeypatch) -> None:
@@ -320,7 +356,9 @@ def test_parts_that_do_not_fit_are_refused(folders) -> None:
     with pytest.raises(FluxError, match="gives 96-wide embeddings but the transformer reads 64"):
         Flux2Pipe(wide, vae, KleinTextEncoder.tiny(), schedule=flux2_schedule_config(None))
     # a [dev] folder's Mistral encoder in place of [klein]'s Qwen3: opened by its config.json, same width here
-    mixed = Pipeline.from_pretrained(folders["klein"], text_encoder=folders["dev"], device="cpu", dtype=torch.float32)
+    mixed = Pipeline.from_pretrained(
+        folders["klein"], text_encoder=folders["dev"], device="cpu", dtype=torch.float32
+    )
     assert isinstance(mixed, Flux2Pipe) and isinstance(mixed.text_encoder, Flux2TextEncoder)
 
 
@@ -329,7 +367,9 @@ def test_bfl_file_set_equals_the_diffusers_folder(folders, tmp_path) -> None:
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
     klein = folders["klein"]
-    model = save_bfl(Flux2Transformer2DModel.from_pretrained(klein / "transformer"), tmp_path / "flux-2-klein.safetensors")
+    model = save_bfl(
+        Flux2Transformer2DModel.from_pretrained(klein / "transformer"), tmp_path / "flux-2-klein.safetensors"
+    )
     save_bfl_flux2_vae(AutoencoderKLFlux2.from_pretrained(klein / "vae"), tmp_path / "ae.safetensors")
     # Qwen3 as its own repo holds the model and the tokenizer in one folder
     qwen3 = shutil.copytree(klein / "text_encoder", tmp_path / "Qwen3-tiny")
@@ -369,9 +409,13 @@ def test_provenance_says_which_kernels_ran() -> None:
 @pytest.mark.parametrize("quality", ["lossless", "high"])
 def test_cuda_graph_replay_gives_the_eager_latents(quality: str) -> None:
     """CFG (two graphs per step) with a reference image: replays equal the eager run, call after call."""
-    eager = Pipeline.from_pretrained("tiny-flux2", device="cuda", dtype=torch.bfloat16, cuda_graphs=False, quality=quality)
+    eager = Pipeline.from_pretrained(
+        "tiny-flux2", device="cuda", dtype=torch.bfloat16, cuda_graphs=False, quality=quality
+    )
     graphed = Pipeline.from_pretrained("tiny-flux2", device="cuda", dtype=torch.bfloat16, quality=quality)
-    kw = dict(image=random_image(64, 96, seed=2), height=64, width=96, num_steps=4, seed=3, output_type="latent")
+    kw = dict(
+        image=random_image(64, 96, seed=2), height=64, width=96, num_steps=4, seed=3, output_type="latent"
+    )
     a = eager(["a red fox", "a cat"], **kw)
     b = graphed(["a red fox", "a cat"], **kw)
     c = graphed(["a red fox", "a cat"], **kw)  # second call: pure replays
