@@ -25,6 +25,13 @@ import flux_runtime
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
 from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
+from flux_runtime.pipeline.checks import (
+    check_guidance,
+    check_prompts,
+    check_sampling,
+    check_size,
+    check_steps,
+)
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.sources import MODEL_IDS, Sources, find_sources, schedule_config
@@ -232,11 +239,7 @@ class Pipeline:
         num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, quality,
     ) -> tuple[int, float | None]:
         if prompt_embeds is None:
-            prompts = [prompt] if isinstance(prompt, str) else prompt
-            if not prompts or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-                raise FluxError("prompt must be a non-empty string or a list of strings")
-            if any(not p.strip() for p in prompts):
-                raise FluxError("prompt is empty")
+            check_prompts(prompt)
         else:
             if prompt is not None:
                 raise FluxError("pass either prompt or prompt_embeds, not both")
@@ -250,35 +253,17 @@ class Pipeline:
                     f"pooled_prompt_embeds must be ({prompt_embeds.shape[0]}, {cfg.vec_in_dim}), "
                     f"got {tuple(pooled_prompt_embeds.shape)}"
                 )
-        f = self.vae.config.spatial_factor
-        for name, v in (("height", height), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise FluxError(f"{name} {v!r} must be a positive integer")
-            if v % (2 * f):
-                raise FluxError(f"{name} {v} is not divisible by {2 * f}")
-        steps = self.default_steps if num_steps is None else num_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise FluxError(f"num_steps {num_steps!r} must be an integer >= 1")
+        check_size(height, width, 2 * self.vae.config.spatial_factor)
+        steps = check_steps(num_steps, self.default_steps)
         if self.is_distilled:
             if guidance is not None:
                 warnings.warn(f"{self.model_name} is guidance-distilled (schnell): guidance {guidance} is ignored", stacklevel=3)
             g = None
         else:
-            g = 3.5 if guidance is None else guidance
-            if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
-                raise FluxError(f"guidance {guidance!r} must be a number >= 0")
-        if seed is not None and generator is not None:
-            raise FluxError("pass either seed or generator, not both")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-            raise FluxError(f"seed {seed!r} must be an integer in [0, 2**64)")
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise FluxError(f"max_sequence_length {max_sequence_length!r} must be in 1..{MAX_SEQUENCE_LENGTH}")
-        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-            raise FluxError(f"num_images_per_prompt {num_images_per_prompt!r} must be an integer >= 1")
-        if output_type not in ("pil", "pt", "np", "latent"):
-            raise FluxError(f"unknown output_type {output_type!r}: choose pil, pt, np or latent")
-        if quality not in ("lossless", "high"):
-            raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
+            g = check_guidance(guidance, 3.5)
+        check_sampling(
+            seed, generator, max_sequence_length, MAX_SEQUENCE_LENGTH, num_images_per_prompt, output_type, quality
+        )
         return steps, g
 
     def encode_prompt(

@@ -40,6 +40,13 @@ import flux_runtime
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.pipeline.checks import (
+    check_guidance,
+    check_prompts,
+    check_sampling,
+    check_size,
+    check_steps,
+)
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress, _weights_id
 from flux_runtime.pipeline.graphs import GraphedDenoiser
@@ -319,12 +326,7 @@ class Flux2Pipe:
     ) -> tuple[int, float | None, bool]:
         """(steps, guidance to use and record (None when ignored), CFG on) or one FluxError naming the problem."""
         if prompt_embeds is None:
-            prompts = [prompt] if isinstance(prompt, str) else prompt
-            if not prompts or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-                raise FluxError("prompt must be a non-empty string or a list of strings")
-            if any(not p.strip() for p in prompts):
-                raise FluxError("prompt is empty")
-            batch = len(prompts)
+            batch = check_prompts(prompt)
         else:
             if prompt is not None:
                 raise FluxError("pass either prompt or prompt_embeds, not both")
@@ -348,19 +350,9 @@ class Flux2Pipe:
                 # the noise is drawn in the embeddings' dtype, as diffusers does: they must be the model's
                 raise FluxError(f"prompt_embeds are {prompt_embeds.dtype}; this pipeline runs {self.dtype}")
             batch = prompt_embeds.shape[0]
-        f = self.vae.config.spatial_factor
-        for name, v in (("height", height), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise FluxError(f"{name} {v!r} must be a positive integer")
-            if v % (2 * f):
-                raise FluxError(f"{name} {v} is not divisible by {2 * f}")
-        steps = self.default_steps if num_steps is None else num_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise FluxError(f"num_steps {num_steps!r} must be an integer >= 1")
-        g = DEFAULT_GUIDANCE if guidance is None else guidance
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
-            raise FluxError(f"guidance {guidance!r} must be a number >= 0")
-        g = float(g)
+        check_size(height, width, 2 * self.vae.config.spatial_factor)
+        steps = check_steps(num_steps, self.default_steps)
+        g = check_guidance(guidance, DEFAULT_GUIDANCE)
         if self.is_distilled:
             if guidance is not None and guidance > 1:
                 # Flux2KleinPipeline.check_inputs logs the same
@@ -371,32 +363,16 @@ class Flux2Pipe:
             g_used: float | None = None
         else:
             g_used = g
-        if seed is not None and generator is not None:
-            raise FluxError("pass either seed or generator, not both")
-        if seed is not None and (
-            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
-        ):
-            raise FluxError(f"seed {seed!r} must be an integer in [0, 2**64)")
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise FluxError(
-                f"max_sequence_length {max_sequence_length!r} must be in 1..{MAX_SEQUENCE_LENGTH}"
-            )
+        check_sampling(
+            seed, generator, max_sequence_length, MAX_SEQUENCE_LENGTH, num_images_per_prompt, output_type, quality
+        )
         n = num_images_per_prompt
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise FluxError(f"num_images_per_prompt {n!r} must be an integer >= 1")
-        if isinstance(generator, list):
-            if len(generator) != batch * n or not all(isinstance(x, torch.Generator) for x in generator):
-                raise FluxError(
-                    f"a list of generators needs one torch.Generator per image: {batch * n}, got {len(generator)}"
-                )
-        elif generator is not None and not isinstance(generator, torch.Generator):
+        if isinstance(generator, list) and (
+            len(generator) != batch * n or not all(isinstance(x, torch.Generator) for x in generator)
+        ):
             raise FluxError(
-                f"generator must be a torch.Generator or a list of them, got {type(generator).__name__}"
+                f"a list of generators needs one torch.Generator per image: {batch * n}, got {len(generator)}"
             )
-        if output_type not in ("pil", "pt", "np", "latent"):
-            raise FluxError(f"unknown output_type {output_type!r}: choose pil, pt, np or latent")
-        if quality not in ("lossless", "high"):
-            raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
         return steps, g_used, g_used is not None and self.uses_cfg(g_used)
 
     def encode_prompt(
