@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check, in two phases that each fit one device call (10 minutes):
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
-#   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench
+#   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
 phase=${1:-kernels}
@@ -20,6 +20,7 @@ case "$phase" in
   e2e)
     timeout 330 python3 scripts/bench.py --pipeline --json "$OUT/bench_pipeline.json" 2>&1 | tee "$OUT/bench_pipeline.txt" || status=1
     timeout 240 python3 scripts/bench_flux2.py --json "$OUT/bench_flux2.json" 2>&1 | tee "$OUT/bench_flux2.txt" || status=1
+    timeout 240 python3 scripts/bench_flux2_pipeline.py --json "$OUT/bench_flux2_pipeline.json" 2>&1 | tee "$OUT/bench_flux2_pipeline.txt" || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
