@@ -16,6 +16,7 @@ fixed by construction, whatever layout Triton picks.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -43,6 +44,10 @@ from flux_runtime.kernels.triton_utils import (
 
 # Widest row fused: 16 unrolled vector loads per aten thread.
 MAX_WIDTH = 8192
+# Kernel used by the op: "v1" (one row per program, fold by reshape/split) or "v2" (rows in registers,
+# fold by two-lane reductions; see `_layer_norm_modulate_rows_kernel`). Both are bit-identical.
+VARIANTS = ("v1", "v2")
+VARIANT = "v2"
 _THREADS = 128  # aten's block: 32 lanes × 4 warps, one row per block
 _VEC = 4  # aten's vec_size for every dtype
 
@@ -201,6 +206,180 @@ def _layer_norm_modulate_kernel(
         tl.store(y_out_ptr + row[:, None, None] * D + col[None, :, :], y, mask=mask)
 
 
+# --------------------------------------------------------------------------------------------------
+# v2: several rows per program held in registers, the fold as seven two-lane reductions
+#
+# The v1 kernel above folds with reshape/permute/split, which Triton 3.6 lowers by broadcasting all
+# 128 lane states to every thread (≈1500 instructions and 176 registers per row at D = 3072). Here
+# the lane states of ROWS rows sit in a (128, ROWS) tensor: lanes across the 4 warps, rows in each
+# thread's registers. Each step of aten's tree is a `tl.reduce` over one size-2 axis of the
+# (2, 2, 2, 2, 2, 2, 2, ROWS) view (bits 6..0 of the lane index): lane bits 4, 3, 2, 1, 0 (shuffle
+# offsets 16..1), then bit 6 (warps (0,2), (1,3)) and bit 5 (warps (0,1)). Triton lowers a lane-bit
+# step to one butterfly shuffle and a warp-bit step to one shared-memory exchange. Which operand
+# Triton hands the combine first is not specified, and a butterfly leaves every lane with a result,
+# so the combine carries the lane index and picks aten's `self` (the lower lane) itself: every lane
+# then holds the exact value aten's lane 0 holds. The row is read once (kept raw in registers for
+# the second pass), every load is issued before the first store, and scale/shift/gate rows are read
+# once per program and shared by its rows (grid (cdiv(L, ROWS), B): a program never spans batches).
+
+
+@jit
+def _welford_combine_lanes(mean_1, m2_1, n_1, lane_1, mean_2, m2_2, n_2, lane_2):
+    """`cuWelfordCombine` of two lane states, the lower lane as aten's `self`, any operand order."""
+    first = lane_1 < lane_2
+    mean, m2, count = _welford_combine(
+        tl.where(first, mean_1, mean_2), tl.where(first, m2_1, m2_2), tl.where(first, n_1, n_2),
+        tl.where(first, mean_2, mean_1), tl.where(first, m2_2, m2_1), tl.where(first, n_2, n_1),
+    )  # fmt: skip
+    return mean, m2, count, tl.minimum(lane_1, lane_2)
+
+
+@jit
+def _welford_combine_lanes_even(mean_1, m2_1, n_1, lane_1, mean_2, m2_2, n_2, lane_2):
+    """`_welford_combine_lanes` when both counts are equal (`D % 512 == 0`).
+
+    With n_a = n_b = n, `coef = 1/(2n)` and `nA = nB = n * coef = 0.5` exactly (the launcher checks
+    `fl(n * fl(1/n)) == 1` for the first count; scaling by 2 keeps it), so the combine is
+    `mean = fma(mean_a, 0.5, 0.5 * mean_b)`, `m2 = fma(0.5, n * (delta * delta), m2_a + m2_b)`: the same
+    operations on the same values as the general form, without the division.
+    """
+    first = lane_1 < lane_2
+    mean_b = tl.where(first, mean_1, mean_2)  # self: the lower lane
+    mean_a = tl.where(first, mean_2, mean_1)
+    delta = mean_b - mean_a
+    mean = tl.fma(mean_a, 0.5, 0.5 * mean_b)
+    m2 = tl.fma(0.5, n_1 * (delta * delta), m2_1 + m2_2)
+    return mean, m2, n_1 + n_2, tl.minimum(lane_1, lane_2)
+
+
+@jit
+def _fold_step(mean, m2, count, lane, AXIS: tl.constexpr, EVEN: tl.constexpr):
+    """Combine the two halves of the size-2 axis AXIS (one step of aten's shuffle / warp tree)."""
+    if EVEN:
+        out = tl.reduce((mean, m2, count, lane), AXIS, _welford_combine_lanes_even)
+    else:
+        out = tl.reduce((mean, m2, count, lane), AXIS, _welford_combine_lanes)
+    return out
+
+
+@jit
+def _fold_lanes(mean, m2, count, ROWS: tl.constexpr, EVEN: tl.constexpr):
+    """aten's shuffle-down and warp tree over lane states (128, ROWS) → the rows' (mean, m2), (ROWS,).
+
+    The (2, 2, 2, 2, 2, 2, 2, ROWS) view's axes are lane bits 6..0. Lane bits 4, 3, 2, 1, 0 (offsets
+    16..1) are each axis 2 once the one before is gone; then bit 6 (warps (0,2), (1,3)) and bit 5
+    (warps (0,1)) are axis 0.
+    """
+    tree: tl.constexpr = (2, 2, 2, 2, 2, 2, 2, ROWS)
+    mean = tl.reshape(mean, tree)
+    m2 = tl.reshape(m2, tree)
+    count = tl.reshape(count, tree)
+    lane = tl.reshape(tl.zeros((128, ROWS), tl.int32) + tl.arange(0, 128)[:, None], tree)
+    for _ in tl.static_range(5):
+        mean, m2, count, lane = _fold_step(mean, m2, count, lane, 2, EVEN)
+    mean, m2, count, lane = _fold_step(mean, m2, count, lane, 0, EVEN)
+    mean, m2, count, lane = _fold_step(mean, m2, count, lane, 0, EVEN)
+    return mean, m2
+
+
+@jit
+def _layer_norm_modulate_rows_kernel(
+    x_ptr,  # (B, L, D), strides (stride_xb, stride_xl, 1): LayerNorm input, or the residual (HAS_RESIDUAL)
+    gate_ptr,  # (B, D), strides (stride_gate, 1): residual gate, read only when HAS_RESIDUAL
+    upd_ptr,  # (B, L, D), strides (stride_ub, stride_ul, 1): residual update, read only when HAS_RESIDUAL
+    shift_ptr,  # (B, D), strides (stride_shift, 1)
+    scale_ptr,  # (B, D), strides (stride_scale, 1)
+    r_out_ptr,  # (B, L, D) contiguous: r = residual + gate * update, written only when HAS_RESIDUAL
+    y_out_ptr,  # (B, L, D) contiguous: LayerNorm(x or r) * (1 + scale) + shift
+    L,
+    D,
+    eps,
+    stride_xb,
+    stride_xl,
+    stride_gate,
+    stride_ub,
+    stride_ul,
+    stride_shift,
+    stride_scale,
+    ITERS: tl.constexpr,  # cdiv(D, 512): 4-element vectors each aten thread reads
+    EVEN: tl.constexpr,  # D % 512 == 0: no masks, every Welford count a constant
+    ROWS: tl.constexpr,  # rows per program, held in registers side by side
+    HAS_RESIDUAL: tl.constexpr,
+    GPU: tl.constexpr,
+):
+    # grid: (cdiv(L, ROWS), B)
+    DTYPE = y_out_ptr.dtype.element_ty
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = pos < L
+    pos = tl.where(row_ok, pos, L - 1).to(tl.int64)  # surplus rows re-read the last row, never stored
+    x_row = x_ptr + b * stride_xb + pos * stride_xl  # (ROWS,)
+    u_row = upd_ptr + b * stride_ub + pos * stride_ul
+    out_row = (b * L + pos) * D
+    lane = tl.arange(0, 128)  # aten's thrx = threadIdx.x + 32 * threadIdx.y
+    c4 = tl.arange(0, 4)
+
+    # pass 1: every load, and each lane's Welford over its vectors in aten's order
+    mean = tl.zeros((128, ROWS), tl.float32)
+    m2 = tl.zeros((128, ROWS), tl.float32)
+    count = tl.zeros((128, ROWS), tl.float32)
+    xs = ()  # the LayerNorm input of each vector, in the storage dtype
+    scales = ()  # r(1 + scale), shared by the rows
+    shifts = ()
+    for it in tl.static_range(ITERS):
+        vec = it * 128 + lane
+        col = (vec * 4)[:, None, None] + c4[None, None, :]  # (128, 1, 4): lane t holds 4t..4t+3
+        vec_ok = vec < D // 4
+        if EVEN:
+            x = tl.load(x_row[None, :, None] + col)
+            scale = tl.load(scale_ptr + b * stride_scale + col)
+            shift = tl.load(shift_ptr + b * stride_shift + col)
+        else:
+            col_ok = vec_ok[:, None, None]
+            x = tl.load(x_row[None, :, None] + col, mask=col_ok, other=0.0)
+            scale = tl.load(scale_ptr + b * stride_scale + col, mask=col_ok, other=0.0)
+            shift = tl.load(shift_ptr + b * stride_shift + col, mask=col_ok, other=0.0)
+        if HAS_RESIDUAL:
+            if EVEN:
+                g = tl.load(gate_ptr + b * stride_gate + col)
+                u = tl.load(u_row[None, :, None] + col)
+            else:
+                g = tl.load(gate_ptr + b * stride_gate + col, mask=col_ok, other=0.0)
+                u = tl.load(u_row[None, :, None] + col, mask=col_ok, other=0.0)
+            prod = round_to(upcast(g, GPU) * upcast(u, GPU), DTYPE, GPU)
+            x = to_storage(upcast(x, GPU) + prod, DTYPE, GPU)  # r = r(residual + r(gate * update))
+        # tuples grow by `+` in Triton's frontend (it has no starred unpacking)
+        xs = xs + (x,)  # noqa: RUF005
+        scales = scales + (round_to(1.0 + upcast(scale, GPU), DTYPE, GPU),)  # noqa: RUF005
+        shifts = shifts + (shift,)  # noqa: RUF005
+        xf = upcast(x, GPU)
+        x02, x13 = tl.split(tl.reshape(xf, (128, ROWS, 2, 2)))
+        x0, x2 = tl.split(x02)
+        x1, x3 = tl.split(x13)
+        valid = vec_ok[:, None]
+        mean, m2, count = _welford_push(mean, m2, count, x0, valid, 1.0 / (it * 4 + 1), EVEN)
+        mean, m2, count = _welford_push(mean, m2, count, x1, valid, 1.0 / (it * 4 + 2), EVEN)
+        mean, m2, count = _welford_push(mean, m2, count, x2, valid, 1.0 / (it * 4 + 3), EVEN)
+        mean, m2, count = _welford_push(mean, m2, count, x3, valid, 1.0 / (it * 4 + 4), EVEN)
+
+    mean, m2 = _fold_lanes(mean, m2, count, ROWS, EVEN)  # (ROWS,)
+    var = tl.math.div_rn(m2, tl.full(m2.shape, D, tl.float32))
+    rstd = rsqrtf(var + eps, GPU)[None, :, None]
+    mean = mean[None, :, None]
+
+    # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
+    store_ok = row_ok[None, :, None]
+    for it in tl.static_range(ITERS):
+        col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
+        mask = store_ok if EVEN else store_ok & (col < D)
+        if HAS_RESIDUAL:
+            tl.store(r_out_ptr + out_row[None, :, None] + col, xs[it], mask=mask)
+        ln = round_to(rstd * (upcast(xs[it], GPU) - mean), DTYPE, GPU)
+        prod = round_to(ln * scales[it], DTYPE, GPU)
+        y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
+        tl.store(y_out_ptr + out_row[None, :, None] + col, y, mask=mask)
+
+
 def _check_norm_modulate(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[int, int, int]:
     b, length, d = x.shape
     if d % _VEC != 0:
@@ -218,31 +397,61 @@ def _check_norm_modulate(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> tu
     return b, length, d
 
 
+def _even_counts_halve(iters: int) -> bool:
+    """`fl(n * fl(1/n)) == 1` for aten's per-lane count n = 4 * iters, so the fold's `nA = nB = 0.5`."""
+    n = np.float32(4 * iters)
+    return bool(n * (np.float32(1.0) / n) == np.float32(1.0))
+
+
+def default_rows_per_program(d: int, variant: str) -> int:
+    """Rows per program: v1 one aten block each; v2 two (D <= 6144: 96-240 registers, no spills)."""
+    if variant == "v1":
+        return 1
+    return 2 if d <= 6144 else 1
+
+
 def _launch(
     x: Tensor, gate: Tensor | None, update: Tensor | None, shift: Tensor, scale: Tensor, eps: float,
-    rows_per_program: int,
+    variant: str | None, rows_per_program: int | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    variant = VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"layer_norm_modulate: unknown variant {variant!r}; expected one of {VARIANTS}")
     b, length, d = x.shape
+    rows = default_rows_per_program(d, variant) if rows_per_program is None else rows_per_program
     y = torch.empty((b, length, d), dtype=x.dtype, device=x.device)
     r = torch.empty_like(y) if gate is not None else y
     check_int32_offsets("layer_norm_modulate", "out", y)
-    m = b * length
     upd = update if update is not None else x
-    grid = (triton.cdiv(m, rows_per_program),)
-    _layer_norm_modulate_kernel[grid](
-        x, gate if gate is not None else shift, upd, shift, scale, r, y, m, length, d, eps,
-        x.stride(0), x.stride(1), gate.stride(0) if gate is not None else 0, upd.stride(0), upd.stride(1),
-        shift.stride(0), scale.stride(0),
-        ITERS=triton.cdiv(d, _THREADS * _VEC), EVEN=d % (_THREADS * _VEC) == 0, ROWS=rows_per_program,
-        HAS_RESIDUAL=gate is not None, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+    iters = triton.cdiv(d, _THREADS * _VEC)
+    even = d % (_THREADS * _VEC) == 0
+    g = gate if gate is not None else shift
+    if variant == "v1":
+        m = b * length
+        _layer_norm_modulate_kernel[(triton.cdiv(m, rows),)](
+            x, g, upd, shift, scale, r, y, m, length, d, eps,
+            x.stride(0), x.stride(1), g.stride(0), upd.stride(0), upd.stride(1), shift.stride(0), scale.stride(0),
+            ITERS=iters, EVEN=even, ROWS=rows, HAS_RESIDUAL=gate is not None, GPU=ON_GPU, num_warps=4,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    else:
+        _layer_norm_modulate_rows_kernel[(triton.cdiv(length, rows), b)](
+            x, g, upd, shift, scale, r, y, length, d, eps,
+            x.stride(0), x.stride(1), g.stride(0), upd.stride(0), upd.stride(1), shift.stride(0), scale.stride(0),
+            ITERS=iters, EVEN=even and _even_counts_halve(iters), ROWS=rows, HAS_RESIDUAL=gate is not None,
+            GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
     return r, y
 
 
 def layer_norm_modulate_triton(
-    x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, *, rows_per_program: int = 1
-) -> Tensor:
-    """Fused `layer_norm_modulate_reference`: x (B, L, D), shift/scale (B, D) → (B, L, D)."""
+    x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6, *, variant: str | None = None,
+    rows_per_program: int | None = None,
+) -> Tensor:  # fmt: skip
+    """Fused `layer_norm_modulate_reference`: x (B, L, D), shift/scale (B, D) → (B, L, D).
+
+    `variant` "v1" or "v2" (default `VARIANT`); `rows_per_program` defaults per variant and width.
+    """
     op = "layer_norm_modulate"
     check_launchable(op, x, shift, scale)
     if x.ndim != 3 or x.numel() == 0:
@@ -251,23 +460,23 @@ def layer_norm_modulate_triton(
     check_unit_stride(op, "x", x)
     check_int32_offsets(op, "x", x)
     check_aten_vectorized(op, "x", x)
-    return _launch(x, None, None, shift, scale, eps, rows_per_program)[1]
+    return _launch(x, None, None, shift, scale, eps, variant, rows_per_program)[1]
 
 
 def residual_layer_norm_modulate_triton(
     residual: Tensor, gate: Tensor, update: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6,
-    *, rows_per_program: int = 1,
+    *, variant: str | None = None, rows_per_program: int | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Fused `residual_layer_norm_modulate_reference`: returns `(r, y)`, both (B, L, D) contiguous.
 
     The reference normalises the freshly allocated (contiguous, aligned) `r`, so aten's vectorised
-    LayerNorm is always the one replayed here.
+    LayerNorm is always the one replayed here. `variant`, `rows_per_program`: as `layer_norm_modulate_triton`.
     """
     op = "residual_layer_norm_modulate"
     check_launchable(op, residual, gate, update, shift, scale)
     check_gated_residual(op, residual, gate, update)
     _check_norm_modulate(op, residual, shift, scale)
-    return _launch(residual, gate, update, shift, scale, eps, rows_per_program)
+    return _launch(residual, gate, update, shift, scale, eps, variant, rows_per_program)
 
 
 def layer_norm_modulate_reference(x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6) -> Tensor:

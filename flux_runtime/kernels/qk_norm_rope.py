@@ -38,6 +38,10 @@ from flux_runtime.kernels.triton_utils import (
 )
 
 HEAD_DIM = 128  # the kernel is aten's RMSNorm for one 128-wide row: 32 lanes × 4
+# Kernel used by the op: "v1" (one token per program) or "v2" (token x head tiles, see
+# `_qk_norm_rope_tiles_kernel`). Both are bit-identical.
+VARIANTS = ("v1", "v2")
+VARIANT = "v2"
 
 
 @jit
@@ -120,6 +124,102 @@ def _qk_norm_rope_kernel(
     tl.store(out_ptr + out_off, to_storage(out, DTYPE, GPU), mask=head_ok)
 
 
+# --------------------------------------------------------------------------------------------------
+# v2: TOKS tokens x HB heads per program, batch in the grid
+#
+# v1 above normalises 8 heads of one token per program with a reshape/split fold that Triton 3.6
+# lowers through shared memory, every thread redoing the whole reduction (~90 instructions per
+# element). Here a program holds a (TOKS, HB, 128) tile: Triton gives each thread 8 contiguous
+# elements (16-byte accesses) of all HB heads of one token, so the token's cos/sin/weight rows are
+# loaded once and reused for its heads, and index arithmetic is per token (no division: the batch is
+# a grid axis). aten's tree over the 32 lane sums is five size-2 reductions, offsets 16, 8, 4, 2, 1
+# in that order (butterfly shuffles or in-thread adds); addition is commutative, so any lane order
+# gives aten's value, and every load precedes the store.
+
+
+@jit
+def _lane_tree_sum(total, TOKS: tl.constexpr, HB: tl.constexpr):
+    """aten's shuffle-down sum of lane totals (TOKS, HB, 32) → (TOKS, HB): offsets 16, 8, 4, 2, 1.
+
+    Each offset is one size-2 axis of the (TOKS, HB, 2, 2, 2, 2, 2) view (lane bits 4..0), always
+    axis 2 once the one before is gone.
+    """
+    total = tl.reshape(total, (TOKS, HB, 2, 2, 2, 2, 2))
+    for _ in tl.static_range(5):
+        total = tl.sum(total, axis=2)
+    return total
+
+
+@jit
+def _qk_norm_rope_tiles_kernel(
+    txt_ptr,  # (B, L_txt, H, 128), strides (stride_tb, stride_tl, stride_th, 1); img_ptr when no text
+    img_ptr,  # (B, L_img, H, 128), strides (stride_ib, stride_il, stride_ih, 1)
+    w_txt_ptr,  # (128,) text RMSNorm weight (w_img_ptr when no text)
+    w_img_ptr,  # (128,) image RMSNorm weight
+    cos_ptr,  # (L_txt + L_img, 128) fp32 contiguous
+    sin_ptr,  # (L_txt + L_img, 128) fp32 contiguous
+    out_ptr,  # (B, L_txt + L_img, H, 128) contiguous
+    L_txt,
+    L_joint,
+    H,
+    eps,
+    stride_tb,
+    stride_tl,
+    stride_th,
+    stride_ib,
+    stride_il,
+    stride_ih,
+    TOKS: tl.constexpr,  # tokens per program
+    HB: tl.constexpr,  # heads per program
+    GPU: tl.constexpr,
+):
+    # grid: (cdiv(L_joint, TOKS), cdiv(H, HB), B)
+    DTYPE = out_ptr.dtype.element_ty
+    b = tl.program_id(2).to(tl.int64)
+    pos = tl.program_id(0) * TOKS + tl.arange(0, TOKS)
+    head = tl.program_id(1) * HB + tl.arange(0, HB)
+    ok = (pos < L_joint)[:, None, None] & (head < H)[None, :, None]
+    pos = tl.minimum(pos, L_joint - 1)  # surplus tokens and heads re-read valid rows, never stored
+    head = tl.minimum(head, H - 1)
+    is_txt = pos < L_txt
+    tok_base = tl.where(
+        is_txt, txt_ptr + b * stride_tb + pos * stride_tl, img_ptr + b * stride_ib + (pos - L_txt) * stride_il
+    )  # (TOKS,)
+    stride_h = tl.where(is_txt, stride_th, stride_ih)
+    w_base = tl.where(is_txt, w_txt_ptr, w_img_ptr)
+    col = tl.arange(0, 128)[None, None, :]
+    x = tl.load(tok_base[:, None, None] + head[None, :, None] * stride_h[:, None, None] + col)
+    x = upcast(x, GPU)  # (TOKS, HB, 128)
+    w = upcast(tl.load(w_base[:, None, None] + col), GPU)  # (TOKS, 1, 128)
+    table = pos[:, None, None] * 128 + col
+    cos = tl.load(cos_ptr + table)
+    sin = tl.load(sin_ptr + table)
+
+    # RMSNorm statistics: lane t sums fma(x, x, sum) over elements 4t..4t+3 in order, then the
+    # shuffle-down tree over the 32 lanes
+    x02, x13 = tl.split(tl.reshape(x, (TOKS, HB, 32, 2, 2)))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    total = tl.fma(x0, x0, 0.0)
+    total = tl.fma(x1, x1, total)
+    total = tl.fma(x2, x2, total)
+    total = tl.fma(x3, x3, total)
+    # aten's `sum / 128`: multiplying by 1/128 (a power of 2) gives the same correctly rounded value
+    ms = _lane_tree_sum(total, TOKS, HB) * (1.0 / 128)
+    rstd = rsqrtf(ms + eps, GPU)[:, :, None]  # warps 1-3 of aten's block added zeros: nothing
+    x = round_to(w * (rstd * x), DTYPE, GPU)  # RMSNorm output, stored as DTYPE by eager
+
+    # RoPE on channel pairs (2i, 2i+1): out = r(x * cos + rot(x) * sin), rot = (-x[2i+1], x[2i])
+    x_e, x_o = tl.split(tl.reshape(x, (TOKS, HB, 64, 2)))
+    cos_e, cos_o = tl.split(tl.reshape(cos, (TOKS, 1, 64, 2)))
+    sin_e, sin_o = tl.split(tl.reshape(sin, (TOKS, 1, 64, 2)))
+    out_e = mul_rn(x_e, cos_e, GPU) + mul_rn(-x_o, sin_e, GPU)
+    out_o = mul_rn(x_o, cos_o, GPU) + mul_rn(x_e, sin_o, GPU)
+    out = tl.reshape(tl.join(out_e, out_o), (TOKS, HB, 128))
+    out_row = (b * L_joint + pos)[:, None, None] * H + head[None, :, None]
+    tl.store(out_ptr + out_row * 128 + col, to_storage(out, DTYPE, GPU), mask=ok)
+
+
 def _check_stream(op: str, name: str, x: Tensor, w: Tensor) -> None:
     if x.ndim != 4 or x.shape[-1] != HEAD_DIM:
         raise UnsupportedInput(f"{op}: {name} must be (B, L, H, {HEAD_DIM}), got {tuple(x.shape)}")
@@ -141,14 +241,21 @@ def qk_norm_rope_triton(
     sin: Tensor,
     eps: float = 1e-6,
     *,
+    variant: str | None = None,
     heads_per_program: int = 8,
+    tokens_per_program: int = 8,
 ) -> Tensor:
     """Fused `qk_norm_rope_reference` → (B, L_txt + L_img, H, 128) contiguous.
 
     Streams may be strided views (unit last stride); weights bf16/fp16 like the streams (a weight of
     another dtype sends aten down its composite RMSNorm path, which this kernel does not replay).
+    `variant` "v1" or "v2" (default `VARIANT`); v1 tiles one token x `heads_per_program` heads, v2
+    `tokens_per_program` tokens x `heads_per_program` heads.
     """
     op = "qk_norm_rope"
+    variant = VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"{op}: unknown variant {variant!r}; expected one of {VARIANTS}")
     tensors = [x_img, weight_img, cos, sin] + [t for t in (x_txt, weight_txt) if t is not None]
     check_launchable(op, *tensors)
     if (x_txt is None) != (weight_txt is None):
@@ -180,12 +287,18 @@ def qk_norm_rope_triton(
     check_int32_offsets(op, "out", out)
     txt = x_txt if x_txt is not None else x_img
     w_txt = weight_txt if weight_txt is not None else weight_img
-    grid = (b * l_joint, triton.cdiv(h, heads_per_program))
-    _qk_norm_rope_kernel[grid](
-        txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps,
-        txt.stride(0), txt.stride(1), txt.stride(2), x_img.stride(0), x_img.stride(1), x_img.stride(2),
-        HEADS=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+    strides = (txt.stride(0), txt.stride(1), txt.stride(2), x_img.stride(0), x_img.stride(1), x_img.stride(2))
+    if variant == "v1":
+        _qk_norm_rope_kernel[(b * l_joint, triton.cdiv(h, heads_per_program))](
+            txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps, *strides,
+            HEADS=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    else:
+        grid = (triton.cdiv(l_joint, tokens_per_program), triton.cdiv(h, heads_per_program), b)
+        _qk_norm_rope_tiles_kernel[grid](
+            txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps, *strides,
+            TOKS=tokens_per_program, HB=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
     return out
 
 

@@ -14,8 +14,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import UnsupportedInput
-from flux_runtime.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_reference
-from tests.kernels.aten_replay import rms_norm_replay
+from flux_runtime.kernels.qk_norm_rope import (
+    VARIANTS,
+    _lane_tree_sum,
+    qk_norm_rope_reference,
+    qk_norm_rope_triton,
+    rope_reference,
+)
+from flux_runtime.kernels.triton_utils import jit, tl
+from tests.kernels.aten_replay import _shuffle_down_tree, rms_norm_replay
 from tests.kernels.helpers import DTYPES, FLUX_QK, gpu, interpreter, rope_tables, row_id, ulp_distance
 
 EPS = 1e-6
@@ -57,13 +64,46 @@ def replayed(
 
 
 @interpreter
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", CPU_QK, ids=row_id)
-def test_qk_norm_rope_interpreter_replays_aten(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+def test_qk_norm_rope_interpreter_replays_aten(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, variant: str
+) -> None:
     args = inputs(shape, dtype, "cpu", packed=shape[0] == 2)
-    out = qk_norm_rope_triton(*args, EPS, heads_per_program=16)
+    # 16 heads, 4 tokens per program: masked heads (H 3, 24) and tokens (L 5) in the last programs
+    out = qk_norm_rope_triton(*args, EPS, variant=variant, heads_per_program=16, tokens_per_program=4)
     assert out.shape == (shape[0], shape[1] + shape[2], shape[3], 128) and out.is_contiguous()
     assert torch.equal(out, replayed(*args))
+
+
+@interpreter
+def test_qk_norm_rope_v2_gpu_tiling() -> None:
+    """v2 with its GPU tile (8 tokens x 8 heads): text and image tokens in one program, batch 2."""
+    args = inputs((2, 5, 6, 8), torch.bfloat16, "cpu", packed=True)
+    out = qk_norm_rope_triton(*args, EPS, variant="v2", heads_per_program=8, tokens_per_program=8)
+    assert torch.equal(out, replayed(*args))
+
+
+@jit
+def _tree_sum_kernel(total_ptr, out_ptr, TOKS: tl.constexpr, HB: tl.constexpr):
+    """Run v2's lane tree on lane totals (TOKS, HB, 32) and write the (TOKS, HB) sums."""
+    rows = tl.arange(0, TOKS)[:, None] * HB + tl.arange(0, HB)[None, :]
+    total = tl.load(total_ptr + rows[:, :, None] * 32 + tl.arange(0, 32)[None, None, :])
+    tl.store(out_ptr + rows, _lane_tree_sum(total, TOKS, HB))
+
+
+@interpreter
+def test_lane_tree_sum_replays_aten_tree() -> None:
+    """The order of v2's additions is aten's: random lane totals of very different sizes make the
+    fp32 sum depend on it (an end-to-end bf16 output rarely shows a last-bit change of rstd)."""
+    toks, hb = 4, 8
+    total = torch.rand(toks * hb, 32) * 2.0 ** torch.randint(-20, 20, (toks * hb, 32)).float()
+    padded = torch.cat([total, torch.zeros(toks * hb, 96)], dim=1)  # aten's idle warps 1-3
+    (ref,) = _shuffle_down_tree((padded,), lambda b, a: (b[0] + a[0],))
+    out = torch.empty(toks * hb)
+    _tree_sum_kernel[(1,)](total, out, TOKS=toks, HB=hb)
+    assert torch.equal(out, ref)
 
 
 @interpreter
@@ -92,18 +132,22 @@ def test_qk_norm_rope_guards_name_the_problem() -> None:
         qk_norm_rope_triton(None, x_img[..., :64], None, w_img[:64], cos[:3], sin[:3], EPS)
     with pytest.raises(UnsupportedInput, match="both be given"):
         qk_norm_rope_triton(x_txt, x_img, None, w_img, cos, sin, EPS)
+    with pytest.raises(ValueError, match="unknown variant 'v3'"):
+        qk_norm_rope_triton(x_txt, x_img, w_txt, w_img, cos, sin, EPS, variant="v3")
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", FLUX_QK, ids=row_id)
 def test_qk_norm_rope_gpu_bit_exact(
-    shape: tuple[int, int, int, int], dtype: torch.dtype, packed: bool
+    shape: tuple[int, int, int, int], dtype: torch.dtype, packed: bool, variant: str
 ) -> None:
     args = inputs(shape, dtype, "cuda", packed)
-    assert torch.equal(qk_norm_rope_triton(*args, EPS), qk_norm_rope_reference(*args, EPS))
+    out = qk_norm_rope_triton(*args, EPS, variant=variant)
+    assert torch.equal(out, qk_norm_rope_reference(*args, EPS))
 
 
 @gpu
