@@ -21,6 +21,7 @@ from flux_runtime.kernels.layer_norm_modulate import layer_norm_modulate, residu
 from flux_runtime.kernels.linear import linear_gelu, split_linear
 from flux_runtime.kernels.modulate import modulate
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
+from flux_runtime.kernels.swiglu import swiglu
 
 __all__ = [
     "FusedOpsReport",
@@ -35,5 +36,6 @@ __all__ = [
     "reset_fused_ops_report",
     "residual_layer_norm_modulate",
     "split_linear",
+    "swiglu",
     "use_fused",
 ]

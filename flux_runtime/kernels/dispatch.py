@@ -206,8 +206,9 @@ def _verify(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         _remember(sig, str(e))
         _fallback(op.name, str(e))
         return op.reference(*args)
+    fused_out = _unaliased(out, args)
     ref = op.reference(*args)
-    problem = _difference(out, ref)
+    problem = _difference(fused_out, ref)
     if problem is None and op.self_check is not None:
         problem = op.self_check(*args)
     if problem is None:
@@ -222,6 +223,17 @@ def _verify(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         _record.mismatches.append(message)
     _fallback(op.name, reason, logging.ERROR, detail=message)
     return ref
+
+
+def _unaliased(out: Any, args: tuple[Any, ...]) -> Any:
+    """`out` with copies of the outputs that share memory with an argument (an `out=` buffer).
+
+    The reference writes the same buffer, so the fused result must be set aside before it runs.
+    """
+    storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor)}
+    outs = out if isinstance(out, tuple) else (out,)
+    kept = tuple(o.clone() if o.untyped_storage().data_ptr() in storages else o for o in outs)
+    return kept if isinstance(out, tuple) else kept[0]
 
 
 def _remember(sig: tuple[Any, ...], reason: str | None) -> None:

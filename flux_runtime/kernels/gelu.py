@@ -21,9 +21,12 @@ from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
 from flux_runtime.kernels.triton_utils import (
     HAS_TRITON,
     ON_GPU,
+    as_rows,
     check_half,
     check_int32_offsets,
     check_launchable,
+    check_no_overlap,
+    check_out,
     jit,
     tl,
     to_storage,
@@ -69,6 +72,18 @@ def _tanhf_emulated(x):
 
 
 @jit
+def _gelu_tanh(x, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, GPU: tl.constexpr):
+    """aten's tanh-GELU functor on fp32 `x` (before the one rounding)."""
+    x_cube = x * x * x
+    inner = K_BETA * tl.fma(K_KAPPA, x_cube, x)  # nvcc: fma(kKappa, x_cube, x)
+    if GPU:  # noqa: SIM108 (a constexpr branch: the interpreter has no libdevice)
+        t = libdevice.tanh(inner)
+    else:
+        t = _tanhf_emulated(inner)
+    return 0.5 * x * (1.0 + t)
+
+
+@jit
 def _gelu_tanh_kernel(
     x_ptr,  # (N,) contiguous
     out_ptr,  # (N,) contiguous
@@ -83,40 +98,75 @@ def _gelu_tanh_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0), GPU)
-    x_cube = x * x * x
-    inner = K_BETA * tl.fma(K_KAPPA, x_cube, x)  # nvcc: fma(kKappa, x_cube, x)
-    if GPU:  # noqa: SIM108 (a constexpr branch: the interpreter has no libdevice)
-        t = libdevice.tanh(inner)
-    else:
-        t = _tanhf_emulated(inner)
-    out = 0.5 * x * (1.0 + t)
+    out = _gelu_tanh(x, K_BETA, K_KAPPA, GPU)
     tl.store(out_ptr + offs, to_storage(out, DTYPE, GPU), mask=mask)
 
 
-def gelu_tanh_triton(x: Tensor, *, block: int = 4096) -> Tensor:
-    """Fused `gelu_tanh_reference` for a contiguous bf16/fp16 tensor of any shape."""
+@jit
+def _gelu_tanh_rows_kernel(
+    x_ptr,  # (B, L, N), strides (stride_xb, stride_xl, 1)
+    out_ptr,  # (B, L, N), strides (stride_ob, stride_ol, 1): e.g. a column slice of a wider buffer
+    L,
+    N,
+    stride_xb,
+    stride_xl,
+    stride_ob,
+    stride_ol,
+    K_BETA: tl.constexpr,
+    K_KAPPA: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GPU: tl.constexpr,
+):
+    # grid: (cdiv(L, BLOCK_L), cdiv(N, BLOCK_N), B)
+    DTYPE = out_ptr.dtype.element_ty
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < L)[:, None] & (cols < N)[None, :]
+    x = tl.load(x_ptr + b * stride_xb + rows[:, None] * stride_xl + cols[None, :], mask=mask, other=0.0)
+    out = _gelu_tanh(upcast(x, GPU), K_BETA, K_KAPPA, GPU)
+    out_ptrs = out_ptr + b * stride_ob + rows[:, None] * stride_ol + cols[None, :]
+    tl.store(out_ptrs, to_storage(out, DTYPE, GPU), mask=mask)
+
+
+def gelu_tanh_triton(
+    x: Tensor, out: Tensor | None = None, *, block: int = 4096, block_l: int = 4, block_n: int = 1024
+) -> Tensor:
+    """Fused `gelu_tanh_reference` for a bf16/fp16 tensor of any shape, into `out` if given.
+
+    A contiguous input and a fresh output run the flat kernel (`block` elements per program); a
+    strided input or `out` (unit last stride, e.g. `h[..., D:]`) the row kernel (`block_l` x `block_n`).
+    """
     op = "gelu_tanh"
-    check_launchable(op, x)
-    check_half(op, x=x)
-    if not x.is_contiguous():
-        raise UnsupportedInput(f"{op}: needs a contiguous input, got strides {x.stride()}")
+    check_launchable(op, *((x,) if out is None else (x, out)))
+    check_half(op, **({"x": x} if out is None else {"x": x, "out": out}))
     if x.numel() == 0:
         raise UnsupportedInput(f"{op}: empty input")
-    check_int32_offsets(op, "x", x)
-    out = torch.empty_like(x)
-    n = x.numel()
-    _gelu_tanh_kernel[(triton.cdiv(n, block),)](
-        x,
-        out,
-        n,
-        K_BETA=K_BETA,
-        K_KAPPA=K_KAPPA,
-        BLOCK=block,
-        GPU=ON_GPU,
-        num_warps=8,
+    if out is not None:
+        check_out(op, out, tuple(x.shape))
+        check_no_overlap(op, x, out)
+    if x.is_contiguous() and (out is None or out.is_contiguous()):
+        check_int32_offsets(op, "x", x)
+        result = torch.empty_like(x) if out is None else out
+        n = x.numel()
+        _gelu_tanh_kernel[(triton.cdiv(n, block),)](
+            x, result, n, K_BETA=K_BETA, K_KAPPA=K_KAPPA, BLOCK=block, GPU=ON_GPU, num_warps=8,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+        return result
+    result = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    x3, out3 = as_rows(op, "x", x), as_rows(op, "out", result)
+    check_int32_offsets(op, "x", x3)
+    check_int32_offsets(op, "out", out3)
+    b, length, n = x3.shape
+    grid = (triton.cdiv(length, block_l), triton.cdiv(n, block_n), b)
+    _gelu_tanh_rows_kernel[grid](
+        x3, out3, length, n, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1),
+        K_BETA=K_BETA, K_KAPPA=K_KAPPA, BLOCK_L=block_l, BLOCK_N=block_n, GPU=ON_GPU, num_warps=4,
         enable_fp_fusion=False,
-    )
-    return out
+    )  # fmt: skip
+    return result
 
 
 def all_half_values(dtype: torch.dtype, device: torch.device | str) -> Tensor:
@@ -125,7 +175,7 @@ def all_half_values(dtype: torch.dtype, device: torch.device | str) -> Tensor:
     return bits.view(dtype)
 
 
-def exhaustive_check(x: Tensor) -> str | None:
+def exhaustive_check(x: Tensor, out: Tensor | None = None) -> str | None:
     """None if the fused GELU equals aten's on all 65,536 inputs of `x.dtype`, else a description."""
     values = all_half_values(x.dtype, x.device)
     out, ref = gelu_tanh_triton(values), gelu_tanh_reference(values)
@@ -136,9 +186,10 @@ def exhaustive_check(x: Tensor) -> str | None:
     return f"{bad.numel()} of 65536 {x.dtype} inputs differ, e.g. x={bad[:4].float().tolist()}"
 
 
-def gelu_tanh_reference(x: Tensor) -> Tensor:
-    """`F.gelu(x, approximate="tanh")`: one rounding per element."""
-    return F.gelu(x, approximate="tanh")
+def gelu_tanh_reference(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """`F.gelu(x, approximate="tanh")`: one rounding per element; copied into `out` if given."""
+    y = F.gelu(x, approximate="tanh")
+    return y if out is None else out.copy_(y)
 
 
 _GELU_TANH = FusedOp(
@@ -149,6 +200,12 @@ _GELU_TANH = FusedOp(
 )
 
 
-def gelu_tanh(x: Tensor) -> Tensor:
-    """tanh-GELU; see `gelu_tanh_reference` (fused when `dispatch` allows)."""
-    return run_op(_GELU_TANH, x)
+def gelu_tanh(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """tanh-GELU; see `gelu_tanh_reference` (fused when `dispatch` allows).
+
+    `out`: optional preallocated tensor of x's shape and dtype with unit last stride (e.g. the right
+    column slice `h[..., D:]` of the single block's `[attn | mlp]` buffer); it is written and returned.
+    """
+    if out is None:
+        return run_op(_GELU_TANH, x)
+    return run_op(_GELU_TANH, x, out)

@@ -208,3 +208,37 @@ def check_aten_vectorized(op: str, name: str, t: Tensor) -> None:
     """
     if t.is_contiguous() and t.data_ptr() % (4 * t.element_size()) != 0:
         raise UnsupportedInput(f"{op}: {name} is not 4-element aligned, so aten takes its unvectorised path")
+
+
+def check_out(op: str, out: Tensor, shape: tuple[int, ...]) -> None:
+    """A preallocated output: the result's shape, a unit last stride (other strides are passed on)."""
+    check_shape(op, "out", out, shape)
+    check_unit_stride(op, "out", out)
+
+
+def check_no_overlap(op: str, x: Tensor, out: Tensor) -> None:
+    """`out` shares no memory with `x` (the reference computes first and copies; the kernel streams)."""
+
+    def span(t: Tensor) -> tuple[int, int]:
+        start = t.data_ptr()
+        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+        return start, start + extent * t.element_size()
+
+    if x.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+        return
+    (a0, a1), (b0, b1) = span(x), span(out)
+    if a0 < b1 and b0 < a1:
+        raise UnsupportedInput(f"{op}: out overlaps the input's memory")
+
+
+def as_rows(op: str, name: str, t: Tensor) -> Tensor:
+    """`t` (..., N) as a (B, L, N) view with unit last stride, for row-strided kernels."""
+    check_unit_stride(op, name, t)
+    if t.ndim <= 3:
+        return t.reshape((1,) * (3 - t.ndim) + tuple(t.shape))
+    try:
+        return t.view(-1, *t.shape[-2:])
+    except RuntimeError:
+        raise UnsupportedInput(
+            f"{op}: {name}'s leading dims {tuple(t.shape[:-2])} cannot be merged (strides {t.stride()})"
+        ) from None

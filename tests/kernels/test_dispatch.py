@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -59,6 +60,9 @@ def all_op_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
     q_txt, q_img = (torch.randn(b, k, h, 128, device=device).to(dtype) for k in (3, n))
     w = torch.rand(128, device=device).to(dtype)
     cos, sin = rope_tables(3 + n, device)
+    packed = torch.randn(b, n, 3 * d + 2 * 256, device=device).to(dtype)  # [q | k | v | gate | up]
+    h_gelu = torch.zeros(b, n, d + 3 * d, device=device, dtype=dtype)  # [attn | mlp] buffers
+    h_swiglu = torch.zeros(b, n, d + 256, device=device, dtype=dtype)
     return {
         "modulate": lambda: kernels.modulate(x, shift, scale),
         "gated_residual": lambda: kernels.gated_residual(x, gate, u),
@@ -68,6 +72,9 @@ def all_op_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
         ),
         "qk_norm_rope": lambda: kernels.qk_norm_rope(q_txt, q_img, w, w, cos, sin, 1e-6),
         "gelu_tanh": lambda: kernels.gelu_tanh(u),
+        "gelu_tanh out=": lambda: kernels.gelu_tanh(packed[..., : 3 * d], h_gelu[..., d:]),
+        "swiglu": lambda: kernels.swiglu(packed[..., 3 * d :]),
+        "swiglu out=": lambda: kernels.swiglu(packed[..., 3 * d :], h_swiglu[..., d:]),
     }
 
 
@@ -98,11 +105,12 @@ def test_cpu_inputs_fall_back_with_a_recorded_reason(caplog: pytest.LogCaptureFi
             for call in calls.values():
                 call()
     report = fused_ops_report()
-    assert report.fallbacks == {(op, CPU_REASON): 2 for op in calls}
+    ops = Counter(name.split()[0] for name in calls)  # "swiglu out=" is the swiglu op
+    assert report.fallbacks == {(op, CPU_REASON): 2 * n for op, n in ops.items()}
     assert report.fused_calls == {}
-    assert len(caplog.records) == len(calls)  # one warning per (op, reason), not per call
+    assert len(caplog.records) == len(ops)  # one warning per (op, reason), not per call
     assert "not used: inputs on cpu" in caplog.records[0].getMessage()
-    assert "reference gelu_tanh: 2 x inputs on cpu" in str(report)
+    assert "reference gelu_tanh: 4 x inputs on cpu" in str(report)
     assert report.tier_used == "lossless, partly reference"
 
 
@@ -161,6 +169,21 @@ def test_mismatch_is_an_error_and_the_reference_is_kept(caplog: pytest.LogCaptur
     assert report.fallbacks == {("fake", reason): 2}
     assert caplog.records[0].levelno == logging.ERROR and "fake" in caplog.records[0].getMessage()
     assert "MISMATCH" in str(report)
+
+
+def test_out_buffer_is_checked_before_the_reference_overwrites_it() -> None:
+    """An `out=` op writes the same buffer in both paths: the fused result is set aside first."""
+    op = FusedOp(
+        "fake_out",
+        fused=lambda x, out: out.copy_(x * 2 + 1),
+        reference=lambda x, out: out.copy_(x * 2),
+        devices=("cpu",),
+    )
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    with use_fused("lossless"):
+        result = run_op(op, x, out)
+    assert result is out and torch.equal(out, x * 2)  # the reference's values are kept
+    assert len(fused_ops_report().mismatches) == 1
 
 
 def test_self_check_failure_counts_as_a_mismatch() -> None:
@@ -234,7 +257,8 @@ def test_every_op_runs_fused_and_verified_on_cuda(dtype: torch.dtype) -> None:
     report = fused_ops_report()
     assert not report.mismatches, report.mismatches
     assert report.fallbacks == {}, str(report)
-    assert report.fused_calls == {op: 2 for op in calls}
+    ops = Counter(name.split()[0] for name in calls)  # "swiglu out=" is the swiglu op
+    assert report.fused_calls == {op: 2 * n for op, n in ops.items()}
     assert report.verified_signatures == len(calls)
 
 

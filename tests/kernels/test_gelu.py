@@ -13,8 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from flux_runtime.kernels.dispatch import UnsupportedInput
-from flux_runtime.kernels.gelu import all_half_values, exhaustive_check, gelu_tanh_reference, gelu_tanh_triton
-from tests.kernels.helpers import BATCHES, DTYPES, SEQ_LENS, gpu, interpreter, row_id
+from flux_runtime.kernels.gelu import (
+    all_half_values,
+    exhaustive_check,
+    gelu_tanh,
+    gelu_tanh_reference,
+    gelu_tanh_triton,
+)
+from tests.kernels.helpers import BATCHES, DTYPES, SEQ_LENS, TXT_TOKENS, gpu, interpreter, row_id
 
 # the interpreter computes in numpy, which warns on the inf/NaN inputs of the exhaustive sweep
 pytestmark = pytest.mark.filterwarnings(
@@ -55,12 +61,41 @@ def test_gelu_interpreter_any_shape_is_the_elementwise_map() -> None:
 
 
 @interpreter
+def test_gelu_interpreter_strided_input_into_out_slice() -> None:
+    """FLUX.1 single block (F11): the MLP columns of the packed linear1 output in, the right columns
+    of the (B, L, D + M) `[attn | mlp]` buffer out; the left columns are untouched."""
+    table = gelu_tanh_triton(all_half_values(torch.bfloat16, "cpu"), block=8192)
+    d, m = 64, 1001
+    packed = (torch.randn(2, 3, 3 * d + m) * 3).bfloat16()
+    mlp = packed[..., 3 * d :]
+    h = torch.full((2, 3, d + m), 7.0, dtype=torch.bfloat16)
+    out = gelu_tanh_triton(mlp, h[..., d:], block_l=2, block_n=256)
+    assert out.data_ptr() == h[..., d:].data_ptr()
+    assert torch.equal(h[..., d:], table[mlp.contiguous().view(torch.int16).long() + 2**15])
+    assert bool((h[..., :d] == 7.0).all())
+    fresh = gelu_tanh_triton(mlp, block_l=2, block_n=256)  # strided input, new contiguous output
+    assert fresh.is_contiguous() and torch.equal(fresh, h[..., d:])
+
+
+@interpreter
 def test_gelu_guards_name_the_problem() -> None:
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedInput, match="contiguous"):
+    with pytest.raises(UnsupportedInput, match="unit last stride"):
         gelu_tanh_triton(x.t())
     with pytest.raises(UnsupportedInput, match="bf16/fp16"):
         gelu_tanh_triton(x.float())
+    with pytest.raises(UnsupportedInput, match=r"out must be \(4, 8\)"):
+        gelu_tanh_triton(x, torch.empty(4, 9, dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedInput, match="overlaps"):
+        gelu_tanh_triton(x, x)
+
+
+def test_gelu_reference_out_is_written_and_returned() -> None:
+    x = torch.randn(2, 3, 8).bfloat16()
+    h = torch.zeros(2, 3, 10, dtype=torch.bfloat16)
+    out = gelu_tanh(x, h[..., 2:])  # tier off: the reference
+    assert out.data_ptr() == h[..., 2:].data_ptr()
+    assert torch.equal(h[..., 2:], F.gelu(x, approximate="tanh"))
 
 
 @gpu
@@ -81,3 +116,18 @@ def test_gelu_gpu_exhaustive_bit_exact(dtype: torch.dtype) -> None:
 def test_gelu_gpu_flux_shapes(shape: tuple[int, int], dtype: torch.dtype) -> None:
     x = (torch.randn(shape, device="cuda") * 3).to(dtype)
     assert torch.equal(gelu_tanh_triton(x), gelu_tanh_reference(x))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [b * n for n in (TXT_TOKENS + 1024, TXT_TOKENS + 4096) for b in BATCHES])
+def test_gelu_gpu_single_block_into_out_slice(tokens: int, dtype: torch.dtype) -> None:
+    """FLUX.1 single block: packed linear1 columns in, the `[attn | mlp]` buffer's MLP slice out."""
+    d = 3072
+    packed = (torch.randn(1, tokens, 3 * d + FF_INNER, device="cuda") * 3).to(dtype)
+    mlp = packed[..., 3 * d :]
+    h = torch.full((1, tokens, d + FF_INNER), float("nan"), device="cuda", dtype=dtype)
+    gelu_tanh_triton(mlp, h[..., d:])
+    assert torch.equal(h[..., d:], gelu_tanh_reference(mlp))
+    assert torch.equal(gelu_tanh_triton(mlp), gelu_tanh_reference(mlp))
