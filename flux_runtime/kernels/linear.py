@@ -48,12 +48,15 @@ def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, sizes: tuple[in
     return run_op(_SPLIT_LINEAR, x, weight, bias, tuple(sizes))
 
 
-def linear_gelu_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`gelu_tanh(F.linear(x, weight, bias))`: the GEMM rounds to the model dtype, then the activation."""
-    return gelu_tanh(F.linear(x, weight, bias))
+def linear_gelu_reference(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """`gelu_tanh(F.linear(x, weight, bias))`: the GEMM rounds to the model dtype, then the activation.
+
+    With `out` (e.g. a column slice of a preallocated buffer), the activation is written there.
+    """
+    return gelu_tanh(F.linear(x, weight, bias), out=out)
 
 
-def linear_gelu_cublaslt(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def linear_gelu_cublaslt(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
     """GEMM with cuBLASLt's bias + tanh-GELU epilogue (one rounding, after the activation)."""
     if x.device.type != "cuda":
         raise UnsupportedInput(f"linear_gelu: the GELU epilogue needs CUDA, got {x.device.type}")
@@ -62,15 +65,17 @@ def linear_gelu_cublaslt(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype or bias.dtype != x.dtype:
         raise UnsupportedInput(f"linear_gelu: expected bf16/fp16 x, weight, bias; got {x.dtype}, {weight.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
-    out = torch._addmm_activation(bias, x2, weight.t(), use_gelu=True)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    y = torch._addmm_activation(bias, x2, weight.t(), use_gelu=True).view(*x.shape[:-1], weight.shape[0])
+    return y if out is None else out.copy_(y)
 
 
 _LINEAR_GELU = FusedOp("linear_gelu", fused=linear_gelu_cublaslt, reference=linear_gelu_reference, tier="high")
 
 
-def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """tanh-GELU of a projection; the cuBLASLt epilogue runs only in the `high` tier."""
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """tanh-GELU of a projection, into `out` if given; the cuBLASLt epilogue runs only in the `high` tier."""
     if fused_tier() != "high":
-        return linear_gelu_reference(x, weight, bias)
-    return run_op(_LINEAR_GELU, x, weight, bias)
+        return linear_gelu_reference(x, weight, bias, out)
+    if out is None:
+        return run_op(_LINEAR_GELU, x, weight, bias)
+    return run_op(_LINEAR_GELU, x, weight, bias, out)

@@ -92,13 +92,14 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x: Stream, vec_act: Tensor, pe: RoPE) -> Stream:
         (mod,) = self.modulation(vec_act)
         x, x_n = norm_modulate(x, mod)
-        d = self.linear1.in_features
-        q, k, v, mlp = self.linear1.split(x_n, (d, d, d, self.mlp_hidden_dim), gelu_last=True)
+        d, m = self.linear1.in_features, self.mlp_hidden_dim
+        # (B, L, D + mlp_hidden): attention first, MLP second, each written in place (no concat)
+        h = x_n.new_empty(*x_n.shape[:-1], d + m)
+        q, k, v, _ = self.linear1.split(x_n, (d, d, d, m), gelu_last=True, gelu_out=h[..., d:])
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
-        # (B, L, D + mlp_hidden): attention first, MLP second
-        h = torch.cat([attention(q, k, v), mlp], dim=2)
+        attention(q, k, v, out=h[..., :d])
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 
 

@@ -111,8 +111,11 @@ class SingleStreamBlock(nn.Module):
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in qkv.chunk(3, dim=-1))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
-        # (B, L, D + M): attention first, MLP second
-        h = torch.cat([attention(q, k, v), swiglu(mlp)], dim=2)
+        # (B, L, D + M): attention first, MLP second, each written in place (no concat)
+        d = self.linear1.in_features
+        h = x_n.new_empty(*x_n.shape[:-1], d + self.mlp_hidden_dim)
+        swiglu(mlp, out=h[..., d:])
+        attention(q, k, v, out=h[..., :d])
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 
 

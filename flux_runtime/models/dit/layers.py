@@ -30,19 +30,21 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def split(self, x: Tensor, sizes: tuple[int, ...], *, gelu_last: bool = False) -> tuple[Tensor, ...]:
+    def split(
+        self, x: Tensor, sizes: tuple[int, ...], *, gelu_last: bool = False, gelu_out: Tensor | None = None
+    ) -> tuple[Tensor, ...]:
         """Project `x` through consecutive row blocks of the weight.
 
         One GEMM per block (diffusers' separate modules), or one merged GEMM where the fused tier has
         verified it bit-identical. `gelu_last` applies tanh-GELU to the last block (FLUX.1's single-block
-        MLP input), through `forward_gelu`'s path.
+        MLP input), through `forward_gelu`'s path, writing it into `gelu_out` when given.
         """
         w, b = self.weight, self.bias
         if not gelu_last:
             return kernels.split_linear(x, w, b, tuple(sizes))
         n = sum(sizes[:-1])
         head = kernels.split_linear(x, w[:n], None if b is None else b[:n], tuple(sizes[:-1]))
-        return (*head, kernels.linear_gelu(x, w[n:], None if b is None else b[n:]))
+        return (*head, kernels.linear_gelu(x, w[n:], None if b is None else b[n:], gelu_out))
 
     def forward_gelu(self, x: Tensor) -> Tensor:
         """tanh-GELU of the projection (the GEMM epilogue does it in the `high` tier)."""
@@ -151,10 +153,18 @@ def rope_tables(ids: Tensor, axes_dim: tuple[int, ...], theta: int) -> tuple[Ten
     return torch.cat(cos_out, dim=-1), torch.cat(sin_out, dim=-1)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Full attention over (B, L, H, D) inputs through default-dispatch SDPA; returns (B, L, H*D)."""
-    out = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
-    return out.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype)
+def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None = None) -> Tensor:
+    """Full attention over (B, L, H, D) inputs through default-dispatch SDPA; returns (B, L, H*D).
+
+    With `out` (B, L, H*D) (unit last stride, e.g. a column slice of the single block's `[attn | mlp]`
+    buffer) the heads are written there directly: the same values as diffusers' flatten and concat.
+    """
+    o = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
+    o = o.permute(0, 2, 1, 3).to(q.dtype)
+    if out is None:
+        return o.flatten(2, 3)
+    out.unflatten(-1, o.shape[2:]).copy_(o)
+    return out
 
 
 class SelfAttention(nn.Module):
