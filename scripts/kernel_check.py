@@ -3,25 +3,34 @@
 
 For every op in `flux_runtime.kernels`, every FLUX site shape (hidden 3072 / 6144, 24 / 48 heads of
 128; 512 text tokens and the 512², 1024², 768×1344 images as text, image and joint streams; batch 1
-and 2; one odd size) and bf16 and fp16:
+and 2; one odd size; FLUX.2 SwiGLU widths of [dev] and both [klein]s; the single blocks' `out=` slices)
+and bf16 and fp16:
 
 1. fresh random inputs; the memory the fused outputs will land in is filled with NaN first (freed
-   NaN blocks of the output sizes, which the caching allocator hands back), so an element the kernel
-   fails to write shows up; then `torch.equal(fused, reference)` and no NaN in the fused output;
-2. the median time of the fused kernel and of the eager reference chain (`triton.testing.do_bench`),
-   and the fused kernel's bandwidth against the 4.16 TB/s device-to-device copy ceiling measured on
-   the H200 (shared/reference/h200_baseline.md).
+   NaN blocks of the output sizes, which the caching allocator hands back; `out=` buffers are NaN
+   filled), so an element the kernel fails to write shows up; then `torch.equal(fused, reference)`
+   and no NaN in the fused output. Ops with several kernels (`VARIANT` in their module: v1, v2) are
+   checked in every variant;
+2. (bf16; fp16 too with `--bench-fp16`) the median time of each variant and of the eager reference
+   chain (`triton.testing.do_bench`, L2 flushed before each call), and each variant's bandwidth
+   against the 4.16 TB/s device-to-device copy ceiling measured on the H200
+   (shared/reference/h200_baseline.md). `*` marks the variant the op uses now (its module's `VARIANT`).
 
-GELU is also checked exhaustively over all 65,536 inputs of each dtype. Exits 1 on any mismatch or
-any shape a kernel's guards reject. Usage: `python scripts/kernel_check.py [--no-bench] [--op NAME]`.
+GELU and SiLU (SwiGLU's first op) are also checked exhaustively over all 65,536 inputs of each
+dtype. `--tune` adds a sweep of the v2 tile sizes at the 1024² joint shapes. Exits 1 on any
+mismatch or any shape a kernel's guards reject.
+Usage: `python scripts/kernel_check.py [--no-bench] [--bench-fp16] [--tune] [--op NAME]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +47,11 @@ from flux_runtime.kernels.layer_norm_modulate import (
 )
 from flux_runtime.kernels.modulate import modulate_reference, modulate_triton
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
+from flux_runtime.kernels.swiglu import swiglu_reference, swiglu_triton
+
+# the kernel modules (the package re-exports each op under its module's name)
+LN = importlib.import_module("flux_runtime.kernels.layer_norm_modulate")
+QK = importlib.import_module("flux_runtime.kernels.qk_norm_rope")
 
 COPY_CEILING_GBS = 4160.0  # device-to-device copy, bytes read + written, H200
 EPS = 1e-6
@@ -47,6 +61,7 @@ IMAGES = {"512²": 1024, "1024²": 4096, "768×1344": 4032}
 BATCHES = (1, 2)
 DTYPES = (torch.bfloat16, torch.float16)
 FF_INNER = 12288  # FLUX.1 MLP hidden
+SWIGLU = {"dev": (6144, 18432), "klein4B": (3072, 9216), "klein9B": (4096, 12288)}  # name -> (D, M)
 
 
 @dataclass
@@ -54,10 +69,16 @@ class Case:
     op: str
     label: str
     dtype: torch.dtype
-    make: Callable[[], tuple[Any, ...]]  # fresh random inputs
-    fused: Callable[..., Any]
+    make: Callable[[], tuple[Any, ...]]  # fresh random inputs (an `out=` buffer last, if any)
+    variants: dict[str, Callable[..., Any]]  # name ("" for single-kernel ops) -> fused launcher
     reference: Callable[..., Any]
     nbytes: int  # minimal HBM traffic of the fused kernel
+    default: str = ""  # the variant the op runs now
+
+    @property
+    def has_out(self) -> bool:
+        """The last input is an `out=` buffer, written by the fused op and the reference alike."""
+        return self.op.endswith("out=")
 
 
 def _act(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -84,6 +105,14 @@ def _rope(length: int) -> tuple[Tensor, Tensor]:
     return torch.cat(cos, -1).cuda(), torch.cat(sin, -1).cuda()
 
 
+def _nan(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def _variants(fn: Callable[..., Any], module: Any, **tile: Any) -> tuple[dict[str, Callable[..., Any]], str]:
+    return {v: partial(fn, variant=v, **tile) for v in module.VARIANTS}, module.VARIANT
+
+
 def _row_shapes() -> Iterator[tuple[str, int, int, int]]:
     lengths = {f"txt {TXT}": TXT}
     for name, n in IMAGES.items():
@@ -96,8 +125,9 @@ def _row_shapes() -> Iterator[tuple[str, int, int, int]]:
     yield "odd B2 L7 D1000", 2, 7, 1000
 
 
-def cases(dtype: torch.dtype) -> Iterator[Case]:
-    s = torch.empty((), dtype=dtype).element_size()
+def _row_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
+    ln_variants, ln_default = _variants(layer_norm_modulate_triton, LN)
+    rln_variants, _ = _variants(residual_layer_norm_modulate_triton, LN)
     for label, b, n, d in _row_shapes():
         bld, bd = b * n * d * s, b * d * s
 
@@ -117,50 +147,65 @@ def cases(dtype: torch.dtype) -> Iterator[Case]:
             shift, scale, gate = _mod(b, d, dtype)[:3]
             return _act((b, n, d), dtype) * 4, gate, _act((b, n, d), dtype), shift, scale, EPS
 
-        yield Case("modulate", label, dtype, mod_in, modulate_triton, modulate_reference, 2 * bld + 2 * bd)
         yield Case(
-            "gated_residual",
-            label,
-            dtype,
-            res_in,
-            gated_residual_triton,
-            gated_residual_reference,
-            3 * bld + bd,
+            "modulate", label, dtype, mod_in, {"": modulate_triton}, modulate_reference, 2 * bld + 2 * bd
         )
         yield Case(
-            "layer_norm_modulate", label, dtype, ln_in, layer_norm_modulate_triton,
-            layer_norm_modulate_reference, 2 * bld + 2 * bd,
+            "gated_residual", label, dtype, res_in, {"": gated_residual_triton}, gated_residual_reference,
+            3 * bld + bd,
         )  # fmt: skip
         yield Case(
-            "residual_layer_norm_modulate", label, dtype, rln_in, residual_layer_norm_modulate_triton,
-            residual_layer_norm_modulate_reference, 4 * bld + 3 * bd,
+            "layer_norm_modulate", label, dtype, ln_in, ln_variants, layer_norm_modulate_reference,
+            2 * bld + 2 * bd, ln_default,
+        )  # fmt: skip
+        yield Case(
+            "residual_layer_norm_modulate", label, dtype, rln_in, rln_variants,
+            residual_layer_norm_modulate_reference, 4 * bld + 3 * bd, ln_default,
         )  # fmt: skip
 
-    qk_shapes = [
+
+def _qk_case(
+    label: str,
+    dtype: torch.dtype,
+    b: int,
+    n_txt: int,
+    n_img: int,
+    h: int,
+    variants: dict[str, Any],
+    default: str,
+) -> Case:
+    def qk_in() -> tuple[Any, ...]:
+        x_img = _act((b, n_img, h, 128), dtype)
+        w_img = (torch.rand(128, device="cuda") * 2).to(dtype)
+        x_txt = _act((b, n_txt, h, 128), dtype) if n_txt else None
+        w_txt = (torch.rand(128, device="cuda") * 2).to(dtype) if n_txt else None
+        return (x_txt, x_img, w_txt, w_img, *_rope(n_txt + n_img), EPS)
+
+    s = torch.empty((), dtype=dtype).element_size()
+    nbytes = 2 * b * (n_txt + n_img) * h * 128 * s + 2 * (n_txt + n_img) * 128 * 4
+    return Case("qk_norm_rope", label, dtype, qk_in, variants, qk_norm_rope_reference, nbytes, default)
+
+
+def _qk_cases(dtype: torch.dtype) -> Iterator[Case]:
+    variants, default = _variants(qk_norm_rope_triton, QK)
+    shapes = [
         (f"double {name} B{b} H{h}", b, TXT, n, h)
         for h in WIDTHS.values()
         for name, n in IMAGES.items()
         for b in BATCHES
     ]
-    qk_shapes += [
+    shapes += [
         (f"single {name} B{b} H{h}", b, 0, TXT + n, h)
         for h in WIDTHS.values()
         for name, n in IMAGES.items()
         for b in BATCHES
     ]
-    qk_shapes.append(("odd B2 L3+5 H3", 2, 3, 5, 3))
-    for label, b, n_txt, n_img, h in qk_shapes:
+    shapes.append(("odd B2 L3+5 H3", 2, 3, 5, 3))
+    for label, b, n_txt, n_img, h in shapes:
+        yield _qk_case(label, dtype, b, n_txt, n_img, h, variants, default)
 
-        def qk_in(b: int = b, n_txt: int = n_txt, n_img: int = n_img, h: int = h) -> tuple[Any, ...]:
-            x_img = _act((b, n_img, h, 128), dtype)
-            w_img = (torch.rand(128, device="cuda") * 2).to(dtype)
-            x_txt = _act((b, n_txt, h, 128), dtype) if n_txt else None
-            w_txt = (torch.rand(128, device="cuda") * 2).to(dtype) if n_txt else None
-            return (x_txt, x_img, w_txt, w_img, *_rope(n_txt + n_img), EPS)
 
-        nbytes = 2 * b * (n_txt + n_img) * h * 128 * s + 2 * (n_txt + n_img) * 128 * 4
-        yield Case("qk_norm_rope", label, dtype, qk_in, qk_norm_rope_triton, qk_norm_rope_reference, nbytes)
-
+def _activation_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
     gelu_rows = [(f"{name} B{b}", b * n) for name, n in [("txt", TXT), *IMAGES.items()] for b in BATCHES]
     gelu_rows += [(f"joint {name} B{b}", b * (TXT + n)) for name, n in IMAGES.items() for b in BATCHES]
     gelu_rows.append(("odd 3x1001", -1))
@@ -171,7 +216,139 @@ def cases(dtype: torch.dtype) -> Iterator[Case]:
             return ((torch.randn(shape, device="cuda") * 3).to(dtype),)
 
         numel = shape[0] * shape[1]
-        yield Case("gelu_tanh", label, dtype, gelu_in, gelu_tanh_triton, gelu_tanh_reference, 2 * numel * s)
+        yield Case(
+            "gelu_tanh", label, dtype, gelu_in, {"": gelu_tanh_triton}, gelu_tanh_reference, 2 * numel * s
+        )
+
+    # FLUX.1 single block (F11): the MLP columns of the packed linear1 output in, a fresh tensor or
+    # the right column slice of the (B, L, D + M) `[attn | mlp]` buffer out
+    d = 3072
+    for name, n in IMAGES.items():
+        tokens = TXT + n
+
+        def packed_gelu_in(tokens: int = tokens) -> tuple[Any, ...]:
+            packed = (torch.randn(1, tokens, 3 * d + FF_INNER, device="cuda") * 3).to(dtype)
+            return (packed[..., 3 * d :],)
+
+        def out_gelu_in(tokens: int = tokens) -> tuple[Any, ...]:
+            return (*packed_gelu_in(tokens), _nan((1, tokens, d + FF_INNER), dtype)[..., d:])
+
+        numel = tokens * FF_INNER
+        label = f"single {name} B1"
+        yield Case(
+            "gelu_tanh packed",
+            label,
+            dtype,
+            packed_gelu_in,
+            {"": gelu_tanh_triton},
+            gelu_tanh_reference,
+            2 * numel * s,
+        )
+        yield Case(
+            "gelu_tanh out=",
+            label,
+            dtype,
+            out_gelu_in,
+            {"": gelu_tanh_triton},
+            gelu_tanh_reference,
+            2 * numel * s,
+        )
+
+    # FLUX.2 SwiGLU at 1024²: double-block MLPs on contiguous (B, L, 2M) (text, image), the single
+    # block's [gate | up] as a column slice of the packed (B, L, 3D + 2M) output, fresh or into h[..., D:]
+    n = IMAGES["1024²"]
+    for model, (d, m) in SWIGLU.items():
+        for b in BATCHES:
+            for site, tokens in (("txt", TXT), ("img", n)):
+
+                def mlp_in(b: int = b, tokens: int = tokens, m: int = m) -> tuple[Any, ...]:
+                    return ((torch.randn(b, tokens, 2 * m, device="cuda") * 3).to(dtype),)
+
+                label = f"{model} {site} 1024² B{b}"
+                yield Case(
+                    "swiglu",
+                    label,
+                    dtype,
+                    mlp_in,
+                    {"": swiglu_triton},
+                    swiglu_reference,
+                    3 * b * tokens * m * s,
+                )
+
+            def packed_in(b: int = b, d: int = d, m: int = m) -> tuple[Any, ...]:
+                packed = (torch.randn(b, TXT + n, 3 * d + 2 * m, device="cuda") * 3).to(dtype)
+                return (packed[..., 3 * d :],)
+
+            def out_in(b: int = b, d: int = d, m: int = m) -> tuple[Any, ...]:
+                return (*packed_in(b, d, m), _nan((b, TXT + n, d + m), dtype)[..., d:])
+
+            label, nbytes = f"{model} single 1024² B{b}", 3 * b * (TXT + n) * m * s
+            yield Case(
+                "swiglu packed", label, dtype, packed_in, {"": swiglu_triton}, swiglu_reference, nbytes
+            )
+            yield Case("swiglu out=", label, dtype, out_in, {"": swiglu_triton}, swiglu_reference, nbytes)
+    yield Case(
+        "swiglu", "odd 3x(2x501)", dtype, lambda: ((torch.randn(3, 1002, device="cuda") * 3).to(dtype),),
+        {"": swiglu_triton}, swiglu_reference, 3 * 3 * 501 * s,
+    )  # fmt: skip
+
+
+def cases(dtype: torch.dtype) -> Iterator[Case]:
+    s = torch.empty((), dtype=dtype).element_size()
+    yield from _row_cases(dtype, s)
+    yield from _qk_cases(dtype)
+    yield from _activation_cases(dtype, s)
+
+
+def tune_cases() -> Iterator[Case]:
+    """v2 tile sizes at the 1024² joint shapes (bf16, batch 1): `--tune`."""
+    dtype, s, n = torch.bfloat16, 2, TXT + IMAGES["1024²"]
+    for d in WIDTHS:
+
+        def ln_in(d: int = d) -> tuple[Any, ...]:
+            shift, scale = _mod(1, d, dtype)[:2]
+            return _act((1, n, d), dtype), shift, scale, EPS
+
+        def rln_in(d: int = d) -> tuple[Any, ...]:
+            shift, scale, gate = _mod(1, d, dtype)[:3]
+            return _act((1, n, d), dtype) * 4, gate, _act((1, n, d), dtype), shift, scale, EPS
+
+        rows = {f"v2 rows {r}": r for r in (1, 2, 4)}
+        bld = n * d * s
+        yield Case(
+            "layer_norm_modulate", f"joint 1024² B1 D{d}", dtype, ln_in,
+            {k: partial(layer_norm_modulate_triton, variant="v2", rows_per_program=r) for k, r in rows.items()},
+            layer_norm_modulate_reference, 2 * bld,
+        )  # fmt: skip
+        yield Case(
+            "residual_layer_norm_modulate", f"joint 1024² B1 D{d}", dtype, rln_in,
+            {k: partial(residual_layer_norm_modulate_triton, variant="v2", rows_per_program=r) for k, r in rows.items()},
+            residual_layer_norm_modulate_reference, 4 * bld,
+        )  # fmt: skip
+    for h in WIDTHS.values():
+        tiles = {f"v2 {t}x{hb}": (t, hb) for t in (4, 8, 16) for hb in (8, 16)}
+        variants = {
+            k: partial(qk_norm_rope_triton, variant="v2", tokens_per_program=t, heads_per_program=hb)
+            for k, (t, hb) in tiles.items()
+        }
+        yield _qk_case(f"single 1024² B1 H{h}", dtype, 1, 0, n, h, variants, "")
+    for model, (d, m) in SWIGLU.items():
+
+        def packed_in(d: int = d, m: int = m) -> tuple[Any, ...]:
+            packed = (torch.randn(1, n, 3 * d + 2 * m, device="cuda") * 3).to(dtype)
+            return (packed[..., 3 * d :],)
+
+        blocks = {f"{bl}x{bm}": (bl, bm) for bl in (1, 4, 8) for bm in (512, 1024, 2048)}
+        variants = {k: partial(swiglu_triton, block_l=bl, block_m=bm) for k, (bl, bm) in blocks.items()}
+        yield Case(
+            "swiglu packed",
+            f"{model} single 1024² B1",
+            dtype,
+            packed_in,
+            variants,
+            swiglu_reference,
+            3 * n * m * s,
+        )
 
 
 def _outputs(x: Any) -> tuple[Tensor, ...]:
@@ -185,13 +362,15 @@ def _poison_allocator(like: tuple[Tensor, ...]) -> None:
     del blocks
 
 
-def check(case: Case) -> str | None:
-    """None if the fused op equals the reference on fresh inputs, else what went wrong."""
+def check(case: Case, fused: Callable[..., Any]) -> str | None:
+    """None if `fused` equals the reference on fresh inputs, else what went wrong."""
     args = case.make()
-    ref = _outputs(case.reference(*args))
+    ref = tuple(t.clone() for t in _outputs(case.reference(*args)))
+    if case.has_out:
+        args[-1].fill_(float("nan"))  # the reference wrote the `out=` buffer: poison it again
     _poison_allocator(ref)
     try:
-        out = _outputs(case.fused(*args))
+        out = _outputs(fused(*args))
     except UnsupportedInput as e:
         return f"rejected by the kernel's guards: {e}"
     torch.cuda.synchronize()
@@ -207,13 +386,11 @@ def check(case: Case) -> str | None:
     return None
 
 
-def check_gelu_exhaustive(dtype: torch.dtype) -> str | None:
-    x = all_half_values(dtype, "cuda")
-    out, ref = gelu_tanh_triton(x), gelu_tanh_reference(x)
-    same = (out == ref) | (out.isnan() & ref.isnan())
+def check_exhaustive(name: str, fused: Tensor, ref: Tensor, values: Tensor) -> str | None:
+    same = (fused == ref) | (fused.isnan() & ref.isnan())
     if bool(same.all()):
         return None
-    return f"{int((~same).sum())} of 65536 inputs differ, e.g. {x[~same][:6].float().tolist()}"
+    return f"{name}: {int((~same).sum())} of 65536 inputs differ, e.g. {values[~same][:6].float().tolist()}"
 
 
 def bench_ms(fn: Callable[[], Any], rep_ms: int) -> float:
@@ -222,9 +399,49 @@ def bench_ms(fn: Callable[[], Any], rep_ms: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 1), rep=rep_ms, return_mode="median"))
 
 
+def run_cases(
+    all_cases: Iterator[Case], opts: argparse.Namespace, bench_dtypes: tuple[torch.dtype, ...]
+) -> list[str]:
+    failures: list[str] = []
+    print(
+        f"{'op':<29} {'shape':<26} {'dtype':<8} {'variant':<11} {'exact':<5}"
+        + (
+            ""
+            if opts.no_bench
+            else f" {'fused us':>9} {'eager us':>9} {'speedup':>7} {'GB/s':>7} {'% copy':>6}"
+        )
+    )
+    for case in all_cases:
+        if opts.op and case.op.split()[0] not in opts.op:
+            continue
+        bench = not opts.no_bench and case.dtype in bench_dtypes
+        args = case.make() if bench else ()
+        ref_ms = bench_ms(lambda: case.reference(*args), opts.rep_ms) if bench else 0.0  # noqa: B023
+        for name, fused in case.variants.items():
+            problem = check(case, fused)
+            mark = "*" if name and name == case.default else ""
+            line = (
+                f"{case.op:<29} {case.label:<26} {str(case.dtype)[6:]:<8} {name + mark:<11} "
+                f"{'yes' if problem is None else 'NO':<5}"
+            )
+            if problem is not None:
+                failures.append(f"{case.op} {case.label} {case.dtype} {name}: {problem}")
+            elif bench:
+                fused_ms = bench_ms(lambda: fused(*args), opts.rep_ms)  # noqa: B023
+                gbs = case.nbytes / fused_ms / 1e6
+                line += (
+                    f" {fused_ms * 1e3:9.1f} {ref_ms * 1e3:9.1f} {ref_ms / fused_ms:6.2f}x"
+                    f" {gbs:7.0f} {100 * gbs / COPY_CEILING_GBS:5.0f}%"
+                )
+            print(line, flush=True)
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-bench", action="store_true", help="check bit-exactness only")
+    parser.add_argument("--bench-fp16", action="store_true", help="time fp16 too (bf16 only by default)")
+    parser.add_argument("--tune", action="store_true", help="also sweep the v2 tile sizes at 1024² joint")
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
     parser.add_argument("--rep-ms", type=int, default=20, help="do_bench time per measurement (ms)")
     opts = parser.parse_args()
@@ -234,43 +451,37 @@ def main() -> int:
     import triton
 
     torch.manual_seed(0)
+    start = time.monotonic()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"defaults: layer_norm_modulate {LN.VARIANT}, qk_norm_rope {QK.VARIANT}")
     failures: list[str] = []
 
     for dtype in DTYPES:
-        if not opts.op or "gelu_tanh" in opts.op:
-            problem = check_gelu_exhaustive(dtype)
-            print(
-                f"gelu_tanh all 65536 {str(dtype)[6:]} inputs: {'bit-exact' if problem is None else problem}"
-            )
-            if problem is not None:
-                failures.append(f"gelu_tanh exhaustive {dtype}: {problem}")
-
-    header = f"{'op':<29} {'shape':<26} {'dtype':<8} {'exact':<5}"
-    if not opts.no_bench:
-        header += f" {'fused us':>9} {'eager us':>9} {'speedup':>7} {'GB/s':>7} {'% copy':>6}"
-    print(header)
-    for dtype in DTYPES:
-        for case in cases(dtype):
-            if opts.op and case.op not in opts.op:
+        values = all_half_values(dtype, "cuda")
+        checks = {
+            "gelu_tanh": lambda v=values: check_exhaustive(
+                "gelu_tanh", gelu_tanh_triton(v), gelu_tanh_reference(v), v
+            ),
+            "swiglu": lambda v=values: check_exhaustive(
+                "silu", swiglu_triton(torch.cat([v, torch.ones_like(v)])), torch.nn.functional.silu(v), v
+            ),
+        }
+        for op, run in checks.items():
+            if opts.op and op not in opts.op:
                 continue
-            problem = check(case)
-            line = (
-                f"{case.op:<29} {case.label:<26} {str(dtype)[6:]:<8} {'yes' if problem is None else 'NO':<5}"
-            )
+            problem = run()
+            print(f"{op} all 65536 {str(dtype)[6:]} inputs: {'bit-exact' if problem is None else problem}")
             if problem is not None:
-                failures.append(f"{case.op} {case.label} {dtype}: {problem}")
-            elif not opts.no_bench:
-                args = case.make()
-                fused_ms = bench_ms(lambda: case.fused(*args), opts.rep_ms)  # noqa: B023
-                ref_ms = bench_ms(lambda: case.reference(*args), opts.rep_ms)  # noqa: B023
-                gbs = case.nbytes / fused_ms / 1e6
-                line += (
-                    f" {fused_ms * 1e3:9.1f} {ref_ms * 1e3:9.1f} {ref_ms / fused_ms:6.2f}x"
-                    f" {gbs:7.0f} {100 * gbs / COPY_CEILING_GBS:5.0f}%"
-                )
-            print(line, flush=True)
+                failures.append(f"{op} exhaustive {dtype}: {problem}")
 
+    bench_dtypes = DTYPES if opts.bench_fp16 else (torch.bfloat16,)
+    for dtype in DTYPES:
+        failures += run_cases(cases(dtype), opts, bench_dtypes)
+    if opts.tune:
+        print("\ntile sweep (v2), bf16:")
+        failures += run_cases(tune_cases(), opts, (torch.bfloat16,))
+
+    print(f"\n{time.monotonic() - start:.0f} s")
     if failures:
         print(f"\n{len(failures)} FAILURES:")
         for f in failures:
