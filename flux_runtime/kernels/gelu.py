@@ -163,7 +163,7 @@ def gelu_tanh_triton(
     grid = (triton.cdiv(length, block_l), triton.cdiv(n, block_n), b)
     _gelu_tanh_rows_kernel[grid](
         x3, out3, length, n, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1),
-        K_BETA=K_BETA, K_KAPPA=K_KAPPA, BLOCK_L=block_l, BLOCK_N=block_n, GPU=ON_GPU, num_warps=4,
+        K_BETA=K_BETA, K_KAPPA=K_KAPPA, BLOCK_L=block_l, BLOCK_N=block_n, GPU=ON_GPU, num_warps=8,
         enable_fp_fusion=False,
     )  # fmt: skip
     return result

@@ -106,7 +106,7 @@ def swiglu_triton(x: Tensor, out: Tensor | None = None, *, block_l: int = 4, blo
     grid = (triton.cdiv(length, block_l), triton.cdiv(m, block_m), b)
     _swiglu_kernel[grid](
         x3, out3, length, m, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1),
-        BLOCK_L=block_l, BLOCK_M=block_m, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        BLOCK_L=block_l, BLOCK_M=block_m, GPU=ON_GPU, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
