@@ -18,7 +18,7 @@ from flux_runtime.kernels.dispatch import (
 from flux_runtime.kernels.gated_residual import gated_residual
 from flux_runtime.kernels.gelu import gelu_tanh
 from flux_runtime.kernels.layer_norm_modulate import layer_norm_modulate, residual_layer_norm_modulate
-from flux_runtime.kernels.linear import linear_gelu, split_linear
+from flux_runtime.kernels.linear import split_linear
 from flux_runtime.kernels.modulate import modulate
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
 from flux_runtime.kernels.swiglu import swiglu
@@ -30,7 +30,6 @@ __all__ = [
     "gated_residual",
     "gelu_tanh",
     "layer_norm_modulate",
-    "linear_gelu",
     "modulate",
     "qk_norm_rope",
     "reset_fused_ops_report",

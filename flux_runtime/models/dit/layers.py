@@ -37,18 +37,18 @@ class Linear(nn.Module):
 
         One GEMM per block (diffusers' separate modules), or one merged GEMM where the fused tier has
         verified it bit-identical. `gelu_last` applies tanh-GELU to the last block (FLUX.1's single-block
-        MLP input), through `forward_gelu`'s path, writing it into `gelu_out` when given.
+        MLP input), writing it into `gelu_out` when given.
         """
         w, b = self.weight, self.bias
         if not gelu_last:
             return kernels.split_linear(x, w, b, tuple(sizes))
         n = sum(sizes[:-1])
         head = kernels.split_linear(x, w[:n], None if b is None else b[:n], tuple(sizes[:-1]))
-        return (*head, kernels.linear_gelu(x, w[n:], None if b is None else b[n:], gelu_out))
+        return (*head, kernels.gelu_tanh(F.linear(x, w[n:], None if b is None else b[n:]), out=gelu_out))
 
     def forward_gelu(self, x: Tensor) -> Tensor:
-        """tanh-GELU of the projection (the GEMM epilogue does it in the `high` tier)."""
-        return kernels.linear_gelu(x, self.weight, self.bias)
+        """tanh-GELU of the projection (FLUX.1's MLP input)."""
+        return kernels.gelu_tanh(F.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
