@@ -144,6 +144,7 @@ def _step_at(ours, tier, img, img_ids, txt, txt_ids, t, g, pe):
         return ours(img, img_ids, txt, txt_ids, t, g, pe=pe)
 
 
+@torch.no_grad()
 def bench_model(name: str, iters: int) -> bool:
     cfg, diffusers_kw = MODELS[name]
     res: dict[str, object] = {}

@@ -37,8 +37,8 @@ BF = torch.bfloat16
 @torch.no_grad()
 def fill_random(model: nn.Module, seed: int) -> nn.Module:
     """Materialise a meta model on the GPU in bf16 with N(0, 1/fan_in) matrices and unit norms."""
+    model.to(BF)  # on meta: allocate bf16 directly, not fp32 first
     model.to_empty(device=DEV)
-    model.to(BF)
     gen = torch.Generator(device=DEV).manual_seed(seed)
     for name, p in model.named_parameters():
         if p.ndim >= 2:
