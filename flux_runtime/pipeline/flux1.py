@@ -22,7 +22,7 @@ from PIL import Image
 from torch import Tensor
 
 import flux_runtime
-from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
+from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.pipeline.checks import (
@@ -33,7 +33,7 @@ from flux_runtime.pipeline.checks import (
     check_steps,
 )
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.sources import MODEL_IDS, Sources, find_sources, schedule_config
 from flux_runtime.pipeline.tiers import Tier, fused_tier, resolve_tier, tier_context
 from flux_runtime.sampling import (
@@ -347,7 +347,7 @@ class Pipeline:
 
         info = self._provenance(prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs)
         # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
-        info["kernels"] = fused_ops_report().tier_used
+        info["kernels"] = kernels_used(graphed if use_graphs else None)
         if output_type == "latent":
             return PipelineOutput(latents, latents, info)
 

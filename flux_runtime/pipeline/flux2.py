@@ -37,7 +37,7 @@ from PIL import Image
 from torch import Tensor
 
 import flux_runtime
-from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
+from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.pipeline.checks import (
@@ -49,7 +49,7 @@ from flux_runtime.pipeline.checks import (
 )
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress, _weights_id
-from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
 from flux_runtime.pipeline.tiers import Tier, fused_tier, resolve_tier, tier_context
 from flux_runtime.sampling import (
@@ -521,7 +521,7 @@ class Flux2Pipe:
             reference_tokens=ref_tokens,
             callback=lambda i, t, x: report("denoise", i + 1, steps),
         )
-        kernels = fused_ops_report().tier_used
+        kernels = kernels_used(self._graphed.get((pe_key, tier, "cond")) if use_graphs else None)
 
         if output_type == "latent" and self.is_dev:
             return latents, latents, use_graphs, kernels  # Flux2Pipeline: the packed latents

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from flux_runtime.kernels import fused_ops_report
+
 log = logging.getLogger(__name__)
 
 
@@ -25,6 +27,8 @@ class GraphedDenoiser:
         self.seen: set[tuple] = set()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor | None], Tensor]] = {}
         self.pool = None
+        # replays run no Python, so the dispatch record stays empty: keep what the eager/captured call used
+        self.tier_used: str | None = None
 
     @staticmethod
     def signature(xs: tuple[Tensor | None, ...]) -> tuple:
@@ -36,8 +40,11 @@ class GraphedDenoiser:
         if entry is None:
             if key not in self.seen:
                 self.seen.add(key)
-                return self.fn(*xs)
+                out = self.fn(*xs)
+                self.tier_used = fused_ops_report().tier_used
+                return out
             entry = self.graphs[key] = self._capture(xs)
+            self.tier_used = fused_ops_report().tier_used
         graph, static_in, static_out = entry
         for buf, x in zip(static_in, xs, strict=True):
             if buf is not None:
@@ -55,3 +62,15 @@ class GraphedDenoiser:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = self.fn(*static_in)
         return graph, static_in, static_out
+
+
+def kernels_used(graphed: GraphedDenoiser | None) -> str:
+    """Which kernels the last generation ran ("off", "lossless", "<tier>, partly reference").
+
+    Read from the dispatch record; when every step was a graph replay the record is empty, and the
+    graph's own record (taken when it ran eagerly or was captured) says it instead.
+    """
+    report = fused_ops_report()
+    if report.fused_calls or report.fallbacks or graphed is None:
+        return report.tier_used
+    return graphed.tier_used or report.tier_used
