@@ -73,4 +73,4 @@ def kernels_used(graphed: GraphedDenoiser | None) -> str:
     report = fused_ops_report()
     if report.fused_calls or report.fallbacks or graphed is None:
         return report.tier_used
-    return graphed.tier_used or report.tier_used
+    return getattr(graphed, "tier_used", None) or report.tier_used
