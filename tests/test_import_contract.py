@@ -1,0 +1,56 @@
+"""Imports point one way: cli → pipeline → {weights, sampling, text} → models → kernels (STYLE.md).
+
+Read from the source with `ast`, so a violation fails here whatever happens to be imported at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "flux_runtime"
+
+# subpackage -> subpackages it must never import
+FORBIDDEN = {
+    "kernels": {"models", "weights", "sampling", "text", "pipeline", "cli"},
+    "models": {"weights", "sampling", "text", "pipeline", "cli"},
+    "sampling": {"models", "weights", "text", "pipeline", "cli"},
+    "weights": {"sampling", "text", "pipeline", "cli"},
+    "text": {"sampling", "pipeline", "cli"},
+    "pipeline": {"cli"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """The flux_runtime subpackages a module imports (absolute imports; the package uses no relative ones)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: relative import"
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "flux_runtime" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("subpackage", sorted(FORBIDDEN))
+def test_imports_point_one_way(subpackage):
+    bad = []
+    for path in sorted((PACKAGE / subpackage).rglob("*.py")):
+        hit = _imports(path) & FORBIDDEN[subpackage]
+        if hit:
+            bad.append(f"{path.relative_to(PACKAGE)} imports {sorted(hit)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_contract_sees_imports():
+    # guard against a parser that finds nothing: the pipeline does import models and kernels
+    found = set().union(*(_imports(p) for p in (PACKAGE / "pipeline").rglob("*.py")))
+    assert {"models", "kernels", "sampling", "weights", "text"} <= found
