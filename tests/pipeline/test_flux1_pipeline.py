@@ -161,7 +161,7 @@ def test_cuda_graph_replay_gives_the_eager_latents(quality):
     b = graphed(["a red fox", "a cat"], **kw)
     c = graphed(["a red fox", "a cat"], **kw)  # second call: pure replays
     assert b.info["cuda_graphs"] and torch.equal(a.latents, b.latents) and torch.equal(b.latents, c.latents)
-    assert a.info["kernels"].startswith("lossless")  # no approximate kernel is faster yet: high mounts these
+    assert a.info["kernels"].startswith(quality)  # the dispatch tier that ran (high mounts the lossless kernels)
     assert c.info["kernels"] == b.info["kernels"]  # pure replays still say which kernels the graph holds
 
 
