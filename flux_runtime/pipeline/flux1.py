@@ -118,6 +118,7 @@ class Pipeline:
         text_encoder_2: str | Path | None = None,
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
+        is_distilled: bool | None = None,
     ) -> Pipeline | Flux2Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) when the transformer's keys are FLUX.2's.
 
@@ -128,6 +129,8 @@ class Pipeline:
         openai/clip-vit-large-patch14 and google/t5-v1_1-xxl; FLUX.2: its one LLM from `text_encoder`, default
         the one BFL pairs with the transformer, see `Flux2Pipe.from_sources`).
         `quality`: `lossless` (bit-identical to diffusers) or `high` (approximate fused kernels).
+        `is_distilled` (FLUX.2 [klein] only): whether the model is step-distilled (no CFG); default: the
+        folder's model_index.json, else False. BFL klein files carry no such flag: say so here.
         """
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
@@ -143,7 +146,10 @@ class Pipeline:
             return Flux2Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+                is_distilled=is_distilled,
             )  # fmt: skip
+        if is_distilled is not None:
+            raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")
         transformer = load_transformer(src.transformer, device=device, dtype=dtype)
         if transformer.config.family != "flux1":
             raise FluxError(f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1")

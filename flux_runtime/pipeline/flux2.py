@@ -168,6 +168,7 @@ class Flux2Pipe:
         text_encoder_2: str | Path | None = None,
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
+        is_distilled: bool | None = None,
     ) -> Flux2Pipe:
         """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`).
 
@@ -185,7 +186,7 @@ class Flux2Pipe:
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
         text_device = torch.device("cpu") if offload_text_encoders else device
         text = _open_text(src, text_encoder, transformer, text_device, dtype)
-        distilled = (src.model_index or {}).get("is_distilled", False)
+        distilled = (src.model_index or {}).get("is_distilled", False) if is_distilled is None else is_distilled
         if not isinstance(distilled, bool):
             raise WeightsError(f"model_index.json: is_distilled must be true or false, got {distilled!r}")
         return cls(

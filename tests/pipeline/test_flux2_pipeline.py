@@ -421,3 +421,21 @@ def test_cuda_graph_replay_gives_the_eager_latents(quality: str) -> None:
     c = graphed(["a red fox", "a cat"], **kw)  # second call: pure replays
     assert b.info["cuda_graphs"] and torch.equal(a.latents, b.latents) and torch.equal(b.latents, c.latents)
     assert a.info["kernels"].startswith(quality)
+
+
+def test_is_distilled_override_for_files_without_model_index(folders) -> None:
+    # a BFL klein file carries no is_distilled flag: the caller states it, and it changes CFG as the folder flag does
+    told = Pipeline.from_pretrained(folders["klein"], device="cpu", dtype=torch.float32, is_distilled=True)
+    distilled = Pipeline.from_pretrained(folders["klein-distilled"], device="cpu", dtype=torch.float32)
+    assert told.is_distilled and not told.uses_cfg(4.0)
+    kw = dict(seed=2, num_steps=2, output_type="latent", **KW)
+    with pytest.warns(UserWarning, match="step-distilled"):
+        a = told("a cat", guidance=4.0, **kw)
+    base = Pipeline.from_pretrained(folders["klein"], device="cpu", dtype=torch.float32)
+    b = base("a cat", guidance=4.0, **kw)  # the base model runs CFG: another result
+    assert not torch.equal(a.latents, b.latents) and distilled.is_distilled
+
+
+def test_is_distilled_is_refused_for_flux1() -> None:
+    with pytest.raises(FluxError, match=r"is_distilled is a FLUX\.2"):
+        Pipeline.from_pretrained("tiny", device="cpu", is_distilled=True)
