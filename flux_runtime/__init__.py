@@ -15,7 +15,15 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = ["FluxError", "Pipeline", "PipelineOutput", "WeightsError", "__version__", "load_transformer", "load_vae"]
+__all__ = [
+    "FluxError",
+    "Pipeline",
+    "PipelineOutput",
+    "WeightsError",
+    "__version__",
+    "load_transformer",
+    "load_vae",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -67,8 +67,12 @@ def library_floor(cfg=FLUX1_DEV, n_img: int = 4096, n_txt: int = 512) -> tuple[f
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
         b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
         gemm_ms += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
-    q, k, v = (torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-    attn_ms = (cfg.depth + cfg.depth_single_blocks) * cuda_time(lambda: F.scaled_dot_product_attention(q, k, v), iters=20)
+    q, k, v = (
+        torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
+    )
+    attn_ms = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
+        lambda: F.scaled_dot_product_attention(q, k, v), iters=20
+    )
     return gemm_ms, attn_ms
 
 
@@ -124,8 +128,16 @@ def bench_dit(ref, ours, iters: int, profile: bool) -> None:
     img, img_ids, txt, txt_ids, t, y, g = step_inputs()
 
     def run_ref():
-        return ref(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=t,
-                   img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False)[0]
+        return ref(
+            hidden_states=img,
+            encoder_hidden_states=txt,
+            pooled_projections=y,
+            timestep=t,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=g,
+            return_dict=False,
+        )[0]
 
     pe = ours.rope(txt_ids, img_ids)
 
@@ -136,6 +148,7 @@ def bench_dit(ref, ours, iters: int, profile: bool) -> None:
         def run(x=img, tt=t, gg=g):
             with use_fused(tier):
                 return step(x, tt, gg)
+
         return run
 
     expected = run_ref()

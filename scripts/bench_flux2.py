@@ -205,7 +205,9 @@ def bench_model(name: str, iters: int) -> bool:
             "ours eager, lossless fused kernels": tiered("lossless"),
         }
         for tier in ("lossless", "high"):
-            graphed = GraphedDenoiser(lambda x, tt, gg, tier=tier: _step_at(ours, tier, x, img_ids, txt, txt_ids, tt, gg, pe))
+            graphed = GraphedDenoiser(
+                lambda x, tt, gg, tier=tier: _step_at(ours, tier, x, img_ids, txt, txt_ids, tt, gg, pe)
+            )
             variants[f"ours {tier} + CUDA graph"] = lambda graphed=graphed: graphed(img, t, g)
         reset_fused_ops_report()
 

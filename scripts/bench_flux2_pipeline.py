@@ -58,18 +58,39 @@ def mistral_small_31(tokenizer):
 
     cfg = Mistral3Config(
         text_config={
-            "model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
-            "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 1e9, "max_position_embeddings": 131072,
-            "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+            "model_type": "mistral",
+            "vocab_size": 131072,
+            "hidden_size": 5120,
+            "intermediate_size": 32768,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e9,
+            "max_position_embeddings": 131072,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
         },
         vision_config={
-            "model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-            "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14,
+            "model_type": "pixtral",
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "head_dim": 64,
+            "image_size": 1540,
+            "patch_size": 14,
         },
         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
-        spatial_merge_size=2, projector_hidden_act="gelu", multimodal_projector_bias=False, vision_feature_layer=-1,
+        spatial_merge_size=2,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=False,
+        vision_feature_layer=-1,
     )
     with torch.device("meta"):
         model = Mistral3ForConditionalGeneration(cfg)
@@ -89,26 +110,39 @@ def main() -> int:
     tokenizer, template = load_mistral_tokenizer(TINY_TOKENIZERS / "mistral")
     text = Flux2TextEncoder(mistral_small_31(tokenizer), tokenizer, template)
     weights_gib = torch.cuda.memory_allocated() / 2**30
-    print(f"built FLUX.2-dev + Mistral Small 3.1 (random, bf16): {weights_gib:.1f} GiB in {time.perf_counter() - t0:.0f} s",
-          flush=True)
+    print(
+        f"built FLUX.2-dev + Mistral Small 3.1 (random, bf16): {weights_gib:.1f} GiB in {time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
     results = {"weights_gib": weights_gib}
     for offload in (False, True):
-        pipe = Flux2Pipe(dit, vae, text, schedule=FLUX2_SCHEDULE, model_name="flux2-dev (random)",
-                         offload_text_encoders=offload)
+        pipe = Flux2Pipe(
+            dit,
+            vae,
+            text,
+            schedule=FLUX2_SCHEDULE,
+            model_name="flux2-dev (random)",
+            offload_text_encoders=offload,
+        )
         pipe("warm-up", height=1024, width=1024, num_steps=2, seed=0, output_type="latent")
         if offload:
             text.to(DEV)  # start from the resident state; the pipeline moves it off after encoding
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t1 = time.perf_counter()
-        out = pipe("a red fox in the snow", height=1024, width=1024, num_steps=args.steps, guidance=4.0, seed=0)
+        out = pipe(
+            "a red fox in the snow", height=1024, width=1024, num_steps=args.steps, guidance=4.0, seed=0
+        )
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t1) * 1000
         peak = torch.cuda.max_memory_allocated() / 2**30
         key = "text encoder offloaded after encoding" if offload else "text encoder resident"
         results[key] = {"end_to_end_ms": ms, "peak_gib": peak, "kernels": out.info.get("kernels")}
-        print(f"FLUX.2-dev 1024², {args.steps} steps, {key}: {ms / 1000:.1f} s end to end, peak {peak:.1f} GiB "
-              f"(kernels: {out.info.get('kernels')})", flush=True)
+        print(
+            f"FLUX.2-dev 1024², {args.steps} steps, {key}: {ms / 1000:.1f} s end to end, peak {peak:.1f} GiB "
+            f"(kernels: {out.info.get('kernels')})",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

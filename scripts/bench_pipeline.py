@@ -28,18 +28,36 @@ def _text_encoders():
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     clip_cfg = CLIPTextConfig(
-        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-        max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768,
+        vocab_size=49408,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=77,
+        hidden_act="quick_gelu",
+        projection_dim=768,
     )
     t5_cfg = T5Config(
-        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-        feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+        vocab_size=32128,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=24,
+        num_heads=64,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
     )
     torch.manual_seed(2)
     with torch.device(DEV):
         clip = CLIPTextModel(clip_cfg).to(BF).eval()
         t5 = T5EncoderModel(t5_cfg).to(BF).eval()
-    return clip, load_clip_tokenizer(tiny_tokenizer_path("clip")), t5, load_t5_tokenizer(tiny_tokenizer_path("t5"))
+    return (
+        clip,
+        load_clip_tokenizer(tiny_tokenizer_path("clip")),
+        t5,
+        load_t5_tokenizer(tiny_tokenizer_path("t5")),
+    )
 
 
 def _vaes():
@@ -47,17 +65,32 @@ def _vaes():
 
     torch.manual_seed(3)
     with torch.device(DEV):
-        ref = AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-            latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False,
-        ).to(BF).eval()
+        ref = (
+            AutoencoderKL(
+                in_channels=3,
+                out_channels=3,
+                down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(128, 256, 512, 512),
+                layers_per_block=2,
+                latent_channels=16,
+                norm_num_groups=32,
+                sample_size=1024,
+                scaling_factor=0.3611,
+                shift_factor=0.1159,
+                use_quant_conv=False,
+                use_post_quant_conv=False,
+            )
+            .to(BF)
+            .eval()
+        )
     sd = ref.state_dict()
     rules = list(vae_layout.rules(FLUX1_VAE.ch_mult, FLUX1_VAE.num_res_blocks))
     with torch.device("meta"):
         ours = Flux1VAE(FLUX1_VAE)
-    ours.load_state_dict({r.bfl: vae_layout.diffusers_to_bfl(r, sd[r.diffusers]) for r in rules}, strict=True, assign=True)
+    ours.load_state_dict(
+        {r.bfl: vae_layout.diffusers_to_bfl(r, sd[r.diffusers]) for r in rules}, strict=True, assign=True
+    )
     return ref, ours.eval()
 
 
@@ -80,24 +113,46 @@ def bench_pipeline(ref_dit, ours_dit, steps: int, results: dict) -> None:
     clip, clip_tok, t5, t5_tok = _text_encoders()
     ref_vae, ours_vae = _vaes()
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    ref = FluxPipeline(scheduler=scheduler, vae=ref_vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
-                       tokenizer_2=t5_tok, transformer=ref_dit)
+    ref = FluxPipeline(
+        scheduler=scheduler,
+        vae=ref_vae,
+        text_encoder=clip,
+        tokenizer=clip_tok,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tok,
+        transformer=ref_dit,
+    )
     ref.set_progress_bar_config(disable=True)
     text = Flux1TextEncoder(clip, clip_tok, t5, t5_tok)
     variants = {
-        "ours lossless + CUDA graphs": Pipeline(ours_dit, ours_vae, text, schedule=FLUX1_DEV_SCHEDULE, quality="lossless"),
-        "ours lossless eager": Pipeline(ours_dit, ours_vae, text, schedule=FLUX1_DEV_SCHEDULE, quality="lossless",
-                                        cuda_graphs=False),
-        "ours high + CUDA graphs": Pipeline(ours_dit, ours_vae, text, schedule=FLUX1_DEV_SCHEDULE, quality="high"),
+        "ours lossless + CUDA graphs": Pipeline(
+            ours_dit, ours_vae, text, schedule=FLUX1_DEV_SCHEDULE, quality="lossless"
+        ),
+        "ours lossless eager": Pipeline(
+            ours_dit, ours_vae, text, schedule=FLUX1_DEV_SCHEDULE, quality="lossless", cuda_graphs=False
+        ),
+        "ours high + CUDA graphs": Pipeline(
+            ours_dit, ours_vae, text, schedule=FLUX1_DEV_SCHEDULE, quality="high"
+        ),
     }
     kw = dict(height=1024, width=1024)
 
     def run_ref(output_type, n=steps):
-        return ref(PROMPT, num_inference_steps=n, guidance_scale=3.5, generator=torch.Generator().manual_seed(0),
-                   output_type=output_type, **kw).images
+        return ref(
+            PROMPT,
+            num_inference_steps=n,
+            guidance_scale=3.5,
+            generator=torch.Generator().manual_seed(0),
+            output_type=output_type,
+            **kw,
+        ).images
 
     def run_ours(pipe, output_type, n=steps):
         out = pipe(PROMPT, num_steps=n, guidance=3.5, seed=0, output_type=output_type, **kw)
@@ -117,7 +172,9 @@ def bench_pipeline(ref_dit, ours_dit, steps: int, results: dict) -> None:
         lat, o_lat, m1 = _timed(lambda pipe=pipe: run_ours(pipe, "latent"))
         img, o_img, m2 = _timed(lambda pipe=pipe: run_ours(pipe, "pil"))
         same_lat = torch.equal(lat, ref_lat)
-        same_img = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(img, ref_img, strict=True))
+        same_img = all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(img, ref_img, strict=True)
+        )
         if "high" in name:
             diff = np.asarray(img[0]).astype(np.float64) - np.asarray(ref_img[0]).astype(np.float64)
             mse = float((diff**2).mean())
@@ -128,12 +185,16 @@ def bench_pipeline(ref_dit, ours_dit, steps: int, results: dict) -> None:
         rows[name] = (o_lat, o_img, max(m1, m2), verdict)
 
     results["pipeline_equal"] = all(equal.values())
-    results["pipeline_ms"] = {k: {"encode_denoise": v[0], "end_to_end": v[1], "working_gib": v[2], "note": v[3]}
-                              for k, v in rows.items()}
+    results["pipeline_ms"] = {
+        k: {"encode_denoise": v[0], "end_to_end": v[1], "working_gib": v[2], "note": v[3]}
+        for k, v in rows.items()
+    }
     ref_e2e = rows["diffusers FluxPipeline"][1]
     print()
-    print(f"| FLUX.1-dev, 1024², {steps} steps, bf16, B=1 | encode+denoise ms | end-to-end ms | / diffusers "
-          "| working GiB above weights | parity |")
+    print(
+        f"| FLUX.1-dev, 1024², {steps} steps, bf16, B=1 | encode+denoise ms | end-to-end ms | / diffusers "
+        "| working GiB above weights | parity |"
+    )
     print("|---|---|---|---|---|---|")
     for name, (a, b, m, v) in rows.items():
         print(f"| {name} | {a:.0f} | {b:.0f} | {b / ref_e2e:.2f} | {m:.1f} | {v} |")

@@ -16,7 +16,15 @@ from typing import Any
 
 import click
 
-MODEL_CHOICES = ("tiny", "flux1-dev", "flux1-schnell", "tiny-flux2", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b")
+MODEL_CHOICES = (
+    "tiny",
+    "flux1-dev",
+    "flux1-schnell",
+    "tiny-flux2",
+    "flux2-dev",
+    "flux2-klein-4b",
+    "flux2-klein-9b",
+)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -34,7 +42,9 @@ class _Progress:
         if stage != self.stage:
             self.close()
             self.stage = stage
-            self.bar = tqdm(total=total, desc=f"{stage:>8}", unit="step" if stage == "denoise" else "", leave=False)
+            self.bar = tqdm(
+                total=total, desc=f"{stage:>8}", unit="step" if stage == "denoise" else "", leave=False
+            )
         assert self.bar is not None
         self.bar.n = done
         self.bar.refresh()
@@ -71,40 +81,96 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
         paths = [out] if n == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(n)]
     clash = [str(p) for p in paths if p.exists()]
     if clash and not overwrite:
-        raise click.ClickException(f"{', '.join(clash)} already exists; pass --overwrite or choose another --out")
+        raise click.ClickException(
+            f"{', '.join(clash)} already exists; pass --overwrite or choose another --out"
+        )
     return paths
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--prompt", "-p", type=str, help="What to draw.")
-@click.option("--model", "-m", default="tiny", help=f"A preset ({', '.join(MODEL_CHOICES)}), a cached model id or a path.")
-@click.option("--quality", type=click.Choice(["lossless", "high"]), default="lossless", help="lossless = diffusers' bits.")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="Denoising steps [default: FLUX.1 28 dev, 4 schnell; FLUX.2 50 (distilled klein is made for 4)].")
-@click.option("--guidance", type=click.FloatRange(min=0), default=None,
-              help="FLUX.1 / FLUX.2 dev: embedded guidance; klein: CFG scale (CFG when > 1, not on distilled models) "
-                   "[default: FLUX.1 3.5, FLUX.2 4.0; schnell and distilled klein ignore it].")
+@click.option(
+    "--model",
+    "-m",
+    default="tiny",
+    help=f"A preset ({', '.join(MODEL_CHOICES)}), a cached model id or a path.",
+)
+@click.option(
+    "--quality",
+    type=click.Choice(["lossless", "high"]),
+    default="lossless",
+    help="lossless = diffusers' bits.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Denoising steps [default: FLUX.1 28 dev, 4 schnell; FLUX.2 50 (distilled klein is made for 4)].",
+)
+@click.option(
+    "--guidance",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="FLUX.1 / FLUX.2 dev: embedded guidance; klein: CFG scale (CFG when > 1, not on distilled models) "
+    "[default: FLUX.1 3.5, FLUX.2 4.0; schnell and distilled klein ignore it].",
+)
 @click.option("--seed", type=click.IntRange(min=0), default=0)
-@click.option("--width", type=click.IntRange(min=1), default=None,
-              help="Pixels [default: 1024, tiny models 128; with --image the first image's].")
-@click.option("--height", type=click.IntRange(min=1), default=None,
-              help="Pixels [default: 1024, tiny models 128; with --image the first image's].")
-@click.option("--image", "-i", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
-              help="FLUX.2: a reference image to edit or draw from (repeatable).")
+@click.option(
+    "--width",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pixels [default: 1024, tiny models 128; with --image the first image's].",
+)
+@click.option(
+    "--height",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pixels [default: 1024, tiny models 128; with --image the first image's].",
+)
+@click.option(
+    "--image",
+    "-i",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    multiple=True,
+    help="FLUX.2: a reference image to edit or draw from (repeatable).",
+)
 @click.option("--num-images", type=click.IntRange(min=1), default=1)
-@click.option("--max-sequence-length", type=click.IntRange(1, 512), default=512, help="Text tokens (T5, Mistral, Qwen3).")
+@click.option(
+    "--max-sequence-length",
+    type=click.IntRange(1, 512),
+    default=512,
+    help="Text tokens (T5, Mistral, Qwen3).",
+)
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="[default: bf16 on GPU, fp32 on CPU]")
-@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("flux.png"), help="A .png file or a folder.")
+@click.option(
+    "--dtype", type=click.Choice(list(DTYPES)), default=None, help="[default: bf16 on GPU, fp32 on CPU]"
+)
+@click.option(
+    "--out", "-o", type=click.Path(path_type=Path), default=Path("flux.png"), help="A .png file or a folder."
+)
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
-@click.option("--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU except while encoding.")
-@click.option("--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs.")
+@click.option(
+    "--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU except while encoding."
+)
+@click.option(
+    "--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs."
+)
 @click.option("--vae", type=str, default=None, help="Autoencoder file/folder for a BFL transformer file.")
-@click.option("--text-encoder", type=str, default=None,
-              help="CLIP-L (FLUX.1) or the Mistral / Qwen3 model (FLUX.2) folder or id for a BFL transformer file.")
-@click.option("--text-encoder-2", type=str, default=None, help="T5-XXL folder or id for a BFL transformer file.")
-@click.option("--replay", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Regenerate the image recorded in a flux-gen PNG.")
+@click.option(
+    "--text-encoder",
+    type=str,
+    default=None,
+    help="CLIP-L (FLUX.1) or the Mistral / Qwen3 model (FLUX.2) folder or id for a BFL transformer file.",
+)
+@click.option(
+    "--text-encoder-2", type=str, default=None, help="T5-XXL folder or id for a BFL transformer file."
+)
+@click.option(
+    "--replay",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Regenerate the image recorded in a flux-gen PNG.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def main(**opts: Any) -> None:
     """Generate images with FLUX, offline, from local weights."""
@@ -117,16 +183,27 @@ def main(**opts: Any) -> None:
         _generate(opts)
     except click.ClickException:
         raise
-    except (ValueError, OSError, RuntimeError) as e:  # our errors are ValueError subclasses; torch's are RuntimeError
+    except (
+        ValueError,
+        OSError,
+        RuntimeError,
+    ) as e:  # our errors are ValueError subclasses; torch's are RuntimeError
         raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
 def _apply_replay(opts: dict[str, Any]) -> None:
     rec = read_provenance(opts["replay"])
     opts.update(
-        prompt=rec["prompt"], model=rec["model"], quality=rec["quality"], steps=rec["num_steps"],
-        guidance=rec["guidance"], seed=rec["seed"], width=rec["width"], height=rec["height"],
-        max_sequence_length=rec["max_sequence_length"], dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
+        prompt=rec["prompt"],
+        model=rec["model"],
+        quality=rec["quality"],
+        steps=rec["num_steps"],
+        guidance=rec["guidance"],
+        seed=rec["seed"],
+        width=rec["width"],
+        height=rec["height"],
+        max_sequence_length=rec["max_sequence_length"],
+        dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
         image=_replay_images(opts["replay"], rec.get("reference_images") or []),
     )
     opts["_replay_weights"] = rec.get("weights")
@@ -140,7 +217,9 @@ def _replay_images(png: Path, recorded: list[dict[str, Any]]) -> tuple[Path, ...
     paths = []
     for k, ref in enumerate(recorded):
         if not ref.get("path"):
-            raise click.ClickException(f"cannot replay {png}: reference image {k} was passed in memory, not as a file")
+            raise click.ClickException(
+                f"cannot replay {png}: reference image {k} was passed in memory, not as a file"
+            )
         path = Path(ref["path"])
         if not path.is_file():
             raise click.ClickException(f"cannot replay {png}: its reference image {path} is gone")
@@ -178,17 +257,31 @@ def _generate(opts: dict[str, Any]) -> None:
     images_in = [_open_image(p.resolve()) for p in opts["image"]]
 
     pipe = Pipeline.from_pretrained(
-        opts["model"], device=device, dtype=getattr(torch, DTYPES[dtype_name]), quality=opts["quality"],
-        vae=opts["vae"], text_encoder=opts["text_encoder"], text_encoder_2=opts["text_encoder_2"],
-        cuda_graphs=not opts["no_cuda_graphs"], offload_text_encoders=opts["offload_text_encoders"],
+        opts["model"],
+        device=device,
+        dtype=getattr(torch, DTYPES[dtype_name]),
+        quality=opts["quality"],
+        vae=opts["vae"],
+        text_encoder=opts["text_encoder"],
+        text_encoder_2=opts["text_encoder_2"],
+        cuda_graphs=not opts["no_cuda_graphs"],
+        offload_text_encoders=opts["offload_text_encoders"],
     )
     if replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
-        click.echo(f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
-                   "the image will differ", err=True)
+        click.echo(
+            f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
+            "the image will differ",
+            err=True,
+        )
     num_per_prompt = opts["_replay_index"] + 1 if replaying else n
     common = dict(
-        height=opts["height"], width=opts["width"], num_steps=opts["steps"], guidance=opts["guidance"],
-        seed=opts["seed"], max_sequence_length=opts["max_sequence_length"], num_images_per_prompt=num_per_prompt,
+        height=opts["height"],
+        width=opts["width"],
+        num_steps=opts["steps"],
+        guidance=opts["guidance"],
+        seed=opts["seed"],
+        max_sequence_length=opts["max_sequence_length"],
+        num_images_per_prompt=num_per_prompt,
         progress=progress,
     )
     if isinstance(pipe, Flux2Pipe):

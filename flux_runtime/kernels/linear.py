@@ -19,14 +19,18 @@ from torch import Tensor
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
 
 
-def split_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+def split_linear_reference(
+    x: Tensor, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]
+) -> tuple[Tensor, ...]:
     """One `F.linear` per consecutive row block of `weight` (what diffusers' separate modules compute)."""
     weights = weight.split(sizes, dim=0)
     biases = bias.split(sizes, dim=0) if bias is not None else (None,) * len(sizes)
     return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
 
 
-def split_linear_merged(x: Tensor, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+def split_linear_merged(
+    x: Tensor, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]
+) -> tuple[Tensor, ...]:
     """One `F.linear` over all rows; the blocks are column views of its output (unit last stride)."""
     if x.device.type != "cuda":
         raise UnsupportedInput(f"split_linear: the merged GEMM is only verified on CUDA, got {x.device.type}")
@@ -38,7 +42,9 @@ def split_linear_merged(x: Tensor, weight: Tensor, bias: Tensor | None, sizes: t
 _SPLIT_LINEAR = FusedOp("split_linear", fused=split_linear_merged, reference=split_linear_reference)
 
 
-def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+def split_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]
+) -> tuple[Tensor, ...]:
     """Project `x` through consecutive row blocks of `weight`; merged into one GEMM where verified exact."""
     if fused_tier() == "off":
         return split_linear_reference(x, weight, bias, sizes)

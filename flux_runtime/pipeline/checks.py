@@ -62,7 +62,9 @@ def check_sampling(
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):  # type: ignore[operator]
         raise FluxError(f"seed {seed!r} must be an integer in [0, 2**64)")
     if generator is not None and not isinstance(generator, (torch.Generator, list)):
-        raise FluxError(f"generator must be a torch.Generator or a list of them, got {type(generator).__name__}")
+        raise FluxError(
+            f"generator must be a torch.Generator or a list of them, got {type(generator).__name__}"
+        )
     if not _is_int(max_sequence_length) or not 1 <= max_sequence_length <= max_length_limit:  # type: ignore[operator]
         raise FluxError(f"max_sequence_length {max_sequence_length!r} must be in 1..{max_length_limit}")
     if not _is_int(num_images_per_prompt) or num_images_per_prompt < 1:  # type: ignore[operator]

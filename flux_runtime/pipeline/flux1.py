@@ -135,8 +135,12 @@ class Pipeline:
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise FluxError(f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32")
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+            raise FluxError(
+                f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32"
+            )
+        device = torch.device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise FluxError("device 'cuda' asked for, but torch sees no CUDA GPU")
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
@@ -152,10 +156,14 @@ class Pipeline:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")
         transformer = load_transformer(src.transformer, device=device, dtype=dtype)
         if transformer.config.family != "flux1":
-            raise FluxError(f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1")
+            raise FluxError(
+                f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1"
+            )
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
         if vae_model.config.family != "flux1":
-            raise FluxError(f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE")
+            raise FluxError(
+                f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE"
+            )
         text_device = "cpu" if offload_text_encoders else device
         text = _open_text(src, text_device, dtype)
         return cls(
@@ -222,16 +230,39 @@ class Pipeline:
         height = self.default_size if height is None else height
         width = self.default_size if width is None else width
         steps, g = self._check_call(
-            prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
-            num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, quality,
+            prompt,
+            height,
+            width,
+            num_steps,
+            guidance,
+            seed,
+            generator,
+            max_sequence_length,
+            num_images_per_prompt,
+            output_type,
+            prompt_embeds,
+            pooled_prompt_embeds,
+            quality,
         )
         if seed is None and generator is None:
             seed = 0
         tier = resolve_tier(quality, self.device, self.dtype)
         try:
             return self._generate(
-                prompt, height, width, steps, g, seed, generator, max_sequence_length,
-                num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, tier, progress,
+                prompt,
+                height,
+                width,
+                steps,
+                g,
+                seed,
+                generator,
+                max_sequence_length,
+                num_images_per_prompt,
+                output_type,
+                prompt_embeds,
+                pooled_prompt_embeds,
+                tier,
+                progress,
             )
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -241,8 +272,20 @@ class Pipeline:
             ) from None
 
     def _check_call(
-        self, prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
-        num_images_per_prompt, output_type, prompt_embeds, pooled_prompt_embeds, quality,
+        self,
+        prompt,
+        height,
+        width,
+        num_steps,
+        guidance,
+        seed,
+        generator,
+        max_sequence_length,
+        num_images_per_prompt,
+        output_type,
+        prompt_embeds,
+        pooled_prompt_embeds,
+        quality,
     ) -> tuple[int, float | None]:
         if prompt_embeds is None:
             check_prompts(prompt)
@@ -253,7 +296,9 @@ class Pipeline:
                 raise FluxError("prompt_embeds needs pooled_prompt_embeds too")
             cfg = self.transformer.config
             if prompt_embeds.ndim != 3 or prompt_embeds.shape[-1] != cfg.context_in_dim:
-                raise FluxError(f"prompt_embeds must be (B, L, {cfg.context_in_dim}), got {tuple(prompt_embeds.shape)}")
+                raise FluxError(
+                    f"prompt_embeds must be (B, L, {cfg.context_in_dim}), got {tuple(prompt_embeds.shape)}"
+                )
             if pooled_prompt_embeds.shape != (prompt_embeds.shape[0], cfg.vec_in_dim):
                 raise FluxError(
                     f"pooled_prompt_embeds must be ({prompt_embeds.shape[0]}, {cfg.vec_in_dim}), "
@@ -263,17 +308,30 @@ class Pipeline:
         steps = check_steps(num_steps, self.default_steps)
         if self.is_distilled:
             if guidance is not None:
-                warnings.warn(f"{self.model_name} is guidance-distilled (schnell): guidance {guidance} is ignored", stacklevel=3)
+                warnings.warn(
+                    f"{self.model_name} is guidance-distilled (schnell): guidance {guidance} is ignored",
+                    stacklevel=3,
+                )
             g = None
         else:
             g = check_guidance(guidance, 3.5)
         check_sampling(
-            seed, generator, max_sequence_length, MAX_SEQUENCE_LENGTH, num_images_per_prompt, output_type, quality
+            seed,
+            generator,
+            max_sequence_length,
+            MAX_SEQUENCE_LENGTH,
+            num_images_per_prompt,
+            output_type,
+            quality,
         )
         return steps, g
 
     def encode_prompt(
-        self, prompt: str | list[str], *, max_sequence_length: int = MAX_SEQUENCE_LENGTH, num_images_per_prompt: int = 1
+        self,
+        prompt: str | list[str],
+        *,
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        num_images_per_prompt: int = 1,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`(prompt_embeds (B, L, 4096), pooled (B, 768), text_ids (L, 3))` on the pipeline's device."""
         te = self.text_encoder
@@ -281,7 +339,9 @@ class Pipeline:
             te.to(self.device)
         try:
             out = te.encode(
-                prompt, max_sequence_length=max_sequence_length, num_images_per_prompt=num_images_per_prompt,
+                prompt,
+                max_sequence_length=max_sequence_length,
+                num_images_per_prompt=num_images_per_prompt,
                 device=self.device,
             )
         finally:
@@ -290,8 +350,21 @@ class Pipeline:
         return out.prompt_embeds, out.pooled_prompt_embeds, out.text_ids
 
     def _generate(
-        self, prompt, height, width, steps, guidance, seed, generator, max_sequence_length,
-        num_images_per_prompt, output_type, prompt_embeds, pooled, tier, progress,
+        self,
+        prompt,
+        height,
+        width,
+        steps,
+        guidance,
+        seed,
+        generator,
+        max_sequence_length,
+        num_images_per_prompt,
+        output_type,
+        prompt_embeds,
+        pooled,
+        tier,
+        progress,
     ) -> PipelineOutput:
         device = self.device
         report = progress or (lambda stage, done, total: None)
@@ -313,13 +386,23 @@ class Pipeline:
         f = self.vae.config.spatial_factor
         h, w = latent_size(height, width, f)
         noise = prepare_noise(
-            batch, height, width, dtype=prompt_embeds.dtype, device=device, seed=seed, generator=generator,
+            batch,
+            height,
+            width,
+            dtype=prompt_embeds.dtype,
+            device=device,
+            seed=seed,
+            generator=generator,
             vae_scale_factor=f,
         )
         latents = pack(noise)
         img_ids = image_ids(h, w, dtype=prompt_embeds.dtype, device=device)
         sched = get_schedule(steps, latents.shape[1], config=self.schedule, device=device)
-        g = None if guidance is None else torch.full([1], guidance, device=device, dtype=torch.float32).expand(batch)
+        g = (
+            None
+            if guidance is None
+            else torch.full([1], guidance, device=device, dtype=torch.float32).expand(batch)
+        )
 
         # RoPE tables once per image size, shared by every block and step
         pe_key = (h, w, text_ids.shape[0], device)
@@ -347,11 +430,17 @@ class Pipeline:
         report("denoise", 0, steps)
         reset_fused_ops_report()
         latents = denoise(
-            model_fn, latents, sched.sigmas, sched.timesteps, guidance=g,
+            model_fn,
+            latents,
+            sched.sigmas,
+            sched.timesteps,
+            guidance=g,
             callback=lambda i, t, x: report("denoise", i + 1, steps),
         )
 
-        info = self._provenance(prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs)
+        info = self._provenance(
+            prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs
+        )
         # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
         info["kernels"] = kernels_used(graphed if use_graphs else None)
         if output_type == "latent":
@@ -359,7 +448,9 @@ class Pipeline:
 
         # decode: unpack, denormalise in the latent dtype, VAE
         report("decode", 0, 1)
-        z = denormalize_latents(unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor)
+        z = denormalize_latents(
+            unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor
+        )
         decoded = self.vae.decode(z)
         report("decode", 1, 1)
         if output_type == "pil":
@@ -372,7 +463,9 @@ class Pipeline:
             images = (decoded * 0.5 + 0.5).clamp(0, 1)
         return PipelineOutput(images, latents, info)
 
-    def _provenance(self, prompt, seed, height, width, steps, guidance, max_len, tier, graphs) -> dict[str, Any]:
+    def _provenance(
+        self, prompt, seed, height, width, steps, guidance, max_len, tier, graphs
+    ) -> dict[str, Any]:
         return {
             "prompt": prompt,
             "seed": seed,
@@ -386,7 +479,9 @@ class Pipeline:
             "quality": tier,
             "cuda_graphs": graphs,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or "cpu",
+            "device": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else platform.processor() or "cpu",
             "flux_runtime": flux_runtime.__version__,
             "torch": torch.__version__,
         }

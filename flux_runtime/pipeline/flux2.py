@@ -186,7 +186,9 @@ class Flux2Pipe:
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
         text_device = torch.device("cpu") if offload_text_encoders else device
         text = _open_text(src, text_encoder, transformer, text_device, dtype)
-        distilled = (src.model_index or {}).get("is_distilled", False) if is_distilled is None else is_distilled
+        distilled = (
+            (src.model_index or {}).get("is_distilled", False) if is_distilled is None else is_distilled
+        )
         if not isinstance(distilled, bool):
             raise WeightsError(f"model_index.json: is_distilled must be true or false, got {distilled!r}")
         return cls(
@@ -365,7 +367,13 @@ class Flux2Pipe:
         else:
             g_used = g
         check_sampling(
-            seed, generator, max_sequence_length, MAX_SEQUENCE_LENGTH, num_images_per_prompt, output_type, quality
+            seed,
+            generator,
+            max_sequence_length,
+            MAX_SEQUENCE_LENGTH,
+            num_images_per_prompt,
+            output_type,
+            quality,
         )
         n = num_images_per_prompt
         if isinstance(generator, list) and (

@@ -53,7 +53,10 @@ class GraphedDenoiser:
         return static_out
 
     def _capture(self, xs: tuple[Tensor | None, ...]):
-        log.info("capturing a CUDA graph of the denoiser for %s", [None if x is None else tuple(x.shape) for x in xs])
+        log.info(
+            "capturing a CUDA graph of the denoiser for %s",
+            [None if x is None else tuple(x.shape) for x in xs],
+        )
         static_in = [None if x is None else x.clone() for x in xs]
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -94,13 +94,21 @@ def schedule_config(scheduler: dict | None, guidance_embed: bool) -> ScheduleCon
         return FLUX1_DEV_SCHEDULE if guidance_embed else FLUX1_SCHNELL_SCHEDULE
     unsupported = [
         k
-        for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling")
+        for k in (
+            "use_karras_sigmas",
+            "use_exponential_sigmas",
+            "use_beta_sigmas",
+            "invert_sigmas",
+            "stochastic_sampling",
+        )
         if scheduler.get(k)
     ]
     if scheduler.get("shift_terminal") or scheduler.get("time_shift_type", "exponential") != "exponential":
         unsupported.append("shift_terminal/time_shift_type")
     if unsupported:
-        raise WeightsError(f"scheduler_config.json asks for {', '.join(unsupported)}, which FLUX sampling does not use")
+        raise WeightsError(
+            f"scheduler_config.json asks for {', '.join(unsupported)}, which FLUX sampling does not use"
+        )
     return ScheduleConfig(
         num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)),
         shift=float(scheduler.get("shift", 1.0)),
@@ -122,6 +130,8 @@ def flux2_schedule_config(scheduler: dict | None) -> ScheduleConfig:
     if scheduler is None:
         return FLUX2_SCHEDULE
     if scheduler.get("use_flow_sigmas"):
-        raise WeightsError("scheduler_config.json asks for use_flow_sigmas, which FLUX.2 sampling does not use")
+        raise WeightsError(
+            "scheduler_config.json asks for use_flow_sigmas, which FLUX.2 sampling does not use"
+        )
     cfg = schedule_config(scheduler, guidance_embed=True)
     return replace(cfg, mu_rule="empirical") if cfg.mu_rule is not None else cfg

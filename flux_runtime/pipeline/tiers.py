@@ -29,7 +29,9 @@ def _say_once(key: tuple[str, str], message: str) -> None:
 def resolve_tier(requested: Tier, device: torch.device, dtype: torch.dtype) -> Tier:
     """The tier a request gets on this device and dtype (warning once when it differs)."""
     if requested == "high" and device.type != "cuda":
-        _say_once(("high", device.type), f"quality 'high' needs a CUDA GPU; running 'lossless' on {device.type}")
+        _say_once(
+            ("high", device.type), f"quality 'high' needs a CUDA GPU; running 'lossless' on {device.type}"
+        )
         return "lossless"
     if requested == "high" and dtype == torch.float32:
         _say_once(("high", "fp32"), "quality 'high' has no fp32 kernels; running 'lossless'")

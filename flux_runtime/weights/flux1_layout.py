@@ -25,9 +25,7 @@ class Rule:
 
 
 def _linear(bfl: str, *diffusers: str, swap_halves: bool = False) -> list[Rule]:
-    return [
-        Rule(f"{bfl}.{p}", tuple(f"{d}.{p}" for d in diffusers), swap_halves) for p in ("weight", "bias")
-    ]
+    return [Rule(f"{bfl}.{p}", tuple(f"{d}.{p}" for d in diffusers), swap_halves) for p in ("weight", "bias")]
 
 
 GLOBAL_RULES: list[Rule] = [
@@ -50,7 +48,10 @@ DOUBLE_RULES: list[Rule] = [
     *_linear("double_blocks.{i}.txt_mod.lin", f"{_D}.norm1_context.linear"),
     *_linear("double_blocks.{i}.img_attn.qkv", f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v"),
     *_linear(
-        "double_blocks.{i}.txt_attn.qkv", f"{_D}.attn.add_q_proj", f"{_D}.attn.add_k_proj", f"{_D}.attn.add_v_proj"
+        "double_blocks.{i}.txt_attn.qkv",
+        f"{_D}.attn.add_q_proj",
+        f"{_D}.attn.add_k_proj",
+        f"{_D}.attn.add_v_proj",
     ),
     Rule("double_blocks.{i}.img_attn.norm.query_norm.scale", (f"{_D}.attn.norm_q.weight",)),
     Rule("double_blocks.{i}.img_attn.norm.key_norm.scale", (f"{_D}.attn.norm_k.weight",)),

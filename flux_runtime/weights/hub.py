@@ -18,7 +18,9 @@ def resolve(path_or_id: str | Path) -> Path:
         return path
     name = str(path_or_id)
     if not _REPO_ID.match(name):
-        raise WeightsError(f"{name!r} is neither an existing file or folder nor a Hugging Face model id (org/name)")
+        raise WeightsError(
+            f"{name!r} is neither an existing file or folder nor a Hugging Face model id (org/name)"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 

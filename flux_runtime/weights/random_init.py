@@ -9,7 +9,9 @@ from torch import nn
 
 
 @torch.no_grad()
-def init_random(model: nn.Module, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def init_random(
+    model: nn.Module, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Give every parameter of `model` (possibly on meta) seeded values, the same on every machine.
 
     Matrices get `U(-1/sqrt(fan_in), 1/sqrt(fan_in))` like `nn.Linear`; vectors (biases, norm

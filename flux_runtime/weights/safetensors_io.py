@@ -30,7 +30,9 @@ def read_header(path: Path) -> dict[str, dict]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > _MAX_HEADER or 8 + n > size:
-            raise WeightsError(f"{path}: not a safetensors file (header length {n} does not fit in {size} bytes)")
+            raise WeightsError(
+                f"{path}: not a safetensors file (header length {n} does not fit in {size} bytes)"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -41,7 +43,9 @@ def read_header(path: Path) -> dict[str, dict]:
     header.pop("__metadata__", None)
     end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if 8 + n + end > size:
-        raise WeightsError(f"{path}: the file is truncated ({size} bytes, its header describes {8 + n + end})")
+        raise WeightsError(
+            f"{path}: the file is truncated ({size} bytes, its header describes {8 + n + end})"
+        )
     return header
 
 
@@ -71,7 +75,9 @@ class TensorSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
 
-    def get(self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(
+        self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Read one tensor and move it to `device`/`dtype` (host memory holds one tensor at a time)."""
         path = self._where[key]
         handle = self._handles.get(path)
@@ -80,6 +86,8 @@ class TensorSource:
         t = handle.get_tensor(key)
         return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
-    def items(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def items(
+        self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self._where:
             yield key, self.get(key, device, dtype)

@@ -46,7 +46,9 @@ def find_transformer_files(path: Path) -> list[Path]:
         keys = read_header(f)
         if any(_strip(k) in (*_BFL_ANY, _BFL_MARK) for k in keys):
             return [f]
-    raise WeightsError(f"{path}: no FLUX transformer found (no transformer/ folder, no diffusion_pytorch_model*.safetensors, no BFL single file)")
+    raise WeightsError(
+        f"{path}: no FLUX transformer found (no transformer/ folder, no diffusion_pytorch_model*.safetensors, no BFL single file)"
+    )
 
 
 def _strip(key: str) -> str:
@@ -61,14 +63,24 @@ def detect_layout(keys: list[str]) -> str:
     if any(k in keys for k in _DIFFUSERS_ANY):
         return "diffusers"
     sample = ", ".join(sorted(keys)[:5]) or "no keys at all"
-    raise WeightsError(f"unknown checkpoint layout: not a FLUX.1 transformer in BFL or diffusers form (keys: {sample}, ...)")
+    raise WeightsError(
+        f"unknown checkpoint layout: not a FLUX.1 transformer in BFL or diffusers form (keys: {sample}, ...)"
+    )
 
 
 def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | None) -> DiTConfig:
     """Read depth, width, heads, channels and guidance from the checkpoint itself."""
     if layout == "diffusers":
-        img_in, txt_in, vec_in = "x_embedder.weight", "context_embedder.weight", "time_text_embed.text_embedder.linear_1.weight"
-        qnorm, mlp_in, final = "transformer_blocks.0.attn.norm_q.weight", "transformer_blocks.0.ff.net.0.proj.weight", "proj_out.weight"
+        img_in, txt_in, vec_in = (
+            "x_embedder.weight",
+            "context_embedder.weight",
+            "time_text_embed.text_embedder.linear_1.weight",
+        )
+        qnorm, mlp_in, final = (
+            "transformer_blocks.0.attn.norm_q.weight",
+            "transformer_blocks.0.ff.net.0.proj.weight",
+            "proj_out.weight",
+        )
         depth = flux1_layout.count_blocks(keys, "transformer_blocks")
         depth_single = flux1_layout.count_blocks(keys, "single_transformer_blocks")
         guidance = any(k.startswith("time_text_embed.guidance_embedder.") for k in keys)
@@ -77,7 +89,11 @@ def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | N
             mlp_in = "single_transformer_blocks.0.proj_mlp.weight"
     else:
         img_in, txt_in, vec_in = "img_in.weight", "txt_in.weight", "vector_in.in_layer.weight"
-        qnorm, mlp_in, final = "double_blocks.0.img_attn.norm.query_norm.scale", "double_blocks.0.img_mlp.0.weight", "final_layer.linear.weight"
+        qnorm, mlp_in, final = (
+            "double_blocks.0.img_attn.norm.query_norm.scale",
+            "double_blocks.0.img_mlp.0.weight",
+            "final_layer.linear.weight",
+        )
         depth = flux1_layout.count_blocks(keys, "double_blocks")
         depth_single = flux1_layout.count_blocks(keys, "single_blocks")
         guidance = any(k.startswith("guidance_in.") for k in keys)

@@ -148,7 +148,8 @@ def infer_vae_shapes(layout: str, keys: list[str], shape_of: ShapeOf) -> dict[st
         raise WeightsError(f"checkpoint has no {down}.0.* keys: cannot tell the encoder's levels")
     ch, in_channels = need_shape(shape_of, "encoder.conv_in.weight", "first level's width")[:2]
     widths = [
-        need_shape(shape_of, f"{down}.{i}.{block}.0.conv1.weight", f"width of level {i}")[0] for i in range(levels)
+        need_shape(shape_of, f"{down}.{i}.{block}.0.conv1.weight", f"width of level {i}")[0]
+        for i in range(levels)
     ]
     if any(w % ch for w in widths):
         raise WeightsError(

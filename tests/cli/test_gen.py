@@ -31,9 +31,13 @@ def test_writes_png_with_provenance(tmp_path):
 
 def test_replay_regenerates_the_same_pixels(tmp_path):
     first, again = tmp_path / "a", tmp_path / "again.png"
-    assert _run("--prompt", "a red fox", "--num-images", "2", "--seed", "3", "--out", str(first)).exit_code == 0
+    assert (
+        _run("--prompt", "a red fox", "--num-images", "2", "--seed", "3", "--out", str(first)).exit_code == 0
+    )
     second = first / "flux-3-1.png"
-    res = CliRunner().invoke(main, ["--replay", str(second), "--out", str(again), "--quiet"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main, ["--replay", str(second), "--out", str(again), "--quiet"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     a, b = np.asarray(Image.open(second)), np.asarray(Image.open(again))
     assert np.array_equal(a, b)
@@ -57,7 +61,9 @@ def test_errors_are_one_line(tmp_path):
         (["--prompt", "a", "--out", str(tmp_path / "x.jpg")], "images are written as PNG"),
     ]
     for args, message in cases:
-        res = CliRunner().invoke(main, [*BASE, *args, "--out", str(tmp_path / "e.png")] if "--out" not in args else [*BASE, *args])
+        res = CliRunner().invoke(
+            main, [*BASE, *args, "--out", str(tmp_path / "e.png")] if "--out" not in args else [*BASE, *args]
+        )
         assert res.exit_code != 0, args
         assert message in res.output, (args, res.output)
         assert "Traceback" not in res.output

@@ -54,7 +54,9 @@ def test_forward_equals_diffusers(tmp_path, guidance, dtype, layout, batch, h, w
 
 
 def test_precomputed_rope_and_batched_ids_give_the_same_output(tmp_path):
-    model = load_transformer(save_bfl(make_diffusers_transformer(True), tmp_path / "f.safetensors"), dtype=torch.bfloat16)
+    model = load_transformer(
+        save_bfl(make_diffusers_transformer(True), tmp_path / "f.safetensors"), dtype=torch.bfloat16
+    )
     img, img_ids, txt, txt_ids, t, y, g = make_inputs(2, 3, 5, 7, torch.bfloat16)
     with torch.no_grad():
         plain = model(img, img_ids, txt, txt_ids, t, y, g)
@@ -75,7 +77,9 @@ def test_bad_inputs_name_the_problem():
         model(img, img_ids, txt[..., :5], txt_ids, t, y, g)
 
 
-@pytest.mark.parametrize(("cfg", "guidance"), [(FLUX1_DEV, True), (FLUX1_SCHNELL, False)], ids=["dev", "schnell"])
+@pytest.mark.parametrize(
+    ("cfg", "guidance"), [(FLUX1_DEV, True), (FLUX1_SCHNELL, False)], ids=["dev", "schnell"]
+)
 def test_full_size_parameter_count_matches_diffusers(cfg, guidance):
     from diffusers import FluxTransformer2DModel
 

@@ -20,8 +20,12 @@ def _save_pipeline(folder, guidance: bool):
     text = Flux1TextEncoder.tiny(seed=3)
     if guidance:
         scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
         )
     else:
         scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
@@ -54,8 +58,12 @@ def test_pipeline_equals_diffusers(folder, dtype):
     steps = 3 if guidance else 2
     ref_kw = dict(num_inference_steps=steps, guidance_scale=3.5 if guidance else 0.0, **kw)
 
-    want_latents = ref(PROMPTS, generator=torch.Generator().manual_seed(42), output_type="latent", **ref_kw).images
-    want_images = ref(PROMPTS, generator=torch.Generator().manual_seed(42), output_type="pil", **ref_kw).images
+    want_latents = ref(
+        PROMPTS, generator=torch.Generator().manual_seed(42), output_type="latent", **ref_kw
+    ).images
+    want_images = ref(
+        PROMPTS, generator=torch.Generator().manual_seed(42), output_type="pil", **ref_kw
+    ).images
 
     got = ours(PROMPTS, seed=42, num_steps=steps, guidance=3.5 if guidance else None, **kw)
     assert got.latents.dtype == want_latents.dtype == dtype
@@ -76,15 +84,34 @@ def test_generator_num_images_and_embeds(folder):
     ref = FluxPipeline.from_pretrained(path, dtype=torch.float32)
     ours = Pipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
     kw = dict(height=32, width=32, max_sequence_length=16)
-    want = ref(PROMPTS[0], generator=torch.Generator().manual_seed(1), num_images_per_prompt=2,
-               num_inference_steps=2, output_type="latent", **kw).images
-    got = ours(PROMPTS[0], generator=torch.Generator().manual_seed(1), num_images_per_prompt=2, num_steps=2,
-               output_type="latent", **kw)
+    want = ref(
+        PROMPTS[0],
+        generator=torch.Generator().manual_seed(1),
+        num_images_per_prompt=2,
+        num_inference_steps=2,
+        output_type="latent",
+        **kw,
+    ).images
+    got = ours(
+        PROMPTS[0],
+        generator=torch.Generator().manual_seed(1),
+        num_images_per_prompt=2,
+        num_steps=2,
+        output_type="latent",
+        **kw,
+    )
     assert torch.equal(got.images, want)
     # embeddings passed in directly give the same latents
     embeds, pooled, _ = ours.encode_prompt(PROMPTS[0], max_sequence_length=16)
-    again = ours(prompt_embeds=embeds, pooled_prompt_embeds=pooled, generator=torch.Generator().manual_seed(1),
-                 num_images_per_prompt=2, num_steps=2, output_type="latent", **kw)
+    again = ours(
+        prompt_embeds=embeds,
+        pooled_prompt_embeds=pooled,
+        generator=torch.Generator().manual_seed(1),
+        num_images_per_prompt=2,
+        num_steps=2,
+        output_type="latent",
+        **kw,
+    )
     assert torch.equal(again.latents, want)
 
 
@@ -94,7 +121,15 @@ def test_schnell_warns_that_guidance_is_ignored(folder):
         pytest.skip("schnell only")
     pipe = Pipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
     with pytest.warns(UserWarning, match="guidance 5.0 is ignored"):
-        pipe("a cat", height=16, width=16, num_steps=1, guidance=5.0, max_sequence_length=8, output_type="latent")
+        pipe(
+            "a cat",
+            height=16,
+            width=16,
+            num_steps=1,
+            guidance=5.0,
+            max_sequence_length=8,
+            output_type="latent",
+        )
 
 
 @pytest.mark.parametrize(
@@ -154,14 +189,18 @@ def test_provenance_says_which_kernels_ran():
 @pytest.mark.gpu
 @pytest.mark.parametrize("quality", ["lossless", "high"])
 def test_cuda_graph_replay_gives_the_eager_latents(quality):
-    eager = Pipeline.from_pretrained("tiny", device="cuda", dtype=torch.bfloat16, cuda_graphs=False, quality=quality)
+    eager = Pipeline.from_pretrained(
+        "tiny", device="cuda", dtype=torch.bfloat16, cuda_graphs=False, quality=quality
+    )
     graphed = Pipeline.from_pretrained("tiny", device="cuda", dtype=torch.bfloat16, quality=quality)
     kw = dict(height=64, width=96, num_steps=4, seed=3, output_type="latent")
     a = eager(["a red fox", "a cat"], **kw)
     b = graphed(["a red fox", "a cat"], **kw)
     c = graphed(["a red fox", "a cat"], **kw)  # second call: pure replays
     assert b.info["cuda_graphs"] and torch.equal(a.latents, b.latents) and torch.equal(b.latents, c.latents)
-    assert a.info["kernels"].startswith(quality)  # the dispatch tier that ran (high mounts the lossless kernels)
+    assert a.info["kernels"].startswith(
+        quality
+    )  # the dispatch tier that ran (high mounts the lossless kernels)
     assert c.info["kernels"] == b.info["kernels"]  # pure replays still say which kernels the graph holds
 
 

@@ -30,7 +30,9 @@ def _same_weights(a, b) -> bool:
 
 def test_layouts_and_prefix_load_the_same_weights(tmp_path, dev_model, bfl_file):
     from_bfl = load_transformer(bfl_file, dtype=torch.float32)
-    prefixed = load_transformer(save_bfl(dev_model, tmp_path / "comfy.safetensors", "model.diffusion_model."), dtype=torch.float32)
+    prefixed = load_transformer(
+        save_bfl(dev_model, tmp_path / "comfy.safetensors", "model.diffusion_model."), dtype=torch.float32
+    )
     folder = save_diffusers(dev_model, tmp_path / "pipe" / "transformer")
     (tmp_path / "pipe" / "model_index.json").write_text("{}")
     from_root = load_transformer(tmp_path / "pipe", dtype=torch.float32)
@@ -39,13 +41,22 @@ def test_layouts_and_prefix_load_the_same_weights(tmp_path, dev_model, bfl_file)
     assert _same_weights(from_bfl, from_root)
     assert _same_weights(from_bfl, from_folder)
     cfg = from_bfl.config
-    assert (cfg.depth, cfg.depth_single_blocks, cfg.hidden_size, cfg.num_heads, cfg.guidance_embed) == (2, 2, 64, 2, True)
+    assert (cfg.depth, cfg.depth_single_blocks, cfg.hidden_size, cfg.num_heads, cfg.guidance_embed) == (
+        2,
+        2,
+        64,
+        2,
+        True,
+    )
 
 
 def test_sharded_diffusers_folder(tmp_path, dev_model):
     dev_model.save_pretrained(tmp_path / "t", max_shard_size="200KB")
     assert (tmp_path / "t" / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    assert _same_weights(load_transformer(tmp_path / "t", dtype=torch.float32), load_transformer(save_diffusers(dev_model, tmp_path / "u"), dtype=torch.float32))
+    assert _same_weights(
+        load_transformer(tmp_path / "t", dtype=torch.float32),
+        load_transformer(save_diffusers(dev_model, tmp_path / "u"), dtype=torch.float32),
+    )
 
 
 def test_schnell_is_detected(tmp_path):
@@ -81,7 +92,10 @@ def test_wrong_shape_names_key_and_both_shapes(tmp_path, bfl_file):
     sd = load_file(bfl_file)
     sd["single_blocks.0.linear2.weight"] = torch.zeros(64, 300)
     save_file(sd, tmp_path / "w.safetensors")
-    with pytest.raises(WeightsError, match=r"single_blocks.0.linear2.weight: expected shape \(64, 320\), checkpoint has \(64, 300\)"):
+    with pytest.raises(
+        WeightsError,
+        match=r"single_blocks.0.linear2.weight: expected shape \(64, 320\), checkpoint has \(64, 300\)",
+    ):
         load_transformer(tmp_path / "w.safetensors")
 
 
@@ -90,7 +104,10 @@ def test_wrong_shape_in_diffusers_layout(tmp_path, dev_model):
     sd = load_file(folder / "diffusion_pytorch_model.safetensors")
     sd["transformer_blocks.0.attn.to_k.weight"] = torch.zeros(64, 63)
     save_file(sd, folder / "diffusion_pytorch_model.safetensors")
-    with pytest.raises(WeightsError, match=r"transformer_blocks.0.attn.to_k.weight: expected shape \(64, 64\), checkpoint has \(64, 63\)"):
+    with pytest.raises(
+        WeightsError,
+        match=r"transformer_blocks.0.attn.to_k.weight: expected shape \(64, 64\), checkpoint has \(64, 63\)",
+    ):
         load_transformer(folder)
 
 

@@ -40,7 +40,9 @@ class DiTConfig:
         if any(d % 2 for d in self.axes_dim):
             raise ValueError(f"axes_dim {self.axes_dim} must be even per axis (RoPE rotates pairs)")
         if self.depth < 0 or self.depth_single_blocks < 0:
-            raise ValueError(f"depth {self.depth} and depth_single_blocks {self.depth_single_blocks} must be >= 0")
+            raise ValueError(
+                f"depth {self.depth} and depth_single_blocks {self.depth_single_blocks} must be >= 0"
+            )
         if self.mlp_hidden_dim <= 0:
             raise ValueError(f"mlp_ratio {self.mlp_ratio} gives an empty MLP")
         if self.family == "flux2" and (self.qkv_bias or self.vec_in_dim):

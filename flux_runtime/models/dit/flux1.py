@@ -186,7 +186,11 @@ class Flux1Transformer(nn.Module):
             x = block(x, vec_act, pe)
 
         n_txt = txt.shape[1]
-        img_s = Pending(x.residual[:, n_txt:], x.gate, x.update[:, n_txt:]) if isinstance(x, Pending) else x[:, n_txt:]
+        img_s = (
+            Pending(x.residual[:, n_txt:], x.gate, x.update[:, n_txt:])
+            if isinstance(x, Pending)
+            else x[:, n_txt:]
+        )
         return self.final_layer(img_s, vec_act.to(img.dtype))
 
     def _check_inputs(

@@ -51,7 +51,9 @@ class Linear(nn.Module):
         return kernels.gelu_tanh(F.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
 
 
 class MLPEmbedder(nn.Module):
