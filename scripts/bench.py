@@ -233,6 +233,9 @@ def main() -> int:
     ap.add_argument("--dit", action="store_true", help="per-step parity and timings at full size")
     ap.add_argument("--pipeline", action="store_true", help="end-to-end 50-step generation vs FluxPipeline")
     ap.add_argument("--profile", action="store_true", help="kernel table of one lossless step")
+    ap.add_argument(
+        "--flux2", action="store_true", help="FLUX.2-dev and klein-4B per step instead (runs bench_flux2.py)"
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--json", type=Path, default=None)
@@ -241,6 +244,11 @@ def main() -> int:
         print("bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if args.flux2:
+        import bench_flux2
+
+        sys.argv = [sys.argv[0], *(["--json", str(args.json)] if args.json else [])]
+        return bench_flux2.main()
     run_all = not (args.dit or args.pipeline)
     t0 = time.perf_counter()
     ref, ours = build_pair()

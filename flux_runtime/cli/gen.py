@@ -267,6 +267,7 @@ def _generate(opts: dict[str, Any]) -> None:
         cuda_graphs=not opts["no_cuda_graphs"],
         offload_text_encoders=opts["offload_text_encoders"],
     )
+    pipe.vae_tile = opts["vae_tile"]
     if replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
         click.echo(
             f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "

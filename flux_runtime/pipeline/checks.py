@@ -73,3 +73,9 @@ def check_sampling(
         raise FluxError(f"unknown output_type {output_type!r}: choose pil, pt, np or latent")
     if quality not in QUALITIES:
         raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
+
+
+def check_vae_tile(tile: object) -> None:
+    """`Pipeline.vae_tile`: None (decode in one pass) or a positive multiple of 4 latent pixels."""
+    if tile is not None and (not _is_int(tile) or tile <= 0 or tile % 4):  # type: ignore[operator]
+        raise FluxError(f"vae_tile {tile!r} must be None or a positive multiple of 4 (latent pixels)")

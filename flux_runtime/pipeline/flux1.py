@@ -31,6 +31,7 @@ from flux_runtime.pipeline.checks import (
     check_sampling,
     check_size,
     check_steps,
+    check_vae_tile,
 )
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
@@ -101,6 +102,9 @@ class Pipeline:
         self.quality: Tier = quality
         self.cuda_graphs = cuda_graphs
         self.offload_text_encoders = offload_text_encoders
+        # decode in tiles of this many latent pixels (bounds VAE memory for large images; not bit-identical
+        # to a one-pass decode at the seams); None decodes in one pass, as diffusers does by default
+        self.vae_tile: int | None = None
         self._graphed: dict[tuple, GraphedDenoiser] = {}
         self._rope: dict[tuple, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
 
@@ -305,6 +309,7 @@ class Pipeline:
                     f"got {tuple(pooled_prompt_embeds.shape)}"
                 )
         check_size(height, width, 2 * self.vae.config.spatial_factor)
+        check_vae_tile(self.vae_tile)
         steps = check_steps(num_steps, self.default_steps)
         if self.is_distilled:
             if guidance is not None:
@@ -451,7 +456,7 @@ class Pipeline:
         z = denormalize_latents(
             unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor
         )
-        decoded = self.vae.decode(z)
+        decoded = self.vae.decode(z, tile=self.vae_tile)
         report("decode", 1, 1)
         if output_type == "pil":
             images: Any = to_pil_images(decoded)

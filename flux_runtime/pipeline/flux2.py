@@ -46,6 +46,7 @@ from flux_runtime.pipeline.checks import (
     check_sampling,
     check_size,
     check_steps,
+    check_vae_tile,
 )
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress, _weights_id
@@ -152,6 +153,9 @@ class Flux2Pipe:
         self.quality: Tier = quality
         self.cuda_graphs = cuda_graphs
         self.offload_text_encoders = offload_text_encoders
+        # decode in tiles of this many latent pixels (bounds VAE memory for large images; not bit-identical
+        # to a one-pass decode at the seams); None decodes in one pass, as diffusers does by default
+        self.vae_tile: int | None = None
         self._graphed: dict[tuple, GraphedDenoiser] = {}
         self._rope: dict[tuple, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
 
@@ -354,6 +358,7 @@ class Flux2Pipe:
                 raise FluxError(f"prompt_embeds are {prompt_embeds.dtype}; this pipeline runs {self.dtype}")
             batch = prompt_embeds.shape[0]
         check_size(height, width, 2 * self.vae.config.spatial_factor)
+        check_vae_tile(self.vae_tile)
         steps = check_steps(num_steps, self.default_steps)
         g = check_guidance(guidance, DEFAULT_GUIDANCE)
         if self.is_distilled:
@@ -539,7 +544,7 @@ class Flux2Pipe:
         if output_type == "latent":
             return latents, z, use_graphs, kernels  # Flux2KleinPipeline: the decoder's input
         report("decode", 0, 1)
-        decoded = vae.decode(z)
+        decoded = vae.decode(z, tile=self.vae_tile)
         report("decode", 1, 1)
         if output_type == "pil":
             images: Any = to_pil_images(decoded)

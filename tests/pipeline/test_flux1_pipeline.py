@@ -214,3 +214,17 @@ def test_high_tier_images_stay_within_35_db_of_lossless():
     mse = ((a - b.images.astype(np.float64)) ** 2).mean()
     psnr = 10 * np.log10(255**2 / mse) if mse else float("inf")
     assert psnr >= 35.0, f"PSNR {psnr:.1f} dB"
+
+
+def test_vae_tile_decodes_in_tiles_and_is_checked_first(monkeypatch):
+    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+    kw = dict(height=64, width=96, num_steps=1, seed=4, output_type="pt")
+    whole = pipe("a cat", **kw).images
+    pipe.vae_tile = 16  # latent pixels: the 32x48 latent is decoded in overlapping tiles
+    tiled = pipe("a cat", **kw).images
+    assert tiled.shape == whole.shape and not torch.equal(tiled, whole)
+    assert (tiled - whole).abs().max() < 0.5  # blended seams, same picture
+    pipe.vae_tile = 10
+    monkeypatch.setattr(pipe.transformer, "forward", lambda *a, **k: pytest.fail("model ran"))
+    with pytest.raises(FluxError, match="vae_tile 10 must be None or a positive multiple of 4"):
+        pipe("a cat", **kw)
