@@ -153,6 +153,12 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     "--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU except while encoding."
 )
 @click.option(
+    "--vae-tile",
+    type=click.IntRange(min=4),
+    default=None,
+    help="Decode in tiles of this many latent pixels (a multiple of 4) to bound memory for large images.",
+)
+@click.option(
     "--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs."
 )
 @click.option("--vae", type=str, default=None, help="Autoencoder file/folder for a BFL transformer file.")

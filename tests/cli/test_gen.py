@@ -58,6 +58,7 @@ def test_errors_are_one_line(tmp_path):
         (["--prompt", "a", "--model", "nobody/nothing"], "unknown model id 'nobody/nothing'"),
         (["--prompt", "a", "--model", str(tmp_path / "missing.safetensors")], "neither an existing file"),
         ([], "--prompt is required"),
+        (["--prompt", "a", "--vae-tile", "6"], "vae_tile 6 must be None or a positive multiple of 4"),
         (["--prompt", "a", "--out", str(tmp_path / "x.jpg")], "images are written as PNG"),
     ]
     for args, message in cases:
