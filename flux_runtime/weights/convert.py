@@ -17,9 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import struct
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +26,23 @@ import torch
 from torch import Tensor
 
 from flux_runtime.models.dit import DiTConfig, Flux1Transformer, Flux2Transformer
-from flux_runtime.models.vae.flux2 import PATCH, Flux2VAEConfig
 from flux_runtime.weights import flux1_layout, flux2_layout, flux2_transformer, vae_layout
+from flux_runtime.weights.diffusers_config import (
+    FLUX2_DIFFUSERS_FIXED,
+    transformer_diffusers_config,
+    vae_diffusers_config,
+)
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.keys import KeyView
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
+from flux_runtime.weights.safetensors_writer import (
+    TORCH_DTYPES,
+    Output,
+    SafetensorsWriter,
+    parse_size,
+    shard,
+)
 from flux_runtime.weights.transformer import detect_layout, find_transformer_files, infer_config
 from flux_runtime.weights.vae import AnyVAEConfig, open_vae_checkpoint
 
@@ -42,67 +50,9 @@ log = logging.getLogger(__name__)
 
 Component = Literal["transformer", "vae"]
 COMPONENTS: tuple[Component, ...] = ("transformer", "vae")
-# The diffusers release whose config.json fields and file names we write (our parity target).
-DIFFUSERS_VERSION = "0.42.1"
 DIFFUSERS_STEM = "diffusion_pytorch_model"
 # diffusers' `save_pretrained` default.
 DEFAULT_MAX_SHARD_SIZE = "10GB"
-# What diffusers' FLUX.1 `vae/config.json` says beyond the architecture (shared/reference/vae.md §1).
-FLUX1_VAE_SAMPLE_SIZE = 1024
-# What FLUX.2's BFL code fixes and diffusers' configs state (AutoencoderKLFlux2 and
-# Flux2Transformer2DModel defaults, which diffusers' FLUX.2 converter keeps).
-FLUX2_VAE_SAMPLE_SIZE = 1024
-FLUX2_BN_MOMENTUM = 0.1
-FLUX2_DIFFUSERS_FIXED: dict[str, Any] = {"patch_size": 1, "timestep_guidance_channels": 256, "eps": 1e-6}
-
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: str | int) -> int:
-    """Bytes in `size`: an int, or a string like diffusers' `"10GB"` (GB = 10^9, GiB = 2^30)."""
-    if isinstance(size, int):
-        n = size
-    else:
-        m = _SIZE.match(size)
-        if not m:
-            raise ValueError(f"cannot read {size!r} as a size: use bytes or a unit, like 10GB, 500MB or 2GiB")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    if n <= 0:
-        raise ValueError(f"size {size!r} must be positive")
-    return n
-
-
-@dataclass(frozen=True)
-class Output:
-    """One tensor a conversion writes."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
 
 
 @dataclass(frozen=True)
@@ -146,121 +96,15 @@ class ConversionResult:
     total_bytes: int
 
 
-# ---- config.json, as diffusers writes it
-
-
-def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
-    """The config.json diffusers writes for a `FluxTransformer2DModel` (FLUX.1) or a
-    `Flux2Transformer2DModel` (FLUX.2) of this shape (same fields)."""
-    if cfg.family == "flux2":
-        return {
-            "_class_name": "Flux2Transformer2DModel",
-            "_diffusers_version": DIFFUSERS_VERSION,
-            "attention_head_dim": cfg.head_dim,
-            "axes_dims_rope": list(cfg.axes_dim),
-            "guidance_embeds": cfg.guidance_embed,
-            "in_channels": cfg.in_channels,
-            "joint_attention_dim": cfg.context_in_dim,
-            "mlp_ratio": cfg.mlp_ratio,
-            "num_attention_heads": cfg.num_heads,
-            "num_layers": cfg.depth,
-            "num_single_layers": cfg.depth_single_blocks,
-            # diffusers' default None means "same as in_channels"
-            "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
-            "rope_theta": cfg.theta,
-            **FLUX2_DIFFUSERS_FIXED,
-        }
-    unsupported = []
-    if cfg.mlp_ratio != 4.0:
-        unsupported.append(f"mlp_ratio {cfg.mlp_ratio} (diffusers fixes 4.0)")
-    if not cfg.qkv_bias:
-        unsupported.append("qkv_bias False")
-    if cfg.theta != 10_000:
-        unsupported.append(f"theta {cfg.theta} (diffusers fixes 10000)")
-    if len(cfg.axes_dim) != 3:
-        unsupported.append(f"{len(cfg.axes_dim)} RoPE axes (diffusers has 3)")
-    if unsupported:
-        raise WeightsError("diffusers' FluxTransformer2DModel cannot express " + ", ".join(unsupported))
-    return {
-        "_class_name": "FluxTransformer2DModel",
-        "_diffusers_version": DIFFUSERS_VERSION,
-        "attention_head_dim": cfg.head_dim,
-        "axes_dims_rope": list(cfg.axes_dim),
-        "guidance_embeds": cfg.guidance_embed,
-        "in_channels": cfg.in_channels,
-        "joint_attention_dim": cfg.context_in_dim,
-        "num_attention_heads": cfg.num_heads,
-        "num_layers": cfg.depth,
-        "num_single_layers": cfg.depth_single_blocks,
-        # diffusers' default None means "same as in_channels"
-        "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
-        "patch_size": 1,
-        "pooled_projection_dim": cfg.vec_in_dim,
-    }
-
-
-def vae_diffusers_config(cfg: AnyVAEConfig) -> dict[str, Any]:
-    """The config.json diffusers writes for an `AutoencoderKL` (FLUX.1) or an `AutoencoderKLFlux2`
-    (FLUX.2) of this shape (same fields; `sample_size`, diffusers' tile size, is FLUX's 1024)."""
-    n = len(cfg.ch_mult)
-    if isinstance(cfg, Flux2VAEConfig):
-        return {
-            "_class_name": "AutoencoderKLFlux2",
-            "_diffusers_version": DIFFUSERS_VERSION,
-            "act_fn": "silu",
-            "batch_norm_eps": cfg.batch_norm_eps,
-            "batch_norm_momentum": FLUX2_BN_MOMENTUM,
-            "block_out_channels": list(cfg.block_channels),
-            "decoder_block_out_channels": None,
-            "down_block_types": ["DownEncoderBlock2D"] * n,
-            "in_channels": cfg.in_channels,
-            "latent_channels": cfg.z_channels,
-            "layers_per_block": cfg.num_res_blocks,
-            "mid_block_add_attention": True,
-            "norm_num_groups": cfg.norm_num_groups,
-            "out_channels": cfg.out_ch,
-            "patch_size": [PATCH, PATCH],
-            "sample_size": FLUX2_VAE_SAMPLE_SIZE,
-            "up_block_types": ["UpDecoderBlock2D"] * n,
-            "use_post_quant_conv": True,
-            "use_quant_conv": True,
-        }
-    return {
-        "_class_name": "AutoencoderKL",
-        "_diffusers_version": DIFFUSERS_VERSION,
-        "act_fn": "silu",
-        "block_out_channels": list(cfg.block_channels),
-        "down_block_types": ["DownEncoderBlock2D"] * n,
-        "force_upcast": True,
-        "in_channels": cfg.in_channels,
-        "latent_channels": cfg.z_channels,
-        "latents_mean": None,
-        "latents_std": None,
-        "layers_per_block": cfg.num_res_blocks,
-        "mid_block_add_attention": True,
-        "norm_num_groups": cfg.norm_num_groups,
-        "out_channels": cfg.out_ch,
-        "sample_size": FLUX1_VAE_SAMPLE_SIZE,
-        "scaling_factor": cfg.scale_factor,
-        "shift_factor": cfg.shift_factor,
-        "up_block_types": ["UpDecoderBlock2D"] * n,
-        "use_post_quant_conv": False,
-        "use_quant_conv": False,
-    }
-
-
-# ---- planning
-
-
 def _source_dtypes(src: TensorSource) -> dict[str, torch.dtype]:
     out = {}
     for path in src.files:
         for key, info in read_header(path).items():
-            if info["dtype"] not in _TORCH_DTYPES:
+            if info["dtype"] not in TORCH_DTYPES:
                 raise WeightsError(
                     f"{path}: {key} has dtype {info['dtype']}, which this converter does not handle"
                 )
-            out[key] = _TORCH_DTYPES[info["dtype"]]
+            out[key] = TORCH_DTYPES[info["dtype"]]
     return out
 
 
@@ -447,65 +291,6 @@ def plan_conversion(component: Component, path_or_id: str | Path) -> ConversionP
 
 
 # ---- writing
-
-
-class SafetensorsWriter:
-    """One safetensors file written tensor by tensor: the header from the planned outputs, then the bytes.
-
-    Tensors must arrive in the planned order with the planned shape and dtype; `close` checks that
-    all of them came. The file is the one `safetensors.torch.save_file` would accept loading.
-    """
-
-    def __init__(self, path: Path, outputs: list[Output], metadata: dict[str, str] | None = None) -> None:
-        if sys.byteorder != "little":
-            raise RuntimeError(
-                "safetensors files are little-endian; writing them on a big-endian host is not supported"
-            )
-        header: dict[str, Any] = {}
-        offset = 0
-        for o in outputs:
-            header[o.key] = {
-                "dtype": _ST_DTYPES[o.dtype],
-                "shape": list(o.shape),
-                "data_offsets": [offset, offset + o.nbytes],
-            }
-            offset += o.nbytes
-        header["__metadata__"] = metadata or {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-        self.path, self.outputs, self.written = path, outputs, 0
-        self._file = open(path, "wb")  # noqa: SIM115 (closed by close(), across many write calls)
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
-
-    def write(self, key: str, t: Tensor) -> None:
-        want = self.outputs[self.written]
-        if key != want.key or tuple(t.shape) != want.shape or t.dtype != want.dtype:
-            raise AssertionError(f"{self.path}: got {key} {tuple(t.shape)} {t.dtype}, planned {want}")
-        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._file.write(data.data)
-        self.written += 1
-
-    def close(self) -> None:
-        self._file.close()
-        if self.written != len(self.outputs):
-            raise AssertionError(f"{self.path}: wrote {self.written} of {len(self.outputs)} planned tensors")
-
-    def abort(self) -> None:
-        self._file.close()
-
-
-def shard(outputs: list[Output], max_shard_size: int) -> list[list[Output]]:
-    """Split `outputs`, in order, into shards of at most `max_shard_size` bytes (a larger tensor goes alone)."""
-    shards: list[list[Output]] = [[]]
-    size = 0
-    for o in outputs:
-        if shards[-1] and size + o.nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(o)
-        size += o.nbytes
-    return shards
 
 
 def _partial(path: Path) -> Path:

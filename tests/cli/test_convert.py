@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from flux_runtime import load_transformer, load_vae
 from flux_runtime.cli.convert import main
-from flux_runtime.weights.convert import Output, parse_size, shard
+from flux_runtime.weights.safetensors_writer import Output, parse_size, shard
 from tests.flux1_fixtures import make_diffusers_transformer, make_inputs, save_bfl, save_diffusers
 from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
 

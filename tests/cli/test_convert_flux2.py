@@ -15,7 +15,7 @@ from flux_runtime import load_transformer, load_vae
 from flux_runtime.cli.convert import main
 from flux_runtime.models.dit import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from flux_runtime.models.vae import FLUX2_VAE
-from flux_runtime.weights.convert import transformer_diffusers_config, vae_diffusers_config
+from flux_runtime.weights.diffusers_config import transformer_diffusers_config, vae_diffusers_config
 from tests.flux2_fixtures import make_diffusers_flux2, make_inputs, save_bfl, save_diffusers
 from tests.weights.vae_fixtures import (
     make_diffusers_flux2_vae,

@@ -1,0 +1,127 @@
+"""The `config.json` diffusers writes for a FLUX transformer or VAE, from our configs.
+
+What `from_pretrained` needs to rebuild the model the converter wrote; checked against diffusers' own
+configs in the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flux_runtime.models.dit import DiTConfig
+from flux_runtime.models.vae.flux2 import PATCH, Flux2VAEConfig
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.vae import AnyVAEConfig
+
+# The diffusers release whose config.json fields and file names we write (our parity target).
+DIFFUSERS_VERSION = "0.42.1"
+# What diffusers' FLUX.1 `vae/config.json` says beyond the architecture (shared/reference/vae.md §1).
+FLUX1_VAE_SAMPLE_SIZE = 1024
+# What FLUX.2's BFL code fixes and diffusers' configs state (AutoencoderKLFlux2 and
+# Flux2Transformer2DModel defaults, which diffusers' FLUX.2 converter keeps).
+FLUX2_VAE_SAMPLE_SIZE = 1024
+FLUX2_BN_MOMENTUM = 0.1
+FLUX2_DIFFUSERS_FIXED: dict[str, Any] = {"patch_size": 1, "timestep_guidance_channels": 256, "eps": 1e-6}
+
+
+def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
+    """The config.json diffusers writes for a `FluxTransformer2DModel` (FLUX.1) or a
+    `Flux2Transformer2DModel` (FLUX.2) of this shape (same fields)."""
+    if cfg.family == "flux2":
+        return {
+            "_class_name": "Flux2Transformer2DModel",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "attention_head_dim": cfg.head_dim,
+            "axes_dims_rope": list(cfg.axes_dim),
+            "guidance_embeds": cfg.guidance_embed,
+            "in_channels": cfg.in_channels,
+            "joint_attention_dim": cfg.context_in_dim,
+            "mlp_ratio": cfg.mlp_ratio,
+            "num_attention_heads": cfg.num_heads,
+            "num_layers": cfg.depth,
+            "num_single_layers": cfg.depth_single_blocks,
+            # diffusers' default None means "same as in_channels"
+            "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
+            "rope_theta": cfg.theta,
+            **FLUX2_DIFFUSERS_FIXED,
+        }
+    unsupported = []
+    if cfg.mlp_ratio != 4.0:
+        unsupported.append(f"mlp_ratio {cfg.mlp_ratio} (diffusers fixes 4.0)")
+    if not cfg.qkv_bias:
+        unsupported.append("qkv_bias False")
+    if cfg.theta != 10_000:
+        unsupported.append(f"theta {cfg.theta} (diffusers fixes 10000)")
+    if len(cfg.axes_dim) != 3:
+        unsupported.append(f"{len(cfg.axes_dim)} RoPE axes (diffusers has 3)")
+    if unsupported:
+        raise WeightsError("diffusers' FluxTransformer2DModel cannot express " + ", ".join(unsupported))
+    return {
+        "_class_name": "FluxTransformer2DModel",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "attention_head_dim": cfg.head_dim,
+        "axes_dims_rope": list(cfg.axes_dim),
+        "guidance_embeds": cfg.guidance_embed,
+        "in_channels": cfg.in_channels,
+        "joint_attention_dim": cfg.context_in_dim,
+        "num_attention_heads": cfg.num_heads,
+        "num_layers": cfg.depth,
+        "num_single_layers": cfg.depth_single_blocks,
+        # diffusers' default None means "same as in_channels"
+        "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
+        "patch_size": 1,
+        "pooled_projection_dim": cfg.vec_in_dim,
+    }
+
+
+def vae_diffusers_config(cfg: AnyVAEConfig) -> dict[str, Any]:
+    """The config.json diffusers writes for an `AutoencoderKL` (FLUX.1) or an `AutoencoderKLFlux2`
+    (FLUX.2) of this shape (same fields; `sample_size`, diffusers' tile size, is FLUX's 1024)."""
+    n = len(cfg.ch_mult)
+    if isinstance(cfg, Flux2VAEConfig):
+        return {
+            "_class_name": "AutoencoderKLFlux2",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "act_fn": "silu",
+            "batch_norm_eps": cfg.batch_norm_eps,
+            "batch_norm_momentum": FLUX2_BN_MOMENTUM,
+            "block_out_channels": list(cfg.block_channels),
+            "decoder_block_out_channels": None,
+            "down_block_types": ["DownEncoderBlock2D"] * n,
+            "in_channels": cfg.in_channels,
+            "latent_channels": cfg.z_channels,
+            "layers_per_block": cfg.num_res_blocks,
+            "mid_block_add_attention": True,
+            "norm_num_groups": cfg.norm_num_groups,
+            "out_channels": cfg.out_ch,
+            "patch_size": [PATCH, PATCH],
+            "sample_size": FLUX2_VAE_SAMPLE_SIZE,
+            "up_block_types": ["UpDecoderBlock2D"] * n,
+            "use_post_quant_conv": True,
+            "use_quant_conv": True,
+        }
+    return {
+        "_class_name": "AutoencoderKL",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "act_fn": "silu",
+        "block_out_channels": list(cfg.block_channels),
+        "down_block_types": ["DownEncoderBlock2D"] * n,
+        "force_upcast": True,
+        "in_channels": cfg.in_channels,
+        "latent_channels": cfg.z_channels,
+        "latents_mean": None,
+        "latents_std": None,
+        "layers_per_block": cfg.num_res_blocks,
+        "mid_block_add_attention": True,
+        "norm_num_groups": cfg.norm_num_groups,
+        "out_channels": cfg.out_ch,
+        "sample_size": FLUX1_VAE_SAMPLE_SIZE,
+        "scaling_factor": cfg.scale_factor,
+        "shift_factor": cfg.shift_factor,
+        "up_block_types": ["UpDecoderBlock2D"] * n,
+        "use_post_quant_conv": False,
+        "use_quant_conv": False,
+    }
+
+
+# ---- planning
