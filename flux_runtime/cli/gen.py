@@ -251,8 +251,8 @@ def _generate(opts: dict[str, Any]) -> None:
     import torch
 
     from flux_runtime.pipeline import Pipeline
-    from flux_runtime.pipeline.flux1 import save_png
     from flux_runtime.pipeline.flux2 import Flux2Pipe
+    from flux_runtime.pipeline.provenance import save_png
 
     device = opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = opts["dtype"] or ("bf16" if torch.device(device).type == "cuda" else "fp32")

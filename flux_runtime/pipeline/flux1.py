@@ -8,9 +8,7 @@ model runs; RoPE tables are built once per image size and reused by every block 
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,10 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from PIL import Image
 from torch import Tensor
 
-import flux_runtime
 from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
@@ -35,6 +31,7 @@ from flux_runtime.pipeline.checks import (
 )
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
+from flux_runtime.pipeline.provenance import provenance, weights_id
 from flux_runtime.pipeline.sources import MODEL_IDS, Sources, find_sources, schedule_config
 from flux_runtime.pipeline.tiers import Tier, fused_tier, resolve_tier, tier_context
 from flux_runtime.sampling import (
@@ -176,7 +173,7 @@ class Pipeline:
             text,
             schedule=schedule_config(src.scheduler_config, transformer.config.guidance_embed),
             model_name=src.name,
-            weights_id=_weights_id(src),
+            weights_id=weights_id(src),
             quality=quality,
             cuda_graphs=cuda_graphs,
             offload_text_encoders=offload_text_encoders,
@@ -471,25 +468,11 @@ class Pipeline:
     def _provenance(
         self, prompt, seed, height, width, steps, guidance, max_len, tier, graphs
     ) -> dict[str, Any]:
-        return {
-            "prompt": prompt,
-            "seed": seed,
-            "height": height,
-            "width": width,
-            "num_steps": steps,
-            "guidance": guidance,
-            "max_sequence_length": max_len,
-            "model": self.model_name,
-            "weights": self.weights_id,
-            "quality": tier,
-            "cuda_graphs": graphs,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "device": torch.cuda.get_device_name(self.device)
-            if self.device.type == "cuda"
-            else platform.processor() or "cpu",
-            "flux_runtime": flux_runtime.__version__,
-            "torch": torch.__version__,
-        }
+        return provenance(
+            prompt=prompt, seed=seed, height=height, width=width, steps=steps, guidance=guidance,
+            max_sequence_length=max_len, tier=tier, cuda_graphs=graphs, model=self.model_name,
+            weights=self.weights_id, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
 
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:
@@ -498,31 +481,3 @@ def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> 
     if src.text is not None:
         return Flux1TextEncoder.from_pretrained(src.text, device=device, dtype=dtype)
     return Flux1TextEncoder.from_components(src.clip, src.t5, device=device, dtype=dtype)
-
-
-def _weights_id(src: Sources) -> str:
-    """A short fingerprint of the transformer weights: sha256 over file names, sizes and headers."""
-    if src.name == "tiny":
-        return "tiny-seed0"
-    root = Path(src.transformer)
-    files = sorted(root.rglob("*.safetensors")) if root.is_dir() else [root]
-    digest = hashlib.sha256()
-    for f in files[:64]:
-        digest.update(f.name.encode())
-        digest.update(str(f.stat().st_size).encode())
-        with open(f, "rb") as fh:
-            digest.update(fh.read(1 << 16))
-    return digest.hexdigest()[:16]
-
-
-def save_png(image: Image.Image, path: Path, info: dict[str, Any]) -> None:
-    """Write `image` with the provenance in PNG text chunks (`flux_runtime` JSON + a readable summary)."""
-    import json
-
-    from PIL.PngImagePlugin import PngInfo
-
-    meta = PngInfo()
-    meta.add_text("flux_runtime", json.dumps(info, default=str))
-    meta.add_text("Description", str(info.get("prompt", "")))
-    meta.add_text("Software", f"flux-runtime {flux_runtime.__version__}")
-    image.save(path, pnginfo=meta)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,7 +35,6 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-import flux_runtime
 from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
@@ -49,8 +47,9 @@ from flux_runtime.pipeline.checks import (
     check_vae_tile,
 )
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress, _weights_id
+from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
+from flux_runtime.pipeline.provenance import provenance, weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
 from flux_runtime.pipeline.tiers import Tier, fused_tier, resolve_tier, tier_context
 from flux_runtime.sampling import (
@@ -202,7 +201,7 @@ class Flux2Pipe:
             schedule=flux2_schedule_config(src.scheduler_config),
             is_distilled=distilled,
             model_name=src.name,
-            weights_id="tiny-flux2-seed0" if src.name == "tiny-flux2" else _weights_id(src),
+            weights_id=weights_id(src),
             quality=quality,
             cuda_graphs=cuda_graphs,
             offload_text_encoders=offload_text_encoders,
@@ -575,23 +574,21 @@ class Flux2Pipe:
         for an image made in memory), size and `image_fingerprint`, so a replay can tell a changed file."""
         given = [] if image is None else [image] if isinstance(image, Image.Image) else list(image)
         return {
-            "prompt": prompt,
-            "seed": seed,
-            "height": height,
-            "width": width,
-            "num_steps": steps,
-            "guidance": guidance,
-            "max_sequence_length": max_len,
-            "model": self.model_name,
-            "weights": self.weights_id,
-            "quality": tier,
-            "cuda_graphs": graphs,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "device": torch.cuda.get_device_name(self.device)
-            if self.device.type == "cuda"
-            else platform.processor() or "cpu",
-            "flux_runtime": flux_runtime.__version__,
-            "torch": torch.__version__,
+            **provenance(
+                prompt=prompt,
+                seed=seed,
+                height=height,
+                width=width,
+                steps=steps,
+                guidance=guidance,
+                max_sequence_length=max_len,
+                tier=tier,
+                cuda_graphs=graphs,
+                model=self.model_name,
+                weights=self.weights_id,
+                dtype=self.dtype,
+                device=self.device,
+            ),
             "reference_images": [
                 {
                     "path": getattr(im, "filename", "") or None,

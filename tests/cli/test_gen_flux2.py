@@ -147,7 +147,7 @@ def test_errors_are_one_line(tmp_path) -> None:
 def test_replay_of_an_in_memory_reference_is_refused(tmp_path) -> None:
     pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
     out = pipe("a cat", image=random_image(64, 64), num_steps=1, max_sequence_length=16)
-    from flux_runtime.pipeline.flux1 import save_png
+    from flux_runtime.pipeline.provenance import save_png
 
     png = tmp_path / "mem.png"
     save_png(out.images[0], png, out.info)
