@@ -414,20 +414,32 @@ class Pipeline:
         model = self.transformer
         dispatch = fused_tier(tier, device, self.dtype)
 
-        def velocity(x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor, y: Tensor) -> Tensor:
+        def velocity(
+            x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor, y: Tensor, mods: Tensor | None = None
+        ) -> Tensor:
             with tier_context(dispatch):
-                return model(x, img_ids, txt, text_ids, t, y, gd, pe=pe)
+                return model(x, img_ids, txt, text_ids, t, y, gd, pe=pe, mods=mods)
+
+        # high tier: every step's adaLN projections in one batched GEMM per projection (F13)
+        table = (
+            self._modulation_table(sched.timesteps, pooled, g, batch, latents.dtype)
+            if dispatch == "high"
+            else None
+        )
+        step = iter(range(steps))
 
         use_graphs = self.cuda_graphs and device.type == "cuda"
         if use_graphs:
             graphed = self._graphed.setdefault((pe_key, tier), GraphedDenoiser(velocity))
 
             def model_fn(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
-                return graphed(x, t, gd, prompt_embeds, pooled)
+                mods = None if table is None else table[next(step)]
+                return graphed(x, t, gd, prompt_embeds, pooled, mods)
         else:
 
             def model_fn(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
-                return velocity(x, t, gd, prompt_embeds, pooled)
+                mods = None if table is None else table[next(step)]
+                return velocity(x, t, gd, prompt_embeds, pooled, mods)
 
         report("denoise", 0, steps)
         reset_fused_ops_report()
@@ -464,6 +476,16 @@ class Pipeline:
         else:
             images = (decoded * 0.5 + 0.5).clamp(0, 1)
         return PipelineOutput(images, latents, info)
+
+    def _modulation_table(
+        self, timesteps: Tensor, pooled: Tensor, guidance: Tensor | None, batch: int, dtype: torch.dtype
+    ) -> Tensor:
+        """(steps, B, total) adaLN projections for every step, computed as `denoise` rounds each step's t."""
+        t = torch.stack([ti.expand(batch).to(dtype) / 1000 for ti in timesteps])  # (N, B), as denoise
+        n = t.shape[0]
+        g = None if guidance is None else guidance.repeat(n)
+        vec_act = self.transformer.conditioning(t.reshape(-1), pooled.repeat(n, 1), g)
+        return self.transformer.modulation_table(vec_act).view(n, batch, -1)
 
     def _provenance(
         self, prompt, seed, height, width, steps, guidance, max_len, tier, graphs

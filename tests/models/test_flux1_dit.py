@@ -115,3 +115,18 @@ def _repo_root():
     from pathlib import Path
 
     return Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_modulation_table_rows_give_the_live_forward(tmp_path, dtype):
+    model = load_transformer(save_bfl(make_diffusers_transformer(True), tmp_path / "f.safetensors"), dtype=dtype)
+    img, img_ids, txt, txt_ids, t, y, g = make_inputs(2, 3, 4, 5, dtype)
+    with torch.no_grad():
+        live = model(img, img_ids, txt, txt_ids, t, y, g)
+        table = model.modulation_table(model.conditioning(t, y, g))  # (B, total) for this one step
+        sliced = model(img, img_ids, txt, txt_ids, t, y, g, mods=table)
+        other = model(img, img_ids, txt, txt_ids, t, y, g, mods=torch.zeros_like(table))
+    cfg = model.config
+    assert table.shape == (2, cfg.hidden_size * (12 * cfg.depth + 3 * cfg.depth_single_blocks + 2))
+    assert torch.equal(sliced, live)
+    assert not torch.equal(other, live)  # the table is really what the blocks read

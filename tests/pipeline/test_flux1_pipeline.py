@@ -228,3 +228,19 @@ def test_vae_tile_decodes_in_tiles_and_is_checked_first(monkeypatch):
     monkeypatch.setattr(pipe.transformer, "forward", lambda *a, **k: pytest.fail("model ran"))
     with pytest.raises(FluxError, match="vae_tile 10 must be None or a positive multiple of 4"):
         pipe("a cat", **kw)
+
+
+def test_high_tier_modulation_table_matches_each_steps_projection():
+    # the batched table (high tier, CUDA) must hold, row by row, what each step would project live
+    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+    from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, get_schedule
+
+    sched = get_schedule(5, 64, config=FLUX1_DEV_SCHEDULE)
+    pooled = torch.randn(2, 32)
+    g = torch.full([1], 3.5).expand(2)
+    table = pipe._modulation_table(sched.timesteps, pooled, g, 2, torch.float32)
+    model = pipe.transformer
+    assert table.shape[:2] == (5, 2)
+    for i, t in enumerate(sched.timesteps):
+        live = model.modulation_table(model.conditioning(t.expand(2).to(torch.float32) / 1000, pooled, g))
+        torch.testing.assert_close(table[i], live, rtol=1e-5, atol=1e-6)

@@ -43,9 +43,38 @@ class Modulation(nn.Module):
         self.lin = Linear(dim, self.multiplier * dim)
 
     def forward(self, vec_act: Tensor) -> tuple[ModulationOut, ...]:
-        # vec_act = silu(vec), (B, D); chunks in BFL/diffusers order: shift, scale, gate (x2).
-        out = self.lin(vec_act).chunk(self.multiplier, dim=1)
+        # vec_act = silu(vec), (B, D)
+        return self.triples(self.lin(vec_act))
+
+    def triples(self, raw: Tensor) -> tuple[ModulationOut, ...]:
+        """Chunk a projection (B, k*D) in BFL/diffusers order: shift, scale, gate (x2 for double blocks)."""
+        out = raw.chunk(self.multiplier, dim=1)
         return tuple(ModulationOut(*out[i : i + 3]) for i in range(0, self.multiplier, 3))
+
+
+class ModulationSource:
+    """Where the blocks' adaLN projections come from in one forward.
+
+    Live (`table=None`): each block projects `silu(vec)` itself, as diffusers does. From a table: each
+    block slices its projection out of `table` (B, total), which `Flux1Transformer.modulation_table`
+    computed for every step of a generation at once (the `high` tier: one batched GEMM per projection
+    instead of one GEMV per step; cuBLAS rounds a batched GEMM differently, so it is not lossless).
+    """
+
+    def __init__(
+        self, vec_act: Tensor | None, table: Tensor | None, offsets: dict[int, tuple[int, int]]
+    ) -> None:
+        self.vec_act, self.table, self.offsets = vec_act, table, offsets
+
+    def raw(self, lin: nn.Module) -> Tensor:
+        if self.table is None:
+            assert self.vec_act is not None
+            return lin(self.vec_act)
+        start, stop = self.offsets[id(lin)]
+        return self.table[:, start:stop]
+
+    def __call__(self, mod: Modulation) -> tuple[ModulationOut, ...]:
+        return mod.triples(self.raw(mod.lin))
 
 
 class MLP(nn.Sequential):
@@ -73,8 +102,8 @@ class DoubleStreamBlock(nn.Module):
         self.txt_attn = SelfAttention(d, cfg.num_heads, cfg.qkv_bias)
         self.txt_mlp = MLP(d, cfg.mlp_hidden_dim)
 
-    def forward(self, img: Stream, txt: Stream, vec_act: Tensor, pe: RoPE) -> tuple[Stream, Stream]:
-        return double_stream(self, img, txt, self.img_mod(vec_act), self.txt_mod(vec_act), pe)
+    def forward(self, img: Stream, txt: Stream, mods: ModulationSource, pe: RoPE) -> tuple[Stream, Stream]:
+        return double_stream(self, img, txt, mods(self.img_mod), mods(self.txt_mod), pe)
 
 
 class SingleStreamBlock(nn.Module):
@@ -89,8 +118,8 @@ class SingleStreamBlock(nn.Module):
         self.norm = QKNorm(cfg.head_dim)
         self.modulation = Modulation(d, double=False)
 
-    def forward(self, x: Stream, vec_act: Tensor, pe: RoPE) -> Stream:
-        (mod,) = self.modulation(vec_act)
+    def forward(self, x: Stream, mods: ModulationSource, pe: RoPE) -> Stream:
+        (mod,) = mods(self.modulation)
         x, x_n = norm_modulate(x, mod)
         d, m = self.linear1.in_features, self.mlp_hidden_dim
         # (B, L, D + mlp_hidden): attention first, MLP second, each written in place (no concat)
@@ -111,8 +140,8 @@ class LastLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
         self.linear = Linear(dim, out_channels)
 
-    def forward(self, x: Stream, vec_act: Tensor) -> Tensor:
-        shift, scale = self.adaLN_modulation[1](vec_act).chunk(2, dim=1)
+    def forward(self, x: Stream, mods: ModulationSource) -> Tensor:
+        shift, scale = mods.raw(self.adaLN_modulation[1]).chunk(2, dim=1)
         _, x = norm_modulate(x, ModulationOut(shift, scale, gate=shift))
         return self.linear(x)
 
@@ -134,6 +163,7 @@ class Flux1Transformer(nn.Module):
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.depth))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.depth_single_blocks))
         self.final_layer = LastLayer(d, cfg.out_channels)
+        self._offsets_cache: dict[int, tuple[int, int]] | None = None
 
     def rope(self, txt_ids: Tensor, img_ids: Tensor) -> RoPE:
         """RoPE tables for the joint sequence `[txt | img]`; build once per image size, pass as `pe`.
@@ -153,37 +183,34 @@ class Flux1Transformer(nn.Module):
         y: Tensor,
         guidance: Tensor | None = None,
         pe: RoPE | None = None,
+        mods: Tensor | None = None,
     ) -> Tensor:
         """Predict the flow velocity.
 
         img (B, L_img, in_channels) packed latents; txt (B, L_txt, context_in_dim) T5 states;
         timesteps (B,) in [0, 1]; y (B, vec_in_dim) pooled CLIP; guidance (B,) for dev, None for
-        schnell; pe optional precomputed `rope(txt_ids, img_ids)`.
+        schnell; pe optional precomputed `rope(txt_ids, img_ids)`; mods optional (B, total) row of
+        `modulation_table` for this step (then timesteps, y and guidance are not read again).
         """
         self._check_inputs(img, txt, timesteps, y, guidance)
         if pe is None:
             pe = self.rope(txt_ids, img_ids)
+        if mods is None:
+            source = ModulationSource(self.conditioning(timesteps, y, guidance), None, self._mod_offsets)
+        else:
+            source = ModulationSource(None, mods, self._mod_offsets)
 
         img = self.img_in(img)
-        # conditioning vector, rounded as diffusers: t*1000 in the model dtype, (t + g) + y
-        t = timesteps.to(img.dtype) * 1000
-        vec = self.time_in(timestep_embedding(t).to(y.dtype))
-        if self.config.guidance_embed:
-            g = guidance.to(img.dtype) * 1000
-            vec = vec + self.guidance_in(timestep_embedding(g).to(y.dtype))
-        vec = vec + self.vector_in(y)
-        vec_act = torch.nn.functional.silu(vec)
         txt = self.txt_in(txt)
-
         img_s: Stream = img
         txt_s: Stream = txt
         for block in self.double_blocks:
-            img_s, txt_s = block(img_s, txt_s, vec_act, pe)
+            img_s, txt_s = block(img_s, txt_s, source, pe)
 
         # (B, L_txt + L_img, D)
         x: Stream = torch.cat([materialize(txt_s), materialize(img_s)], dim=1)
         for block in self.single_blocks:
-            x = block(x, vec_act, pe)
+            x = block(x, source, pe)
 
         n_txt = txt.shape[1]
         img_s = (
@@ -191,7 +218,44 @@ class Flux1Transformer(nn.Module):
             if isinstance(x, Pending)
             else x[:, n_txt:]
         )
-        return self.final_layer(img_s, vec_act.to(img.dtype))
+        return self.final_layer(img_s, source)
+
+    def conditioning(self, timesteps: Tensor, y: Tensor, guidance: Tensor | None) -> Tensor:
+        """`silu(vec)` (B, D), rounded as diffusers: t*1000 in the model dtype, (t + g) + y."""
+        dtype = self.img_in.weight.dtype
+        t = timesteps.to(dtype) * 1000
+        vec = self.time_in(timestep_embedding(t).to(y.dtype))
+        if self.config.guidance_embed:
+            g = guidance.to(dtype) * 1000
+            vec = vec + self.guidance_in(timestep_embedding(g).to(y.dtype))
+        vec = vec + self.vector_in(y)
+        return torch.nn.functional.silu(vec).to(dtype)
+
+    @property
+    def _mod_linears(self) -> list[nn.Module]:
+        """Every adaLN projection, in the order of `modulation_table`'s columns."""
+        lins = [m.lin for b in self.double_blocks for m in (b.img_mod, b.txt_mod)]
+        lins += [b.modulation.lin for b in self.single_blocks]
+        return [*lins, self.final_layer.adaLN_modulation[1]]
+
+    @property
+    def _mod_offsets(self) -> dict[int, tuple[int, int]]:
+        if self._offsets_cache is None:
+            offsets, start = {}, 0
+            for lin in self._mod_linears:
+                offsets[id(lin)] = (start, start + lin.out_features)
+                start += lin.out_features
+            self._offsets_cache = offsets
+        return self._offsets_cache
+
+    def modulation_table(self, vec_act: Tensor) -> Tensor:
+        """All adaLN projections of `vec_act` (M, D) side by side: (M, total), one GEMM per projection.
+
+        With M = steps x batch this reads each modulation weight once per generation instead of once per
+        step (fusion F13). Slicing row i gives `forward(..., mods=...)` the same values up to cuBLAS's
+        rounding for that M, which is why the pipeline uses it only in the `high` tier.
+        """
+        return torch.cat([lin(vec_act) for lin in self._mod_linears], dim=1)
 
     def _check_inputs(
         self, img: Tensor, txt: Tensor, timesteps: Tensor, y: Tensor, guidance: Tensor | None
