@@ -13,7 +13,8 @@ The pipeline sets the quality tier for a block of work::
   recorded, and that signature uses the reference from then on (sglang's `BitExactFusionGate`,
   shared/reference/fusions.md §0.7). Verification needs a host sync, so it never happens while a CUDA
   graph is captured; an unverified signature runs the reference there.
-- `high`: also kernels that change rounding (none yet); lossless kernels are still verified.
+- `high`: also kernels that change rounding (none of the kernels here yet: the pipeline's `high` tier batches
+  the adaLN projections of all steps instead); lossless kernels are still verified.
 
 Nothing falls back silently: each reason a fused kernel was not used is counted per (op, reason),
 logged once (a warning, or an error for a failed verification) and reported by `fused_ops_report()`.

@@ -1,7 +1,7 @@
 """Quality tiers, loudly: which kernels a request may mount, and which tier it actually got.
 
 `lossless` runs the reference ops or fused kernels proven `torch.equal` to them; `high` may also run
-approximate fusions. When a requested tier cannot run (CPU, fp32), the runtime says so once and the
+approximate fusions (today: the adaLN projections of all steps batched into one GEMM each, F13). When a requested tier cannot run (CPU, fp32), the runtime says so once and the
 tier actually used goes into the image's provenance. Nothing falls back silently.
 """
 
