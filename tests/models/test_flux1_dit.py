@@ -119,7 +119,9 @@ def _repo_root():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_modulation_table_rows_give_the_live_forward(tmp_path, dtype):
-    model = load_transformer(save_bfl(make_diffusers_transformer(True), tmp_path / "f.safetensors"), dtype=dtype)
+    model = load_transformer(
+        save_bfl(make_diffusers_transformer(True), tmp_path / "f.safetensors"), dtype=dtype
+    )
     img, img_ids, txt, txt_ids, t, y, g = make_inputs(2, 3, 4, 5, dtype)
     with torch.no_grad():
         live = model(img, img_ids, txt, txt_ids, t, y, g)
