@@ -15,26 +15,49 @@ from flux_runtime.kernels.dispatch import (
     reset_fused_ops_report,
     use_fused,
 )
+from flux_runtime.kernels.fp8 import (
+    Fp8Act,
+    Fp8Quant,
+    fp8_linear,
+    gelu_tanh_fp8,
+    quantize,
+    quantize_reference,
+    swiglu_fp8,
+)
 from flux_runtime.kernels.gated_residual import gated_residual
 from flux_runtime.kernels.gelu import gelu_tanh
-from flux_runtime.kernels.layer_norm_modulate import layer_norm_modulate, residual_layer_norm_modulate
+from flux_runtime.kernels.layer_norm_modulate import (
+    layer_norm_modulate,
+    layer_norm_modulate_fp8,
+    residual_layer_norm_modulate,
+    residual_layer_norm_modulate_fp8,
+)
 from flux_runtime.kernels.linear import split_linear
 from flux_runtime.kernels.modulate import modulate
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
 from flux_runtime.kernels.swiglu import swiglu
 
 __all__ = [
+    "Fp8Act",
+    "Fp8Quant",
     "FusedOpsReport",
+    "fp8_linear",
     "fused_ops_report",
     "fused_tier",
     "gated_residual",
     "gelu_tanh",
+    "gelu_tanh_fp8",
     "layer_norm_modulate",
+    "layer_norm_modulate_fp8",
     "modulate",
     "qk_norm_rope",
+    "quantize",
+    "quantize_reference",
     "reset_fused_ops_report",
     "residual_layer_norm_modulate",
+    "residual_layer_norm_modulate_fp8",
     "split_linear",
     "swiglu",
+    "swiglu_fp8",
     "use_fused",
 ]

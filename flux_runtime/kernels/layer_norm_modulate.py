@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.fp8 import E4M3, Fp8Act, quantize_reference
 from flux_runtime.kernels.gated_residual import check_gated_residual, gated_residual_reference
 from flux_runtime.kernels.modulate import modulate_reference
 from flux_runtime.kernels.triton_utils import (
@@ -32,6 +33,7 @@ from flux_runtime.kernels.triton_utils import (
     check_launchable,
     check_shape,
     check_unit_stride,
+    e4m3_code,
     halves,
     jit,
     round_to,
@@ -39,6 +41,7 @@ from flux_runtime.kernels.triton_utils import (
     tl,
     to_storage,
     triton,
+    triton_dtype,
     upcast,
 )
 
@@ -291,7 +294,9 @@ def _layer_norm_modulate_rows_kernel(
     shift_ptr,  # (B, D), strides (stride_shift, 1)
     scale_ptr,  # (B, D), strides (stride_scale, 1)
     r_out_ptr,  # (B, L, D) contiguous: r = residual + gate * update, written only when HAS_RESIDUAL
-    y_out_ptr,  # (B, L, D) contiguous: LayerNorm(x or r) * (1 + scale) + shift
+    y_out_ptr,  # (B, L, D) contiguous: LayerNorm(x or r) * (1 + scale) + shift (QUANT: uint8 e4m3 bits)
+    q_scale_ptr,  # QUANT 2: (B * L,) fp32 row scales written; QUANT 1: unused
+    q_inv_ptr,  # QUANT 1: 0-dim fp32 1 / input_scale read; QUANT 2: unused
     L,
     D,
     eps,
@@ -306,10 +311,11 @@ def _layer_norm_modulate_rows_kernel(
     EVEN: tl.constexpr,  # D % 512 == 0: no masks, every Welford count a constant
     ROWS: tl.constexpr,  # rows per program, held in registers side by side
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,  # 0: store y; 1: store e4m3(y) with a static scale; 2: with per-row scales
     GPU: tl.constexpr,
+    DTYPE: tl.constexpr,  # the activations' dtype (y_out_ptr holds bytes when QUANT)
 ):
     # grid: (cdiv(L, ROWS), B)
-    DTYPE = y_out_ptr.dtype.element_ty
     b = tl.program_id(1).to(tl.int64)
     pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = pos < L
@@ -370,6 +376,10 @@ def _layer_norm_modulate_rows_kernel(
 
     # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
     store_ok = row_ok[None, :, None]
+    ys = ()  # QUANT 2: the rounded values, quantized once the row's amax is known
+    amax = tl.zeros((ROWS,), tl.float32)
+    if QUANT == 1:
+        inv = tl.load(q_inv_ptr)
     for it in tl.static_range(ITERS):
         col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
         mask = store_ok if EVEN else store_ok & (col < D)
@@ -377,8 +387,26 @@ def _layer_norm_modulate_rows_kernel(
             tl.store(r_out_ptr + out_row[None, :, None] + col, xs[it], mask=mask)
         ln = round_to(rstd * (upcast(xs[it], GPU) - mean), DTYPE, GPU)
         prod = round_to(ln * scales[it], DTYPE, GPU)
-        y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
-        tl.store(y_out_ptr + out_row[None, :, None] + col, y, mask=mask)
+        if QUANT == 0:
+            y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
+            tl.store(y_out_ptr + out_row[None, :, None] + col, y, mask=mask)
+        else:
+            y = round_to(prod + upcast(shifts[it], GPU), DTYPE, GPU)  # the bf16 value eager would store
+            if QUANT == 1:
+                tl.store(y_out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv), mask=mask)
+            else:
+                ys = ys + (y,)  # noqa: RUF005
+                a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
+                amax = tl.maximum(amax, tl.max(tl.max(a, axis=2), axis=0))
+    if QUANT == 2:
+        s = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, 448.0, tl.float32))
+        inv_row = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        tl.store(q_scale_ptr + b * L + pos, s, mask=row_ok)
+        for it in tl.static_range(ITERS):
+            col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
+            mask = store_ok if EVEN else store_ok & (col < D)
+            q = e4m3_code(ys[it] * inv_row[None, :, None])
+            tl.store(y_out_ptr + out_row[None, :, None] + col, q, mask=mask)
 
 
 def _check_norm_modulate(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[int, int, int]:
@@ -414,14 +442,17 @@ def default_rows_per_program(d: int, variant: str) -> int:
 def _launch(
     x: Tensor, gate: Tensor | None, update: Tensor | None, shift: Tensor, scale: Tensor, eps: float,
     variant: str | None, rows_per_program: int | None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    quant: tuple[Tensor | None, Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor | Fp8Act]:  # fmt: skip
     variant = VARIANT if variant is None else variant
     if variant not in VARIANTS:
         raise ValueError(f"layer_norm_modulate: unknown variant {variant!r}; expected one of {VARIANTS}")
+    if quant is not None and variant != "v2":
+        raise UnsupportedInput("layer_norm_modulate: the e4m3 output exists in the v2 kernel only")
     b, length, d = x.shape
     rows = default_rows_per_program(d, variant) if rows_per_program is None else rows_per_program
-    y = torch.empty((b, length, d), dtype=x.dtype, device=x.device)
-    r = torch.empty_like(y) if gate is not None else y
+    y = torch.empty((b, length, d), dtype=x.dtype if quant is None else torch.uint8, device=x.device)
+    r = torch.empty((b, length, d), dtype=x.dtype, device=x.device) if gate is not None else y
     check_int32_offsets("layer_norm_modulate", "out", y)
     upd = update if update is not None else x
     iters = triton.cdiv(d, _THREADS * _VEC)
@@ -436,12 +467,22 @@ def _launch(
             enable_fp_fusion=False,
         )  # fmt: skip
     else:
+        mode, q_scale, q_inv = 0, shift, shift  # the pointers are not read without QUANT
+        if quant is not None:
+            q_static, q_inv_static = quant
+            mode = 2 if q_static is None else 1
+            q_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if mode == 2 else q_static
+            q_inv = q_inv_static if mode == 1 else q_scale
         _layer_norm_modulate_rows_kernel[(triton.cdiv(length, rows), b)](
-            x, g, upd, shift, scale, r, y, length, d, eps,
+            x, g, upd, shift, scale, r, y, q_scale, q_inv, length, d, eps,
             x.stride(0), x.stride(1), g.stride(0), upd.stride(0), upd.stride(1), shift.stride(0), scale.stride(0),
             ITERS=iters, EVEN=even and _even_counts_halve(iters), ROWS=rows, HAS_RESIDUAL=gate is not None,
-            GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+            QUANT=mode, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
+        if quant is not None:
+            data = y.view(E4M3)
+            row_scale = q_scale.view(b, length, 1) if mode == 2 else q_scale
+            return (r if gate is not None else x), Fp8Act(data, row_scale)
     return r, y
 
 
@@ -514,3 +555,92 @@ def residual_layer_norm_modulate(
 ) -> tuple[Tensor, Tensor]:
     """Deferred gated residual + LayerNorm + modulate; see `residual_layer_norm_modulate_reference`."""
     return run_op(_RESIDUAL_LAYER_NORM_MODULATE, residual, gate, update, shift, scale, eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# e4m3 outputs: the bf16/fp16 value above, then the FP8 consumer's quantization (no bf16 copy written)
+
+
+def _check_quant(
+    op: str, scale: Tensor | None, inv_scale: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    if (scale is None) != (inv_scale is None):
+        raise ValueError(f"{op}: pass both scale and inv_scale (static) or neither (dynamic)")
+    if scale is not None and (scale.numel() != 1 or inv_scale.dtype != torch.float32):
+        raise UnsupportedInput(f"{op}: a static scale must be one fp32 value")
+    return scale, inv_scale
+
+
+def layer_norm_modulate_fp8_triton(
+    x: Tensor, shift: Tensor, scale: Tensor, eps: float, q_scale: Tensor | None, q_inv: Tensor | None
+) -> Fp8Act:
+    """Fused `layer_norm_modulate_fp8_reference` (the v2 kernel with its e4m3 epilogue)."""
+    op = "layer_norm_modulate_fp8"
+    check_launchable(op, x, shift, scale)
+    if x.ndim != 3 or x.numel() == 0:
+        raise UnsupportedInput(f"{op}: x must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
+    _check_norm_modulate(op, x, shift, scale)
+    check_unit_stride(op, "x", x)
+    check_int32_offsets(op, "x", x)
+    check_aten_vectorized(op, "x", x)
+    quant = _check_quant(op, q_scale, q_inv)
+    return _launch(x, None, None, shift, scale, eps, "v2", None, quant)[1]
+
+
+def residual_layer_norm_modulate_fp8_triton(
+    residual: Tensor, gate: Tensor, update: Tensor, shift: Tensor, scale: Tensor, eps: float,
+    q_scale: Tensor | None, q_inv: Tensor | None,
+) -> tuple[Tensor, Fp8Act]:  # fmt: skip
+    """Fused `residual_layer_norm_modulate_fp8_reference`: `(r, e4m3 of the modulated r)`."""
+    op = "residual_layer_norm_modulate_fp8"
+    check_launchable(op, residual, gate, update, shift, scale)
+    check_gated_residual(op, residual, gate, update)
+    _check_norm_modulate(op, residual, shift, scale)
+    quant = _check_quant(op, q_scale, q_inv)
+    return _launch(residual, gate, update, shift, scale, eps, "v2", None, quant)
+
+
+def layer_norm_modulate_fp8_reference(
+    x: Tensor, shift: Tensor, scale: Tensor, eps: float, q_scale: Tensor | None, q_inv: Tensor | None
+) -> Fp8Act:
+    """`quantize_reference(layer_norm_modulate_reference(x, shift, scale, eps), q_scale, q_inv)`."""
+    return quantize_reference(layer_norm_modulate_reference(x, shift, scale, eps), q_scale, q_inv)
+
+
+def residual_layer_norm_modulate_fp8_reference(
+    residual: Tensor, gate: Tensor, update: Tensor, shift: Tensor, scale: Tensor, eps: float,
+    q_scale: Tensor | None, q_inv: Tensor | None,
+) -> tuple[Tensor, Fp8Act]:  # fmt: skip
+    """`(r, quantize_reference(layer_norm_modulate(r)))` with `r = residual + gate * update`."""
+    r, y = residual_layer_norm_modulate_reference(residual, gate, update, shift, scale, eps)
+    return r, quantize_reference(y, q_scale, q_inv)
+
+
+_LAYER_NORM_MODULATE_FP8 = FusedOp(
+    "layer_norm_modulate_fp8",
+    fused=layer_norm_modulate_fp8_triton,
+    reference=layer_norm_modulate_fp8_reference,
+)
+_RESIDUAL_LAYER_NORM_MODULATE_FP8 = FusedOp(
+    "residual_layer_norm_modulate_fp8",
+    fused=residual_layer_norm_modulate_fp8_triton,
+    reference=residual_layer_norm_modulate_fp8_reference,
+)
+
+
+def layer_norm_modulate_fp8(
+    x: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6,
+    q_scale: Tensor | None = None, q_inv: Tensor | None = None,
+) -> Fp8Act:  # fmt: skip
+    """LayerNorm + modulate in e4m3 for an FP8 consumer: static (`q_scale`, `q_inv`) or per-row scales."""
+    return run_op(_LAYER_NORM_MODULATE_FP8, x, shift, scale, eps, q_scale, q_inv)
+
+
+def residual_layer_norm_modulate_fp8(
+    residual: Tensor, gate: Tensor, update: Tensor, shift: Tensor, scale: Tensor, eps: float = 1e-6,
+    q_scale: Tensor | None = None, q_inv: Tensor | None = None,
+) -> tuple[Tensor, Fp8Act]:  # fmt: skip
+    """Deferred gated residual + LayerNorm + modulate, the modulated value in e4m3 (see above)."""
+    return run_op(
+        _RESIDUAL_LAYER_NORM_MODULATE_FP8, residual, gate, update, shift, scale, eps, q_scale, q_inv
+    )

@@ -133,6 +133,27 @@ def rsqrtf(x, GPU: tl.constexpr):
 
 
 @jit
+def e4m3_code(v):
+    """The e4m3fn bit pattern (uint8) of fp32 `v`: clamped to ±448, rounded to nearest even.
+
+    Normal results (|v| >= 2^-6) round the fp32 mantissa to 3 bits and rebias the exponent
+    (127 → 7); below that the grid is 2^-9, which an fp32 add of 2^14 (whose ulp is 2^-9) rounds to,
+    ties to even. NaN stays NaN (0x7F with its sign), as torch's cast does.
+    """
+    nan = v != v
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    a = mag.to(tl.float32, bitcast=True)
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
+    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.uint32)
+    code = tl.where(a >= 0.015625, normal, sub)
+    code = tl.where(nan, 0x7F, code) | sign
+    return code.to(tl.uint8)
+
+
+@jit
 def halves(v, R: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
     """Split lanes `v` (R, W, 2K) into their lower (R, W, K) and upper (R, W, K) halves.
 

@@ -18,6 +18,7 @@ import torch
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
 from flux_runtime.weights import flux2_layout
+from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.hub import resolve
@@ -30,6 +31,9 @@ from flux_runtime.weights.transformer import (
     _check_keys,
     _folder_config,
     find_transformer_files,
+    finish_builtin,
+    identity_rules,
+    take_only,
 )
 
 log = logging.getLogger(__name__)
@@ -114,6 +118,7 @@ def load_flux2_transformer(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     config: DiTConfig | None = None,
+    fp8: bool = False,
 ) -> Flux2Transformer:
     """Load a FLUX.2 [dev] / [klein] transformer, ready for inference (eval mode, no grads).
 
@@ -121,27 +126,32 @@ def load_flux2_transformer(
     prefixed), a diffusers `transformer/` folder or pipeline root (sharded or not), a Hugging Face
     model id in the local cache, or the built-in random preset `tiny-flux2`. `config` is optional;
     when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used).
+    FP8 checkpoints and `fp8=True` as in `load_transformer`.
     """
     device = torch.device(device)
+    fp8_layers.check_dtype(dtype, fp8)
     if _builtin(path_or_id):
         with torch.device("meta"):
             model = Flux2Transformer(config or PRESETS[str(path_or_id)])
-        return init_random(model, BUILTIN_FLUX2[str(path_or_id)], device, dtype).eval()
+        return finish_builtin(init_random(model, BUILTIN_FLUX2[str(path_or_id)], device, dtype), dtype, fp8)
 
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
     if not flux2_layout.is_flux2(src.keys()):
         raise WeightsError(f"{files[0]}: not a FLUX.2 transformer (no shared modulation weights)")
     layout = flux2_layout.detect_layout(src.keys())
+    reader = KeyView(src, BFL_PREFIXES) if layout == "bfl" else src
+    fp8_src = fp8_layers.Fp8Source.detect(reader, _folder_config(files), str(files[0].parent))
+    extra = fp8_src.extra_keys() if fp8_src is not None else set()
     if layout == "bfl":
-        view = KeyView(src, BFL_PREFIXES)
+        view = reader
         depths = flux2_layout.bfl_depths(view.keys())
         shape_of: ShapeOf = view.shape
     else:
         depths = flux2_layout.diffusers_depths(src.keys())
         table = list(flux2_layout.rules(*depths))
         used = {d for r in table for d in r.diffusers}
-        raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used))
+        raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used - extra))
         shape_of = _fused_shapes(table, src.shape)
 
     inferred = infer_config(shape_of, depths, _folder_config(files))
@@ -155,9 +165,10 @@ def load_flux2_transformer(
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
     if layout == "bfl":
-        _check_keys(set(view.keys()), expected, shape_of)
-        sd = {k: view.get(k, device, dtype) for k in expected}
+        _check_keys(set(view.keys()) - extra, expected, shape_of)
+        table, assemble = identity_rules(expected), take_only
     else:
+        assemble = flux2_layout.diffusers_to_bfl
         for rule in table:
             # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
             meta = torch.empty(expected[rule.bfl], device="meta")
@@ -166,11 +177,9 @@ def load_flux2_transformer(
                     raise WeightsError(
                         f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
                     )
-        sd = {
-            rule.bfl: flux2_layout.diffusers_to_bfl(rule, lambda k: src.get(k, device, dtype))
-            for rule in table
-        }
-    model.load_state_dict(sd, strict=True, assign=True)
+    model.precision = fp8_layers.load_state(
+        model, table, reader.get, assemble, device=device, dtype=dtype, fp8=fp8_src, quantize=fp8
+    )
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()

@@ -59,6 +59,9 @@ class KeyView:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.src.shape(self.names[key])
 
+    def dtype(self, key: str) -> str:
+        return self.src.dtype(self.names[key])
+
     def get(
         self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor:

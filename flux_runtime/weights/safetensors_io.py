@@ -58,12 +58,14 @@ class TensorSource:
         self.files = files
         self._where: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         for path in files:
             for key, info in read_header(path).items():
                 if key in self._where:
                     raise WeightsError(f"key {key!r} appears in both {self._where[key]} and {path}")
                 self._where[key] = path
                 self._shapes[key] = tuple(info["shape"])
+                self._dtypes[key] = str(info.get("dtype", ""))
         self._handles: dict[Path, object] = {}
 
     def keys(self) -> list[str]:
@@ -74,6 +76,10 @@ class TensorSource:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
+
+    def dtype(self, key: str) -> str:
+        """The header's dtype name (`BF16`, `F8_E4M3`, ...)."""
+        return self._dtypes[key]
 
     def get(
         self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None

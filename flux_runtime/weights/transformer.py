@@ -17,6 +17,7 @@ from torch import nn
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux1_layout
+from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors, strip_prefix
@@ -158,6 +159,7 @@ def load_transformer(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     config: DiTConfig | None = None,
+    fp8: bool = False,
 ) -> Flux1Transformer | Flux2Transformer:
     """Load a FLUX.1 or FLUX.2 transformer, ready for inference (eval mode, no grads).
 
@@ -166,20 +168,28 @@ def load_transformer(
     not), a Hugging Face model id in the local cache, or a built-in random preset (`tiny`).
     `config` is optional; when given it must agree with the checkpoint.
     FLUX.2 checkpoints (and `tiny-flux2`) load through `load_flux2_transformer`; `.config.family` says which.
+
+    FP8 checkpoints (ModelOpt, ComfyUI scaled FP8, plain e4m3 casts) load as they are, their block
+    projections kept in e4m3; `fp8=True` quantizes a bf16 checkpoint's block projections at load
+    (per-channel weight scales, per-row activation scales). `.precision` says which (`bf16`,
+    `fp8-static`, `fp8-dynamic`). FP8 models compute in bf16 between their FP8 GEMMs.
     """
     device = torch.device(device)
+    fp8_layers.check_dtype(dtype, fp8)
     # FLUX.2 detect step: told apart by its keys. Its loader builds on this module's helpers, so it is
     # imported here (a top-level import would be circular).
     from flux_runtime.weights import flux2_transformer
 
     if flux2_transformer.is_flux2(path_or_id):
-        return flux2_transformer.load_flux2_transformer(path_or_id, device=device, dtype=dtype, config=config)
+        return flux2_transformer.load_flux2_transformer(
+            path_or_id, device=device, dtype=dtype, config=config, fp8=fp8
+        )
 
     if str(path_or_id) in BUILTIN and not Path(path_or_id).exists():
         cfg = config or PRESETS[str(path_or_id)]
         with torch.device("meta"):
             model = Flux1Transformer(cfg)
-        return init_random(model, BUILTIN[str(path_or_id)], device, dtype).eval()
+        return finish_builtin(init_random(model, BUILTIN[str(path_or_id)], device, dtype), dtype, fp8)
 
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
@@ -198,18 +208,22 @@ def load_transformer(
     with torch.device("meta"):
         model = Flux1Transformer(inferred)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    reader = view if layout == "bfl" else src
+    fp8_src = fp8_layers.Fp8Source.detect(reader, _folder_config(files), str(files[0].parent))
+    extra = fp8_src.extra_keys() if fp8_src is not None else set()
 
     if layout == "bfl":
-        _check_keys(set(keys), expected, shape_of)
-        sd = {k: view.get(k, device, dtype) for k in expected}
+        _check_keys(set(keys) - extra, expected, shape_of)
+        table = identity_rules(expected)
+        assemble = take_only
     else:
         cfg = inferred
         table = list(flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed))
         used = {d for r in table for d in r.diffusers}
         missing = sorted(d for d in used if d not in src)
-        unexpected = sorted(set(keys) - used)
+        unexpected = sorted(set(keys) - used - extra)
         raise_key_errors(missing, unexpected)
-        sd = {}
+        assemble = flux1_layout.diffusers_to_bfl
         for rule in table:
             # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
             meta = torch.empty(expected[rule.bfl], device="meta")
@@ -218,11 +232,27 @@ def load_transformer(
                     raise WeightsError(
                         f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
                     )
-        for rule in table:
-            sd[rule.bfl] = flux1_layout.diffusers_to_bfl(rule, lambda k: src.get(k, device, dtype))
-    model.load_state_dict(sd, strict=True, assign=True)
+    model.precision = fp8_layers.load_state(
+        model, table, reader.get, assemble, device=device, dtype=dtype, fp8=fp8_src, quantize=fp8
+    )
     for p in model.parameters():
         p.requires_grad_(False)
+    return model.eval()
+
+
+def identity_rules(expected: dict[str, tuple[int, ...]]) -> list[flux1_layout.Rule]:
+    """Rules for a checkpoint stored under our own (BFL) names: each key is itself."""
+    return [flux1_layout.Rule(k, (k,)) for k in expected]
+
+
+def take_only(rule: flux1_layout.Rule, get) -> torch.Tensor:
+    """`assemble` for identity rules."""
+    return get(rule.diffusers[0])
+
+
+def finish_builtin(model: nn.Module, dtype: torch.dtype, fp8: bool) -> nn.Module:
+    """A built-in random model, quantized when `fp8`, with its precision recorded."""
+    model.precision = fp8_layers.quantize_model(model, dtype) if fp8 else fp8_layers.precision_of({}, dtype)
     return model.eval()
 
 

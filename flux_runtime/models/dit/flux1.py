@@ -85,8 +85,11 @@ class MLP(nn.Sequential):
         self.add_module("0", Linear(dim, hidden))
         self.add_module("2", Linear(hidden, dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self[1](self[0].forward_gelu(x))
+    def forward(self, x: Tensor | kernels.Fp8Act) -> Tensor:
+        quant = self[1].act_quant
+        if quant is None:
+            return self[1](kernels.gelu_tanh(self[0](x)))
+        return self[1](kernels.gelu_tanh_fp8(self[0](x), *quant))
 
 
 class DoubleStreamBlock(nn.Module):
@@ -120,15 +123,19 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, x: Stream, mods: ModulationSource, pe: RoPE) -> Stream:
         (mod,) = mods(self.modulation)
-        x, x_n = norm_modulate(x, mod)
+        x, x_n = norm_modulate(x, mod, self.linear1.act_quant)
         d, m = self.linear1.in_features, self.mlp_hidden_dim
-        # (B, L, D + mlp_hidden): attention first, MLP second, each written in place (no concat)
-        h = x_n.new_empty(*x_n.shape[:-1], d + m)
-        q, k, v, _ = self.linear1.split(x_n, (d, d, d, m), gelu_last=True, gelu_out=h[..., d:])
+        # (B, L, D + mlp_hidden): attention first, MLP second, each written in place (no concat);
+        # e4m3 when linear2 reads a statically quantized input
+        quant = self.linear2.act_quant
+        h = self.linear2.input_buffer(x, d + m)
+        q, k, v, _ = self.linear1.split(
+            x_n, (d, d, d, m), gelu_last=True, gelu_out=h[..., d:], gelu_quant=quant
+        )
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
-        attention(q, k, v, out=h[..., :d])
+        attention(q, k, v, out=h[..., :d], quant=quant)
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 
 
@@ -222,7 +229,7 @@ class Flux1Transformer(nn.Module):
 
     def conditioning(self, timesteps: Tensor, y: Tensor, guidance: Tensor | None) -> Tensor:
         """`silu(vec)` (B, D), rounded as diffusers: t*1000 in the model dtype, (t + g) + y."""
-        dtype = self.img_in.weight.dtype
+        dtype = self.img_in.compute_dtype
         t = timesteps.to(dtype) * 1000
         vec = self.time_in(timestep_embedding(t).to(y.dtype))
         if self.config.guidance_embed:

@@ -67,8 +67,11 @@ class MLP(nn.Sequential):
         self.add_module("0", Linear(dim, 2 * hidden, bias=False))  # rows [gate | up]
         self.add_module("2", Linear(hidden, dim, bias=False))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self[1](swiglu(self[0](x)))
+    def forward(self, x: Tensor | kernels.Fp8Act) -> Tensor:
+        quant = self[1].act_quant
+        if quant is None:
+            return self[1](swiglu(self[0](x)))
+        return self[1](kernels.swiglu_fp8(self[0](x), *quant))
 
 
 class DoubleStreamBlock(nn.Module):
@@ -105,17 +108,21 @@ class SingleStreamBlock(nn.Module):
         self.norm = QKNorm(cfg.head_dim)
 
     def forward(self, x: Stream, mod: ModulationOut, pe: RoPE) -> Stream:
-        x, x_n = norm_modulate(x, mod)
+        x, x_n = norm_modulate(x, mod, self.linear1.act_quant)
         # one GEMM, split as diffusers splits it: (B, L, 3D) attention, (B, L, 2M) [gate | up]
         qkv, mlp = self.linear1(x_n).split([3 * self.linear1.in_features, 2 * self.mlp_hidden_dim], dim=-1)
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in qkv.chunk(3, dim=-1))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
-        # (B, L, D + M): attention first, MLP second, each written in place (no concat)
-        d = self.linear1.in_features
-        h = x_n.new_empty(*x_n.shape[:-1], d + self.mlp_hidden_dim)
-        swiglu(mlp, out=h[..., d:])
-        attention(q, k, v, out=h[..., :d])
+        # (B, L, D + M): attention first, MLP second, each written in place (no concat); e4m3 when
+        # linear2 reads a statically quantized input
+        d, quant = self.linear1.in_features, self.linear2.act_quant
+        h = self.linear2.input_buffer(x, d + self.mlp_hidden_dim)
+        if h.dtype == kernels.fp8.E4M3:
+            kernels.swiglu_fp8(mlp, *quant, out=h[..., d:])
+        else:
+            swiglu(mlp, out=h[..., d:])
+        attention(q, k, v, out=h[..., :d], quant=quant)
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 
 

@@ -31,7 +31,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def split(
-        self, x: Tensor, sizes: tuple[int, ...], *, gelu_last: bool = False, gelu_out: Tensor | None = None
+        self,
+        x: Tensor,
+        sizes: tuple[int, ...],
+        *,
+        gelu_last: bool = False,
+        gelu_out: Tensor | None = None,
+        gelu_quant: kernels.Fp8Quant | None = None,
     ) -> tuple[Tensor, ...]:
         """Project `x` through consecutive row blocks of the weight.
 
@@ -44,16 +50,125 @@ class Linear(nn.Module):
             return kernels.split_linear(x, w, b, tuple(sizes))
         n = sum(sizes[:-1])
         head = kernels.split_linear(x, w[:n], None if b is None else b[:n], tuple(sizes[:-1]))
-        return (*head, kernels.gelu_tanh(F.linear(x, w[n:], None if b is None else b[n:]), out=gelu_out))
+        return (*head, _gelu_into(F.linear(x, w[n:], None if b is None else b[n:]), gelu_out, gelu_quant))
 
     def forward_gelu(self, x: Tensor) -> Tensor:
         """tanh-GELU of the projection (FLUX.1's MLP input)."""
         return kernels.gelu_tanh(F.linear(x, self.weight, self.bias))
 
+    # what a producer needs to know about this layer's input: None = bf16/fp16, no quantization
+    act_quant: kernels.Fp8Quant | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the activations this layer reads and writes."""
+        return self.weight.dtype
+
+    def from_view(self, x: Tensor) -> Tensor:
+        """Project a strided view (a slice of the attention output): copied contiguous first, as diffusers does."""
+        return self(x.contiguous())
+
+    def input_buffer(self, like: Tensor, width: int) -> Tensor:
+        """An empty input (..., width) shaped as `like`'s rows, that producers write column slices of."""
+        return like.new_empty(*like.shape[:-1], width)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+class Fp8Linear(nn.Module):
+    """A projection with an e4m3 weight: `torch._scaled_mm` on e4m3 activations, fp32 scales, bias in the GEMM.
+
+    `weight` (out, in) e4m3 with `weight_scale` 0-dim (per tensor) or (out,) (per output channel: merged
+    q/k/v shards keep their own scales, the bytes untouched). The input is quantized with the static
+    `input_scale` (a calibrated checkpoint) or, when there is none, per token row at run time; producers
+    that know `act_quant` hand over an `Fp8Act` directly. Output in `compute_dtype` (bf16).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        per_channel: bool = True,
+        static: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.out_dtype = dtype
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=kernels.fp8.E4M3))
+        self.register_buffer(
+            "weight_scale", torch.empty((out_features,) if per_channel else (), dtype=torch.float32)
+        )
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        if static:
+            self.register_buffer("input_scale", torch.empty((), dtype=torch.float32))
+            self.register_buffer("input_scale_inv", torch.empty((), dtype=torch.float32))
+        else:
+            self.input_scale = self.input_scale_inv = None
+
+    @property
+    def act_quant(self) -> kernels.Fp8Quant:  # type: ignore[override]
+        return kernels.Fp8Quant(self.input_scale, self.input_scale_inv)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.out_dtype
+
+    def forward(self, x: Tensor | kernels.Fp8Act) -> Tensor:
+        if isinstance(x, Tensor) and x.dtype == kernels.fp8.E4M3:
+            assert self.input_scale is not None, "an e4m3 input needs a static input scale"
+            x = kernels.Fp8Act(x, self.input_scale)
+        elif not isinstance(x, kernels.Fp8Act):
+            x = kernels.quantize(x, *self.act_quant)
+        return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+    def split(
+        self,
+        x: Tensor | kernels.Fp8Act,
+        sizes: tuple[int, ...],
+        *,
+        gelu_last: bool = False,
+        gelu_out: Tensor | None = None,
+        gelu_quant: kernels.Fp8Quant | None = None,
+    ) -> tuple[Tensor, ...]:
+        """One FP8 GEMM over the merged rows, split; `gelu_last` as in `Linear.split`.
+
+        With `gelu_quant` (the consumer's quantization) the GELU is written in e4m3 into `gelu_out`.
+        """
+        parts = self(x).split(tuple(sizes), dim=-1)
+        if not gelu_last:
+            return parts
+        return (*parts[:-1], _gelu_into(parts[-1], gelu_out, gelu_quant))
+
+    def from_view(self, x: Tensor) -> Tensor:
+        """Quantize straight from the strided view (the quantization is the copy)."""
+        return self(x)
+
+    def input_buffer(self, like: Tensor, width: int) -> Tensor:
+        """e4m3 when the input scale is static (producers write quantized slices), else bf16."""
+        dtype = kernels.fp8.E4M3 if self.input_scale is not None else like.dtype
+        return torch.empty(*like.shape[:-1], width, dtype=dtype, device=like.device)
+
+    def extra_repr(self) -> str:
+        kind = "static" if self.input_scale is not None else "dynamic"
+        per = "channel" if self.weight_scale.ndim else "tensor"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8 {kind}, per-{per} weight scale"
+
+
+def _gelu_into(x: Tensor, out: Tensor | None, quant: kernels.Fp8Quant | None) -> Tensor:
+    """tanh-GELU of `x`, into `out` when given: e4m3 with `quant` (static), else in x's dtype."""
+    if out is not None and out.dtype == kernels.fp8.E4M3:
+        assert quant is not None and quant.static
+        return kernels.gelu_tanh_fp8(x, *quant, out=out).data
+    return kernels.gelu_tanh(x, out=out)
+
+
+AnyLinear = Linear | Fp8Linear
 
 
 class MLPEmbedder(nn.Module):
@@ -113,8 +228,17 @@ def materialize(x: Stream) -> Tensor:
     return kernels.gated_residual(*x) if isinstance(x, Pending) else x
 
 
-def norm_modulate(x: Stream, mod: ModulationOut) -> tuple[Tensor, Tensor]:
-    """Return `(x, LayerNorm(x) * (1 + scale) + shift)`, materialising a pending residual on the way."""
+def norm_modulate(
+    x: Stream, mod: ModulationOut, quant: kernels.Fp8Quant | None = None
+) -> tuple[Tensor, Tensor | kernels.Fp8Act]:
+    """Return `(x, LayerNorm(x) * (1 + scale) + shift)`, materialising a pending residual on the way.
+
+    With `quant` (the consuming FP8 layer's `act_quant`) the modulated value comes back in e4m3.
+    """
+    if quant is not None:
+        if isinstance(x, Pending):
+            return kernels.residual_layer_norm_modulate_fp8(*x, mod.shift, mod.scale, EPS, *quant)
+        return x, kernels.layer_norm_modulate_fp8(x, mod.shift, mod.scale, EPS, *quant)
     if isinstance(x, Pending):
         return kernels.residual_layer_norm_modulate(*x, mod.shift, mod.scale, EPS)
     return x, kernels.layer_norm_modulate(x, mod.shift, mod.scale, EPS)
@@ -155,16 +279,23 @@ def rope_tables(ids: Tensor, axes_dim: tuple[int, ...], theta: int) -> tuple[Ten
     return torch.cat(cos_out, dim=-1), torch.cat(sin_out, dim=-1)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None = None) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor | None = None, quant: kernels.Fp8Quant | None = None
+) -> Tensor:
     """Full attention over (B, L, H, D) inputs through default-dispatch SDPA; returns (B, L, H*D).
 
     With `out` (B, L, H*D) (unit last stride, e.g. a column slice of the single block's `[attn | mlp]`
     buffer) the heads are written there directly: the same values as diffusers' flatten and concat.
+    An e4m3 `out` (with the consumer's static `quant`) receives the heads quantized instead.
     """
     o = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
     o = o.permute(0, 2, 1, 3).to(q.dtype)
     if out is None:
         return o.flatten(2, 3)
+    if out.dtype == kernels.fp8.E4M3:
+        assert quant is not None and quant.static
+        kernels.quantize(o.reshape(*o.shape[:2], -1), *quant, out=out)
+        return out
     out.unflatten(-1, o.shape[2:]).copy_(o)
     return out
 
@@ -175,9 +306,9 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, bias: bool) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.qkv = Linear(dim, 3 * dim, bias)
+        self.qkv: AnyLinear = Linear(dim, 3 * dim, bias)
         self.norm = QKNorm(dim // num_heads)
-        self.proj = Linear(dim, dim, bias)
+        self.proj: AnyLinear = Linear(dim, dim, bias)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v as (B, L, H, Dh) from the modulated stream `x` (B, L, D).
@@ -186,6 +317,11 @@ class SelfAttention(nn.Module):
         """
         d = self.qkv.in_features
         return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in self.qkv.split(x, (d, d, d)))
+
+
+def _rows(x: Stream) -> int:
+    """Tokens in a stream (B, L, D)."""
+    return (x.update if isinstance(x, Pending) else x).shape[1]
 
 
 def double_stream(
@@ -204,8 +340,9 @@ def double_stream(
     (img_mod1, img_mod2), (txt_mod1, txt_mod2) = img_mods, txt_mods
 
     # prepare img and txt for attention
-    img, img_n = norm_modulate(img, img_mod1)
-    txt, txt_n = norm_modulate(txt, txt_mod1)
+    n_img, n_txt = _rows(img), _rows(txt)
+    img, img_n = norm_modulate(img, img_mod1, block.img_attn.qkv.act_quant)
+    txt, txt_n = norm_modulate(txt, txt_mod1, block.txt_attn.qkv.act_quant)
     img_q, img_k, img_v = block.img_attn.project(img_n)
     txt_q, txt_k, txt_v = block.txt_attn.project(txt_n)
 
@@ -214,19 +351,18 @@ def double_stream(
     q = kernels.qk_norm_rope(txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS)
     k = kernels.qk_norm_rope(txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS)
     # joint V: two strided copies (the merged-QKV views) are cheaper on the GPU than torch.cat of them
-    n_txt = txt_v.shape[1]
-    v = txt_v.new_empty(txt_v.shape[0], n_txt + img_v.shape[1], *txt_v.shape[2:])
+    v = txt_v.new_empty(txt_v.shape[0], n_txt + n_img, *txt_v.shape[2:])
     v[:, :n_txt].copy_(txt_v)
     v[:, n_txt:].copy_(img_v)
-    txt_attn, img_attn = attention(q, k, v).split_with_sizes([txt_n.shape[1], img_n.shape[1]], dim=1)
+    txt_attn, img_attn = attention(q, k, v).split_with_sizes([n_txt, n_img], dim=1)
 
     # image stream: attention residual, then MLP residual (both left pending)
-    img = Pending(img, img_mod1.gate, block.img_attn.proj(img_attn.contiguous()))
-    img, img_n = norm_modulate(img, img_mod2)
+    img = Pending(img, img_mod1.gate, block.img_attn.proj.from_view(img_attn))
+    img, img_n = norm_modulate(img, img_mod2, block.img_mlp[0].act_quant)
     img = Pending(img, img_mod2.gate, block.img_mlp(img_n))
 
     # text stream
-    txt = Pending(txt, txt_mod1.gate, block.txt_attn.proj(txt_attn.contiguous()))
-    txt, txt_n = norm_modulate(txt, txt_mod2)
+    txt = Pending(txt, txt_mod1.gate, block.txt_attn.proj.from_view(txt_attn))
+    txt, txt_n = norm_modulate(txt, txt_mod2, block.txt_mlp[0].act_quant)
     txt = clip_fp16(Pending(txt, txt_mod2.gate, block.txt_mlp(txt_n)))
     return img, txt

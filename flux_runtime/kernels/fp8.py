@@ -1,0 +1,319 @@
+"""FP8 (e4m3) activations: the quantization, the scaled GEMM, and activations quantized where they are made.
+
+An FP8 linear computes `y = (x_q * s_x) @ (W_q * s_w)^T + b` with `x_q = e4m3(clamp(x * (1 / s_x), ±448))`.
+`quantize_reference` is that quantization in plain PyTorch, and it *is* the FP8 model's math:
+
+- static (a checkpoint's calibrated `input_scale`, one fp32 value per layer): `x.float() * inv_scale`,
+  with `inv_scale = 1 / input_scale` computed once at load;
+- dynamic (no calibration): one scale per token row, `s = max(amax(|row|), 1e-12) / 448`, then
+  `x.float() * (1 / s)`.
+
+Each producer below (`quantize` of a strided view, tanh-GELU, SwiGLU) computes its bf16/fp16 value
+exactly as its eager op rounds it and then quantizes that value (never the unrounded fp32), so it is
+`torch.equal` to "eager op, then `quantize_reference`" and lives in the `lossless` tier. The e4m3
+rounding is done with integer bit operations (round to nearest even, exact on the GPU and in the
+Triton interpreter alike). `fp8_linear` is the one GEMM call both paths share; `use_fast_accum`
+(Hopper's reduced-precision accumulation) rounds differently and is only used in the `high` tier.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
+from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh
+from flux_runtime.kernels.swiglu import _silu
+from flux_runtime.kernels.triton_utils import (
+    ON_GPU,
+    as_rows,
+    check_half,
+    check_int32_offsets,
+    check_launchable,
+    check_no_overlap,
+    check_unit_stride,
+    e4m3_code,
+    jit,
+    round_to,
+    tl,
+    upcast,
+)
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+MIN_AMAX = 1e-12  # a row of zeros gets this amax, so its scale is positive and its reciprocal finite
+ACTS = {"identity": 0, "gelu_tanh": 1, "swiglu": 2}
+
+
+class Fp8Quant(NamedTuple):
+    """How a layer wants its input quantized: a static `input_scale` and its reciprocal, or both None (per row)."""
+
+    scale: Tensor | None
+    inv_scale: Tensor | None
+
+    @property
+    def static(self) -> bool:
+        return self.scale is not None
+
+
+class Fp8Act(NamedTuple):
+    """An activation in e4m3 with the fp32 scale that multiplies it back.
+
+    `scale` is the layer's static `input_scale` (0-dim) or one scale per row, shaped `data.shape[:-1] + (1,)`.
+    """
+
+    data: Tensor
+    scale: Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# reference
+
+
+def quantize_reference(x: Tensor, scale: Tensor | None = None, inv_scale: Tensor | None = None) -> Fp8Act:
+    """e4m3 of `x` (..., K): static with `scale` and `inv_scale = 1 / scale` (0-dim fp32), dynamic per row without."""
+    if (scale is None) != (inv_scale is None):
+        raise ValueError("quantize: pass both scale and inv_scale (static) or neither (dynamic)")
+    if scale is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
+        scale = amax.clamp(min=MIN_AMAX) / E4M3_MAX
+        inv_scale = scale.reciprocal()
+    q = (x.float() * inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return Fp8Act(q, scale)
+
+
+def _act_reference(x: Tensor, act: str) -> Tensor:
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+def act_quantize_reference(
+    x: Tensor, act: str, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None = None
+) -> Fp8Act:
+    """`quantize_reference(act(x))`, written into the e4m3 buffer `out` when given (a column slice of one)."""
+    q = quantize_reference(_act_reference(x, act), scale, inv_scale)
+    if out is None:
+        return q
+    out.copy_(q.data)
+    return Fp8Act(out, q.scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# device code
+
+
+@jit
+def _act_value(x_row, cols, mask, N, ACT: tl.constexpr, DTYPE: tl.constexpr, GPU: tl.constexpr):
+    """act(x) at `cols` of one row, rounded to DTYPE as eager stores it, as fp32."""
+    x = upcast(tl.load(x_row + cols, mask=mask, other=0.0), GPU)
+    if ACT == 1:
+        y = round_to(_gelu_tanh(x, K_BETA, K_KAPPA, GPU), DTYPE, GPU)
+    elif ACT == 2:
+        up = upcast(tl.load(x_row + N + cols, mask=mask, other=0.0), GPU)
+        s = round_to(_silu(x, GPU), DTYPE, GPU)  # r(silu(gate)), then r(s * up)
+        y = round_to(s * up, DTYPE, GPU)
+    else:
+        y = x
+    return y
+
+
+@jit
+def _act_quant_rows_kernel(
+    x_ptr,  # (B, L, N) or, for SwiGLU, (B, L, 2N) [gate | up]; strides (stride_xb, stride_xl, 1)
+    q_ptr,  # (B, L, N) uint8 (e4m3 bits), strides (stride_qb, stride_ql, 1): possibly a column slice
+    scale_ptr,  # dynamic: (B * L,) fp32 row scales (written); static: the 0-dim input scale (unused)
+    inv_ptr,  # static: the 0-dim 1 / input_scale (read); dynamic: unused
+    L,
+    N,
+    stride_xb,
+    stride_xl,
+    stride_qb,
+    stride_ql,
+    ACT: tl.constexpr,  # 0 identity, 1 tanh-GELU, 2 SwiGLU
+    DYNAMIC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GPU: tl.constexpr,
+):
+    # grid: (L, B); one row per program
+    DTYPE = x_ptr.dtype.element_ty
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + b * stride_xb + pos * stride_xl
+    q_row = q_ptr + b * stride_qb + pos * stride_ql
+    offs = tl.arange(0, BLOCK_N)
+    if DYNAMIC:
+        amax = tl.zeros((BLOCK_N,), tl.float32)
+        for c0 in range(0, N, BLOCK_N):
+            cols = c0 + offs
+            mask = cols < N
+            y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU)
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+        m = tl.maximum(tl.max(amax, axis=0), 1e-12)
+        s = tl.math.div_rn(m, 448.0)
+        inv = tl.math.div_rn(1.0, s)
+        tl.store(scale_ptr + b * L + pos, s)
+    else:
+        inv = tl.load(inv_ptr)
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + offs
+        mask = cols < N
+        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU)
+        tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
+
+
+def act_quantize_triton(
+    x: Tensor, act: str, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None = None,
+    *, block_n: int = 2048,
+) -> Fp8Act:  # fmt: skip
+    """Fused `act_quantize_reference`: x (..., K) bf16/fp16 with a unit last stride, any row strides."""
+    op = f"{act}_fp8"
+    if act not in ACTS:
+        raise ValueError(f"act_quantize: unknown activation {act!r}; expected one of {tuple(ACTS)}")
+    check_launchable(op, *(t for t in (x, scale, inv_scale, out) if t is not None))
+    check_half(op, x=x)
+    if x.numel() == 0:
+        raise UnsupportedInput(f"{op}: empty input")
+    dynamic = scale is None
+    if (scale is None) != (inv_scale is None):
+        raise ValueError(f"{op}: pass both scale and inv_scale (static) or neither (dynamic)")
+    if not dynamic and (scale.numel() != 1 or inv_scale.dtype != torch.float32):
+        raise UnsupportedInput(f"{op}: a static scale must be one fp32 value")
+    n = x.shape[-1] // 2 if act == "swiglu" else x.shape[-1]
+    shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(shape, dtype=E4M3, device=x.device)
+    else:
+        if out.dtype != E4M3 or tuple(out.shape) != shape:
+            raise UnsupportedInput(f"{op}: out must be e4m3 {shape}, got {out.dtype} {tuple(out.shape)}")
+        check_unit_stride(op, "out", out)
+        if dynamic:
+            raise UnsupportedInput(
+                f"{op}: out= needs a static scale (a dynamic row scale spans the whole row)"
+            )
+    check_no_overlap(op, x, out)
+    x3, q3 = as_rows(op, "x", x), as_rows(op, "out", out.view(torch.uint8))
+    for name, t in (("x", x3), ("out", q3)):
+        check_int32_offsets(op, name, t)
+    b, length, _ = x3.shape
+    row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if dynamic else scale
+    _act_quant_rows_kernel[(length, b)](
+        x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
+        x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),
+        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
+
+
+def _quantize_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+    return act_quantize_triton(x, "identity", scale, inv_scale, out)
+
+
+def _quantize_reference(
+    x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None
+) -> Fp8Act:
+    return act_quantize_reference(x, "identity", scale, inv_scale, out)
+
+
+def _gelu_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+    return act_quantize_triton(x, "gelu_tanh", scale, inv_scale, out)
+
+
+def _swiglu_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+    return act_quantize_triton(x, "swiglu", scale, inv_scale, out)
+
+
+def _gelu_reference(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+    return act_quantize_reference(x, "gelu_tanh", scale, inv_scale, out)
+
+
+def _swiglu_reference(
+    x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None
+) -> Fp8Act:
+    return act_quantize_reference(x, "swiglu", scale, inv_scale, out)
+
+
+_QUANTIZE = FusedOp("fp8_quantize", fused=_quantize_fused, reference=_quantize_reference)
+_GELU_FP8 = FusedOp("gelu_tanh_fp8", fused=_gelu_fused, reference=_gelu_reference)
+_SWIGLU_FP8 = FusedOp("swiglu_fp8", fused=_swiglu_fused, reference=_swiglu_reference)
+
+
+def quantize(
+    x: Tensor, scale: Tensor | None = None, inv_scale: Tensor | None = None, out: Tensor | None = None
+) -> Fp8Act:
+    """e4m3 of `x` (any row strides, e.g. a slice of the attention output); see `quantize_reference`.
+
+    `out` (static scales only): an e4m3 buffer or column slice of one to write instead of a new tensor.
+    """
+    return run_op(_QUANTIZE, x, scale, inv_scale, out)
+
+
+def gelu_tanh_fp8(
+    x: Tensor, scale: Tensor | None = None, inv_scale: Tensor | None = None, out: Tensor | None = None
+) -> Fp8Act:
+    """e4m3 of tanh-GELU(x) without a bf16 copy; `out` (static scales only) an e4m3 column slice to write."""
+    return run_op(_GELU_FP8, x, scale, inv_scale, out)
+
+
+def swiglu_fp8(
+    x: Tensor, scale: Tensor | None = None, inv_scale: Tensor | None = None, out: Tensor | None = None
+) -> Fp8Act:
+    """e4m3 of `silu(gate) * up` for x = [gate | up]; `out` as in `gelu_tanh_fp8`."""
+    return run_op(_SWIGLU_FP8, x, scale, inv_scale, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# the GEMM
+
+
+def fp8_linear(
+    x: Fp8Act, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype
+) -> Tensor:
+    """`(x.data * x.scale) @ (weight * weight_scale)^T + bias` in one `torch._scaled_mm`, fp32 accumulation.
+
+    weight (N, K) e4m3; weight_scale 0-dim (per tensor) or (N,) (per output channel, e.g. merged q/k/v
+    shards kept byte for byte). Both scales per tensor run the tensorwise GEMM; otherwise the row-wise
+    one, with a static activation scale repeated per row. In the `high` tier Hopper's fast (reduced
+    precision) accumulation is used, which rounds differently.
+    """
+    data, k = x.data, x.data.shape[-1]
+    lead = data.shape[:-1]
+    a = data.reshape(-1, k)
+    m, n = a.shape[0], weight.shape[0]
+    if x.scale.numel() == 1 and weight_scale.numel() == 1:
+        sa, sb = x.scale.reshape(()), weight_scale.reshape(())
+    else:
+        sa = (
+            x.scale.reshape(-1, 1)
+            if x.scale.numel() != 1
+            else x.scale.reshape(1, 1).expand(m, 1).contiguous()
+        )
+        sb = (
+            weight_scale.reshape(1, -1)
+            if weight_scale.numel() != 1
+            else weight_scale.reshape(1, 1).expand(1, n)
+        )
+        sb = sb.contiguous()
+    fast = fused_tier() == "high" and a.device.type == "cuda"
+    y = torch._scaled_mm(
+        a, weight.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype, use_fast_accum=fast
+    )
+    return y.reshape(*lead, n)
+
+
+def check_fp8_gemm(device: torch.device) -> str | None:
+    """None when `device` runs FP8 GEMMs (CPU, or CUDA compute capability 8.9+), else the reason."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"FP8 GEMMs are not available on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"FP8 GEMMs need compute capability 8.9+; this GPU is {major}.{minor}"
+    return None
