@@ -138,7 +138,7 @@ def e4m3_code(v):
 
     Normal results (|v| >= 2^-6) round the fp32 mantissa to 3 bits and rebias the exponent
     (127 → 7); below that the grid is 2^-9, which an fp32 add of 2^14 (whose ulp is 2^-9) rounds to,
-    ties to even. NaN stays NaN (0x7F with its sign), as torch's cast does.
+    ties to even. NaN stays NaN (0x7F; torch's casts do not agree on its sign bit, nor does it matter).
     """
     nan = v != v
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
@@ -149,7 +149,7 @@ def e4m3_code(v):
     normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
     sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.uint32)
     code = tl.where(a >= 0.015625, normal, sub)
-    code = tl.where(nan, 0x7F, code) | sign
+    code = tl.where(nan, 0x7F, code | sign)
     return code.to(tl.uint8)
 
 
