@@ -2,6 +2,7 @@
 # The device check, in two phases that each fit one device call (10 minutes):
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
+#   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
 phase=${1:-kernels}
@@ -21,6 +22,10 @@ case "$phase" in
     timeout 330 python3 scripts/bench.py --pipeline --json "$OUT/bench_pipeline.json" 2>&1 | tee "$OUT/bench_pipeline.txt" || status=1
     timeout 240 python3 scripts/bench_flux2.py --json "$OUT/bench_flux2.json" 2>&1 | tee "$OUT/bench_flux2.txt" || status=1
     timeout 240 python3 scripts/bench_flux2_pipeline.py --json "$OUT/bench_flux2_pipeline.json" 2>&1 | tee "$OUT/bench_flux2_pipeline.txt" || status=1
+    ;;
+  fp8)
+    timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_dispatch.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8.txt" | tail -15 || status=1
+    timeout 420 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -150,6 +150,11 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
 )
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
 @click.option(
+    "--fp8",
+    is_flag=True,
+    help="Quantize the transformer's block projections to FP8 at load (bf16; FP8 checkpoints need no flag).",
+)
+@click.option(
     "--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU except while encoding."
 )
 @click.option(
@@ -210,6 +215,7 @@ def _apply_replay(opts: dict[str, Any]) -> None:
         height=rec["height"],
         max_sequence_length=rec["max_sequence_length"],
         dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
+        fp8=bool(rec.get("fp8_at_load", False)),
         image=_replay_images(opts["replay"], rec.get("reference_images") or []),
     )
     opts["_replay_weights"] = rec.get("weights")
@@ -255,7 +261,7 @@ def _generate(opts: dict[str, Any]) -> None:
     from flux_runtime.pipeline.provenance import save_png
 
     device = opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = opts["dtype"] or ("bf16" if torch.device(device).type == "cuda" else "fp32")
+    dtype_name = opts["dtype"] or ("bf16" if torch.device(device).type == "cuda" or opts["fp8"] else "fp32")
     replaying = opts["replay"] is not None
     n = 1 if replaying else opts["num_images"]
     paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"])
@@ -272,6 +278,7 @@ def _generate(opts: dict[str, Any]) -> None:
         text_encoder_2=opts["text_encoder_2"],
         cuda_graphs=not opts["no_cuda_graphs"],
         offload_text_encoders=opts["offload_text_encoders"],
+        fp8=opts["fp8"],
     )
     pipe.vae_tile = opts["vae_tile"]
     if replaying and opts["_replay_weights"] not in (None, pipe.weights_id):

@@ -120,6 +120,7 @@ class Pipeline:
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
         is_distilled: bool | None = None,
+        fp8: bool = False,
     ) -> Pipeline | Flux2Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) when the transformer's keys are FLUX.2's.
 
@@ -132,6 +133,8 @@ class Pipeline:
         `quality`: `lossless` (bit-identical to diffusers) or `high` (approximate fused kernels).
         `is_distilled` (FLUX.2 [klein] only): whether the model is step-distilled (no CFG); default: the
         folder's model_index.json, else False. BFL klein files carry no such flag: say so here.
+        `fp8`: quantize the transformer's block projections to e4m3 at load (bf16 only; FP8 checkpoints
+        load as FP8 without it). Precision is the model's, orthogonal to `quality`; the provenance records it.
         """
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
@@ -144,6 +147,10 @@ class Pipeline:
         )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise FluxError("device 'cuda' asked for, but torch sees no CUDA GPU")
+        if fp8 and dtype != torch.bfloat16:
+            raise FluxError(
+                f"fp8=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
+            )
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         if is_flux2(src.transformer):  # reads the safetensors headers only
             from flux_runtime.pipeline.flux2 import Flux2Pipe
@@ -151,11 +158,11 @@ class Pipeline:
             return Flux2Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
-                is_distilled=is_distilled,
+                is_distilled=is_distilled, fp8=fp8,
             )  # fmt: skip
         if is_distilled is not None:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")
-        transformer = load_transformer(src.transformer, device=device, dtype=dtype)
+        transformer = load_transformer(src.transformer, device=device, dtype=dtype, fp8=fp8)
         if transformer.config.family != "flux1":
             raise FluxError(
                 f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1"
@@ -494,6 +501,8 @@ class Pipeline:
             prompt=prompt, seed=seed, height=height, width=width, steps=steps, guidance=guidance,
             max_sequence_length=max_len, tier=tier, cuda_graphs=graphs, model=self.model_name,
             weights=self.weights_id, dtype=self.dtype, device=self.device,
+            precision=getattr(self.transformer, "precision", "bf16"),
+                fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
         )  # fmt: skip
 
 

@@ -172,6 +172,7 @@ class Flux2Pipe:
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
         is_distilled: bool | None = None,
+        fp8: bool = False,
     ) -> Flux2Pipe:
         """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`).
 
@@ -182,7 +183,7 @@ class Flux2Pipe:
         """
         if text_encoder_2 is not None:
             raise FluxError("FLUX.2 has one text encoder: pass text_encoder=, not text_encoder_2=")
-        transformer = load_transformer(src.transformer, device=device, dtype=dtype)
+        transformer = load_transformer(src.transformer, device=device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
@@ -588,6 +589,8 @@ class Flux2Pipe:
                 weights=self.weights_id,
                 dtype=self.dtype,
                 device=self.device,
+                precision=getattr(self.transformer, "precision", "bf16"),
+                fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
             ),
             "reference_images": [
                 {

@@ -48,6 +48,8 @@ def provenance(
     weights: str,
     dtype: torch.dtype,
     device: torch.device,
+    precision: str,
+    fp8_at_load: bool = False,
 ) -> dict[str, Any]:
     """The generation record every pipeline writes into `PipelineOutput.info` (JSON-serialisable)."""
     return {
@@ -61,6 +63,8 @@ def provenance(
         "model": model,
         "weights": weights,
         "quality": tier,
+        "precision": precision,
+        "fp8_at_load": fp8_at_load,
         "cuda_graphs": cuda_graphs,
         "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device)

@@ -180,6 +180,7 @@ def load_flux2_transformer(
     model.precision = fp8_layers.load_state(
         model, table, reader.get, assemble, device=device, dtype=dtype, fp8=fp8_src, quantize=fp8
     )
+    model.quantized_at_load = fp8
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()

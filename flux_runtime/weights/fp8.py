@@ -310,27 +310,24 @@ def load_state(
 
 
 def quantize_model(model: nn.Module, dtype: torch.dtype) -> str:
-    """Quantize a loaded model's block projections in place (as `load_state` with `quantize`); its precision."""
+    """Quantize a loaded model's block projections in place, one layer at a time; returns its precision."""
     device = next(model.parameters()).device
     reason = check_fp8_gemm(device)
     if reason is not None:
         raise WeightsError(f"fp8=True: {reason}; load the model without fp8")
-    layers: dict[str, Fp8Tensors] = {}
-    sd: dict[str, Tensor] = {}
+    done: dict[str, Fp8Tensors] = {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, Linear) and may_run_fp8(name):
-            layers[name] = quantize_weight(module.weight)
-            if module.bias is not None:
-                sd[f"{name}.bias"] = module.bias
-    _install(model, layers, sd, dtype)
-    for key, t in sd.items():
-        module, _, leaf = key.rpartition(".")
-        target = model.get_submodule(module)
-        if leaf == "bias":
-            target.bias = nn.Parameter(t, requires_grad=False)
-        else:
-            setattr(target, leaf, t)
-    return precision_of(layers, dtype)
+        if not (isinstance(module, Linear) and may_run_fp8(name)):
+            continue
+        t = quantize_weight(module.weight)
+        sd: dict[str, Tensor] = {}
+        _install(model, {name: t}, sd, dtype)  # the bf16 module is dropped here
+        new = model.get_submodule(name)
+        new.weight, new.weight_scale = sd[f"{name}.weight"], sd[f"{name}.weight_scale"]
+        new.bias = None if module.bias is None else nn.Parameter(module.bias.detach(), requires_grad=False)
+        done[name] = Fp8Tensors(t.weight, t.weight_scale, None)
+        del module, t
+    return precision_of(done, dtype)
 
 
 def _install(

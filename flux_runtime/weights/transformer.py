@@ -235,6 +235,7 @@ def load_transformer(
     model.precision = fp8_layers.load_state(
         model, table, reader.get, assemble, device=device, dtype=dtype, fp8=fp8_src, quantize=fp8
     )
+    model.quantized_at_load = fp8
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
@@ -253,6 +254,7 @@ def take_only(rule: flux1_layout.Rule, get) -> torch.Tensor:
 def finish_builtin(model: nn.Module, dtype: torch.dtype, fp8: bool) -> nn.Module:
     """A built-in random model, quantized when `fp8`, with its precision recorded."""
     model.precision = fp8_layers.quantize_model(model, dtype) if fp8 else fp8_layers.precision_of({}, dtype)
+    model.quantized_at_load = fp8
     return model.eval()
 
 

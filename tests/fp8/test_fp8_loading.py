@@ -188,7 +188,7 @@ def test_plain_e4m3_cast_runs_with_unit_weight_scales(tmp_path):
 
 @pytest.mark.parametrize("family", ["flux1", "flux2"])
 def test_quantize_at_load_is_close_to_bf16(tmp_path, family):
-    model, (run, ours_run) = _family(family)
+    model, (_run, ours_run) = _family(family)
     path = (f1 if family == "flux1" else f2).save_bfl(model, tmp_path / "f.safetensors")
     ours = load_transformer(path, dtype=torch.bfloat16, fp8=True)
     bf16 = load_transformer(path, dtype=torch.bfloat16)
@@ -257,7 +257,7 @@ def test_raw_modelopt_export_names_the_quantize_command(tmp_path):
 
 
 def test_ignore_glob_that_matches_nothing_warns(tmp_path, caplog):
-    model, (run, _) = _family("flux1")
+    model, (_run, _) = _family("flux1")
     folder = write_modelopt(model, fp8_params(model, None), tmp_path / "t")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"]["ignore"].append("no_such_layer*")

@@ -146,7 +146,7 @@ SCALES = [None, 0.05]
 @pytest.mark.parametrize("scale", SCALES, ids=["dynamic", "static"])
 @pytest.mark.parametrize("shape", FLUX_ROWS, ids=row_id)
 def test_gpu_layer_norm_modulate_fp8(shape, dtype, scale):
-    b, n, d = shape
+    b, _n, d = shape
     x, u = activations(shape, dtype, "cuda"), activations(shape, dtype, "cuda")
     shift, sc, gate = modulation(b, d, dtype, "cuda", chunks=3)
     q = static(scale, "cuda") if scale else (None, None)

@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""FP8 per-step speed, exactness and error at full size, against bf16 (ours and diffusers) in one run.
+
+For FLUX.1-dev, FLUX.2-dev and FLUX.2-klein-4B (random weights, 1024², B=1): diffusers bf16 eager, ours
+bf16 lossless + CUDA graph, then the same model quantized at load (`fp8=True`: per-channel e4m3 weights,
+per-row activation scales) run as the FP8 eager reference, FP8 lossless (fused producers) eager and
++ graph (`torch.equal` to the FP8 reference), and FP8 high + graph (fast accumulation). The FP8 floor
+is the step's `torch._scaled_mm` calls (and its remaining bf16 GEMMs) timed alone, plus cuDNN attention.
+Error: relative L2 of one step against the float64 model (not for FLUX.2-dev, whose float64 copy does not
+fit on one GPU). Peak memory while stepping.
+Usage: python3 scripts/bench_fp8.py [--models flux1-dev,flux2-dev,klein-4b] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench  # noqa: E402
+import bench_flux2  # noqa: E402
+
+from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused  # noqa: E402
+from flux_runtime.kernels.fp8 import E4M3  # noqa: E402
+from flux_runtime.models.dit import FLUX1_DEV  # noqa: E402
+from flux_runtime.pipeline.graphs import GraphedDenoiser  # noqa: E402
+from flux_runtime.weights.fp8 import quantize_model  # noqa: E402
+
+DEV = torch.device("cuda")
+cuda_time = bench.cuda_time
+RESULTS: dict[str, object] = {}
+
+
+def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str, float]:
+    """The FP8 model's GEMMs timed alone: e4m3 row-wise `_scaled_mm` for the block projections (plain and fast
+    accumulation), bf16 `F.linear` for the rest; plus one cuDNN attention per block."""
+    d, mlp, L = cfg.hidden_size, cfg.mlp_hidden_dim, n_img + n_txt
+    up = mlp if flux1 else 2 * mlp
+    fp8: Counter[tuple[int, int, int]] = Counter()
+    bf16: Counter[tuple[int, int, int]] = Counter()
+    for m in (n_img, n_txt):
+        fp8[(m, d, 3 * d)] += cfg.depth
+        fp8[(m, d, d)] += cfg.depth
+        fp8[(m, d, up)] += cfg.depth
+        fp8[(m, mlp, d)] += cfg.depth
+    fp8[(L, d, 3 * d + up)] += cfg.depth_single_blocks
+    fp8[(L, d + mlp, d)] += cfg.depth_single_blocks
+    if flux1:
+        bf16[(1, d, 6 * d)] += 2 * cfg.depth
+        bf16[(1, d, 3 * d)] += cfg.depth_single_blocks
+    else:
+        bf16[(1, d, 6 * d)] += 2
+        bf16[(1, d, 3 * d)] += 1
+    bf16[(n_img, cfg.in_channels, d)] += 1
+    bf16[(n_txt, cfg.context_in_dim, d)] += 1
+    bf16[(n_img, d, cfg.out_channels)] += 1
+    bf16[(1, d, 2 * d)] += 1
+    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
+    for (m, k, n), count in fp8.items():
+        a = torch.randn(m, k, device=DEV).to(E4M3)
+        w = torch.randn(n, k, device=DEV).to(E4M3)
+        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
+        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if flux1 else None
+        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
+            out[key] += count * cuda_time(
+                lambda a=a, w=w, sa=sa, sb=sb, b=b, fast=fast: torch._scaled_mm(
+                    a, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast
+                ),
+                iters=20,
+            )
+        del a, w
+    for (m, k, n), count in bf16.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if flux1 else None
+        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+    q, k, v = (torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    out["attention"] = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
+        lambda: F.scaled_dot_product_attention(q, k, v), iters=20
+    )
+    out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@torch.no_grad()
+def bench_model(name: str, iters: int) -> bool:
+    flux1 = name == "flux1-dev"
+    res: dict[str, object] = {}
+    RESULTS[name] = res
+    if flux1:
+        cfg = FLUX1_DEV
+        ref, ours = bench.build_pair()
+        img, img_ids, txt, txt_ids, t, y, g = bench.step_inputs()
+        extra = (y,)
+    else:
+        cfg, kw = bench_flux2.MODELS[name.removeprefix("flux2-")]
+        ref, ours = bench_flux2.build_pair(cfg, kw)
+        img, img_ids, txt, txt_ids, t, g = bench_flux2.step_inputs(cfg)
+        extra = ()
+    pe = ours.rope(txt_ids, img_ids)
+
+    def ours_step(model, tier):
+        def run(x=img, tt=t, gg=g):
+            with use_fused(tier):
+                return model(x, img_ids, txt, txt_ids, tt, *extra, gg, pe=pe)
+
+        return run
+
+    def graphed(model, tier):
+        gd = GraphedDenoiser(lambda x, tt, gg: ours_step(model, tier)(x, tt, gg))
+        return lambda: gd(img, t, g)
+
+    def run_ref():
+        kwargs = dict(hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids)
+        if flux1:
+            kwargs["pooled_projections"] = y
+        return ref(**kwargs, guidance=g, return_dict=False)[0]
+
+    times: dict[str, float] = {}
+    equal: dict[str, object] = {}
+    peaks: dict[str, float] = {}
+
+    def measure(label, fn, expected=None):
+        out = fn()
+        out = fn()
+        if expected is not None:
+            equal[label] = torch.equal(out, expected) or f"max abs diff {(out.float() - expected.float()).abs().max().item():.3g}"
+        torch.cuda.reset_peak_memory_stats()
+        times[label] = cuda_time(fn, iters=iters)
+        peaks[label] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"[{name}] {label}: {times[label]:.1f} ms, peak {peaks[label]:.1f} GiB, equal {equal.get(label, '-')}", flush=True)
+        return out
+
+    expected_bf16 = measure("diffusers bf16 eager", run_ref)
+    out_bf16 = measure("ours bf16 lossless + graph", graphed(ours, "lossless"), expected_bf16)
+    del ref
+    torch.cuda.empty_cache()
+
+    # float64 reference of the bf16 model (not FLUX.2-dev: its float64 copy, 258 GB, does not fit)
+    ref64 = None
+    if name != "flux2-dev":
+        m64 = copy.deepcopy(ours).to(torch.float64)
+        ref64 = m64(
+            img.double(), img_ids, txt.double(), txt_ids, t.double(), *(e.double() for e in extra),
+            None if g is None else g.double(), pe=None,
+        )  # fmt: skip
+        del m64
+        torch.cuda.empty_cache()
+
+    t0 = time.perf_counter()
+    res["precision"] = quantize_model(ours, torch.bfloat16)
+    torch.cuda.empty_cache()
+    res["quantize_s"] = time.perf_counter() - t0
+    res["weights_gib_fp8_model"] = torch.cuda.memory_allocated() / 2**30
+    print(f"[{name}] quantized at load in {res['quantize_s']:.1f} s; {res['weights_gib_fp8_model']:.1f} GiB allocated", flush=True)
+
+    reset_fused_ops_report()
+    expected_fp8 = measure("ours fp8 eager reference", ours_step(ours, "off"))
+    measure("ours fp8 lossless eager", ours_step(ours, "lossless"), expected_fp8)
+    out_fp8 = measure("ours fp8 lossless + graph", graphed(ours, "lossless"), expected_fp8)
+    print(fused_ops_report(), flush=True)
+    out_fp8_high = measure("ours fp8 high + graph", graphed(ours, "high"), expected_fp8)
+
+    floor = fp8_floor(cfg, flux1)
+    res["fp8_floor_ms"] = floor
+    if ref64 is not None:
+        res["error_vs_fp64"] = {
+            "bf16 lossless": rel(out_bf16, ref64),
+            "fp8 lossless": rel(out_fp8, ref64),
+            "fp8 high": rel(out_fp8_high, ref64),
+        }
+    res["step_ms"], res["equal"], res["peak_gib"] = times, equal, peaks
+    ratio_bf16 = times["ours fp8 lossless + graph"] / times["ours bf16 lossless + graph"]
+    res["fp8_over_bf16"] = ratio_bf16
+    res["fp8_over_floor"] = times["ours fp8 lossless + graph"] / floor["total"]
+    print()
+    print(f"| {name}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
+        f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
+    )
+    d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
+    for label, ms in times.items():
+        print(
+            f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
+            f"{equal.get(label, '')} | {peaks[label]:.1f} |"
+        )
+    if "error_vs_fp64" in res:
+        print(f"relative L2 error of one step vs float64: {res['error_vs_fp64']}")
+    print(flush=True)
+    del ours
+    torch.cuda.empty_cache()
+    return all(v is True for k, v in equal.items() if "high" not in k)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="flux1-dev,klein-4b,flux2-dev")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    ok = True
+    try:
+        for name in args.models.split(","):
+            ok &= bench_model(name, args.iters)
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps(RESULTS, indent=2, default=str))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
