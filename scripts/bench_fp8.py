@@ -27,14 +27,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench  # noqa: E402
-import bench_flux2  # noqa: E402
+import bench
+import bench_flux2
 
-from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused  # noqa: E402
-from flux_runtime.kernels.fp8 import E4M3  # noqa: E402
-from flux_runtime.models.dit import FLUX1_DEV  # noqa: E402
-from flux_runtime.pipeline.graphs import GraphedDenoiser  # noqa: E402
-from flux_runtime.weights.fp8 import quantize_model  # noqa: E402
+from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
+from flux_runtime.kernels.fp8 import E4M3
+from flux_runtime.models.dit import FLUX1_DEV
+from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.weights.fp8 import quantize_model
 
 DEV = torch.device("cuda")
 cuda_time = bench.cuda_time
@@ -84,7 +84,9 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
         b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if flux1 else None
         out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
-    q, k, v = (torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
+    )
     out["attention"] = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
         lambda: F.scaled_dot_product_attention(q, k, v), iters=20
     )
@@ -112,6 +114,8 @@ def bench_model(name: str, iters: int) -> bool:
         img, img_ids, txt, txt_ids, t, g = bench_flux2.step_inputs(cfg)
         extra = ()
     pe = ours.rope(txt_ids, img_ids)
+    models = {"diffusers": ref}
+    del ref
 
     def ours_step(model, tier):
         def run(x=img, tt=t, gg=g):
@@ -125,10 +129,12 @@ def bench_model(name: str, iters: int) -> bool:
         return lambda: gd(img, t, g)
 
     def run_ref():
-        kwargs = dict(hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids)
+        kwargs = dict(
+            hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids
+        )
         if flux1:
             kwargs["pooled_projections"] = y
-        return ref(**kwargs, guidance=g, return_dict=False)[0]
+        return models["diffusers"](**kwargs, guidance=g, return_dict=False)[0]
 
     times: dict[str, float] = {}
     equal: dict[str, object] = {}
@@ -138,16 +144,22 @@ def bench_model(name: str, iters: int) -> bool:
         out = fn()
         out = fn()
         if expected is not None:
-            equal[label] = torch.equal(out, expected) or f"max abs diff {(out.float() - expected.float()).abs().max().item():.3g}"
+            equal[label] = (
+                torch.equal(out, expected)
+                or f"max abs diff {(out.float() - expected.float()).abs().max().item():.3g}"
+            )
         torch.cuda.reset_peak_memory_stats()
         times[label] = cuda_time(fn, iters=iters)
         peaks[label] = torch.cuda.max_memory_allocated() / 2**30
-        print(f"[{name}] {label}: {times[label]:.1f} ms, peak {peaks[label]:.1f} GiB, equal {equal.get(label, '-')}", flush=True)
+        print(
+            f"[{name}] {label}: {times[label]:.1f} ms, peak {peaks[label]:.1f} GiB, equal {equal.get(label, '-')}",
+            flush=True,
+        )
         return out
 
     expected_bf16 = measure("diffusers bf16 eager", run_ref)
     out_bf16 = measure("ours bf16 lossless + graph", graphed(ours, "lossless"), expected_bf16)
-    del ref
+    models.clear()  # diffusers' model goes; ours keeps the weights it shares
     torch.cuda.empty_cache()
 
     # float64 reference of the bf16 model (not FLUX.2-dev: its float64 copy, 258 GB, does not fit)
@@ -166,7 +178,10 @@ def bench_model(name: str, iters: int) -> bool:
     torch.cuda.empty_cache()
     res["quantize_s"] = time.perf_counter() - t0
     res["weights_gib_fp8_model"] = torch.cuda.memory_allocated() / 2**30
-    print(f"[{name}] quantized at load in {res['quantize_s']:.1f} s; {res['weights_gib_fp8_model']:.1f} GiB allocated", flush=True)
+    print(
+        f"[{name}] quantized at load in {res['quantize_s']:.1f} s; {res['weights_gib_fp8_model']:.1f} GiB allocated",
+        flush=True,
+    )
 
     reset_fused_ops_report()
     expected_fp8 = measure("ours fp8 eager reference", ours_step(ours, "off"))
@@ -188,7 +203,9 @@ def bench_model(name: str, iters: int) -> bool:
     res["fp8_over_bf16"] = ratio_bf16
     res["fp8_over_floor"] = times["ours fp8 lossless + graph"] / floor["total"]
     print()
-    print(f"| {name}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |")
+    print(
+        f"| {name}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |"
+    )
     print("|---|---|---|---|---|---|---|")
     print(
         f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "

@@ -38,7 +38,7 @@ def _human(n: int) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.argument("component", type=click.Choice(COMPONENTS))
+@click.argument("component", type=click.Choice([*COMPONENTS, "quantize"]))
 @click.argument("src", type=str)
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option(
@@ -49,7 +49,24 @@ def _human(n: int) -> str:
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file or folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
-def main(component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool) -> None:
+@click.option(
+    "--calibration-prompts",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="quantize: one prompt per line [default: a built-in list of 8].",
+)
+@click.option(
+    "--calibration-steps", type=click.IntRange(1, 1000), default=None, help="quantize: steps per prompt."
+)
+@click.option("--calibration-size", type=click.IntRange(16, 4096), default=None, help="quantize: image side.")
+@click.option(
+    "--device", default=None, help="quantize: where to run the calibration [default: cuda if available]."
+)
+def main(
+    component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool,
+    calibration_prompts: Path | None, calibration_steps: int | None, calibration_size: int | None,
+    device: str | None,
+) -> None:  # fmt: skip
     """Convert the FLUX.1 or FLUX.2 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
 
     SRC is a BFL single file (flux1-dev.safetensors, flux2-dev.safetensors, ae.safetensors), a
@@ -57,8 +74,25 @@ def main(component: str, src: str, dst: Path, max_shard_size: int, overwrite: bo
     read from its keys. A BFL
     source becomes a diffusers folder DST (config.json, sharded past --max-shard-size); a diffusers
     source becomes one BFL file DST (.safetensors). Values and dtypes are kept bit for bit.
+
+    `flux-convert quantize SRC DST` instead writes the bf16 model at SRC (any checkpoint or model name
+    `Pipeline.from_pretrained` opens) as a ModelOpt FP8 diffusers folder DST, its static input scales
+    calibrated over a few generations (max |activation| per layer).
     """
     logging.basicConfig(level=logging.WARNING, format="flux-convert: %(message)s")
+    if component == "quantize":
+        _quantize(
+            src,
+            dst,
+            max_shard_size,
+            overwrite,
+            quiet,
+            calibration_prompts,
+            calibration_steps,
+            calibration_size,
+            device,
+        )
+        return
     bar = None
     try:
         progress = None
@@ -82,4 +116,26 @@ def main(component: str, src: str, dst: Path, max_shard_size: int, overwrite: bo
             f"{result.num_tensors} tensors, {_human(result.total_bytes)}, {len(result.files)} file(s) in {dst}"
         )
         for path in result.files:
+            click.echo(f"  {path}")
+
+
+def _quantize(
+    src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool,
+    prompts_file: Path | None, steps: int | None, size: int | None, device: str | None,
+) -> None:  # fmt: skip
+    from flux_runtime.pipeline.calibrate import quantize_checkpoint, read_prompts
+
+    try:
+        prompts = read_prompts(prompts_file)
+        files = quantize_checkpoint(
+            src, dst, prompts=prompts, steps=steps, size=size, device=device,
+            max_shard_size=max_shard_size, overwrite=overwrite,
+        )  # fmt: skip
+    except (ValueError, OSError, RuntimeError) as e:
+        raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    if not quiet:
+        click.echo(
+            f"quantize: {src} -> ModelOpt FP8, calibrated on {len(prompts)} prompts, {len(files)} file(s) in {dst}"
+        )
+        for path in files:
             click.echo(f"  {path}")
