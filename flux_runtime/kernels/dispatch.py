@@ -232,9 +232,13 @@ def _unaliased(out: Any, args: tuple[Any, ...]) -> Any:
     The reference writes the same buffer, so the fused result must be set aside before it runs.
     """
     storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor)}
-    outs = out if isinstance(out, tuple) else (out,)
-    kept = tuple(o.clone() if o.untyped_storage().data_ptr() in storages else o for o in outs)
-    return kept if isinstance(out, tuple) else kept[0]
+
+    def keep(o: Any) -> Any:
+        if isinstance(o, tuple):  # nested results, e.g. (r, Fp8Act(data, scale))
+            return tuple(keep(p) for p in o)
+        return o.clone() if o.untyped_storage().data_ptr() in storages else o
+
+    return keep(out)
 
 
 def _remember(sig: tuple[Any, ...], reason: str | None) -> None:
@@ -271,10 +275,16 @@ def _describe(sig: tuple[Any, ...]) -> str:
     return "(" + ", ".join(shown) + ")"
 
 
+def _flat(x: Any) -> list[Tensor]:
+    """The tensors of a result, nested tuples (an `Fp8Act` inside a pair) flattened in order."""
+    if isinstance(x, tuple):
+        return [t for part in x for t in _flat(part)]
+    return [x]
+
+
 def _difference(out: Any, ref: Any) -> str | None:
     """None when `out` and `ref` (tensors or tuples of them) hold the same values, else a description."""
-    outs = out if isinstance(out, tuple) else (out,)
-    refs = ref if isinstance(ref, tuple) else (ref,)
+    outs, refs = _flat(out), _flat(ref)
     if len(outs) != len(refs):
         return f"returned {len(outs)} tensors, the reference {len(refs)}"
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):

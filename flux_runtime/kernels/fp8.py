@@ -5,8 +5,8 @@ An FP8 linear computes `y = (x_q * s_x) @ (W_q * s_w)^T + b` with `x_q = e4m3(cl
 
 - static (a checkpoint's calibrated `input_scale`, one fp32 value per layer): `x.float() * inv_scale`,
   with `inv_scale = 1 / input_scale` computed once at load;
-- dynamic (no calibration): one scale per token row, `s = max(amax(|row|), 1e-12) / 448`, then
-  `x.float() * (1 / s)`.
+- dynamic (no calibration): one scale per token row, `s = max(amax(|row|), 1e-12) * fl32(1 / 448)`,
+  then `x.float() * (1 / s)`.
 
 Each producer below (`quantize` of a strided view, tanh-GELU, SwiGLU) computes its bf16/fp16 value
 exactly as its eager op rounds it and then quantizes that value (never the unrounded fp32), so it is
@@ -44,6 +44,9 @@ from flux_runtime.kernels.triton_utils import (
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# A row's dynamic scale is amax * fl32(1/448): a multiply, not a division, because aten divides a CUDA
+# tensor by a Python scalar as a multiply by its reciprocal (and by a true division on the CPU).
+INV_E4M3_MAX = 1.0 / 448.0
 MIN_AMAX = 1e-12  # a row of zeros gets this amax, so its scale is positive and its reciprocal finite
 ACTS = {"identity": 0, "gelu_tanh": 1, "swiglu": 2}
 
@@ -79,7 +82,7 @@ def quantize_reference(x: Tensor, scale: Tensor | None = None, inv_scale: Tensor
         raise ValueError("quantize: pass both scale and inv_scale (static) or neither (dynamic)")
     if scale is None:
         amax = x.abs().amax(dim=-1, keepdim=True).float()
-        scale = amax.clamp(min=MIN_AMAX) / E4M3_MAX
+        scale = amax.clamp(min=MIN_AMAX) * INV_E4M3_MAX
         inv_scale = scale.reciprocal()
     q = (x.float() * inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return Fp8Act(q, scale)
@@ -156,7 +159,7 @@ def _act_quant_rows_kernel(
             y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU)
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
         m = tl.maximum(tl.max(amax, axis=0), 1e-12)
-        s = tl.math.div_rn(m, 448.0)
+        s = m * 0.002232142857142857  # INV_E4M3_MAX, rounded to fp32 as aten rounds the scalar
         inv = tl.math.div_rn(1.0, s)
         tl.store(scale_ptr + b * L + pos, s)
     else:

@@ -142,6 +142,7 @@ SCALES = [None, 0.05]
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", SCALES, ids=["dynamic", "static"])
 @pytest.mark.parametrize("shape", FLUX_ROWS, ids=row_id)
@@ -163,6 +164,7 @@ def test_gpu_layer_norm_modulate_fp8(shape, dtype, scale):
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", SCALES, ids=["dynamic", "static"])
 @pytest.mark.parametrize("act", ["gelu_tanh", "swiglu"])
@@ -175,6 +177,7 @@ def test_gpu_activation_fp8(shape, act, scale, dtype):
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d, m", [(3072, 12288), (6144, 18432)])
 def test_gpu_single_block_buffer(d, m, dtype):
@@ -197,6 +200,7 @@ def test_gpu_single_block_buffer(d, m, dtype):
 
 
 @gpu
+@pytest.mark.gpu
 def test_gpu_dispatch_verifies_and_counts_the_fp8_producers():
     reset_fused_ops_report(forget_signatures=True)
     x = activations((1, 4096, 3072), torch.bfloat16, "cuda")
