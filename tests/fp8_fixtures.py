@@ -1,7 +1,8 @@
 """Tiny FP8 checkpoints in the real formats, and an FP8 reference built from diffusers' own model.
 
 The reference is written here, independently of the runtime: a copy of diffusers' transformer whose
-quantized `nn.Linear`s quantize their input (`x.float() * (1 / s_in)`, clamp ±448, e4m3; per row when
+quantized `nn.Linear`s quantize their input (`x.float() * (1 / s_in)`, clamp ±448, e4m3; per row, with
+`s = amax * (1 / 448)`, when
 there is no input scale) and run `torch._scaled_mm` with the layer's own scales, one diffusers module at
 a time (q, k and v apart).
 """
@@ -95,7 +96,7 @@ class RefFp8Linear(nn.Module):
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if self.s_in is None:
-            s = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+            s = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) * (1.0 / 448.0)
             xq = (x2.float() * s.reciprocal()).clamp(-448, 448).to(E4M3)
             y = torch._scaled_mm(
                 xq, self.wq.t(), scale_a=s, scale_b=self.ws.reshape(1, 1).expand(1, self.wq.shape[0]).contiguous(),
