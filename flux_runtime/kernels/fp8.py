@@ -113,11 +113,14 @@ def act_quantize_reference(
 
 
 @jit
-def _act_value(x_row, cols, mask, N, ACT: tl.constexpr, DTYPE: tl.constexpr, GPU: tl.constexpr):
+def _act_value(
+    x_row, cols, mask, N, ACT: tl.constexpr, DTYPE: tl.constexpr, GPU: tl.constexpr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr,
+):  # fmt: skip
     """act(x) at `cols` of one row, rounded to DTYPE as eager stores it, as fp32."""
     x = upcast(tl.load(x_row + cols, mask=mask, other=0.0), GPU)
     if ACT == 1:
-        y = round_to(_gelu_tanh(x, K_BETA, K_KAPPA, GPU), DTYPE, GPU)
+        y = round_to(_gelu_tanh(x, BETA, KAPPA, GPU), DTYPE, GPU)
     elif ACT == 2:
         up = upcast(tl.load(x_row + N + cols, mask=mask, other=0.0), GPU)
         s = round_to(_silu(x, GPU), DTYPE, GPU)  # r(silu(gate)), then r(s * up)
@@ -143,6 +146,8 @@ def _act_quant_rows_kernel(
     DYNAMIC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GPU: tl.constexpr,
+    BETA: tl.constexpr,  # the tanh-GELU constants (gelu.K_BETA, gelu.K_KAPPA)
+    KAPPA: tl.constexpr,
 ):
     # grid: (L, B); one row per program
     DTYPE = x_ptr.dtype.element_ty
@@ -156,7 +161,7 @@ def _act_quant_rows_kernel(
         for c0 in range(0, N, BLOCK_N):
             cols = c0 + offs
             mask = cols < N
-            y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU)
+            y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
         m = tl.maximum(tl.max(amax, axis=0), 1e-12)
         s = m * 0.002232142857142857  # INV_E4M3_MAX, rounded to fp32 as aten rounds the scalar
@@ -167,7 +172,7 @@ def _act_quant_rows_kernel(
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + offs
         mask = cols < N
-        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU)
+        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
         tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
 
 
@@ -209,7 +214,8 @@ def act_quantize_triton(
     _act_quant_rows_kernel[(length, b)](
         x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
         x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),
-        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, num_warps=4,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
 
