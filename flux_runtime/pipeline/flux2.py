@@ -24,7 +24,6 @@ layout; on CUDA each denoiser branch (conditional, unconditional) replays its ow
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -82,6 +81,7 @@ from flux_runtime.text.flux2 import (
     KleinTextEncoder,
 )
 from flux_runtime.weights import load_transformer
+from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.vae import load_vae
 
@@ -640,10 +640,7 @@ def _encoder_class(folder: Path) -> type[Flux2TextEncoder] | type[KleinTextEncod
     config = folder / "config.json"
     if not config.is_file():
         raise WeightsError(f"{folder}: no config.json; expected a Mistral3 or Qwen3 text encoder")
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{config}: not valid JSON ({e})") from None
+    model_type = read_json_object(config).get("model_type")
     for cls in (Flux2TextEncoder, KleinTextEncoder):
         if model_type == cls.model_type:
             return cls

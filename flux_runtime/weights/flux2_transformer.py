@@ -18,6 +18,7 @@ import torch
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
 from flux_runtime.weights import flux2_layout
+from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.hub import resolve
@@ -28,8 +29,9 @@ from flux_runtime.weights.transformer import (
     BUILTIN,
     _check_config,
     _check_keys,
-    _folder_config,
+    config_errors,
     find_transformer_files,
+    read_folder_config,
 )
 
 log = logging.getLogger(__name__)
@@ -57,41 +59,47 @@ def is_flux2(path_or_id: str | Path) -> bool:
     return flux2_layout.is_flux2(TensorSource(find_transformer_files(resolve(path_or_id))).keys())
 
 
-def infer_config(shape_of: ShapeOf, depths: tuple[int, int, bool], folder_config: dict | None) -> DiTConfig:
-    """Read widths, heads and channels from the checkpoint itself, through BFL key names.
+def infer_config(
+    shape_of: ShapeOf,
+    depths: tuple[int, int, bool],
+    folder_config: dict | None,
+    where: Path | str = "checkpoint",
+) -> DiTConfig:
+    """Read widths, heads and channels from the checkpoint itself, through BFL key names (`where` names it in errors).
 
     `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta come
     from a diffusers `config.json` when there is one, else from the FLUX.2 preset of this head width.
     """
     depth, depth_single, guidance = depths
-    hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size")
+    hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size", 2)
     if depth:
-        head_dim = need_shape(shape_of, "double_blocks.0.img_attn.norm.query_norm.scale", "head dim")[0]
-        mlp_hidden = need_shape(shape_of, "double_blocks.0.img_mlp.2.weight", "MLP width")[1]
+        head_dim = need_shape(shape_of, "double_blocks.0.img_attn.norm.query_norm.scale", "head dim", 1)[0]
+        mlp_hidden = need_shape(shape_of, "double_blocks.0.img_mlp.2.weight", "MLP width", 2)[1]
     elif depth_single:
-        head_dim = need_shape(shape_of, "single_blocks.0.norm.query_norm.scale", "head dim")[0]
-        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear2.weight", "MLP width")[1] - hidden
+        head_dim = need_shape(shape_of, "single_blocks.0.norm.query_norm.scale", "head dim", 1)[0]
+        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear2.weight", "MLP width", 2)[1] - hidden
     else:
         raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
     axes_dim, theta = _rope(head_dim, folder_config)
-    cfg = DiTConfig(
-        family="flux2",
-        in_channels=in_ch,
-        out_channels=need_shape(shape_of, "final_layer.linear.weight", "output channels")[0],
-        vec_in_dim=0,
-        context_in_dim=need_shape(shape_of, "txt_in.weight", "text width")[1],
-        hidden_size=hidden,
-        mlp_ratio=mlp_hidden / hidden,
-        num_heads=hidden // head_dim,
-        depth=depth,
-        depth_single_blocks=depth_single,
-        axes_dim=axes_dim,
-        theta=theta,
-        qkv_bias=False,
-        guidance_embed=guidance,
-    )
+    with config_errors(where):
+        cfg = DiTConfig(
+            family="flux2",
+            in_channels=in_ch,
+            out_channels=need_shape(shape_of, "final_layer.linear.weight", "output channels", 2)[0],
+            vec_in_dim=0,
+            context_in_dim=need_shape(shape_of, "txt_in.weight", "text width", 2)[1],
+            hidden_size=hidden,
+            mlp_ratio=mlp_hidden / hidden,
+            num_heads=hidden // head_dim,
+            depth=depth,
+            depth_single_blocks=depth_single,
+            axes_dim=axes_dim,
+            theta=theta,
+            qkv_bias=False,
+            guidance_embed=guidance,
+        )
     if cfg.mlp_hidden_dim != mlp_hidden:
         raise WeightsError(
             f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"
@@ -120,9 +128,11 @@ def load_flux2_transformer(
     `path_or_id`: a BFL single file (`flux2-dev.safetensors`, optionally `model.diffusion_model.`
     prefixed), a diffusers `transformer/` folder or pipeline root (sharded or not), a Hugging Face
     model id in the local cache, or the built-in random preset `tiny-flux2`. `config` is optional;
-    when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used).
+    when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used). `dtype` and
+    `device` are checked, and the weights' stored dtypes and values, as by `load_transformer`.
     """
-    device = torch.device(device)
+    device = check_device(device)
+    dtype = check_load_dtype(dtype)
     if _builtin(path_or_id):
         with torch.device("meta"):
             model = Flux2Transformer(config or PRESETS[str(path_or_id)])
@@ -144,7 +154,7 @@ def load_flux2_transformer(
         raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used))
         shape_of = _fused_shapes(table, src.shape)
 
-    inferred = infer_config(shape_of, depths, _folder_config(files))
+    inferred = infer_config(shape_of, depths, read_folder_config(files), files[0])
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
@@ -154,9 +164,12 @@ def load_flux2_transformer(
         model = Flux2Transformer(inferred)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
+    finite = FiniteCheck()
     if layout == "bfl":
         _check_keys(set(view.keys()), expected, shape_of)
-        sd = {k: view.get(k, device, dtype) for k in expected}
+        check_weight_dtypes(view, expected)
+        read = finite.reader(lambda k: view.get(k, device, dtype), view.path_of)
+        sd = {k: read(k) for k in expected}
     else:
         for rule in table:
             # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
@@ -166,10 +179,10 @@ def load_flux2_transformer(
                     raise WeightsError(
                         f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
                     )
-        sd = {
-            rule.bfl: flux2_layout.diffusers_to_bfl(rule, lambda k: src.get(k, device, dtype))
-            for rule in table
-        }
+        check_weight_dtypes(src, sorted(used))
+        read = finite.reader(lambda k: src.get(k, device, dtype), src.path_of)
+        sd = {rule.bfl: flux2_layout.diffusers_to_bfl(rule, read) for rule in table}
+    finite.raise_if_any()
     model.load_state_dict(sd, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -182,6 +195,8 @@ def _fused_shapes(table: list[flux2_layout.Rule], diffusers_shape: ShapeOf) -> S
 
     def shape_of(key: str) -> tuple[int, ...]:
         parts = [diffusers_shape(d) for d in by_bfl[key].diffusers]
+        if not all(parts):  # a 0-D part: no rows to stack (need_shape and the shape checks name it)
+            return ()
         return (sum(p[0] for p in parts), *parts[0][1:])
 
     return shape_of

@@ -7,8 +7,9 @@ model is strict (missing, unexpected and misshapen keys are named).
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from torch import nn
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux1_layout
+from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors, strip_prefix
@@ -30,6 +33,8 @@ _BFL_ANY = ("img_in.weight", "final_layer.linear.weight")
 _DIFFUSERS_ANY = ("x_embedder.weight", "proj_out.weight")
 # Random-weight presets that need no checkpoint (the offline demo and tests).
 BUILTIN = {"tiny": 0}
+# The fields of a diffusers transformer config.json the loaders read (the rest comes from the tensor shapes).
+CONFIG_FIELDS = {"axes_dims_rope": INT_LIST, "rope_theta": NUMBER}
 
 
 def find_transformer_files(path: Path) -> list[Path]:
@@ -68,8 +73,10 @@ def detect_layout(keys: list[str]) -> str:
     )
 
 
-def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | None) -> DiTConfig:
-    """Read depth, width, heads, channels and guidance from the checkpoint itself."""
+def infer_config(
+    layout: str, keys: list[str], shape_of, folder_config: dict | None, where: Path | str = "checkpoint"
+) -> DiTConfig:
+    """Read depth, width, heads, channels and guidance from the checkpoint itself (`where` names it in errors)."""
     if layout == "diffusers":
         img_in, txt_in, vec_in = (
             "x_embedder.weight",
@@ -99,28 +106,43 @@ def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | N
         guidance = any(k.startswith("guidance_in.") for k in keys)
         if depth == 0:
             qnorm = "single_blocks.0.norm.query_norm.scale"
-    hidden, in_ch = need_shape(shape_of, img_in, "hidden size")
-    head_dim = need_shape(shape_of, qnorm, "head dim")[0]
+    hidden, in_ch = need_shape(shape_of, img_in, "hidden size", 2)
+    head_dim = need_shape(shape_of, qnorm, "head dim", 1)[0]
     if layout == "bfl" and depth == 0:
-        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear1.weight", "MLP width")[0] - 3 * hidden
+        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear1.weight", "MLP width", 2)[0] - 3 * hidden
     else:
-        mlp_hidden = need_shape(shape_of, mlp_in, "MLP width")[0]
+        mlp_hidden = need_shape(shape_of, mlp_in, "MLP width", 2)[0]
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
     axes = _axes_dim(head_dim, folder_config)
-    return DiTConfig(
-        in_channels=in_ch,
-        out_channels=need_shape(shape_of, final, "output channels")[0],
-        vec_in_dim=need_shape(shape_of, vec_in, "pooled text width")[1],
-        context_in_dim=need_shape(shape_of, txt_in, "text width")[1],
-        hidden_size=hidden,
-        mlp_ratio=mlp_hidden / hidden,
-        num_heads=hidden // head_dim,
-        depth=depth,
-        depth_single_blocks=depth_single,
-        axes_dim=axes,
-        guidance_embed=guidance,
-    )
+    with config_errors(where):
+        cfg = DiTConfig(
+            in_channels=in_ch,
+            out_channels=need_shape(shape_of, final, "output channels", 2)[0],
+            vec_in_dim=need_shape(shape_of, vec_in, "pooled text width", 2)[1],
+            context_in_dim=need_shape(shape_of, txt_in, "text width", 2)[1],
+            hidden_size=hidden,
+            mlp_ratio=mlp_hidden / hidden,
+            num_heads=hidden // head_dim,
+            depth=depth,
+            depth_single_blocks=depth_single,
+            axes_dim=axes,
+            guidance_embed=guidance,
+        )
+    return cfg
+
+
+@contextmanager
+def config_errors(where: Path | str) -> Iterator[None]:
+    """Turn `DiTConfig`'s ValueError (shapes or config.json values no FLUX model has) into a WeightsError naming `where`."""
+    try:
+        yield
+    except WeightsError:
+        raise
+    except ValueError as e:
+        raise WeightsError(
+            f"{where}: the checkpoint's shapes and config.json give no valid model ({e})"
+        ) from None
 
 
 def _axes_dim(head_dim: int, folder_config: dict | None) -> tuple[int, ...]:
@@ -142,14 +164,13 @@ def _check_config(inferred: DiTConfig, given: DiTConfig) -> None:
         raise WeightsError("checkpoint does not match the given config: " + "; ".join(diffs))
 
 
-def _folder_config(files: list[Path]) -> dict | None:
-    cfg = files[0].parent / "config.json"
-    if cfg.is_file():
-        try:
-            return json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise WeightsError(f"{cfg}: not valid JSON ({e})") from None
-    return None
+def read_folder_config(files: list[Path]) -> dict | None:
+    """The diffusers `config.json` beside a transformer's files, its fields that we read type-checked; or None."""
+    path = files[0].parent / "config.json"
+    cfg = read_json_if_present(path)
+    if cfg is not None:
+        check_fields(cfg, CONFIG_FIELDS, path)
+    return cfg
 
 
 def load_transformer(
@@ -166,8 +187,11 @@ def load_transformer(
     not), a Hugging Face model id in the local cache, or a built-in random preset (`tiny`).
     `config` is optional; when given it must agree with the checkpoint.
     FLUX.2 checkpoints (and `tiny-flux2`) load through `load_flux2_transformer`; `.config.family` says which.
+    `dtype` must be a floating-point dtype and `device` cpu, cuda, cuda:N or mps. Weights stored as integers
+    or bools, and weights holding NaN or infinity, are refused by name.
     """
-    device = torch.device(device)
+    device = check_device(device)
+    dtype = check_load_dtype(dtype)
     # FLUX.2 detect step: told apart by its keys. Its loader builds on this module's helpers, so it is
     # imported here (a top-level import would be circular).
     from flux_runtime.weights import flux2_transformer
@@ -189,7 +213,7 @@ def load_transformer(
         keys, shape_of = view.keys(), view.shape
     else:
         keys, shape_of = src.keys(), src.shape
-    inferred = infer_config(layout, keys, shape_of, _folder_config(files))
+    inferred = infer_config(layout, keys, shape_of, read_folder_config(files), files[0])
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
@@ -199,9 +223,12 @@ def load_transformer(
         model = Flux1Transformer(inferred)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
+    finite = FiniteCheck()
     if layout == "bfl":
         _check_keys(set(keys), expected, shape_of)
-        sd = {k: view.get(k, device, dtype) for k in expected}
+        check_weight_dtypes(view, expected)
+        read = finite.reader(lambda k: view.get(k, device, dtype), view.path_of)
+        sd = {k: read(k) for k in expected}
     else:
         cfg = inferred
         table = list(flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed))
@@ -218,8 +245,11 @@ def load_transformer(
                     raise WeightsError(
                         f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
                     )
+        check_weight_dtypes(src, sorted(used))
+        read = finite.reader(lambda k: src.get(k, device, dtype), src.path_of)
         for rule in table:
-            sd[rule.bfl] = flux1_layout.diffusers_to_bfl(rule, lambda k: src.get(k, device, dtype))
+            sd[rule.bfl] = flux1_layout.diffusers_to_bfl(rule, read)
+    finite.raise_if_any()
     model.load_state_dict(sd, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
