@@ -22,6 +22,9 @@ from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.pipeline.checks import (
+    StepWatch,
+    check_device,
+    check_finite,
     check_guidance,
     check_prompts,
     check_sampling,
@@ -93,6 +96,7 @@ class Pipeline:
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
     ) -> None:
+        _check_parts(transformer, vae, text_encoder, model_name)
         self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
         self.schedule = schedule
         self.model_name, self.weights_id = model_name, weights_id
@@ -139,11 +143,7 @@ class Pipeline:
             raise FluxError(
                 f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32"
             )
-        device = torch.device(
-            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise FluxError("device 'cuda' asked for, but torch sees no CUDA GPU")
+        device = check_device(device)
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         if is_flux2(src.transformer):  # reads the safetensors headers only
             from flux_runtime.pipeline.flux2 import Flux2Pipe
@@ -306,7 +306,8 @@ class Pipeline:
                     f"got {tuple(pooled_prompt_embeds.shape)}"
                 )
         check_size(height, width, 2 * self.vae.config.spatial_factor)
-        check_vae_tile(self.vae_tile)
+        f = self.vae.config.spatial_factor
+        check_vae_tile(self.vae_tile, height // f, width // f)
         steps = check_steps(num_steps, self.default_steps)
         if self.is_distilled:
             if guidance is not None:
@@ -443,14 +444,14 @@ class Pipeline:
 
         report("denoise", 0, steps)
         reset_fused_ops_report()
-        latents = denoise(
-            model_fn,
-            latents,
-            sched.sigmas,
-            sched.timesteps,
-            guidance=g,
-            callback=lambda i, t, x: report("denoise", i + 1, steps),
-        )
+        watch = StepWatch(steps, device)
+
+        def after_step(i: int, t: Tensor, x: Tensor) -> None:
+            watch(i, x)
+            report("denoise", i + 1, steps)
+
+        latents = denoise(model_fn, latents, sched.sigmas, sched.timesteps, guidance=g, callback=after_step)
+        watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
 
         info = self._provenance(
             prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs
@@ -466,6 +467,7 @@ class Pipeline:
             unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor
         )
         decoded = self.vae.decode(z, tile=self.vae_tile)
+        check_finite(decoded, "decoded images")
         report("decode", 1, 1)
         if output_type == "pil":
             images: Any = to_pil_images(decoded)
@@ -495,6 +497,24 @@ class Pipeline:
             max_sequence_length=max_len, tier=tier, cuda_graphs=graphs, model=self.model_name,
             weights=self.weights_id, dtype=self.dtype, device=self.device,
         )  # fmt: skip
+
+
+def _check_parts(
+    transformer: Flux1Transformer, vae: Flux1VAE, text: Flux1TextEncoder, model_name: str
+) -> None:
+    """The transformer reads what the VAE and the text encoders give: fail at load, naming the checkpoint,
+    not at the first step with a bare shape error."""
+    cfg = transformer.config
+    packed = 4 * vae.config.z_channels  # 2x2 latent patches per token
+    widths = (
+        ("img_in", cfg.in_channels, packed, f"the VAE's {vae.config.z_channels} latent channels packed 2x2"),
+        ("final_layer", cfg.out_channels, packed, "the packed latent channels it must predict"),
+        ("txt_in", cfg.context_in_dim, text.t5.config.d_model, "the T5 encoder's width"),
+        ("vector_in", cfg.vec_in_dim, text.clip.config.hidden_size, "the CLIP encoder's pooled width"),
+    )
+    for layer, got, want, what in widths:
+        if got != want:
+            raise FluxError(f"{model_name}: the transformer's {layer} has width {got}, but {what} is {want}")
 
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:

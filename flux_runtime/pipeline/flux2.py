@@ -38,6 +38,8 @@ from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.pipeline.checks import (
+    StepWatch,
+    check_finite,
     check_guidance,
     check_prompts,
     check_sampling,
@@ -135,10 +137,20 @@ class Flux2Pipe:
             )
         if vae.config.family != "flux2":
             raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.2 needs the FLUX.2 VAE")
+        packed = 4 * vae.config.z_channels  # 2x2 latent patches per token
+        for layer, got in (
+            ("img_in", transformer.config.in_channels),
+            ("final_layer", transformer.config.out_channels),
+        ):
+            if got != packed:
+                raise FluxError(
+                    f"{model_name}: the transformer's {layer} has width {got}, but the VAE's "
+                    f"{vae.config.z_channels} latent channels packed 2x2 are {packed}"
+                )
         width = transformer.config.context_in_dim
         if text_encoder.output_dim != width:
             raise FluxError(
-                f"the {text_encoder.family} text encoder gives {text_encoder.output_dim}-wide embeddings but the "
+                f"{model_name}: the {text_encoder.family} text encoder gives {text_encoder.output_dim}-wide embeddings but the "
                 f"transformer reads {width} (FLUX.2 [dev] takes Mistral Small, [klein] 4B Qwen3-4B, 9B Qwen3-8B)"
             )
         if transformer.config.guidance_embed and is_distilled:
@@ -357,7 +369,8 @@ class Flux2Pipe:
                 raise FluxError(f"prompt_embeds are {prompt_embeds.dtype}; this pipeline runs {self.dtype}")
             batch = prompt_embeds.shape[0]
         check_size(height, width, 2 * self.vae.config.spatial_factor)
-        check_vae_tile(self.vae_tile)
+        f = self.vae.config.spatial_factor
+        check_vae_tile(self.vae_tile, height // f, width // f)
         steps = check_steps(num_steps, self.default_steps)
         g = check_guidance(guidance, DEFAULT_GUIDANCE)
         if self.is_distilled:
@@ -523,6 +536,12 @@ class Flux2Pipe:
 
         report("denoise", 0, steps)
         reset_fused_ops_report()
+        watch = StepWatch(steps, device)
+
+        def after_step(i: int, t: Tensor, x: Tensor) -> None:
+            watch(i, x)
+            report("denoise", i + 1, steps)
+
         latents = denoise(
             branch("cond", embeds),
             latents,
@@ -532,8 +551,9 @@ class Flux2Pipe:
             negative_model_fn=branch("uncond", negative) if negative is not None else None,
             true_cfg_scale=guidance if cfg and guidance is not None else 1.0,
             reference_tokens=ref_tokens,
-            callback=lambda i, t, x: report("denoise", i + 1, steps),
+            callback=after_step,
         )
+        watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
         kernels = kernels_used(self._graphed.get((pe_key, tier, "cond")) if use_graphs else None)
 
         if output_type == "latent" and self.is_dev:
@@ -544,6 +564,7 @@ class Flux2Pipe:
             return latents, z, use_graphs, kernels  # Flux2KleinPipeline: the decoder's input
         report("decode", 0, 1)
         decoded = vae.decode(z, tile=self.vae_tile)
+        check_finite(decoded, "decoded images")
         report("decode", 1, 1)
         if output_type == "pil":
             images: Any = to_pil_images(decoded)
