@@ -1,7 +1,7 @@
 """`flux-convert`: convert a FLUX.1 or FLUX.2 transformer or VAE between the BFL and diffusers layouts.
 
 One click command: parse, call `flux_runtime.weights.convert.convert`, report what was written.
-Library errors become one line and a non-zero exit here, and only here.
+Library errors become one line and exit 1 here, and only here (`--debug` shows the traceback instead).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import cast
 
 import click
 
+from flux_runtime.cli.errors import one_line_errors
 from flux_runtime.weights.convert import COMPONENTS, DEFAULT_MAX_SHARD_SIZE, Component, convert, parse_size
 
 
@@ -49,7 +50,10 @@ def _human(n: int) -> str:
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file or folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
-def main(component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool) -> None:
+@click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
+def main(
+    component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool, debug: bool
+) -> None:
     """Convert the FLUX.1 or FLUX.2 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
 
     SRC is a BFL single file (flux1-dev.safetensors, flux2-dev.safetensors, ae.safetensors), a
@@ -60,22 +64,21 @@ def main(component: str, src: str, dst: Path, max_shard_size: int, overwrite: bo
     """
     logging.basicConfig(level=logging.WARNING, format="flux-convert: %(message)s")
     bar = None
-    try:
-        progress = None
-        if not quiet and sys.stderr.isatty():
-            from tqdm import tqdm
+    with one_line_errors(debug):
+        try:
+            progress = None
+            if not quiet and sys.stderr.isatty():
+                from tqdm import tqdm
 
-            bar = tqdm(unit="B", unit_scale=True, desc=component, leave=False)
-            progress = bar.update
-        kind = cast(Component, component)  # click.Choice(COMPONENTS) checked it
-        result = convert(
-            kind, src, dst, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
-        )
-    except (ValueError, OSError) as e:  # WeightsError is a ValueError
-        raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    finally:
-        if bar is not None:
-            bar.close()
+                bar = tqdm(unit="B", unit_scale=True, desc=component, leave=False)
+                progress = bar.update
+            kind = cast(Component, component)  # click.Choice(COMPONENTS) checked it
+            result = convert(
+                kind, src, dst, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
+            )
+        finally:
+            if bar is not None:
+                bar.close()
     if not quiet:
         click.echo(
             f"{component}: {result.source_layout} -> {result.target_layout}, "

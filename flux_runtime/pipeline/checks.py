@@ -106,9 +106,9 @@ def check_sampling(
         raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
 
 
-def check_vae_tile(tile: object, latent_height: int, latent_width: int) -> None:
+def check_vae_tile(tile: object, latent_size: tuple[int, int] | None = None) -> None:
     """`Pipeline.vae_tile`: None (decode in one pass) or a multiple of 4 latent pixels, at least MIN_VAE_TILE,
-    that leaves no 1-pixel edge tile on a `latent_height` x `latent_width` latent."""
+    that leaves no 1-pixel edge tile on a latent of `latent_size` (height, width) when that is given."""
     if tile is None:
         return
     if not _is_int(tile) or tile <= 0 or tile % 4:  # type: ignore[operator]
@@ -118,10 +118,10 @@ def check_vae_tile(tile: object, latent_height: int, latent_width: int) -> None:
             f"vae_tile {tile} is below the minimum of {MIN_VAE_TILE} latent pixels: "
             f"use {MIN_VAE_TILE} or more, or no tiling"
         )
-    if latent_height <= tile and latent_width <= tile:  # type: ignore[operator]
-        return  # decoded in one pass
+    if latent_size is None or max(latent_size) <= tile:  # type: ignore[operator]
+        return  # no latent to tile yet, or decoded in one pass
     stride = int(tile * _TILE_STRIDE)  # type: ignore[operator]
-    for side in (latent_height, latent_width):
+    for side in latent_size:
         if side - (side - 1) // stride * stride == 1:
             raise FluxError(
                 f"vae_tile {tile} leaves a 1-pixel edge tile on a latent side of {side} pixels "

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels import reset_fused_ops_report
-from flux_runtime.models.dit import Flux1Transformer
-from flux_runtime.models.vae import Flux1VAE
+from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
+from flux_runtime.models.vae import Flux1VAE, Flux2VAE
 from flux_runtime.pipeline.checks import (
     StepWatch,
     check_device,
@@ -96,7 +96,8 @@ class Pipeline:
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
     ) -> None:
-        _check_parts(transformer, vae, text_encoder, model_name)
+        check_latent_widths(transformer, vae, model_name)
+        _check_text_widths(transformer, text_encoder, model_name)
         self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
         self.schedule = schedule
         self.model_name, self.weights_id = model_name, weights_id
@@ -165,6 +166,7 @@ class Pipeline:
             raise FluxError(
                 f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE"
             )
+        check_latent_widths(transformer, vae_model, src.name)  # before the text encoders load
         text_device = "cpu" if offload_text_encoders else device
         text = _open_text(src, text_device, dtype)
         return cls(
@@ -307,7 +309,7 @@ class Pipeline:
                 )
         check_size(height, width, 2 * self.vae.config.spatial_factor)
         f = self.vae.config.spatial_factor
-        check_vae_tile(self.vae_tile, height // f, width // f)
+        check_vae_tile(self.vae_tile, (height // f, width // f))
         steps = check_steps(num_steps, self.default_steps)
         if self.is_distilled:
             if guidance is not None:
@@ -499,22 +501,34 @@ class Pipeline:
         )  # fmt: skip
 
 
-def _check_parts(
-    transformer: Flux1Transformer, vae: Flux1VAE, text: Flux1TextEncoder, model_name: str
+def check_latent_widths(
+    transformer: Flux1Transformer | Flux2Transformer, vae: Flux1VAE | Flux2VAE, name: str
 ) -> None:
-    """The transformer reads what the VAE and the text encoders give: fail at load, naming the checkpoint,
-    not at the first step with a bare shape error."""
+    """The transformer reads and predicts the VAE's latents packed 2x2: fail at load, naming the checkpoint,
+    not at the first step with a bare shape error. (FLUX.1 and FLUX.2 alike.)"""
+    z = vae.config.z_channels
+    for layer, width in (
+        ("img_in", transformer.config.in_channels),
+        ("final_layer", transformer.config.out_channels),
+    ):
+        if width != 4 * z:
+            raise FluxError(
+                f"{name}: the transformer's {layer} has width {width}, but the VAE's {z} latent channels "
+                f"packed 2x2 are {4 * z}"
+            )
+
+
+def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, name: str) -> None:
+    """The transformer reads T5's states (txt_in) and CLIP's pooled vector (vector_in) at their widths."""
     cfg = transformer.config
-    packed = 4 * vae.config.z_channels  # 2x2 latent patches per token
-    widths = (
-        ("img_in", cfg.in_channels, packed, f"the VAE's {vae.config.z_channels} latent channels packed 2x2"),
-        ("final_layer", cfg.out_channels, packed, "the packed latent channels it must predict"),
-        ("txt_in", cfg.context_in_dim, text.t5.config.d_model, "the T5 encoder's width"),
-        ("vector_in", cfg.vec_in_dim, text.clip.config.hidden_size, "the CLIP encoder's pooled width"),
-    )
-    for layer, got, want, what in widths:
-        if got != want:
-            raise FluxError(f"{model_name}: the transformer's {layer} has width {got}, but {what} is {want}")
+    for layer, width, encoder, given in (
+        ("txt_in", cfg.context_in_dim, "T5 encoder", text.t5.config.d_model),
+        ("vector_in", cfg.vec_in_dim, "CLIP encoder", text.clip.config.hidden_size),
+    ):
+        if width != given:
+            raise FluxError(
+                f"{name}: the transformer's {layer} has width {width}, but the {encoder} gives {given}"
+            )
 
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:

@@ -48,7 +48,7 @@ from flux_runtime.pipeline.checks import (
     check_vae_tile,
 )
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress
+from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress, check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.provenance import provenance, weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
@@ -137,16 +137,7 @@ class Flux2Pipe:
             )
         if vae.config.family != "flux2":
             raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.2 needs the FLUX.2 VAE")
-        packed = 4 * vae.config.z_channels  # 2x2 latent patches per token
-        for layer, got in (
-            ("img_in", transformer.config.in_channels),
-            ("final_layer", transformer.config.out_channels),
-        ):
-            if got != packed:
-                raise FluxError(
-                    f"{model_name}: the transformer's {layer} has width {got}, but the VAE's "
-                    f"{vae.config.z_channels} latent channels packed 2x2 are {packed}"
-                )
+        check_latent_widths(transformer, vae, model_name)
         width = transformer.config.context_in_dim
         if text_encoder.output_dim != width:
             raise FluxError(
@@ -199,6 +190,7 @@ class Flux2Pipe:
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
+        check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
         text_device = torch.device("cpu") if offload_text_encoders else device
         text = _open_text(src, text_encoder, transformer, text_device, dtype)
         distilled = (
@@ -370,7 +362,7 @@ class Flux2Pipe:
             batch = prompt_embeds.shape[0]
         check_size(height, width, 2 * self.vae.config.spatial_factor)
         f = self.vae.config.spatial_factor
-        check_vae_tile(self.vae_tile, height // f, width // f)
+        check_vae_tile(self.vae_tile, (height // f, width // f))
         steps = check_steps(num_steps, self.default_steps)
         g = check_guidance(guidance, DEFAULT_GUIDANCE)
         if self.is_distilled:
