@@ -159,28 +159,29 @@ class StepWatch:
     def __init__(self, num_steps: int, device: torch.device) -> None:
         self.num_steps = num_steps
         self.eager = device.type == "cpu"
-        self.first_bad: Tensor | None = None
+        self.first_bad: Tensor | None = None  # (), int64: the first bad step's index, or -1
+        self.dtype = torch.float32  # the latents' dtype, for the message
 
     def __call__(self, i: int, latents: Tensor) -> None:
         if latents.device.type == "meta":
             return
         ok = torch.isfinite(latents).all()
+        self.dtype = latents.dtype
         if self.eager:
             if not bool(ok):
-                self._raise(i, latents.dtype)
+                self._raise(i)
             return
         here = torch.where(ok, -1, i)
         self.first_bad = (
             here if self.first_bad is None else torch.where(self.first_bad >= 0, self.first_bad, here)
         )
-        self._dtype = latents.dtype
 
     def raise_if_bad(self) -> None:
         if self.first_bad is not None and (i := int(self.first_bad)) >= 0:
-            self._raise(i, self._dtype)
+            self._raise(i)
 
-    def _raise(self, i: int, dtype: torch.dtype) -> None:
+    def _raise(self, i: int) -> None:
         raise FluxError(
             f"the latents became NaN or infinite at denoising step {i + 1} of {self.num_steps}, so no image was "
-            f"made ({str(dtype).removeprefix('torch.')} overflow? try bfloat16, a smaller guidance, or other weights)"
+            f"made ({str(self.dtype).removeprefix('torch.')} overflow? try bfloat16, a smaller guidance, or other weights)"
         )
