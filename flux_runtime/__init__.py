@@ -1,17 +1,17 @@
 """flux-runtime: a from-scratch inference runtime for the FLUX image models, bit-identical to diffusers.
 
-`load_transformer`, `load_vae` and `Pipeline` are the entry points; `Pipeline` (which pulls in
-`transformers` for the text encoders) is imported on first use.
+`load_transformer`, `load_vae` and `Pipeline` are the entry points. Each is imported on first use, so that
+importing the package (as the command-line tools do before they can report errors) loads neither torch
+nor `transformers`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flux_runtime.weights import WeightsError, load_transformer, load_vae
-
 if TYPE_CHECKING:
     from flux_runtime.pipeline import FluxError, Pipeline, PipelineOutput
+    from flux_runtime.weights import WeightsError, load_transformer, load_vae
 
 __version__ = "0.1.0"
 
@@ -31,4 +31,8 @@ def __getattr__(name: str) -> Any:
         from flux_runtime import pipeline
 
         return getattr(pipeline, name)
+    if name in ("WeightsError", "load_transformer", "load_vae"):
+        from flux_runtime import weights
+
+        return getattr(weights, name)
     raise AttributeError(f"module 'flux_runtime' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """`flux-convert`: convert a FLUX.1 or FLUX.2 transformer or VAE between the BFL and diffusers layouts.
 
 One click command: parse, call `flux_runtime.weights.convert.convert`, report what was written.
-Library errors become one line and a non-zero exit here, and only here.
+Library errors become one line and exit 1 here, and only here (`--debug` shows the traceback instead).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import cast
 
 import click
 
+from flux_runtime.cli.errors import one_line_errors
 from flux_runtime.weights.convert import COMPONENTS, DEFAULT_MAX_SHARD_SIZE, Component, convert, parse_size
 
 
@@ -62,10 +63,11 @@ def _human(n: int) -> str:
 @click.option(
     "--device", default=None, help="quantize: where to run the calibration [default: cuda if available]."
 )
+@click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(
     component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool,
     calibration_prompts: Path | None, calibration_steps: int | None, calibration_size: int | None,
-    device: str | None,
+    device: str | None, debug: bool,
 ) -> None:  # fmt: skip
     """Convert the FLUX.1 or FLUX.2 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
 
@@ -81,35 +83,28 @@ def main(
     """
     logging.basicConfig(level=logging.WARNING, format="flux-convert: %(message)s")
     if component == "quantize":
-        _quantize(
-            src,
-            dst,
-            max_shard_size,
-            overwrite,
-            quiet,
-            calibration_prompts,
-            calibration_steps,
-            calibration_size,
-            device,
-        )
+        with one_line_errors(debug):
+            _quantize(
+                src, dst, max_shard_size, overwrite, quiet,
+                calibration_prompts, calibration_steps, calibration_size, device,
+            )  # fmt: skip
         return
     bar = None
-    try:
-        progress = None
-        if not quiet and sys.stderr.isatty():
-            from tqdm import tqdm
+    with one_line_errors(debug):
+        try:
+            progress = None
+            if not quiet and sys.stderr.isatty():
+                from tqdm import tqdm
 
-            bar = tqdm(unit="B", unit_scale=True, desc=component, leave=False)
-            progress = bar.update
-        kind = cast(Component, component)  # click.Choice(COMPONENTS) checked it
-        result = convert(
-            kind, src, dst, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
-        )
-    except (ValueError, OSError) as e:  # WeightsError is a ValueError
-        raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    finally:
-        if bar is not None:
-            bar.close()
+                bar = tqdm(unit="B", unit_scale=True, desc=component, leave=False)
+                progress = bar.update
+            kind = cast(Component, component)  # click.Choice(COMPONENTS) checked it
+            result = convert(
+                kind, src, dst, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
+            )
+        finally:
+            if bar is not None:
+                bar.close()
     if not quiet:
         click.echo(
             f"{component}: {result.source_layout} -> {result.target_layout}, "
@@ -125,14 +120,11 @@ def _quantize(
 ) -> None:  # fmt: skip
     from flux_runtime.pipeline.calibrate import quantize_checkpoint, read_prompts
 
-    try:
-        prompts = read_prompts(prompts_file)
-        files = quantize_checkpoint(
-            src, dst, prompts=prompts, steps=steps, size=size, device=device,
-            max_shard_size=max_shard_size, overwrite=overwrite,
-        )  # fmt: skip
-    except (ValueError, OSError, RuntimeError) as e:
-        raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    prompts = read_prompts(prompts_file)
+    files = quantize_checkpoint(
+        src, dst, prompts=prompts, steps=steps, size=size, device=device,
+        max_shard_size=max_shard_size, overwrite=overwrite,
+    )  # fmt: skip
     if not quiet:
         click.echo(
             f"quantize: {src} -> ModelOpt FP8, calibrated on {len(prompts)} prompts, {len(files)} file(s) in {dst}"

@@ -2,19 +2,24 @@
 
 FLUX.1 and FLUX.2 alike (`Pipeline.from_pretrained` picks by the checkpoint); FLUX.2 also edits with
 `--image` reference images, whose paths and pixel fingerprints go into the provenance so `--replay` can
-refuse a reference that has gone or changed. Library errors become one line and a non-zero exit here,
-and only here.
+refuse a reference that has gone or changed. Library errors become one line and exit 1 here, and only
+here (`--debug` shows the traceback instead). Nothing heavy is imported at module level, so that even a
+Ctrl-C while torch loads ends in one line. Every check that needs no model (output folder, device, prompt,
+step count, guidance, reference images) runs before any weights are read.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
+
+from flux_runtime.cli.errors import one_line_errors
 
 MODEL_CHOICES = (
     "tiny",
@@ -26,6 +31,21 @@ MODEL_CHOICES = (
     "flux2-klein-9b",
 )
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# What a --replay takes from the image's record; given beside --replay, these are refused, not ignored.
+REPLAYED = (
+    "prompt",
+    "model",
+    "quality",
+    "steps",
+    "guidance",
+    "seed",
+    "width",
+    "height",
+    "max_sequence_length",
+    "dtype",
+    "image",
+    "num_images",
+)
 
 
 class _Progress:
@@ -57,28 +77,28 @@ class _Progress:
             self.bar, self.stage = None, None
 
 
-def read_provenance(png: Path) -> dict[str, Any]:
-    """The generation record `flux-gen` wrote into a PNG's text chunks."""
-    from PIL import Image
-
-    try:
-        with Image.open(png) as im:
-            raw = im.text.get("flux_runtime") if hasattr(im, "text") else None
-    except (OSError, ValueError) as e:
-        raise click.ClickException(f"cannot read {png}: {e}") from None
-    if raw is None:
-        raise click.ClickException(f"{png} carries no flux-runtime provenance (was it made by flux-gen?)")
-    return json.loads(raw)
-
-
 def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
+    """The PNG paths to write, in a folder that exists (created for a folder --out) and takes new files."""
     if out.is_dir() or str(out).endswith(("/", "\\")) or out.suffix == "":
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.ClickException(f"--out {out}: cannot make this folder ({e.strerror or e})") from None
+        folder = out
         paths = [out / f"flux-{seed}-{i}.png" for i in range(n)]
     elif out.suffix.lower() != ".png":
         raise click.ClickException(f"--out {out}: images are written as PNG; give a .png file or a folder")
     else:
+        folder = out.parent
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise click.ClickException(f"--out {out}: {folder} {what}; create it or choose another --out")
         paths = [out] if n == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(n)]
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise click.ClickException(f"--out {out}: cannot write in {folder} ({e.strerror or e})") from None
     clash = [str(p) for p in paths if p.exists()]
     if clash and not overwrite:
         raise click.ClickException(
@@ -105,7 +125,8 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     "--steps",
     type=click.IntRange(min=1),
     default=None,
-    help="Denoising steps [default: FLUX.1 28 dev, 4 schnell; FLUX.2 50 (distilled klein is made for 4)].",
+    help="Denoising steps, at most 1000 [default: FLUX.1 28 dev, 4 schnell; FLUX.2 50 (distilled klein is "
+    "made for 4)].",
 )
 @click.option(
     "--guidance",
@@ -161,7 +182,8 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     "--vae-tile",
     type=click.IntRange(min=4),
     default=None,
-    help="Decode in tiles of this many latent pixels (a multiple of 4) to bound memory for large images.",
+    help="Decode in tiles of this many latent pixels (a multiple of 4, at least 16) to bound memory for large "
+    "images.",
 )
 @click.option(
     "--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs."
@@ -183,27 +205,41 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     help="Regenerate the image recorded in a flux-gen PNG.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(**opts: Any) -> None:
     """Generate images with FLUX, offline, from local weights."""
     logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
-    if opts["replay"] is not None:
-        _apply_replay(opts)
-    if not opts["prompt"]:
-        raise click.UsageError("--prompt is required (or --replay an image)")
-    try:
+    with one_line_errors(opts["debug"]):
+        if opts["replay"] is not None:
+            _apply_replay(opts, click.get_current_context())
+        if not opts["prompt"]:
+            raise click.UsageError("--prompt is required (or --replay an image)")
         _generate(opts)
-    except click.ClickException:
-        raise
-    except (
-        ValueError,
-        OSError,
-        RuntimeError,
-    ) as e:  # our errors are ValueError subclasses; torch's are RuntimeError
-        raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
-def _apply_replay(opts: dict[str, Any]) -> None:
-    rec = read_provenance(opts["replay"])
+def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
+    """Take the recorded settings from the --replay PNG; refuse options beside it that it would override."""
+    from flux_runtime.pipeline.provenance import read_provenance
+
+    given = [
+        name
+        for name in REPLAYED
+        if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    ]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise click.ClickException(
+            f"--replay takes {flags} from the image it remakes; drop {'it' if len(given) == 1 else 'them'} "
+            "(or generate without --replay)"
+        )
+    png = opts["replay"]
+    rec = read_provenance(png)
+    if not isinstance(rec["prompt"], str):
+        raise click.ClickException(
+            f"cannot replay {png}: it was made from a list of prompts or from embeddings"
+        )
+    if rec["seed"] is None:
+        raise click.ClickException(f"cannot replay {png}: it was made with a torch.Generator, not a seed")
     opts.update(
         prompt=rec["prompt"],
         model=rec["model"],
@@ -243,28 +279,45 @@ def _replay_images(png: Path, recorded: list[dict[str, Any]]) -> tuple[Path, ...
 
 def _open_image(path: Path) -> Any:
     """A reference image, decoded now (so a bad file fails here); PIL keeps `path` as its `filename`."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         image = Image.open(path)
         image.load()
-    except (OSError, UnidentifiedImageError) as e:
+    except Image.DecompressionBombError as e:
+        raise click.ClickException(f"cannot read image {path}: {e} Shrink it first.") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:  # UnidentifiedImageError is an OSError
         raise click.ClickException(f"cannot read image {path}: {e}") from None
     return image
+
+
+def _check_early(opts: dict[str, Any]) -> None:
+    """The call arguments that need no model, checked before any weights are read (the pipeline checks
+    them again, with the model's defaults and its size multiple)."""
+    from flux_runtime.pipeline.checks import check_guidance, check_prompts, check_steps, check_vae_tile
+
+    check_prompts(opts["prompt"])
+    check_vae_tile(opts["vae_tile"])
+    if opts["steps"] is not None:
+        check_steps(opts["steps"], opts["steps"])
+    if opts["guidance"] is not None:
+        check_guidance(opts["guidance"], opts["guidance"])
 
 
 def _generate(opts: dict[str, Any]) -> None:
     import torch
 
     from flux_runtime.pipeline import Pipeline
+    from flux_runtime.pipeline.checks import check_device
     from flux_runtime.pipeline.flux2 import Flux2Pipe
     from flux_runtime.pipeline.provenance import save_png
 
-    device = opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = opts["dtype"] or ("bf16" if torch.device(device).type == "cuda" or opts["fp8"] else "fp32")
+    _check_early(opts)
+    device = check_device(opts["device"])
     replaying = opts["replay"] is not None
     n = 1 if replaying else opts["num_images"]
     paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"])
+    dtype_name = opts["dtype"] or ("bf16" if device.type == "cuda" or opts["fp8"] else "fp32")
     progress = _Progress(not opts["quiet"] and sys.stderr.isatty())
     images_in = [_open_image(p.resolve()) for p in opts["image"]]
 
@@ -308,5 +361,5 @@ def _generate(opts: dict[str, Any]) -> None:
     images = out.images[-1:] if replaying else out.images
     for i, (image, path) in enumerate(zip(images, paths, strict=True)):
         info = {**out.info, "index": opts["_replay_index"] if replaying else i, "num_images": num_per_prompt}
-        save_png(image, path, info)
+        save_png(image, path, info, overwrite=opts["overwrite"])
         click.echo(str(path))

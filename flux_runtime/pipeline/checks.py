@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch import Tensor
 
 from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.weights import checks as weight_checks
+from flux_runtime.weights.errors import WeightsError
 
 OUTPUT_TYPES = ("pil", "pt", "np", "latent")
 QUALITIES = ("lossless", "high")
+# More steps than the schedule's 1000 training timesteps only repeats timesteps (and holds every step's
+# modulation table in the high tier); a typo such as 10**9 would run for days.
+MAX_STEPS = 1000
+# The smallest VAE tile, in latent pixels: a smaller tile gives the decoder's GroupNorm and attention too
+# little of the image (and, on narrow models, a single value per group, which GroupNorm refuses).
+MIN_VAE_TILE = 16
+# diffusers' tile overlap: tiles start every int(0.75 * tile) latent pixels.
+_TILE_STRIDE = 0.75
 
 
 def _is_int(v: object) -> bool:
@@ -21,6 +34,15 @@ def check_prompts(prompt: object) -> int:
         raise FluxError("prompt must be a non-empty string or a list of strings")
     if any(not p.strip() for p in prompts):
         raise FluxError("prompt is empty")
+    for p in prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # on a command line: bytes that are not UTF-8 arrive as lone surrogates
+            raise FluxError(
+                f"prompt is not valid UTF-8 text (character {e.start} is {p[e.start]!r}): "
+                "give the prompt in UTF-8"
+            ) from None
     return len(prompts)
 
 
@@ -34,16 +56,25 @@ def check_size(height: object, width: object, multiple: int) -> None:
 
 
 def check_steps(num_steps: object, default: int) -> int:
+    """`num_steps` (or `default`): an integer in 1..MAX_STEPS."""
     steps = default if num_steps is None else num_steps
     if not _is_int(steps) or steps < 1:  # type: ignore[operator]
         raise FluxError(f"num_steps {num_steps!r} must be an integer >= 1")
+    if steps > MAX_STEPS:  # type: ignore[operator]
+        raise FluxError(
+            f"num_steps {steps} is more than {MAX_STEPS}: the schedule has {MAX_STEPS} timesteps "
+            "(FLUX uses 4 to 50 steps)"
+        )
     return steps  # type: ignore[return-value]
 
 
 def check_guidance(guidance: object, default: float) -> float:
+    """`guidance` (or `default`): a finite number >= 0 (inf or NaN would give a black image)."""
     g = default if guidance is None else guidance
     if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
         raise FluxError(f"guidance {guidance!r} must be a number >= 0")
+    if not math.isfinite(g):
+        raise FluxError(f"guidance {guidance!r} must be a finite number >= 0")
     return float(g)
 
 
@@ -75,7 +106,82 @@ def check_sampling(
         raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
 
 
-def check_vae_tile(tile: object) -> None:
-    """`Pipeline.vae_tile`: None (decode in one pass) or a positive multiple of 4 latent pixels."""
-    if tile is not None and (not _is_int(tile) or tile <= 0 or tile % 4):  # type: ignore[operator]
+def check_vae_tile(tile: object, latent_size: tuple[int, int] | None = None) -> None:
+    """`Pipeline.vae_tile`: None (decode in one pass) or a multiple of 4 latent pixels, at least MIN_VAE_TILE,
+    that leaves no 1-pixel edge tile on a latent of `latent_size` (height, width) when that is given."""
+    if tile is None:
+        return
+    if not _is_int(tile) or tile <= 0 or tile % 4:  # type: ignore[operator]
         raise FluxError(f"vae_tile {tile!r} must be None or a positive multiple of 4 (latent pixels)")
+    if tile < MIN_VAE_TILE:  # type: ignore[operator]
+        raise FluxError(
+            f"vae_tile {tile} is below the minimum of {MIN_VAE_TILE} latent pixels: "
+            f"use {MIN_VAE_TILE} or more, or no tiling"
+        )
+    if latent_size is None or max(latent_size) <= tile:  # type: ignore[operator]
+        return  # no latent to tile yet, or decoded in one pass
+    stride = int(tile * _TILE_STRIDE)  # type: ignore[operator]
+    for side in latent_size:
+        if side - (side - 1) // stride * stride == 1:
+            raise FluxError(
+                f"vae_tile {tile} leaves a 1-pixel edge tile on a latent side of {side} pixels "
+                f"(tiles start every {stride}): choose another tile size"
+            )
+
+
+def check_device(device: object) -> torch.device:
+    """`device` (None: cuda when available, else cpu) as a torch.device that exists: cpu, cuda, cuda:N or mps."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return weight_checks.check_device(device)
+    except WeightsError as e:
+        raise FluxError(str(e)) from None
+
+
+def check_finite(x: Tensor, what: str) -> None:
+    """Raise a FluxError when `x` holds NaN or infinity (one host sync): a wrong image is never returned."""
+    if not bool(torch.isfinite(x).all()):
+        raise FluxError(
+            f"the {what} hold NaN or infinite values ({x.dtype} overflow? try bfloat16 or a smaller guidance)"
+        )
+
+
+class StepWatch:
+    """Finds the first denoising step whose latents hold NaN or infinity, as the `denoise` callback.
+
+    On the CPU each step is checked at once (a check costs no device sync there), so a broken run stops
+    early. Elsewhere the first bad step is kept in a device tensor and read once by `raise_if_bad()` after
+    the loop: no host sync per step, nothing added inside a CUDA graph. A non-finite latent stays non-finite
+    in later steps, so the final check alone cannot miss one.
+    """
+
+    def __init__(self, num_steps: int, device: torch.device) -> None:
+        self.num_steps = num_steps
+        self.eager = device.type == "cpu"
+        self.first_bad: Tensor | None = None  # (), int64: the first bad step's index, or -1
+        self.dtype = torch.float32  # the latents' dtype, for the message
+
+    def __call__(self, i: int, latents: Tensor) -> None:
+        if latents.device.type == "meta":
+            return
+        ok = torch.isfinite(latents).all()
+        self.dtype = latents.dtype
+        if self.eager:
+            if not bool(ok):
+                self._raise(i)
+            return
+        here = torch.where(ok, -1, i)
+        self.first_bad = (
+            here if self.first_bad is None else torch.where(self.first_bad >= 0, self.first_bad, here)
+        )
+
+    def raise_if_bad(self) -> None:
+        if self.first_bad is not None and (i := int(self.first_bad)) >= 0:
+            self._raise(i)
+
+    def _raise(self, i: int) -> None:
+        raise FluxError(
+            f"the latents became NaN or infinite at denoising step {i + 1} of {self.num_steps}, so no image was "
+            f"made ({str(self.dtype).removeprefix('torch.')} overflow? try bfloat16, a smaller guidance, or other weights)"
+        )

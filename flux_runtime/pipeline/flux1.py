@@ -19,9 +19,12 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels import reset_fused_ops_report
-from flux_runtime.models.dit import Flux1Transformer
-from flux_runtime.models.vae import Flux1VAE
+from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
+from flux_runtime.models.vae import Flux1VAE, Flux2VAE
 from flux_runtime.pipeline.checks import (
+    StepWatch,
+    check_device,
+    check_finite,
     check_guidance,
     check_prompts,
     check_sampling,
@@ -93,6 +96,8 @@ class Pipeline:
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
     ) -> None:
+        check_latent_widths(transformer, vae, model_name)
+        _check_text_widths(transformer, text_encoder, model_name)
         self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
         self.schedule = schedule
         self.model_name, self.weights_id = model_name, weights_id
@@ -142,11 +147,7 @@ class Pipeline:
             raise FluxError(
                 f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32"
             )
-        device = torch.device(
-            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise FluxError("device 'cuda' asked for, but torch sees no CUDA GPU")
+        device = check_device(device)
         if fp8 and dtype != torch.bfloat16:
             raise FluxError(
                 f"fp8=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
@@ -172,6 +173,7 @@ class Pipeline:
             raise FluxError(
                 f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE"
             )
+        check_latent_widths(transformer, vae_model, src.name)  # before the text encoders load
         text_device = "cpu" if offload_text_encoders else device
         text = _open_text(src, text_device, dtype)
         return cls(
@@ -313,7 +315,8 @@ class Pipeline:
                     f"got {tuple(pooled_prompt_embeds.shape)}"
                 )
         check_size(height, width, 2 * self.vae.config.spatial_factor)
-        check_vae_tile(self.vae_tile)
+        f = self.vae.config.spatial_factor
+        check_vae_tile(self.vae_tile, (height // f, width // f))
         steps = check_steps(num_steps, self.default_steps)
         if self.is_distilled:
             if guidance is not None:
@@ -450,14 +453,14 @@ class Pipeline:
 
         report("denoise", 0, steps)
         reset_fused_ops_report()
-        latents = denoise(
-            model_fn,
-            latents,
-            sched.sigmas,
-            sched.timesteps,
-            guidance=g,
-            callback=lambda i, t, x: report("denoise", i + 1, steps),
-        )
+        watch = StepWatch(steps, device)
+
+        def after_step(i: int, t: Tensor, x: Tensor) -> None:
+            watch(i, x)
+            report("denoise", i + 1, steps)
+
+        latents = denoise(model_fn, latents, sched.sigmas, sched.timesteps, guidance=g, callback=after_step)
+        watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
 
         info = self._provenance(
             prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs
@@ -473,6 +476,7 @@ class Pipeline:
             unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor
         )
         decoded = self.vae.decode(z, tile=self.vae_tile)
+        check_finite(decoded, "decoded images")
         report("decode", 1, 1)
         if output_type == "pil":
             images: Any = to_pil_images(decoded)
@@ -504,6 +508,36 @@ class Pipeline:
             precision=getattr(self.transformer, "precision", "bf16"),
                 fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
         )  # fmt: skip
+
+
+def check_latent_widths(
+    transformer: Flux1Transformer | Flux2Transformer, vae: Flux1VAE | Flux2VAE, name: str
+) -> None:
+    """The transformer reads and predicts the VAE's latents packed 2x2: fail at load, naming the checkpoint,
+    not at the first step with a bare shape error. (FLUX.1 and FLUX.2 alike.)"""
+    z = vae.config.z_channels
+    for layer, width in (
+        ("img_in", transformer.config.in_channels),
+        ("final_layer", transformer.config.out_channels),
+    ):
+        if width != 4 * z:
+            raise FluxError(
+                f"{name}: the transformer's {layer} has width {width}, but the VAE's {z} latent channels "
+                f"packed 2x2 are {4 * z}"
+            )
+
+
+def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, name: str) -> None:
+    """The transformer reads T5's states (txt_in) and CLIP's pooled vector (vector_in) at their widths."""
+    cfg = transformer.config
+    for layer, width, encoder, given in (
+        ("txt_in", cfg.context_in_dim, "T5 encoder", text.t5.config.d_model),
+        ("vector_in", cfg.vec_in_dim, "CLIP encoder", text.clip.config.hidden_size),
+    ):
+        if width != given:
+            raise FluxError(
+                f"{name}: the transformer's {layer} has width {width}, but the {encoder} gives {given}"
+            )
 
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:

@@ -24,7 +24,6 @@ layout; on CUDA each denoiser branch (conditional, unconditional) replays its ow
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,6 +38,8 @@ from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.pipeline.checks import (
+    StepWatch,
+    check_finite,
     check_guidance,
     check_prompts,
     check_sampling,
@@ -47,7 +48,7 @@ from flux_runtime.pipeline.checks import (
     check_vae_tile,
 )
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress
+from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress, check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.provenance import provenance, weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
@@ -82,6 +83,7 @@ from flux_runtime.text.flux2 import (
     KleinTextEncoder,
 )
 from flux_runtime.weights import load_transformer
+from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.vae import load_vae
 
@@ -135,10 +137,11 @@ class Flux2Pipe:
             )
         if vae.config.family != "flux2":
             raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.2 needs the FLUX.2 VAE")
+        check_latent_widths(transformer, vae, model_name)
         width = transformer.config.context_in_dim
         if text_encoder.output_dim != width:
             raise FluxError(
-                f"the {text_encoder.family} text encoder gives {text_encoder.output_dim}-wide embeddings but the "
+                f"{model_name}: the {text_encoder.family} text encoder gives {text_encoder.output_dim}-wide embeddings but the "
                 f"transformer reads {width} (FLUX.2 [dev] takes Mistral Small, [klein] 4B Qwen3-4B, 9B Qwen3-8B)"
             )
         if transformer.config.guidance_embed and is_distilled:
@@ -188,6 +191,7 @@ class Flux2Pipe:
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
+        check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
         text_device = torch.device("cpu") if offload_text_encoders else device
         text = _open_text(src, text_encoder, transformer, text_device, dtype)
         distilled = (
@@ -358,7 +362,8 @@ class Flux2Pipe:
                 raise FluxError(f"prompt_embeds are {prompt_embeds.dtype}; this pipeline runs {self.dtype}")
             batch = prompt_embeds.shape[0]
         check_size(height, width, 2 * self.vae.config.spatial_factor)
-        check_vae_tile(self.vae_tile)
+        f = self.vae.config.spatial_factor
+        check_vae_tile(self.vae_tile, (height // f, width // f))
         steps = check_steps(num_steps, self.default_steps)
         g = check_guidance(guidance, DEFAULT_GUIDANCE)
         if self.is_distilled:
@@ -524,6 +529,12 @@ class Flux2Pipe:
 
         report("denoise", 0, steps)
         reset_fused_ops_report()
+        watch = StepWatch(steps, device)
+
+        def after_step(i: int, t: Tensor, x: Tensor) -> None:
+            watch(i, x)
+            report("denoise", i + 1, steps)
+
         latents = denoise(
             branch("cond", embeds),
             latents,
@@ -533,8 +544,9 @@ class Flux2Pipe:
             negative_model_fn=branch("uncond", negative) if negative is not None else None,
             true_cfg_scale=guidance if cfg and guidance is not None else 1.0,
             reference_tokens=ref_tokens,
-            callback=lambda i, t, x: report("denoise", i + 1, steps),
+            callback=after_step,
         )
+        watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
         kernels = kernels_used(self._graphed.get((pe_key, tier, "cond")) if use_graphs else None)
 
         if output_type == "latent" and self.is_dev:
@@ -545,6 +557,7 @@ class Flux2Pipe:
             return latents, z, use_graphs, kernels  # Flux2KleinPipeline: the decoder's input
         report("decode", 0, 1)
         decoded = vae.decode(z, tile=self.vae_tile)
+        check_finite(decoded, "decoded images")
         report("decode", 1, 1)
         if output_type == "pil":
             images: Any = to_pil_images(decoded)
@@ -643,10 +656,7 @@ def _encoder_class(folder: Path) -> type[Flux2TextEncoder] | type[KleinTextEncod
     config = folder / "config.json"
     if not config.is_file():
         raise WeightsError(f"{folder}: no config.json; expected a Mistral3 or Qwen3 text encoder")
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{config}: not valid JSON ({e})") from None
+    model_type = read_json_object(config).get("model_type")
     for cls in (Flux2TextEncoder, KleinTextEncoder):
         if model_type == cls.model_type:
             return cls

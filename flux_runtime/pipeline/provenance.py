@@ -1,10 +1,22 @@
-"""What a generated image records about itself: the PNG text chunk that `flux-gen --replay` reads."""
+"""What a generated image records about itself: the PNG text chunk that `flux-gen --replay` reads.
+
+One schema (`RECORD_FIELDS`, `OPTIONAL_FIELDS`) is checked by `check_record` both when a PNG is written
+(`save_png`) and when one is read back (`parse_provenance`), so a record the reader accepts is one the
+writer could have made, and a damaged or hand-edited record fails as one FluxError naming the field.
+PNGs are written to a temporary file in the same folder and then linked or renamed into place, so an
+interrupted write leaves no file behind and two writers of one path cannot both succeed.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+import secrets
+import struct
+import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +25,112 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 import flux_runtime
+from flux_runtime.pipeline.checks import QUALITIES
+from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.sources import Sources
+from flux_runtime.weights.config_files import BOOL, INT, NUMBER, STR, Kind
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.transformer import find_transformer_files
 
 BUILTIN_WEIGHTS = {"tiny": "tiny-seed0", "tiny-flux2": "tiny-flux2-seed0"}
+# The PNG text chunk holding the record.
+CHUNK = "flux_runtime"
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def _one_of(*values: str) -> Kind:
+    return Kind(" or ".join(repr(v) for v in values), lambda v: v in values)
+
+
+def _int_at_least(low: int) -> Kind:
+    return Kind(f"an integer >= {low}", lambda v: INT.ok(v) and v >= low)  # type: ignore[operator]
+
+
+def _is_reference(v: object) -> bool:
+    return (
+        isinstance(v, dict)
+        and (v.get("path") is None or isinstance(v.get("path"), str))
+        and all(_int_at_least(1).ok(v.get(k)) for k in ("width", "height"))
+        and isinstance(v.get("sha256"), str)
+    )
+
+
+PROMPT = Kind(
+    "a string, a list of strings or null",
+    lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(p, str) for p in v)),
+)
+# Every record has these (what `provenance()` writes) ...
+RECORD_FIELDS: dict[str, Kind] = {
+    "prompt": PROMPT,
+    "seed": _int_at_least(0).or_null(),
+    "height": _int_at_least(1),
+    "width": _int_at_least(1),
+    "num_steps": _int_at_least(1),
+    "guidance": NUMBER.or_null(),
+    "max_sequence_length": _int_at_least(1),
+    "model": STR,
+    "weights": STR,
+    "quality": _one_of(*QUALITIES),
+    "cuda_graphs": BOOL,
+    "dtype": _one_of(*DTYPE_NAMES),
+    "device": STR,
+    "flux_runtime": STR,
+    "torch": STR,
+}
+# ... and may have these (the kernels that ran, FLUX.2's references, flux-gen's place of the image in its batch).
+OPTIONAL_FIELDS: dict[str, Kind] = {
+    "kernels": STR,
+    "reference_images": Kind(
+        "a list of {path, width, height, sha256} objects",
+        lambda v: isinstance(v, list) and all(_is_reference(r) for r in v),
+    ),
+    "index": _int_at_least(0),
+    "num_images": _int_at_least(1),
+    "precision": STR,
+    "fp8_at_load": BOOL,
+}
+
+
+def check_record(record: object, where: Path | str) -> dict[str, Any]:
+    """`record` if it follows the provenance schema, else a FluxError naming `where` and the field."""
+    if not isinstance(record, dict):
+        raise FluxError(f"{where}: the flux-runtime provenance is not a JSON object")
+    missing = [name for name in RECORD_FIELDS if name not in record]
+    if missing:
+        raise FluxError(f"{where}: the flux-runtime provenance lacks {', '.join(missing)}")
+    for name, kind in {**RECORD_FIELDS, **OPTIONAL_FIELDS}.items():
+        if name in record and not kind.ok(record[name]):
+            value = json.dumps(record[name], default=str)
+            value = value if len(value) <= 60 else value[:57] + "..."
+            raise FluxError(f"{where}: provenance field {name!r} must be {kind.what}, got {value}")
+    if "index" in record and "num_images" in record and record["index"] >= record["num_images"]:
+        raise FluxError(
+            f"{where}: provenance index {record['index']} is not below num_images {record['num_images']}"
+        )
+    return record
+
+
+def parse_provenance(text: str, where: Path | str) -> dict[str, Any]:
+    """The record in a PNG's `flux_runtime` text chunk, checked against the schema."""
+    try:
+        record = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise FluxError(f"{where}: the flux-runtime provenance is not valid JSON ({e})") from None
+    return check_record(record, where)
+
+
+def read_provenance(png: Path) -> dict[str, Any]:
+    """The generation record `flux-gen` wrote into a PNG's text chunks, checked against the schema."""
+    try:
+        with Image.open(png) as im:
+            raw = im.text.get(CHUNK) if hasattr(im, "text") else None
+    except Image.DecompressionBombError as e:
+        raise FluxError(f"cannot read {png}: {e}") from None
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error, zlib.error) as e:
+        raise FluxError(f"cannot read {png}: {e or type(e).__name__}") from None
+    if raw is None:
+        raise FluxError(f"{png} carries no flux-runtime provenance (was it made by flux-gen?)")
+    return parse_provenance(raw, png)
 
 
 def weights_id(src: Sources) -> str:
@@ -48,7 +161,7 @@ def provenance(
     weights: str,
     dtype: torch.dtype,
     device: torch.device,
-    precision: str,
+    precision: str = "bf16",
     fp8_at_load: bool = False,
 ) -> dict[str, Any]:
     """The generation record every pipeline writes into `PipelineOutput.info` (JSON-serialisable)."""
@@ -75,10 +188,58 @@ def provenance(
     }
 
 
-def save_png(image: Image.Image, path: Path, info: dict[str, Any]) -> None:
-    """Write `image` with the provenance in PNG text chunks (`flux_runtime` JSON + a readable summary)."""
+def save_png(image: Image.Image, path: Path, info: Mapping[str, Any], *, overwrite: bool = False) -> None:
+    """Write `image` with the provenance in PNG text chunks (`flux_runtime` JSON + a readable summary).
+
+    The PNG is written to a hidden temporary file beside `path` and only then put in place, so `path`
+    never holds a partial image (an interrupted or failed write removes the temporary file). Without
+    `overwrite` the placing is an exclusive create: if `path` exists, even one another process made
+    meanwhile, nothing is replaced and a FluxError says so.
+    """
+    path = Path(path)
+    record = check_record(dict(info), path)  # the writer keeps the schema the reader checks
     meta = PngInfo()
-    meta.add_text("flux_runtime", json.dumps(info, default=str))
-    meta.add_text("Description", str(info.get("prompt", "")))
+    meta.add_text(CHUNK, json.dumps(record, default=str))
+    meta.add_text("Description", str(record.get("prompt", "")))
     meta.add_text("Software", f"flux-runtime {flux_runtime.__version__}")
-    image.save(path, pnginfo=meta)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
+    try:
+        with os.fdopen(fd, "wb") as f:
+            image.save(f, format="PNG", pnginfo=meta)
+            f.flush()
+            os.fsync(f.fileno())
+        _place(tmp, path, overwrite)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _place(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Put the finished `tmp` at `path` in one step: a rename, or without `overwrite` a hard link (which
+    fails if `path` exists); a filesystem without hard links gets an exclusive create, then the rename."""
+    if overwrite:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise _clash(path) from None
+    except OSError:
+        pass  # no hard links here
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        raise _clash(path) from None
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        path.unlink(missing_ok=True)  # the empty placeholder made just above
+        raise
+
+
+def _clash(path: Path) -> FluxError:
+    return FluxError(
+        f"{path} already exists (another run wrote it meanwhile?); it was left as it is and this image was "
+        "not saved: choose another output path"
+    )

@@ -6,14 +6,24 @@ The same for FLUX.1 and FLUX.2: the family is told by the transformer's keys aft
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, FLUX1_SCHNELL_SCHEDULE, FLUX2_SCHEDULE, ScheduleConfig
+from flux_runtime.weights.config_files import (
+    BOOL,
+    INT,
+    NUMBER,
+    STR,
+    Kind,
+    check_fields,
+    read_json_if_present,
+)
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.safetensors_io import read_header
+from flux_runtime.weights.transformer import find_transformer_files
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +41,30 @@ MODEL_IDS: dict[str, str] = {
 BUILTIN_MODELS = ("tiny", "tiny-flux2")
 CLIP_L_ID = "openai/clip-vit-large-patch14"
 T5_XXL_ID = "google/t5-v1_1-xxl"
+# The kinds of the scheduler_config.json and model_index.json fields the pipelines read.
+_SCHEDULER_FIELDS: dict[str, Kind] = {
+    "num_train_timesteps": INT,
+    "shift": NUMBER,
+    "use_dynamic_shifting": BOOL,
+    "base_image_seq_len": INT,
+    "max_image_seq_len": INT,
+    "base_shift": NUMBER.or_null(),
+    "max_shift": NUMBER.or_null(),
+    "shift_terminal": NUMBER.or_null(),
+    "time_shift_type": STR,
+    **{
+        k: BOOL.or_null()
+        for k in (
+            "use_karras_sigmas",
+            "use_exponential_sigmas",
+            "use_beta_sigmas",
+            "invert_sigmas",
+            "stochastic_sampling",
+            "use_flow_sigmas",
+        )
+    },
+}
+_MODEL_INDEX_FIELDS: dict[str, Kind] = {"is_distilled": BOOL}
 
 
 @dataclass(frozen=True)
@@ -54,16 +88,21 @@ def find_sources(
     text_encoder: str | Path | None = None,
     text_encoder_2: str | Path | None = None,
 ) -> Sources:
-    """Work out where each part lives. A BFL transformer file takes `ae.safetensors` beside it by default."""
+    """Work out where each part lives. A BFL transformer file takes `ae.safetensors` beside it by default.
+
+    The transformer is looked for first, so a path that holds none says so rather than that its VAE is missing.
+    """
     name = MODEL_IDS.get(str(path_or_id), str(path_or_id))
     if name in BUILTIN_MODELS and not Path(name).exists():
         return Sources(name, name, vae or name, None, None, None, None)
     root = resolve(name)
     if root.is_file():
+        read_header(root)  # a file that is not a safetensors checkpoint fails here, naming itself
         ae = vae or root.parent / "ae.safetensors"
         if not Path(ae).exists() and vae is None:
             raise WeightsError(f"{root} is a transformer file; no ae.safetensors beside it: pass vae=<path>")
         return Sources(name, root, ae, None, text_encoder or CLIP_L_ID, text_encoder_2 or T5_XXL_ID, None)
+    find_transformer_files(root)
     if (root / "text_encoder").is_dir() and text_encoder is None and text_encoder_2 is None:
         text, clip, t5 = root, None, None
     else:
@@ -72,20 +111,25 @@ def find_sources(
         vae = root / "vae" if (root / "vae").is_dir() else root / "ae.safetensors"
         if not Path(vae).exists():
             raise WeightsError(f"{root} has neither vae/ nor ae.safetensors: pass vae=<path>")
-    return Sources(name, root, vae, text, clip, t5, _scheduler_config(root), _json(root / "model_index.json"))
+    scheduler = _read_checked(root / "scheduler" / "scheduler_config.json", _SCHEDULER_FIELDS)
+    return Sources(
+        name,
+        root,
+        vae,
+        text,
+        clip,
+        t5,
+        scheduler,
+        _read_checked(root / "model_index.json", _MODEL_INDEX_FIELDS),
+    )
 
 
-def _scheduler_config(root: Path) -> dict | None:
-    return _json(root / "scheduler" / "scheduler_config.json")
-
-
-def _json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+def _read_checked(path: Path, fields: dict[str, Kind]) -> dict | None:
+    """The JSON object in `path` with `fields` type-checked, or None when there is no such file."""
+    data = read_json_if_present(path)
+    if data is not None:
+        check_fields(data, fields, path)
+    return data
 
 
 def schedule_config(scheduler: dict | None, guidance_embed: bool) -> ScheduleConfig:

@@ -18,13 +18,13 @@ its `truncation_side` (right), returning the attention mask the encoder is run w
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen2TokenizerFast, TokenizersBackend
 
+from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 
 logger = logging.getLogger(__name__)
@@ -52,11 +52,11 @@ def processor_chat_template(folder: Path) -> str:
     `chat_template.jinja`. A template stored only in `tokenizer_config.json` is not the processor's.
     """
     config = folder / "processor_config.json"
-    if config.is_file() and (template := _read_json(config).get("chat_template")) is not None:
+    if config.is_file() and (template := read_json_object(config).get("chat_template")) is not None:
         return _template_string(template, config)
     legacy = folder / "chat_template.json"
     if legacy.is_file():
-        return _template_string(_read_json(legacy).get("chat_template"), legacy)
+        return _template_string(read_json_object(legacy).get("chat_template"), legacy)
     raw = folder / "chat_template.jinja"
     if raw.is_file():
         return raw.read_text(encoding="utf-8")
@@ -122,16 +122,6 @@ def tokenize_chats(
                 tokenizer.decode(dropped),
             )
     return batch.input_ids, batch.attention_mask
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise WeightsError(f"{path}: expected a JSON object")
-    return data
 
 
 def _template_string(template: object, path: Path) -> str:

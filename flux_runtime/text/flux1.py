@@ -33,8 +33,10 @@ from flux_runtime.text.tokenizers import (
     tiny_tokenizer_path,
     tokenize,
 )
+from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.safetensors_io import check_safetensors_folder
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +258,9 @@ def _load_model(
         raise WeightsError(
             f"{folder}: no weights for the {what} (expected one of {', '.join(_WEIGHT_FILES)})"
         )
+    # a damaged config or safetensors file fails here in our words, not inside transformers
+    read_json_object(folder / "config.json")
+    check_safetensors_folder(folder)
     if cls is T5EncoderModel and dtype == torch.float16:
         logger.warning(
             "T5 overflows in float16 (transformers keeps its `wo` layers in float32); FLUX.1 uses bfloat16"

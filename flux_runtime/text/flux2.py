@@ -20,7 +20,6 @@ Row `b * n + j` belongs to prompt `b` (`n = num_images_per_prompt`), as diffuser
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeVar
 
@@ -39,8 +38,10 @@ from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer,
 from flux_runtime.text.flux1 import _prompt_list
 from flux_runtime.text.tiny import TINY_WIDTH, init_random
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
+from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.safetensors_io import check_safetensors_folder
 
 # BFL's FLUX.2 [dev] and diffusers' converter pair Mistral Small 3.2's weights with Mistral Small 3.1's processor.
 MISTRAL_SMALL_ID = "mistralai/Mistral-Small-3.2-24B-Instruct-2506"
@@ -485,10 +486,7 @@ def _check_model_folder(folder: Path, encoder: type[_StackedStatesEncoder]) -> N
     config = folder / "config.json"
     if not config.is_file():
         raise WeightsError(f"{folder}: no config.json; expected the {encoder.family} text encoder")
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{config}: not valid JSON ({e})") from None
+    model_type = read_json_object(config).get("model_type")
     if model_type != encoder.model_type:
         raise WeightsError(
             f"{folder} holds a {model_type!r} model; {encoder.__name__} reads {encoder.family} "
@@ -498,6 +496,7 @@ def _check_model_folder(folder: Path, encoder: type[_StackedStatesEncoder]) -> N
         raise WeightsError(
             f"{folder}: no weights for the {encoder.family} text encoder (expected one of {', '.join(_WEIGHT_FILES)})"
         )
+    check_safetensors_folder(folder)  # a damaged file fails here in our words, not inside transformers
 
 
 def _load_model(

@@ -35,7 +35,7 @@ from flux_runtime.weights.diffusers_config import (
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.keys import KeyView
-from flux_runtime.weights.safetensors_io import TensorSource, read_header
+from flux_runtime.weights.safetensors_io import TensorSource
 from flux_runtime.weights.safetensors_writer import (
     TORCH_DTYPES,
     Output,
@@ -43,7 +43,12 @@ from flux_runtime.weights.safetensors_writer import (
     parse_size,
     shard,
 )
-from flux_runtime.weights.transformer import detect_layout, find_transformer_files, infer_config
+from flux_runtime.weights.transformer import (
+    detect_layout,
+    find_transformer_files,
+    infer_config,
+    read_folder_config,
+)
 from flux_runtime.weights.vae import AnyVAEConfig, open_vae_checkpoint
 
 log = logging.getLogger(__name__)
@@ -98,13 +103,12 @@ class ConversionResult:
 
 def _source_dtypes(src: TensorSource) -> dict[str, torch.dtype]:
     out = {}
-    for path in src.files:
-        for key, info in read_header(path).items():
-            if info["dtype"] not in TORCH_DTYPES:
-                raise WeightsError(
-                    f"{path}: {key} has dtype {info['dtype']}, which this converter does not handle"
-                )
-            out[key] = TORCH_DTYPES[info["dtype"]]
+    for key in src.keys():
+        if src.dtype(key) not in TORCH_DTYPES:
+            raise WeightsError(
+                f"{src.path_of(key)}: {key} has dtype {src.dtype(key)}, which this converter does not handle"
+            )
+        out[key] = TORCH_DTYPES[src.dtype(key)]
     return out
 
 
@@ -130,16 +134,6 @@ def _check_keys(present: list[str], used: list[str]) -> None:
         raise WeightsError(f"checkpoint has {len(unexpected)} unexpected key(s): {_few(unexpected)}")
 
 
-def _folder_config(files: list[Path]) -> dict | None:
-    cfg = files[0].parent / "config.json"
-    if not cfg.is_file():
-        return None
-    try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{cfg}: not valid JSON ({e})") from None
-
-
 Split = Callable[[flux1_layout.Rule, Tensor], dict[str, Tensor]]
 Fuse = Callable[[flux1_layout.Rule, Callable[[str], Tensor]], Tensor]
 
@@ -153,7 +147,11 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
     layout = detect_layout(src.keys())
     view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
     cfg = infer_config(
-        layout, view.keys(), view.shape, _folder_config(files) if layout == "diffusers" else None
+        layout,
+        view.keys(),
+        view.shape,
+        read_folder_config(files) if layout == "diffusers" else None,
+        files[0],
     )
     diffusers_cfg = transformer_diffusers_config(cfg)
     with torch.device("meta"):
@@ -173,7 +171,7 @@ def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionP
     """`plan_transformer` for FLUX.2 keys: `flux2_layout`'s table, the FLUX.2 loader's config inference."""
     layout = flux2_layout.detect_layout(src.keys())
     view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
-    folder = _folder_config(files) if layout == "diffusers" else None
+    folder = read_folder_config(files) if layout == "diffusers" else None
     if layout == "bfl":
         depths = flux2_layout.bfl_depths(view.keys())
         shape_of = view.shape
@@ -182,7 +180,7 @@ def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionP
         table = list(flux2_layout.rules(*depths))
         _check_keys(view.keys(), [k for r in table for k in r.diffusers])
         shape_of = flux2_transformer._fused_shapes(table, view.shape)
-    cfg = flux2_transformer.infer_config(shape_of, depths, folder)
+    cfg = flux2_transformer.infer_config(shape_of, depths, folder, files[0])
     # a BFL file cannot state these: refuse a diffusers config whose values BFL's code would not reproduce
     lost = [
         f"{k} {folder[k]} (BFL fixes {v})"

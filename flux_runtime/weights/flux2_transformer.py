@@ -19,6 +19,7 @@ import torch
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
 from flux_runtime.weights import flux2_layout
 from flux_runtime.weights import fp8 as fp8_layers
+from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.hub import resolve
@@ -29,10 +30,11 @@ from flux_runtime.weights.transformer import (
     BUILTIN,
     _check_config,
     _check_keys,
-    _folder_config,
+    config_errors,
     find_transformer_files,
     finish_builtin,
     identity_rules,
+    read_folder_config,
     take_only,
 )
 
@@ -61,41 +63,47 @@ def is_flux2(path_or_id: str | Path) -> bool:
     return flux2_layout.is_flux2(TensorSource(find_transformer_files(resolve(path_or_id))).keys())
 
 
-def infer_config(shape_of: ShapeOf, depths: tuple[int, int, bool], folder_config: dict | None) -> DiTConfig:
-    """Read widths, heads and channels from the checkpoint itself, through BFL key names.
+def infer_config(
+    shape_of: ShapeOf,
+    depths: tuple[int, int, bool],
+    folder_config: dict | None,
+    where: Path | str = "checkpoint",
+) -> DiTConfig:
+    """Read widths, heads and channels from the checkpoint itself, through BFL key names (`where` names it in errors).
 
     `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta come
     from a diffusers `config.json` when there is one, else from the FLUX.2 preset of this head width.
     """
     depth, depth_single, guidance = depths
-    hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size")
+    hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size", 2)
     if depth:
-        head_dim = need_shape(shape_of, "double_blocks.0.img_attn.norm.query_norm.scale", "head dim")[0]
-        mlp_hidden = need_shape(shape_of, "double_blocks.0.img_mlp.2.weight", "MLP width")[1]
+        head_dim = need_shape(shape_of, "double_blocks.0.img_attn.norm.query_norm.scale", "head dim", 1)[0]
+        mlp_hidden = need_shape(shape_of, "double_blocks.0.img_mlp.2.weight", "MLP width", 2)[1]
     elif depth_single:
-        head_dim = need_shape(shape_of, "single_blocks.0.norm.query_norm.scale", "head dim")[0]
-        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear2.weight", "MLP width")[1] - hidden
+        head_dim = need_shape(shape_of, "single_blocks.0.norm.query_norm.scale", "head dim", 1)[0]
+        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear2.weight", "MLP width", 2)[1] - hidden
     else:
         raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
     axes_dim, theta = _rope(head_dim, folder_config)
-    cfg = DiTConfig(
-        family="flux2",
-        in_channels=in_ch,
-        out_channels=need_shape(shape_of, "final_layer.linear.weight", "output channels")[0],
-        vec_in_dim=0,
-        context_in_dim=need_shape(shape_of, "txt_in.weight", "text width")[1],
-        hidden_size=hidden,
-        mlp_ratio=mlp_hidden / hidden,
-        num_heads=hidden // head_dim,
-        depth=depth,
-        depth_single_blocks=depth_single,
-        axes_dim=axes_dim,
-        theta=theta,
-        qkv_bias=False,
-        guidance_embed=guidance,
-    )
+    with config_errors(where):
+        cfg = DiTConfig(
+            family="flux2",
+            in_channels=in_ch,
+            out_channels=need_shape(shape_of, "final_layer.linear.weight", "output channels", 2)[0],
+            vec_in_dim=0,
+            context_in_dim=need_shape(shape_of, "txt_in.weight", "text width", 2)[1],
+            hidden_size=hidden,
+            mlp_ratio=mlp_hidden / hidden,
+            num_heads=hidden // head_dim,
+            depth=depth,
+            depth_single_blocks=depth_single,
+            axes_dim=axes_dim,
+            theta=theta,
+            qkv_bias=False,
+            guidance_embed=guidance,
+        )
     if cfg.mlp_hidden_dim != mlp_hidden:
         raise WeightsError(
             f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"
@@ -125,10 +133,12 @@ def load_flux2_transformer(
     `path_or_id`: a BFL single file (`flux2-dev.safetensors`, optionally `model.diffusion_model.`
     prefixed), a diffusers `transformer/` folder or pipeline root (sharded or not), a Hugging Face
     model id in the local cache, or the built-in random preset `tiny-flux2`. `config` is optional;
-    when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used).
-    FP8 checkpoints and `fp8=True` as in `load_transformer`.
+    when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used). `dtype` and
+    `device` are checked, and the weights' stored dtypes and values, as by `load_transformer`; FP8
+    checkpoints and `fp8=True` as there too.
     """
-    device = torch.device(device)
+    device = check_device(device)
+    dtype = check_load_dtype(dtype)
     fp8_layers.check_dtype(dtype, fp8)
     if _builtin(path_or_id):
         with torch.device("meta"):
@@ -141,7 +151,7 @@ def load_flux2_transformer(
         raise WeightsError(f"{files[0]}: not a FLUX.2 transformer (no shared modulation weights)")
     layout = flux2_layout.detect_layout(src.keys())
     reader = KeyView(src, BFL_PREFIXES) if layout == "bfl" else src
-    fp8_src = fp8_layers.Fp8Source.detect(reader, _folder_config(files), str(files[0].parent))
+    fp8_src = fp8_layers.Fp8Source.detect(reader, read_folder_config(files), str(files[0].parent))
     extra = fp8_src.extra_keys() if fp8_src is not None else set()
     if layout == "bfl":
         view = reader
@@ -154,7 +164,7 @@ def load_flux2_transformer(
         raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used - extra))
         shape_of = _fused_shapes(table, src.shape)
 
-    inferred = infer_config(shape_of, depths, _folder_config(files))
+    inferred = infer_config(shape_of, depths, read_folder_config(files), files[0])
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
@@ -164,8 +174,10 @@ def load_flux2_transformer(
         model = Flux2Transformer(inferred)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
+    finite = FiniteCheck()
     if layout == "bfl":
         _check_keys(set(view.keys()) - extra, expected, shape_of)
+        check_weight_dtypes(view, expected)
         table, assemble = identity_rules(expected), take_only
     else:
         assemble = flux2_layout.diffusers_to_bfl
@@ -177,9 +189,13 @@ def load_flux2_transformer(
                     raise WeightsError(
                         f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
                     )
+        check_weight_dtypes(src, sorted(used))
+    read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
     model.precision = fp8_layers.load_state(
-        model, table, reader.get, assemble, device=device, dtype=dtype, fp8=fp8_src, quantize=fp8
-    )
+        model, table, lambda k, _device, _dtype: read(k), assemble,
+        device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
+    )  # fmt: skip
+    finite.raise_if_any()
     model.quantized_at_load = fp8
     for p in model.parameters():
         p.requires_grad_(False)
@@ -192,6 +208,8 @@ def _fused_shapes(table: list[flux2_layout.Rule], diffusers_shape: ShapeOf) -> S
 
     def shape_of(key: str) -> tuple[int, ...]:
         parts = [diffusers_shape(d) for d in by_bfl[key].diffusers]
+        if not all(parts):  # a 0-D part: no rows to stack (need_shape and the shape checks name it)
+            return ()
         return (sum(p[0] for p in parts), *parts[0][1:])
 
     return shape_of

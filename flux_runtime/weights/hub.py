@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
+from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -37,10 +37,13 @@ def safetensors_files(folder: Path, stem: str) -> list[Path]:
     """The shards of `stem` in `folder`: `stem.safetensors.index.json`'s files, or `stem.safetensors`."""
     index = folder / f"{stem}.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise WeightsError(f"{index}: not a valid safetensors index ({e})") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()
+        ):
+            raise WeightsError(
+                f"{index}: not a valid safetensors index ('weight_map' must map each key to a shard file name)"
+            )
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

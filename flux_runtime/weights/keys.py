@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -62,18 +63,26 @@ class KeyView:
     def dtype(self, key: str) -> str:
         return self.src.dtype(self.names[key])
 
+    def path_of(self, key: str) -> Path:
+        return self.src.path_of(self.names[key])
+
     def get(
         self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         return self.src.get(self.names[key], device, dtype)
 
 
-def need_shape(shape_of: ShapeOf, key: str, what: str) -> tuple[int, ...]:
-    """The shape of `key`, or a WeightsError saying which property needed it."""
+def need_shape(shape_of: ShapeOf, key: str, what: str, ndim: int) -> tuple[int, ...]:
+    """The shape of `key`, a non-empty `ndim`-D tensor, or a WeightsError saying which property needed it."""
     try:
-        return tuple(shape_of(key))
+        shape = tuple(shape_of(key))
     except KeyError:
         raise WeightsError(f"checkpoint has no {key!r} (needed to read the {what})") from None
+    if len(shape) != ndim or 0 in shape:
+        raise WeightsError(
+            f"{key} has shape {shape}, not the non-empty {ndim}-D tensor that gives the {what}"
+        )
+    return shape
 
 
 def raise_key_errors(missing: list[str], unexpected: list[str]) -> None:

@@ -1,26 +1,54 @@
-"""Reading safetensors files one tensor at a time, with clear errors for broken files."""
+"""Reading safetensors files one tensor at a time, with clear errors for broken files.
+
+`read_header` checks a header as strictly as the safetensors library does when it opens the file (every
+entry an object with a known dtype, a shape and `data_offsets` that agree, the tensors tiling the data with
+no gap, overlap or trailing bytes), so a damaged file fails here, naming the file and the tensor, and
+never later inside `safe_open` or a loader.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.hub import safetensors_files
 
 _MAX_HEADER = 100 * 1024 * 1024
+# Bytes per element of the safetensors dtypes read here (the sub-byte F4 / F6 kinds are not).
+ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def read_header(path: Path) -> dict[str, dict]:
-    """Parse and check a safetensors header: key → {dtype, shape, data_offsets}.
+    """Parse and check a safetensors header: key → {dtype, shape, data_offsets} (`__metadata__` dropped).
 
-    Raises `WeightsError` for an empty, truncated or non-safetensors file instead of the
-    library's low-level message.
+    Raises `WeightsError` for an empty, truncated or non-safetensors file, or a header entry of the wrong
+    form, naming the file and the entry, instead of the library's low-level message.
     """
     size = os.path.getsize(path)
     if size == 0:
@@ -36,21 +64,73 @@ def read_header(path: Path) -> dict[str, dict]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise WeightsError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: not a safetensors file (header is not a JSON object)")
-    header.pop("__metadata__", None)
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    if 8 + n + end > size:
+    meta = header.pop("__metadata__", None)
+    if meta is not None and (
+        not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
+    ):
+        raise WeightsError(f"{path}: the header's __metadata__ must map names to strings")
+    spans = sorted((_check_entry(path, key, info), key) for key, info in header.items())
+    end = 0
+    for (begin, stop), key in spans:
+        if begin != end:
+            raise WeightsError(
+                f"{path}: tensor {key!r} starts at byte {begin} of the data, expected {end} "
+                "(tensors overlap or leave a gap: a damaged file)"
+            )
+        end = stop
+    data = size - 8 - n
+    if end > data:
         raise WeightsError(
             f"{path}: the file is truncated ({size} bytes, its header describes {8 + n + end})"
+        )
+    if end < data:
+        raise WeightsError(
+            f"{path}: {data - end} bytes follow the last tensor (not a safetensors file as written, or damaged)"
         )
     return header
 
 
+def _check_entry(path: Path, key: str, info: Any) -> tuple[int, int]:
+    """The `(begin, end)` data offsets of one header entry, after checking its dtype, shape and size agree."""
+    if not isinstance(info, dict):
+        raise WeightsError(
+            f"{path}: header entry {key!r} is not an object with dtype, shape and data_offsets"
+        )
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise WeightsError(
+            f"{path}: tensor {key!r} has dtype {dtype!r}, not a safetensors dtype flux-runtime reads"
+        )
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise WeightsError(f"{path}: tensor {key!r} has shape {shape!r}, not a list of sizes >= 0")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        raise WeightsError(
+            f"{path}: tensor {key!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end"
+        )
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+        raise WeightsError(
+            f"{path}: tensor {key!r} ({dtype} {tuple(shape)}) is {nbytes} bytes but its data_offsets "
+            f"span {offsets[1] - offsets[0]}"
+        )
+    return offsets[0], offsets[1]
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 class TensorSource:
-    """Lazy view over one or more safetensors files: shapes from the headers, tensors on demand."""
+    """Lazy view over one or more safetensors files: shapes and dtypes from the headers, tensors on demand."""
 
     def __init__(self, files: list[Path]) -> None:
         if not files:
@@ -65,8 +145,8 @@ class TensorSource:
                     raise WeightsError(f"key {key!r} appears in both {self._where[key]} and {path}")
                 self._where[key] = path
                 self._shapes[key] = tuple(info["shape"])
-                self._dtypes[key] = str(info.get("dtype", ""))
-        self._handles: dict[Path, object] = {}
+                self._dtypes[key] = info["dtype"]
+        self._handles: dict[Path, Any] = {}
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -78,18 +158,25 @@ class TensorSource:
         return self._shapes[key]
 
     def dtype(self, key: str) -> str:
-        """The header's dtype name (`BF16`, `F8_E4M3`, ...)."""
+        """The safetensors dtype name the header gives `key` (`BF16`, `F32`, `F8_E4M3`, `I8`, ...)."""
         return self._dtypes[key]
+
+    def path_of(self, key: str) -> Path:
+        """The file holding `key`."""
+        return self._where[key]
 
     def get(
         self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """Read one tensor and move it to `device`/`dtype` (host memory holds one tensor at a time)."""
         path = self._where[key]
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        t = handle.get_tensor(key)
+        try:
+            handle = self._handles.get(path)
+            if handle is None:
+                handle = self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            t = handle.get_tensor(key)
+        except SafetensorError as e:
+            raise WeightsError(f"{path}: cannot read {key!r} ({e})") from None
         return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
     def items(
@@ -97,3 +184,13 @@ class TensorSource:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self._where:
             yield key, self.get(key, device, dtype)
+
+
+def check_safetensors_folder(folder: Path, stem: str = "model") -> None:
+    """Check the headers of the `stem` safetensors weights in `folder` (single file or sharded), if any.
+
+    For models that a third-party loader opens (the text encoders): a damaged file then fails here in our
+    words before that loader reads it.
+    """
+    for path in safetensors_files(folder, stem):
+        read_header(path)

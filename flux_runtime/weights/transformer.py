@@ -7,8 +7,9 @@ model is strict (missing, unexpected and misshapen keys are named).
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from torch import nn
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux1_layout
 from flux_runtime.weights import fp8 as fp8_layers
+from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors, strip_prefix
@@ -31,6 +34,8 @@ _BFL_ANY = ("img_in.weight", "final_layer.linear.weight")
 _DIFFUSERS_ANY = ("x_embedder.weight", "proj_out.weight")
 # Random-weight presets that need no checkpoint (the offline demo and tests).
 BUILTIN = {"tiny": 0}
+# The fields of a diffusers transformer config.json the loaders read (the rest comes from the tensor shapes).
+CONFIG_FIELDS = {"axes_dims_rope": INT_LIST, "rope_theta": NUMBER}
 
 
 def find_transformer_files(path: Path) -> list[Path]:
@@ -69,8 +74,10 @@ def detect_layout(keys: list[str]) -> str:
     )
 
 
-def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | None) -> DiTConfig:
-    """Read depth, width, heads, channels and guidance from the checkpoint itself."""
+def infer_config(
+    layout: str, keys: list[str], shape_of, folder_config: dict | None, where: Path | str = "checkpoint"
+) -> DiTConfig:
+    """Read depth, width, heads, channels and guidance from the checkpoint itself (`where` names it in errors)."""
     if layout == "diffusers":
         img_in, txt_in, vec_in = (
             "x_embedder.weight",
@@ -100,28 +107,43 @@ def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | N
         guidance = any(k.startswith("guidance_in.") for k in keys)
         if depth == 0:
             qnorm = "single_blocks.0.norm.query_norm.scale"
-    hidden, in_ch = need_shape(shape_of, img_in, "hidden size")
-    head_dim = need_shape(shape_of, qnorm, "head dim")[0]
+    hidden, in_ch = need_shape(shape_of, img_in, "hidden size", 2)
+    head_dim = need_shape(shape_of, qnorm, "head dim", 1)[0]
     if layout == "bfl" and depth == 0:
-        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear1.weight", "MLP width")[0] - 3 * hidden
+        mlp_hidden = need_shape(shape_of, "single_blocks.0.linear1.weight", "MLP width", 2)[0] - 3 * hidden
     else:
-        mlp_hidden = need_shape(shape_of, mlp_in, "MLP width")[0]
+        mlp_hidden = need_shape(shape_of, mlp_in, "MLP width", 2)[0]
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
     axes = _axes_dim(head_dim, folder_config)
-    return DiTConfig(
-        in_channels=in_ch,
-        out_channels=need_shape(shape_of, final, "output channels")[0],
-        vec_in_dim=need_shape(shape_of, vec_in, "pooled text width")[1],
-        context_in_dim=need_shape(shape_of, txt_in, "text width")[1],
-        hidden_size=hidden,
-        mlp_ratio=mlp_hidden / hidden,
-        num_heads=hidden // head_dim,
-        depth=depth,
-        depth_single_blocks=depth_single,
-        axes_dim=axes,
-        guidance_embed=guidance,
-    )
+    with config_errors(where):
+        cfg = DiTConfig(
+            in_channels=in_ch,
+            out_channels=need_shape(shape_of, final, "output channels", 2)[0],
+            vec_in_dim=need_shape(shape_of, vec_in, "pooled text width", 2)[1],
+            context_in_dim=need_shape(shape_of, txt_in, "text width", 2)[1],
+            hidden_size=hidden,
+            mlp_ratio=mlp_hidden / hidden,
+            num_heads=hidden // head_dim,
+            depth=depth,
+            depth_single_blocks=depth_single,
+            axes_dim=axes,
+            guidance_embed=guidance,
+        )
+    return cfg
+
+
+@contextmanager
+def config_errors(where: Path | str) -> Iterator[None]:
+    """Turn `DiTConfig`'s ValueError (shapes or config.json values no FLUX model has) into a WeightsError naming `where`."""
+    try:
+        yield
+    except WeightsError:
+        raise
+    except ValueError as e:
+        raise WeightsError(
+            f"{where}: the checkpoint's shapes and config.json give no valid model ({e})"
+        ) from None
 
 
 def _axes_dim(head_dim: int, folder_config: dict | None) -> tuple[int, ...]:
@@ -143,14 +165,13 @@ def _check_config(inferred: DiTConfig, given: DiTConfig) -> None:
         raise WeightsError("checkpoint does not match the given config: " + "; ".join(diffs))
 
 
-def _folder_config(files: list[Path]) -> dict | None:
-    cfg = files[0].parent / "config.json"
-    if cfg.is_file():
-        try:
-            return json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise WeightsError(f"{cfg}: not valid JSON ({e})") from None
-    return None
+def read_folder_config(files: list[Path]) -> dict | None:
+    """The diffusers `config.json` beside a transformer's files, its fields that we read type-checked; or None."""
+    path = files[0].parent / "config.json"
+    cfg = read_json_if_present(path)
+    if cfg is not None:
+        check_fields(cfg, CONFIG_FIELDS, path)
+    return cfg
 
 
 def load_transformer(
@@ -173,8 +194,11 @@ def load_transformer(
     projections kept in e4m3; `fp8=True` quantizes a bf16 checkpoint's block projections at load
     (per-channel weight scales, per-row activation scales). `.precision` says which (`bf16`,
     `fp8-static`, `fp8-dynamic`). FP8 models compute in bf16 between their FP8 GEMMs.
+    `dtype` must be a floating-point dtype and `device` cpu, cuda, cuda:N or mps. Weights stored as integers
+    or bools, and weights holding NaN or infinity, are refused by name.
     """
-    device = torch.device(device)
+    device = check_device(device)
+    dtype = check_load_dtype(dtype)
     fp8_layers.check_dtype(dtype, fp8)
     # FLUX.2 detect step: told apart by its keys. Its loader builds on this module's helpers, so it is
     # imported here (a top-level import would be circular).
@@ -199,7 +223,7 @@ def load_transformer(
         keys, shape_of = view.keys(), view.shape
     else:
         keys, shape_of = src.keys(), src.shape
-    inferred = infer_config(layout, keys, shape_of, _folder_config(files))
+    inferred = infer_config(layout, keys, shape_of, read_folder_config(files), files[0])
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
@@ -209,13 +233,14 @@ def load_transformer(
         model = Flux1Transformer(inferred)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     reader = view if layout == "bfl" else src
-    fp8_src = fp8_layers.Fp8Source.detect(reader, _folder_config(files), str(files[0].parent))
+    fp8_src = fp8_layers.Fp8Source.detect(reader, read_folder_config(files), str(files[0].parent))
     extra = fp8_src.extra_keys() if fp8_src is not None else set()
 
+    finite = FiniteCheck()
     if layout == "bfl":
         _check_keys(set(keys) - extra, expected, shape_of)
-        table = identity_rules(expected)
-        assemble = take_only
+        check_weight_dtypes(view, expected)
+        table, assemble = identity_rules(expected), take_only
     else:
         cfg = inferred
         table = list(flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed))
@@ -232,9 +257,13 @@ def load_transformer(
                     raise WeightsError(
                         f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
                     )
+        check_weight_dtypes(src, sorted(used))
+    read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
     model.precision = fp8_layers.load_state(
-        model, table, reader.get, assemble, device=device, dtype=dtype, fp8=fp8_src, quantize=fp8
-    )
+        model, table, lambda k, _device, _dtype: read(k), assemble,
+        device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
+    )  # fmt: skip
+    finite.raise_if_any()
     model.quantized_at_load = fp8
     for p in model.parameters():
         p.requires_grad_(False)

@@ -12,7 +12,6 @@ misshapen keys are named (FLUX.2's optional BatchNorm counter `bn.num_batches_tr
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -23,6 +22,18 @@ import torch
 from flux_runtime.models.vae.flux1 import FLUX1_VAE, VAE_PRESETS, Flux1VAE, VAEConfig
 from flux_runtime.models.vae.flux2 import FLUX2_VAE, FLUX2_VAE_PRESETS, PATCH, Flux2VAE, Flux2VAEConfig
 from flux_runtime.weights import vae2_layout, vae_layout
+from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.config_files import (
+    BOOL,
+    INT,
+    INT_LIST,
+    NUMBER,
+    STR,
+    STR_LIST,
+    Kind,
+    check_fields,
+    read_json_object,
+)
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import count_blocks
 from flux_runtime.weights.hub import resolve, safetensors_files
@@ -87,6 +98,28 @@ _FLUX2_DIFFUSERS_DEFAULTS: dict[str, Any] = {
     "patch_size": [2, 2],
 }
 
+# The kinds of the config.json fields `config_from_diffusers` reads, for both families.
+_CONFIG_FIELDS: dict[str, Kind] = {
+    "_class_name": STR,
+    "in_channels": INT,
+    "out_channels": INT,
+    "block_out_channels": INT_LIST,
+    "decoder_block_out_channels": INT_LIST.or_null(),
+    "layers_per_block": INT,
+    "latent_channels": INT,
+    "norm_num_groups": INT,
+    "act_fn": STR,
+    "down_block_types": STR_LIST,
+    "up_block_types": STR_LIST,
+    "use_quant_conv": BOOL,
+    "use_post_quant_conv": BOOL,
+    "mid_block_add_attention": BOOL,
+    "scaling_factor": NUMBER,
+    "shift_factor": NUMBER.or_null(),
+    "batch_norm_eps": NUMBER,
+    "patch_size": INT_LIST,
+}
+
 
 def find_vae_files(path: Path) -> list[Path]:
     """The safetensors files holding the VAE under `path` (file, `vae/` folder, pipeline or BFL repo root)."""
@@ -146,9 +179,9 @@ def infer_vae_shapes(layout: str, keys: list[str], shape_of: ShapeOf) -> dict[st
     levels = count_blocks(keys, down)
     if levels == 0:
         raise WeightsError(f"checkpoint has no {down}.0.* keys: cannot tell the encoder's levels")
-    ch, in_channels = need_shape(shape_of, "encoder.conv_in.weight", "first level's width")[:2]
+    ch, in_channels = need_shape(shape_of, "encoder.conv_in.weight", "first level's width", 4)[:2]
     widths = [
-        need_shape(shape_of, f"{down}.{i}.{block}.0.conv1.weight", f"width of level {i}")[0]
+        need_shape(shape_of, f"{down}.{i}.{block}.0.conv1.weight", f"width of level {i}", 4)[0]
         for i in range(levels)
     ]
     if any(w % ch for w in widths):
@@ -157,11 +190,11 @@ def infer_vae_shapes(layout: str, keys: list[str], shape_of: ShapeOf) -> dict[st
         )
     return {
         "in_channels": in_channels,
-        "out_ch": need_shape(shape_of, "decoder.conv_out.weight", "output channels")[0],
+        "out_ch": need_shape(shape_of, "decoder.conv_out.weight", "output channels", 4)[0],
         "ch": ch,
         "ch_mult": tuple(w // ch for w in widths),
         "num_res_blocks": count_blocks(keys, f"{down}.0.{block}"),
-        "z_channels": need_shape(shape_of, "decoder.conv_in.weight", "latent channels")[1],
+        "z_channels": need_shape(shape_of, "decoder.conv_in.weight", "latent channels", 4)[1],
     }
 
 
@@ -172,6 +205,7 @@ def config_from_diffusers(cfg: dict[str, Any], where: Path | str, family: Family
     not have (quant convs present or missing, other block types, another activation, no mid-block
     attention; for FLUX.2 also a decoder wider than the encoder or patches other than 2x2).
     """
+    check_fields(cfg, _CONFIG_FIELDS, where)
     flux2 = family == "flux2"
     c = {**(_FLUX2_DIFFUSERS_DEFAULTS if flux2 else _DIFFUSERS_DEFAULTS), **cfg}
     cls = "AutoencoderKLFlux2" if flux2 else "AutoencoderKL"
@@ -280,11 +314,7 @@ def open_vae_checkpoint(path_or_id: str | Path, config: AnyVAEConfig | None = No
     cfg: AnyVAEConfig | None = None
     folder_cfg = files[0].parent / "config.json"
     if layout == "diffusers" and folder_cfg.is_file():
-        try:
-            raw = json.loads(folder_cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise WeightsError(f"{folder_cfg}: not valid JSON ({e})") from None
-        cfg = config_from_diffusers(raw, folder_cfg, family)
+        cfg = config_from_diffusers(read_json_object(folder_cfg), folder_cfg, family)
         diffs = _mismatch(asdict(cfg), stated, SHAPE_FIELDS, "config.json", "weights")
         if diffs:
             raise WeightsError(f"{folder_cfg} does not match the weights: " + "; ".join(diffs))
@@ -352,9 +382,11 @@ def load_vae(
     which). `config` (a `VAEConfig` or `Flux2VAEConfig`) is optional; when given it must be of the
     checkpoint's family and agree with it (its shapes, and its config.json if it has one), and supplies
     what a BFL file cannot state (GroupNorm groups, latent factors, BatchNorm eps). Every tensor,
-    the BatchNorm statistics included, is loaded in `dtype`, as diffusers' `torch_dtype` does.
+    the BatchNorm statistics included, is loaded in `dtype`, as diffusers' `torch_dtype` does. `dtype` and
+    `device` are checked, and the weights' stored dtypes and values, as by `load_transformer`.
     """
-    device = torch.device(device)
+    device = check_device(device)
+    dtype = check_load_dtype(dtype)
     name = str(path_or_id)
     if name in BUILTIN and not Path(path_or_id).exists():
         preset = _PRESETS[name]
@@ -370,9 +402,17 @@ def load_vae(
         return model.eval()
 
     ckpt = open_vae_checkpoint(path_or_id, config)
+    check_weight_dtypes(ckpt.view, [ckpt.source_key(rule) for rule in ckpt.table])
     with torch.device("meta"):
         model = build_vae(ckpt.config)
-    sd = {rule.bfl: ckpt.read(rule, device, dtype) for rule in ckpt.table}
+    finite = FiniteCheck()
+    sd = {
+        rule.bfl: finite.watch(
+            ckpt.source_key(rule), ckpt.view.path_of(ckpt.source_key(rule)), ckpt.read(rule, device, dtype)
+        )
+        for rule in ckpt.table
+    }
+    finite.raise_if_any()
     model.load_state_dict(sd, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)

@@ -1,0 +1,165 @@
+"""The PNG provenance record: one schema for writer and reader, fuzzed; atomic, exclusive PNG writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from flux_runtime.pipeline import FluxError
+from flux_runtime.pipeline.provenance import parse_provenance, provenance, read_provenance, save_png
+from tests.fuzz import mutations
+
+
+def _record() -> dict:
+    """A record as flux-gen writes it for a FLUX.2 edit: every required and optional field."""
+    info = provenance(
+        prompt="a red fox", seed=3, height=32, width=48, steps=2, guidance=4.0, max_sequence_length=48,
+        tier="lossless", cuda_graphs=False, model="tiny-flux2", weights="tiny-flux2-seed0",
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    ref = {"path": "/tmp/ref.png", "width": 64, "height": 72, "sha256": "ab" * 32}
+    return {**info, "kernels": "off", "reference_images": [ref], "index": 1, "num_images": 2}
+
+
+def _image() -> Image.Image:
+    return Image.new("RGB", (8, 8), (10, 20, 30))
+
+
+def test_written_record_reads_back(tmp_path: Path) -> None:
+    png = tmp_path / "a.png"
+    save_png(_image(), png, _record())
+    assert read_provenance(png) == json.loads(json.dumps(_record()))
+
+
+def test_the_writer_refuses_what_the_reader_would(tmp_path: Path) -> None:
+    with pytest.raises(FluxError, match="provenance field 'guidance' must be a finite number or null"):
+        save_png(_image(), tmp_path / "a.png", {**_record(), "guidance": float("inf")})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fuzzed_records_give_a_record_or_a_flux_error() -> None:
+    accepted = 0
+    for text in mutations(_record(), seed=0, n=400):
+        try:
+            record = parse_provenance(text, "fuzz.png")
+        except FluxError as e:
+            assert str(e).startswith("fuzz.png: ") and "\n" not in str(e)
+            continue
+        accepted += 1
+        # what the reader accepts, the fields a replay reads have the right kinds
+        assert isinstance(record["height"], int) and record["height"] >= 1
+        assert record["dtype"] in ("bfloat16", "float16", "float32")
+        assert record["quality"] in ("lossless", "high")
+    assert 0 < accepted < 200  # the mutations reach both outcomes
+
+
+def test_png_that_is_not_one_is_a_flux_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    with pytest.raises(FluxError, match="cannot read"):
+        read_provenance(bad)
+
+
+def _interrupted_save(exc: BaseException):
+    """An `Image.save` that writes half a PNG into the file, then is interrupted (as by Ctrl-C or a full disk)."""
+
+    def save(image: Image.Image, fp, **kwargs) -> None:
+        fp.write(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+        raise exc
+
+    return save
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), OSError(28, "No space left on device")], ids=repr)
+def test_an_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch, exc) -> None:
+    monkeypatch.setattr(Image.Image, "save", _interrupted_save(exc))
+    with pytest.raises(type(exc)):
+        save_png(_image(), tmp_path / "a.png", _record())
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers (a few seconds)
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+def test_a_killed_write_leaves_no_file(tmp_path: Path) -> None:
+    # a writer killed (SIGKILL: no clean-up runs) halfway through the PNG never leaves it at the real path
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from PIL import Image
+        from flux_runtime.pipeline.provenance import save_png
+
+        def stuck(image, fp, **kw):
+            fp.write(b"half a png")
+            fp.flush()
+            print("writing", flush=True)
+            time.sleep(60)
+
+        Image.Image.save = stuck
+        save_png(Image.new("RGB", (8, 8)), Path({str(tmp_path / "a.png")!r}), {_record()!r})
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert not (tmp_path / "a.png").exists()
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".partial")] == []
+
+
+def test_two_writers_of_one_path_one_wins_the_other_fails_loudly(tmp_path: Path, monkeypatch) -> None:
+    # both finish writing their temporary files before either is put in place
+    barrier = threading.Barrier(2, timeout=30)
+    real_save = Image.Image.save
+
+    def save_then_wait(image: Image.Image, fp, **kwargs) -> None:
+        real_save(image, fp, **kwargs)
+        barrier.wait()
+
+    monkeypatch.setattr(Image.Image, "save", save_then_wait)
+    out = tmp_path / "a.png"
+    results: dict[int, BaseException | None] = {}
+
+    def write(k: int) -> None:
+        try:
+            save_png(Image.new("RGB", (8, 8), (k, k, k)), out, {**_record(), "seed": k})
+            results[k] = None
+        except BaseException as e:  # the test reads it below
+            results[k] = e
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [e for e in results.values() if e is not None]
+    assert len(failed) == 1 and isinstance(failed[0], FluxError), results
+    assert "already exists" in str(failed[0])
+    winner = next(k for k, e in results.items() if e is None)
+    assert read_provenance(out)["seed"] == winner
+    with Image.open(out) as im:
+        assert im.getpixel((0, 0)) == (winner, winner, winner)
+    assert [p.name for p in tmp_path.iterdir()] == ["a.png"]
+
+
+def test_overwrite_replaces_in_one_step(tmp_path: Path) -> None:
+    out = tmp_path / "a.png"
+    save_png(_image(), out, _record())
+    with pytest.raises(FluxError, match="already exists"):
+        save_png(_image(), out, {**_record(), "seed": 9})
+    save_png(_image(), out, {**_record(), "seed": 9}, overwrite=True)
+    assert read_provenance(out)["seed"] == 9
+    assert [p.name for p in tmp_path.iterdir()] == ["a.png"]
