@@ -18,6 +18,7 @@ import torch
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
 from flux_runtime.weights import flux2_layout
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.hub import resolve
@@ -25,7 +26,6 @@ from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
 from flux_runtime.weights.random_init import init_random
 from flux_runtime.weights.safetensors_io import TensorSource
 from flux_runtime.weights.transformer import (
-    BUILTIN,
     _check_config,
     _check_keys,
     _folder_config,
@@ -35,33 +35,33 @@ from flux_runtime.weights.transformer import (
 log = logging.getLogger(__name__)
 
 # Random-weight FLUX.2 presets that need no checkpoint (the offline demo and tests), name → seed.
-BUILTIN_FLUX2 = {"tiny-flux2": 0}
 
 ShapeOf = Callable[[str], tuple[int, ...]]
 
 
-def _builtin(path_or_id: str | Path) -> bool:
-    return str(path_or_id) in BUILTIN_FLUX2 and not Path(path_or_id).exists()
-
-
 def is_flux2(path_or_id: str | Path) -> bool:
-    """True for `tiny-flux2` and for checkpoints whose keys are FLUX.2's; False for FLUX.1 ones.
+    """True for `tiny-flux2`, `tiny-flux2-random` and for checkpoints whose keys are FLUX.2's; False for FLUX.1 ones.
 
     Reads only the safetensors headers. Raises the loader's `WeightsError` for a path or id that
     does not resolve to readable safetensors files.
     """
-    if _builtin(path_or_id):
-        return True
-    if str(path_or_id) in BUILTIN and not Path(path_or_id).exists():
-        return False
+    spec = builtin(path_or_id)
+    if spec is not None:
+        return spec.family == "flux2"
     return flux2_layout.is_flux2(TensorSource(find_transformer_files(resolve(path_or_id))).keys())
 
 
-def infer_config(shape_of: ShapeOf, depths: tuple[int, int, bool], folder_config: dict | None) -> DiTConfig:
+def infer_config(
+    shape_of: ShapeOf,
+    depths: tuple[int, int, bool],
+    folder_config: dict | None,
+    rope: tuple[tuple[int, ...], int] | None = None,
+) -> DiTConfig:
     """Read widths, heads and channels from the checkpoint itself, through BFL key names.
 
-    `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta come
-    from a diffusers `config.json` when there is one, else from the FLUX.2 preset of this head width.
+    `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta are not in
+    the weights: `rope` (a caller's config), else a diffusers `config.json`, else the FLUX.2 preset of this
+    head width.
     """
     depth, depth_single, guidance = depths
     hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size")
@@ -75,7 +75,7 @@ def infer_config(shape_of: ShapeOf, depths: tuple[int, int, bool], folder_config
         raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes_dim, theta = _rope(head_dim, folder_config)
+    axes_dim, theta = rope or _rope(head_dim, folder_config)
     cfg = DiTConfig(
         family="flux2",
         in_channels=in_ch,
@@ -119,14 +119,17 @@ def load_flux2_transformer(
 
     `path_or_id`: a BFL single file (`flux2-dev.safetensors`, optionally `model.diffusion_model.`
     prefixed), a diffusers `transformer/` folder or pipeline root (sharded or not), a Hugging Face
-    model id in the local cache, or the built-in random preset `tiny-flux2`. `config` is optional;
+    model id in the local cache, or a built-in model (`tiny-flux2` trained, `tiny-flux2-random`). `config` is optional;
     when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used).
     """
     device = torch.device(device)
-    if _builtin(path_or_id):
+    spec = builtin(path_or_id)
+    if spec is not None and not spec.trained:
         with torch.device("meta"):
-            model = Flux2Transformer(config or PRESETS[str(path_or_id)])
-        return init_random(model, BUILTIN_FLUX2[str(path_or_id)], device, dtype).eval()
+            model = Flux2Transformer(config or spec.dit)
+        return init_random(model, 0, device, dtype).eval()
+    if spec is not None:
+        path_or_id, config = spec.transformer_path, config or spec.dit
 
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
@@ -144,7 +147,8 @@ def load_flux2_transformer(
         raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used))
         shape_of = _fused_shapes(table, src.shape)
 
-    inferred = infer_config(shape_of, depths, _folder_config(files))
+    given_rope = None if config is None else (config.axes_dim, config.theta)
+    inferred = infer_config(shape_of, depths, _folder_config(files), given_rope)
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)

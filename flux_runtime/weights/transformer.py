@@ -17,6 +17,7 @@ from torch import nn
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux1_layout
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors, strip_prefix
@@ -29,7 +30,6 @@ _BFL_MARK = "double_blocks.0.img_attn.norm.key_norm.scale"
 _BFL_ANY = ("img_in.weight", "final_layer.linear.weight")
 _DIFFUSERS_ANY = ("x_embedder.weight", "proj_out.weight")
 # Random-weight presets that need no checkpoint (the offline demo and tests).
-BUILTIN = {"tiny": 0}
 
 
 def find_transformer_files(path: Path) -> list[Path]:
@@ -68,8 +68,18 @@ def detect_layout(keys: list[str]) -> str:
     )
 
 
-def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | None) -> DiTConfig:
-    """Read depth, width, heads, channels and guidance from the checkpoint itself."""
+def infer_config(
+    layout: str,
+    keys: list[str],
+    shape_of,
+    folder_config: dict | None,
+    axes_dim: tuple[int, ...] | None = None,
+) -> DiTConfig:
+    """Read depth, width, heads, channels and guidance from the checkpoint itself.
+
+    The RoPE axes are not in the weights: `axes_dim` (a caller's config), else the folder's config.json,
+    else the preset with this head dim.
+    """
     if layout == "diffusers":
         img_in, txt_in, vec_in = (
             "x_embedder.weight",
@@ -107,7 +117,7 @@ def infer_config(layout: str, keys: list[str], shape_of, folder_config: dict | N
         mlp_hidden = need_shape(shape_of, mlp_in, "MLP width")[0]
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes = _axes_dim(head_dim, folder_config)
+    axes = axes_dim or _axes_dim(head_dim, folder_config)
     return DiTConfig(
         in_channels=in_ch,
         out_channels=need_shape(shape_of, final, "output channels")[0],
@@ -163,8 +173,9 @@ def load_transformer(
 
     `path_or_id`: a BFL single file (`flux1-dev.safetensors`, optionally with the
     `model.diffusion_model.` prefix), a diffusers `transformer/` folder or pipeline root (sharded or
-    not), a Hugging Face model id in the local cache, or a built-in random preset (`tiny`).
-    `config` is optional; when given it must agree with the checkpoint.
+    not), a Hugging Face model id in the local cache, or a built-in model: `tiny` (trained, its shipped BFL
+    file) or `tiny-random` (seeded random weights of the `TINY` preset). `config` is optional; when given it
+    must agree with the checkpoint.
     FLUX.2 checkpoints (and `tiny-flux2`) load through `load_flux2_transformer`; `.config.family` says which.
     """
     device = torch.device(device)
@@ -175,11 +186,13 @@ def load_transformer(
     if flux2_transformer.is_flux2(path_or_id):
         return flux2_transformer.load_flux2_transformer(path_or_id, device=device, dtype=dtype, config=config)
 
-    if str(path_or_id) in BUILTIN and not Path(path_or_id).exists():
-        cfg = config or PRESETS[str(path_or_id)]
+    spec = builtin(path_or_id)
+    if spec is not None and not spec.trained:
         with torch.device("meta"):
-            model = Flux1Transformer(cfg)
-        return init_random(model, BUILTIN[str(path_or_id)], device, dtype).eval()
+            model = Flux1Transformer(config or spec.dit)
+        return init_random(model, 0, device, dtype).eval()
+    if spec is not None:
+        path_or_id, config = spec.transformer_path, config or spec.dit
 
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
@@ -189,7 +202,9 @@ def load_transformer(
         keys, shape_of = view.keys(), view.shape
     else:
         keys, shape_of = src.keys(), src.shape
-    inferred = infer_config(layout, keys, shape_of, _folder_config(files))
+    inferred = infer_config(
+        layout, keys, shape_of, _folder_config(files), None if config is None else config.axes_dim
+    )
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
