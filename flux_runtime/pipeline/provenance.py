@@ -14,16 +14,19 @@ from PIL.PngImagePlugin import PngInfo
 
 import flux_runtime
 from flux_runtime.pipeline.sources import Sources
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.transformer import find_transformer_files
 
-BUILTIN_WEIGHTS = {"tiny": "tiny-seed0", "tiny-flux2": "tiny-flux2-seed0"}
-
 
 def weights_id(src: Sources) -> str:
-    """A short fingerprint of the transformer weights: sha256 over its files' names, sizes and headers."""
-    if src.name in BUILTIN_WEIGHTS:
-        return BUILTIN_WEIGHTS[src.name]
+    """A short fingerprint of the transformer weights: sha256 over its files' names, sizes and headers.
+
+    Built-in models name themselves: `tiny-seed0` (random), `tiny-trained-<sha256 of the shipped file>`.
+    """
+    spec = builtin(src.name)
+    if spec is not None:
+        return spec.weights_id()
     digest = hashlib.sha256()
     for f in find_transformer_files(resolve(src.transformer)):
         digest.update(f.name.encode())
