@@ -147,7 +147,8 @@ def load_flux2_transformer(
         raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used))
         shape_of = _fused_shapes(table, src.shape)
 
-    given_rope = None if config is None else (config.axes_dim, config.theta)
+    # a config of the other family is refused below, by name; its RoPE axes do not apply
+    given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux2" else None
     inferred = infer_config(shape_of, depths, _folder_config(files), given_rope)
     if config is not None:
         _check_config(inferred, config)

@@ -203,7 +203,11 @@ def load_transformer(
     else:
         keys, shape_of = src.keys(), src.shape
     inferred = infer_config(
-        layout, keys, shape_of, _folder_config(files), None if config is None else config.axes_dim
+        layout,
+        keys,
+        shape_of,
+        _folder_config(files),
+        config.axes_dim if config is not None and config.family == "flux1" else None,
     )
     if config is not None:
         _check_config(inferred, config)
