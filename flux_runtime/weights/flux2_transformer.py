@@ -75,7 +75,8 @@ def infer_config(
         raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes_dim, theta = rope or _rope(head_dim, folder_config)
+    # a given config's axes that do not fit this head width: it is refused by name afterwards
+    axes_dim, theta = rope if rope and sum(rope[0]) == head_dim else _rope(head_dim, folder_config)
     cfg = DiTConfig(
         family="flux2",
         in_channels=in_ch,

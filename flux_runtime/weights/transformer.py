@@ -117,7 +117,7 @@ def infer_config(
         mlp_hidden = need_shape(shape_of, mlp_in, "MLP width")[0]
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes = axes_dim or _axes_dim(head_dim, folder_config)
+    axes = axes_dim if axes_dim and sum(axes_dim) == head_dim else _axes_dim(head_dim, folder_config)
     return DiTConfig(
         in_channels=in_ch,
         out_channels=need_shape(shape_of, final, "output channels")[0],

@@ -133,7 +133,7 @@ def test_errors_are_one_line(tmp_path) -> None:
         (["--image", str(text)], "cannot read image"),
         (["--image", str(tmp_path / "missing.png")], "does not exist"),
         (
-            ["--model", "tiny-random", "--image", str(tmp_path / "fox.png")],
+            ["--model", "tiny", "--image", str(tmp_path / "fox.png")],
             "--image needs a FLUX.2 model; tiny is FLUX.1",
         ),
     ]
