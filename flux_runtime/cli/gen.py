@@ -140,13 +140,13 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     "--width",
     type=click.IntRange(min=1),
     default=None,
-    help="Pixels [default: 1024, tiny models 128; with --image the first image's].",
+    help="Pixels [default: 1024, tiny models 256; with --image the first image's].",
 )
 @click.option(
     "--height",
     type=click.IntRange(min=1),
     default=None,
-    help="Pixels [default: 1024, tiny models 128; with --image the first image's].",
+    help="Pixels [default: 1024, tiny models 256; with --image the first image's].",
 )
 @click.option(
     "--image",
@@ -159,8 +159,8 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
 @click.option(
     "--max-sequence-length",
     type=click.IntRange(1, 512),
-    default=512,
-    help="Text tokens (T5, Mistral, Qwen3).",
+    default=None,
+    help="Text tokens (T5, Mistral, Qwen3) [default: 512; the tiny models 64, what they were trained with].",
 )
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
 @click.option(

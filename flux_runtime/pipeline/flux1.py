@@ -51,6 +51,7 @@ from flux_runtime.sampling import (
 )
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.flux2_transformer import is_flux2
 from flux_runtime.weights.vae import load_vae
 
@@ -129,7 +130,8 @@ class Pipeline:
     ) -> Pipeline | Flux2Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) when the transformer's keys are FLUX.2's.
 
-        `path_or_id`: `tiny` / `tiny-flux2` (built in, random, offline), `flux1-dev` / `flux1-schnell` /
+        `path_or_id`: `tiny` / `tiny-flux2` (built in, trained on coloured shapes, offline; `tiny-random` /
+        `tiny-flux2-random`: random weights for tests), `flux1-dev` / `flux1-schnell` /
         `flux2-dev` / `flux2-klein-4b` / `flux2-klein-9b` or any model id in the local Hugging Face cache, a
         diffusers pipeline folder, or a BFL transformer file (then `ae.safetensors` beside it, or `vae=`;
         FLUX.1: CLIP-L and T5 from `text_encoder` / `text_encoder_2`, folders or cached ids, default
@@ -207,8 +209,19 @@ class Pipeline:
 
     @property
     def default_size(self) -> int:
-        """Default image side: 1024 (FLUX.1's native size), 128 for the built-in tiny model (fast on a CPU)."""
-        return 128 if self.model_name == "tiny" else 1024
+        """Default image side: 1024 (FLUX.1's native size); a built-in model's own (`tiny`: 256, trained there)."""
+        spec = builtin(self.model_name)
+        return 1024 if spec is None else spec.default_size
+
+    @property
+    def default_max_sequence_length(self) -> int:
+        """T5 tokens when the call does not say: 512 (diffusers'), or the length a built-in model trained with."""
+        spec = builtin(self.model_name)
+        return (
+            MAX_SEQUENCE_LENGTH
+            if spec is None or spec.max_sequence_length is None
+            else spec.max_sequence_length
+        )
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -222,7 +235,7 @@ class Pipeline:
         guidance: float | None = None,
         seed: int | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
-        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        max_sequence_length: int | None = None,
         num_images_per_prompt: int = 1,
         output_type: OutputType = "pil",
         prompt_embeds: Tensor | None = None,
@@ -232,11 +245,13 @@ class Pipeline:
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline where they overlap.
 
-        `height`/`width` default `default_size`; `num_steps` default 28 (dev) / 4 (schnell); `guidance` default 3.5 (dev), ignored with a warning
+        `height`/`width` default `default_size`, `max_sequence_length` `default_max_sequence_length`; `num_steps` default 28 (dev) / 4 (schnell); `guidance` default 3.5 (dev), ignored with a warning
         on schnell. Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (B, L, 4096) with
         `pooled_prompt_embeds` (B, 768) may replace `prompt`.
         """
         quality = quality or self.quality
+        if max_sequence_length is None:
+            max_sequence_length = self.default_max_sequence_length
         height = self.default_size if height is None else height
         width = self.default_size if width is None else width
         steps, g = self._check_call(
@@ -541,7 +556,13 @@ def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, na
 
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:
-    if src.name == "tiny":
+    spec = builtin(src.name)
+    if spec is not None and spec.trained:
+        folder = spec.folder
+        return Flux1TextEncoder.from_components(
+            folder / "text_encoder", folder / "text_encoder_2", device=device, dtype=dtype
+        )
+    if spec is not None:
         return Flux1TextEncoder.tiny(device=device, dtype=dtype)
     if src.text is not None:
         return Flux1TextEncoder.from_pretrained(src.text, device=device, dtype=dtype)

@@ -83,6 +83,7 @@ from flux_runtime.text.flux2 import (
     KleinTextEncoder,
 )
 from flux_runtime.weights import load_transformer
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.vae import load_vae
@@ -232,10 +233,19 @@ class Flux2Pipe:
 
     @property
     def default_size(self) -> int:
-        """Default image side: diffusers' 128 latent pixels x the VAE factor (1024), 128 for the built-in tiny
-        model (fast on a CPU). With reference images the first one's size is the default instead."""
+        """Default image side: diffusers' 128 latent pixels x the VAE factor (1024), or a built-in model's own
+        (`tiny-flux2`: 256, trained there). With reference images the first one's size is the default instead."""
+        spec = builtin(self.model_name)
+        return DEFAULT_SAMPLE_SIZE * self.vae.config.spatial_factor if spec is None else spec.default_size
+
+    @property
+    def default_max_sequence_length(self) -> int:
+        """Text tokens when the call does not say: 512 (diffusers'), or the length a built-in model trained with."""
+        spec = builtin(self.model_name)
         return (
-            128 if self.model_name == "tiny-flux2" else DEFAULT_SAMPLE_SIZE * self.vae.config.spatial_factor
+            MAX_SEQUENCE_LENGTH
+            if spec is None or spec.max_sequence_length is None
+            else spec.max_sequence_length
         )
 
     def uses_cfg(self, guidance: float) -> bool:
@@ -255,7 +265,7 @@ class Flux2Pipe:
         guidance: float | None = None,
         seed: int | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
-        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        max_sequence_length: int | None = None,
         num_images_per_prompt: int = 1,
         output_type: OutputType = "pil",
         prompt_embeds: Tensor | None = None,
@@ -266,7 +276,7 @@ class Flux2Pipe:
 
         `image`: reference PIL image(s) to edit or compose from (each ≥ 64 px a side, aspect ≤ 8; shrunk to
         ≤ 1024² px and center-cropped to a multiple of 16, as diffusers does); `height`/`width` then default to
-        the first one's size, else `default_size`. `num_steps` default 50, `guidance` default 4.0 (diffusers'
+        the first one's size, else `default_size`; `max_sequence_length` `default_max_sequence_length`. `num_steps` default 50, `guidance` default 4.0 (diffusers'
         defaults): [dev] embeds it; [klein] uses it as the CFG scale (CFG when > 1 and not distilled; a
         distilled model ignores it, with a warning when given). Exactly one of `seed` / `generator` (neither:
         seed 0). `prompt_embeds` (B, L, context_in_dim) may replace `prompt` (the CFG negative is still
@@ -274,6 +284,8 @@ class Flux2Pipe:
         (B, L, 128), [klein] the decoder's input (B, 32, h, w); `latents` is always the packed (B, L, 128).
         """
         quality = quality or self.quality
+        if max_sequence_length is None:
+            max_sequence_length = self.default_max_sequence_length
         refs = self._check_images(image)
         if refs:
             ref_h, ref_w = refs[0].shape[-2:]
@@ -625,7 +637,10 @@ def _open_text(
     dtype: torch.dtype,
 ) -> TextEncoder:
     """The FLUX.2 text encoder for these sources (see `Flux2Pipe.from_sources`)."""
-    if src.name == "tiny-flux2" and text_encoder is None:
+    spec = builtin(src.name)
+    if spec is not None and spec.trained and text_encoder is None:
+        return KleinTextEncoder.from_components(spec.folder / "text_encoder", device=device, dtype=dtype)
+    if spec is not None and text_encoder is None:
         return KleinTextEncoder.tiny(device=device, dtype=dtype)
     if text_encoder is None and src.text is not None:
         return _encoder_class(src.text / "text_encoder").from_pretrained(src.text, device=device, dtype=dtype)

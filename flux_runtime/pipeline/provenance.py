@@ -28,11 +28,11 @@ import flux_runtime
 from flux_runtime.pipeline.checks import QUALITIES
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.sources import Sources
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.config_files import BOOL, INT, NUMBER, STR, Kind
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.transformer import find_transformer_files
 
-BUILTIN_WEIGHTS = {"tiny": "tiny-seed0", "tiny-flux2": "tiny-flux2-seed0"}
 # The PNG text chunk holding the record.
 CHUNK = "flux_runtime"
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -134,9 +134,13 @@ def read_provenance(png: Path) -> dict[str, Any]:
 
 
 def weights_id(src: Sources) -> str:
-    """A short fingerprint of the transformer weights: sha256 over its files' names, sizes and headers."""
-    if src.name in BUILTIN_WEIGHTS:
-        return BUILTIN_WEIGHTS[src.name]
+    """A short fingerprint of the transformer weights: sha256 over its files' names, sizes and headers.
+
+    Built-in models name themselves: `tiny-seed0` (random), `tiny-trained-<sha256 of the shipped file>`.
+    """
+    spec = builtin(src.name)
+    if spec is not None:
+        return spec.weights_id()
     digest = hashlib.sha256()
     for f in find_transformer_files(resolve(src.transformer)):
         digest.update(f.name.encode())

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from transformers import CLIPTextModel, PreTrainedModel, PreTrainedTokenizerBase, T5EncoderModel
 
+from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.text.tiny import init_random, tiny_clip_config, tiny_t5_config
 from flux_runtime.text.tokenizers import (
     load_clip_tokenizer,
@@ -266,7 +267,10 @@ def _load_model(
             "T5 overflows in float16 (transformers keeps its `wo` layers in float32); FLUX.1 uses bfloat16"
         )
     # transformers random-initializes weights missing from the checkpoint; for us that is an error.
-    model, info = cls.from_pretrained(folder, dtype=dtype, local_files_only=True, output_loading_info=True)
+    with no_progress_bars():
+        model, info = cls.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, output_loading_info=True
+        )
     missing = sorted(info["missing_keys"])
     if missing:
         raise WeightsError(

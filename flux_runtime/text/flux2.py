@@ -36,6 +36,7 @@ from transformers import (
 
 from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer, tokenize_chats
 from flux_runtime.text.flux1 import _prompt_list
+from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.text.tiny import TINY_WIDTH, init_random
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
 from flux_runtime.weights.config_files import read_json_object
@@ -507,7 +508,10 @@ def _load_model(
 ) -> PreTrainedModel:
     """`cls.from_pretrained(folder)` in `dtype`, offline; a checkpoint missing weights is an error."""
     # transformers random-initializes weights missing from the checkpoint; for us that is an error.
-    model, info = cls.from_pretrained(folder, dtype=dtype, local_files_only=True, output_loading_info=True)
+    with no_progress_bars():
+        model, info = cls.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, output_loading_info=True
+        )
     missing = sorted(info["missing_keys"])
     if missing:
         raise WeightsError(

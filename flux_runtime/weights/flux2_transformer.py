@@ -19,6 +19,7 @@ import torch
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
 from flux_runtime.weights import flux2_layout
 from flux_runtime.weights import fp8 as fp8_layers
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
@@ -27,7 +28,6 @@ from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
 from flux_runtime.weights.random_init import init_random
 from flux_runtime.weights.safetensors_io import TensorSource
 from flux_runtime.weights.transformer import (
-    BUILTIN,
     _check_config,
     _check_keys,
     config_errors,
@@ -41,25 +41,19 @@ from flux_runtime.weights.transformer import (
 log = logging.getLogger(__name__)
 
 # Random-weight FLUX.2 presets that need no checkpoint (the offline demo and tests), name → seed.
-BUILTIN_FLUX2 = {"tiny-flux2": 0}
 
 ShapeOf = Callable[[str], tuple[int, ...]]
 
 
-def _builtin(path_or_id: str | Path) -> bool:
-    return str(path_or_id) in BUILTIN_FLUX2 and not Path(path_or_id).exists()
-
-
 def is_flux2(path_or_id: str | Path) -> bool:
-    """True for `tiny-flux2` and for checkpoints whose keys are FLUX.2's; False for FLUX.1 ones.
+    """True for `tiny-flux2`, `tiny-flux2-random` and for checkpoints whose keys are FLUX.2's; False for FLUX.1 ones.
 
     Reads only the safetensors headers. Raises the loader's `WeightsError` for a path or id that
     does not resolve to readable safetensors files.
     """
-    if _builtin(path_or_id):
-        return True
-    if str(path_or_id) in BUILTIN and not Path(path_or_id).exists():
-        return False
+    spec = builtin(path_or_id)
+    if spec is not None:
+        return spec.family == "flux2"
     return flux2_layout.is_flux2(TensorSource(find_transformer_files(resolve(path_or_id))).keys())
 
 
@@ -68,11 +62,13 @@ def infer_config(
     depths: tuple[int, int, bool],
     folder_config: dict | None,
     where: Path | str = "checkpoint",
+    rope: tuple[tuple[int, ...], int] | None = None,
 ) -> DiTConfig:
     """Read widths, heads and channels from the checkpoint itself, through BFL key names (`where` names it in errors).
 
-    `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta come
-    from a diffusers `config.json` when there is one, else from the FLUX.2 preset of this head width.
+    `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta are not in
+    the weights: `rope` (a caller's config), else a diffusers `config.json`, else the FLUX.2 preset of this
+    head width.
     """
     depth, depth_single, guidance = depths
     hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size", 2)
@@ -86,7 +82,8 @@ def infer_config(
         raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes_dim, theta = _rope(head_dim, folder_config)
+    # a given config's axes that do not fit this head width: it is refused by name afterwards
+    axes_dim, theta = rope if rope and sum(rope[0]) == head_dim else _rope(head_dim, folder_config)
     with config_errors(where):
         cfg = DiTConfig(
             family="flux2",
@@ -132,18 +129,21 @@ def load_flux2_transformer(
 
     `path_or_id`: a BFL single file (`flux2-dev.safetensors`, optionally `model.diffusion_model.`
     prefixed), a diffusers `transformer/` folder or pipeline root (sharded or not), a Hugging Face
-    model id in the local cache, or the built-in random preset `tiny-flux2`. `config` is optional;
-    when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used). `dtype` and
+    model id in the local cache, or a built-in model (`tiny-flux2` trained, `tiny-flux2-random`). `config` is
+    optional; when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used). `dtype` and
     `device` are checked, and the weights' stored dtypes and values, as by `load_transformer`; FP8
     checkpoints and `fp8=True` as there too.
     """
     device = check_device(device)
     dtype = check_load_dtype(dtype)
     fp8_layers.check_dtype(dtype, fp8)
-    if _builtin(path_or_id):
+    spec = builtin(path_or_id)
+    if spec is not None and not spec.trained:
         with torch.device("meta"):
-            model = Flux2Transformer(config or PRESETS[str(path_or_id)])
-        return finish_builtin(init_random(model, BUILTIN_FLUX2[str(path_or_id)], device, dtype), dtype, fp8)
+            model = Flux2Transformer(config or spec.dit)
+        return finish_builtin(init_random(model, 0, device, dtype), dtype, fp8)
+    if spec is not None:
+        path_or_id, config = spec.transformer_path, config or spec.dit
 
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
@@ -164,7 +164,9 @@ def load_flux2_transformer(
         raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used - extra))
         shape_of = _fused_shapes(table, src.shape)
 
-    inferred = infer_config(shape_of, depths, read_folder_config(files), files[0])
+    # a config of the other family is refused below, by name; its RoPE axes do not apply
+    given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux2" else None
+    inferred = infer_config(shape_of, depths, read_folder_config(files), files[0], given_rope)
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)

@@ -19,6 +19,7 @@ from torch import nn
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux1_layout
 from flux_runtime.weights import fp8 as fp8_layers
+from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
@@ -33,7 +34,6 @@ _BFL_MARK = "double_blocks.0.img_attn.norm.key_norm.scale"
 _BFL_ANY = ("img_in.weight", "final_layer.linear.weight")
 _DIFFUSERS_ANY = ("x_embedder.weight", "proj_out.weight")
 # Random-weight presets that need no checkpoint (the offline demo and tests).
-BUILTIN = {"tiny": 0}
 # The fields of a diffusers transformer config.json the loaders read (the rest comes from the tensor shapes).
 CONFIG_FIELDS = {"axes_dims_rope": INT_LIST, "rope_theta": NUMBER}
 
@@ -75,9 +75,18 @@ def detect_layout(keys: list[str]) -> str:
 
 
 def infer_config(
-    layout: str, keys: list[str], shape_of, folder_config: dict | None, where: Path | str = "checkpoint"
+    layout: str,
+    keys: list[str],
+    shape_of,
+    folder_config: dict | None,
+    where: Path | str = "checkpoint",
+    axes_dim: tuple[int, ...] | None = None,
 ) -> DiTConfig:
-    """Read depth, width, heads, channels and guidance from the checkpoint itself (`where` names it in errors)."""
+    """Read depth, width, heads, channels and guidance from the checkpoint itself (`where` names it in errors).
+
+    The RoPE axes are not in the weights: `axes_dim` (a caller's config), else the folder's config.json,
+    else the preset with this head dim.
+    """
     if layout == "diffusers":
         img_in, txt_in, vec_in = (
             "x_embedder.weight",
@@ -115,7 +124,7 @@ def infer_config(
         mlp_hidden = need_shape(shape_of, mlp_in, "MLP width", 2)[0]
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes = _axes_dim(head_dim, folder_config)
+    axes = axes_dim if axes_dim and sum(axes_dim) == head_dim else _axes_dim(head_dim, folder_config)
     with config_errors(where):
         cfg = DiTConfig(
             in_channels=in_ch,
@@ -186,8 +195,9 @@ def load_transformer(
 
     `path_or_id`: a BFL single file (`flux1-dev.safetensors`, optionally with the
     `model.diffusion_model.` prefix), a diffusers `transformer/` folder or pipeline root (sharded or
-    not), a Hugging Face model id in the local cache, or a built-in random preset (`tiny`).
-    `config` is optional; when given it must agree with the checkpoint.
+    not), a Hugging Face model id in the local cache, or a built-in model: `tiny` (trained, its shipped BFL
+    file) or `tiny-random` (seeded random weights of the `TINY` preset). `config` is optional; when given it
+    must agree with the checkpoint.
     FLUX.2 checkpoints (and `tiny-flux2`) load through `load_flux2_transformer`; `.config.family` says which.
 
     FP8 checkpoints (ModelOpt, ComfyUI scaled FP8, plain e4m3 casts) load as they are, their block
@@ -209,11 +219,13 @@ def load_transformer(
             path_or_id, device=device, dtype=dtype, config=config, fp8=fp8
         )
 
-    if str(path_or_id) in BUILTIN and not Path(path_or_id).exists():
-        cfg = config or PRESETS[str(path_or_id)]
+    spec = builtin(path_or_id)
+    if spec is not None and not spec.trained:
         with torch.device("meta"):
-            model = Flux1Transformer(cfg)
-        return finish_builtin(init_random(model, BUILTIN[str(path_or_id)], device, dtype), dtype, fp8)
+            model = Flux1Transformer(config or spec.dit)
+        return finish_builtin(init_random(model, 0, device, dtype), dtype, fp8)
+    if spec is not None:
+        path_or_id, config = spec.transformer_path, config or spec.dit
 
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
@@ -223,7 +235,14 @@ def load_transformer(
         keys, shape_of = view.keys(), view.shape
     else:
         keys, shape_of = src.keys(), src.shape
-    inferred = infer_config(layout, keys, shape_of, read_folder_config(files), files[0])
+    inferred = infer_config(
+        layout,
+        keys,
+        shape_of,
+        read_folder_config(files),
+        files[0],
+        config.axes_dim if config is not None and config.family == "flux1" else None,
+    )
     if config is not None:
         _check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)

@@ -46,8 +46,11 @@ def _raw_safetensors(path: Path, header: dict, data: bytes) -> str:
 def bad(tmp_path_factory) -> dict[str, str]:
     """Paths of one broken file or folder per kind of fault, each beside a good VAE where it needs one."""
     root = tmp_path_factory.mktemp("bad")
-    sd = {k: v.contiguous() for k, v in load_transformer("tiny", dtype=torch.float32).state_dict().items()}
-    ae = {k: v.contiguous() for k, v in load_vae("tiny", dtype=torch.float32).state_dict().items()}
+    sd = {
+        k: v.contiguous()
+        for k, v in load_transformer("tiny-random", dtype=torch.float32).state_dict().items()
+    }
+    ae = {k: v.contiguous() for k, v in load_vae("tiny-random", dtype=torch.float32).state_dict().items()}
     files = root / "set"  # BFL file sets: each transformer file with ae.safetensors beside it
     files.mkdir()
     save_file(ae, files / "ae.safetensors")
@@ -143,7 +146,7 @@ CASES = [
     (["--model", "tiny", "--guidance", "inf", *TINY], "guidance inf must be a finite number >= 0"),
     (["--model", "tiny", "--steps", "1000000000"], "num_steps 1000000000 is more than 1000"),
     (["--model", "tiny", "--vae-tile", "4"], "vae_tile 4 is below the minimum of 16 latent pixels"),
-    (["--model", "tiny", "--vae-tile", "20", *TINY, "--width", "92"], "leaves a 1-pixel edge tile"),
+    (["--model", "tiny-random", "--vae-tile", "20", *TINY, "--width", "92"], "leaves a 1-pixel edge tile"),
     (["--model", "tiny", "--device", "meta", *TINY], "device 'meta' is not one to run on: use 'cpu'"),
     (["--model", "tiny", "--device", "gpu", *TINY], "device 'gpu' is not one to run on"),
     (["--replay", "{replay_good}", "--prompt", "b", "--steps", "3"], "--replay takes --prompt, --steps"),

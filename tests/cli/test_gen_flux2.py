@@ -15,7 +15,7 @@ from flux_runtime.pipeline.flux2 import image_fingerprint
 from flux_runtime.pipeline.sources import MODEL_IDS
 from tests.sampling.flux2_helpers import random_image
 
-BASE = ["--model", "tiny-flux2", "--steps", "2", "--max-sequence-length", "48", "--quiet"]
+BASE = ["--model", "tiny-flux2-random", "--steps", "2", "--max-sequence-length", "48", "--quiet"]
 
 
 def _run(*args: str):
@@ -46,7 +46,7 @@ def test_writes_png_with_flux2_defaults_and_provenance(tmp_path) -> None:
     info = _info(out)
     assert info["prompt"] == "a red fox" and info["seed"] == 5 and info["num_steps"] == 2
     assert (
-        info["model"] == "tiny-flux2"
+        info["model"] == "tiny-flux2-random"
         and info["weights"] == "tiny-flux2-seed0"
         and info["quality"] == "lossless"
     )
@@ -55,7 +55,7 @@ def test_writes_png_with_flux2_defaults_and_provenance(tmp_path) -> None:
     )  # diffusers' FLUX.2 default (tiny-flux2 is an undistilled klein: CFG scale)
     assert info["reference_images"] == [] and info["kernels"] == "off" and info["dtype"] == "float32"
     # the same call through the library gives the same pixels
-    pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
+    pipe = Pipeline.from_pretrained("tiny-flux2-random", device="cpu", dtype=torch.float32)
     want = pipe(
         "a red fox", seed=5, height=32, width=48, num_steps=2, max_sequence_length=48, output_type="np"
     )
@@ -76,7 +76,7 @@ def test_image_edits_and_replays(tmp_path) -> None:
     with Image.open(ref) as image:
         image.load()
         recorded = {"path": str(ref.resolve()), "width": 64, "height": 72, "sha256": image_fingerprint(image)}
-        pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
+        pipe = Pipeline.from_pretrained("tiny-flux2-random", device="cpu", dtype=torch.float32)
         want = pipe(
             "make it blue",
             image=image,
@@ -145,7 +145,7 @@ def test_errors_are_one_line(tmp_path) -> None:
 
 
 def test_replay_of_an_in_memory_reference_is_refused(tmp_path) -> None:
-    pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
+    pipe = Pipeline.from_pretrained("tiny-flux2-random", device="cpu", dtype=torch.float32)
     out = pipe("a cat", image=random_image(64, 64), num_steps=1, max_sequence_length=16)
     from flux_runtime.pipeline.provenance import save_png
 

@@ -91,7 +91,9 @@ def test_quantize_writes_a_modelopt_folder_that_loads(tmp_path):
     assert model.precision == "fp8-static"
     qkv = model.double_blocks[0].img_attn.qkv
     assert (
-        isinstance(qkv, Fp8Linear) and qkv.input_scale is not None and qkv.weight_scale.numel() in (1, 3 * 64)
+        isinstance(qkv, Fp8Linear)
+        and qkv.input_scale is not None
+        and qkv.weight_scale.numel() in (1, qkv.out_features)
     )
 
     # quantizing it again is refused; a missing prompts file is a one-line error

@@ -82,14 +82,14 @@ def test_tiled_decode_equals_diffusers_tiling(checkpoints, reference):
 
 
 def test_tile_must_be_a_multiple_of_four():
-    vae = load_vae("tiny", dtype=torch.float32)
+    vae = load_vae("tiny-random", dtype=torch.float32)
     with pytest.raises(ValueError, match="tile 10 must be a positive multiple of 4"):
         vae.decode(torch.zeros(1, 16, 24, 24), tile=10)
 
 
 def test_latent_scaling_in_diffusers_order(reference):
     """scale/unscale are the FLUX pipelines' expressions, bit for bit, with the config's factors."""
-    vae = load_vae("tiny", dtype=torch.float32)
+    vae = load_vae("tiny-random", dtype=torch.float32)
     cfg = reference[torch.float32].config
     z = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2))
     assert torch.equal(vae.scale_latents(z), (z - cfg.shift_factor) * cfg.scaling_factor)
@@ -98,7 +98,7 @@ def test_latent_scaling_in_diffusers_order(reference):
 
 
 def test_inputs_are_checked_in_our_words():
-    vae = load_vae("tiny", dtype=torch.float32)
+    vae = load_vae("tiny-random", dtype=torch.float32)
     with pytest.raises(ValueError, match=r"image must be \(B, 3, H, W\), got \(1, 4, 8, 8\)"):
         vae.encode(torch.zeros(1, 4, 8, 8))
     with pytest.raises(ValueError, match="image size 9x8 is not divisible by the VAE's factor 2"):

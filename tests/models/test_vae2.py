@@ -161,7 +161,7 @@ def test_tiled_decode_equals_diffusers_tiling(checkpoints):
 
 
 def test_inputs_are_checked_in_our_words():
-    vae = load_vae("tiny-flux2", dtype=torch.float32)
+    vae = load_vae("tiny-flux2-random", dtype=torch.float32)
     with pytest.raises(ValueError, match=r"latent must be \(B, 32, h, w\), got \(1, 16, 8, 8\)"):
         vae.decode(torch.zeros(1, 16, 8, 8))
     with pytest.raises(ValueError, match=r"image size 9x8 is not divisible by the VAE's factor 2"):

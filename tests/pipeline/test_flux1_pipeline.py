@@ -148,7 +148,7 @@ def test_schnell_warns_that_guidance_is_ignored(folder):
     ],
 )
 def test_inputs_are_validated_before_any_model_work(kwargs, message, monkeypatch):
-    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+    pipe = Pipeline.from_pretrained("tiny-random", device="cpu", dtype=torch.float32)
 
     def boom(*a, **k):
         raise AssertionError("a model ran before validation")
@@ -217,7 +217,7 @@ def test_high_tier_images_stay_within_35_db_of_lossless():
 
 
 def test_vae_tile_decodes_in_tiles_and_is_checked_first(monkeypatch):
-    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+    pipe = Pipeline.from_pretrained("tiny-random", device="cpu", dtype=torch.float32)
     kw = dict(height=64, width=96, num_steps=1, seed=4, output_type="pt")
     whole = pipe("a cat", **kw).images
     pipe.vae_tile = 16  # latent pixels: the 32x48 latent is decoded in overlapping tiles

@@ -283,7 +283,7 @@ def test_schedule_follows_the_folder_scheduler(dynamic: bool) -> None:
 
 @pytest.fixture(scope="module")
 def tiny() -> Flux2Pipe:
-    pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
+    pipe = Pipeline.from_pretrained("tiny-flux2-random", device="cpu", dtype=torch.float32)
     assert isinstance(pipe, Flux2Pipe)
     return pipe
 
@@ -348,11 +348,13 @@ def test_inputs_are_validated_before_any_model_work(tiny: Flux2Pipe, kwargs, mes
 
 def test_parts_that_do_not_fit_are_refused(folders) -> None:
     with pytest.raises(FluxError, match=r"FLUX\.2 needs the FLUX\.2 VAE"):
-        Pipeline.from_pretrained("tiny-flux2", vae="tiny", device="cpu", dtype=torch.float32)
+        Pipeline.from_pretrained("tiny-flux2-random", vae="tiny", device="cpu", dtype=torch.float32)
     with pytest.raises(FluxError, match=r"FLUX\.2 has one text encoder"):
         Pipeline.from_pretrained(folders["dev"], text_encoder_2=folders["dev"], device="cpu")
-    wide = load_transformer("tiny-flux2", config=replace(TINY_FLUX2, context_in_dim=64), dtype=torch.float32)
-    vae = load_vae("tiny-flux2", dtype=torch.float32)
+    wide = load_transformer(
+        "tiny-flux2-random", config=replace(TINY_FLUX2, context_in_dim=64), dtype=torch.float32
+    )
+    vae = load_vae("tiny-flux2-random", dtype=torch.float32)
     with pytest.raises(FluxError, match="gives 96-wide embeddings but the transformer reads 64"):
         Flux2Pipe(wide, vae, KleinTextEncoder.tiny(), schedule=flux2_schedule_config(None))
     # a [dev] folder's Mistral encoder in place of [klein]'s Qwen3: opened by its config.json, same width here
@@ -396,7 +398,7 @@ def test_unknown_model_id_is_one_clear_error(tmp_path, monkeypatch) -> None:
 
 
 def test_provenance_says_which_kernels_ran() -> None:
-    pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32, quality="high")
+    pipe = Pipeline.from_pretrained("tiny-flux2-random", device="cpu", dtype=torch.float32, quality="high")
     out = pipe("a cat", height=16, width=16, num_steps=1, output_type="latent")
     assert out.info["quality"] == "lossless"  # high needs CUDA: said once, recorded here
     assert out.info["kernels"] == "off"  # the reference ops ran
@@ -410,9 +412,11 @@ def test_provenance_says_which_kernels_ran() -> None:
 def test_cuda_graph_replay_gives_the_eager_latents(quality: str) -> None:
     """CFG (two graphs per step) with a reference image: replays equal the eager run, call after call."""
     eager = Pipeline.from_pretrained(
-        "tiny-flux2", device="cuda", dtype=torch.bfloat16, cuda_graphs=False, quality=quality
+        "tiny-flux2-random", device="cuda", dtype=torch.bfloat16, cuda_graphs=False, quality=quality
     )
-    graphed = Pipeline.from_pretrained("tiny-flux2", device="cuda", dtype=torch.bfloat16, quality=quality)
+    graphed = Pipeline.from_pretrained(
+        "tiny-flux2-random", device="cuda", dtype=torch.bfloat16, quality=quality
+    )
     kw = dict(
         image=random_image(64, 96, seed=2), height=64, width=96, num_steps=4, seed=3, output_type="latent"
     )

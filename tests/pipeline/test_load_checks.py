@@ -42,8 +42,8 @@ def test_device_names_are_checked_first(device, message) -> None:
     ],
 )
 def test_parts_that_do_not_fit_are_refused_by_name(change, message) -> None:
-    transformer = load_transformer("tiny", config=replace(TINY, **change), dtype=torch.float32)
-    vae = load_vae("tiny", dtype=torch.float32)
+    transformer = load_transformer("tiny-random", config=replace(TINY, **change), dtype=torch.float32)
+    vae = load_vae("tiny-random", dtype=torch.float32)
     with pytest.raises(FluxError, match=message):
         Pipeline(transformer, vae, Flux1TextEncoder.tiny(), schedule=FLUX1_DEV_SCHEDULE, model_name="tiny")
 

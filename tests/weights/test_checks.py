@@ -18,7 +18,10 @@ from flux_runtime.weights.safetensors_io import TensorSource
 @pytest.fixture(scope="module")
 def tiny_sd() -> dict[str, torch.Tensor]:
     """The built-in tiny transformer's weights: BFL names, so saved as they are they make a BFL file."""
-    return {k: v.contiguous() for k, v in load_transformer("tiny", dtype=torch.float32).state_dict().items()}
+    return {
+        k: v.contiguous()
+        for k, v in load_transformer("tiny-random", dtype=torch.float32).state_dict().items()
+    }
 
 
 def _save(sd: dict[str, torch.Tensor], path: Path, **changes: torch.Tensor) -> Path:
@@ -62,7 +65,7 @@ def test_non_finite_weights_are_named(tmp_path, tiny_sd, bad) -> None:
 
 
 def test_non_finite_vae_weights_are_named(tmp_path) -> None:
-    sd = {k: v.contiguous() for k, v in load_vae("tiny", dtype=torch.float32).state_dict().items()}
+    sd = {k: v.contiguous() for k, v in load_vae("tiny-random", dtype=torch.float32).state_dict().items()}
     sd["decoder.conv_in.bias"] = sd["decoder.conv_in.bias"].clone()
     sd["decoder.conv_in.bias"][0] = float("nan")
     path = _save(sd, tmp_path / "ae.safetensors")

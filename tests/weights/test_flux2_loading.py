@@ -206,7 +206,7 @@ def test_config_gives_rope_for_a_bfl_file(bfl_file):
 
 
 def test_builtin_tiny_flux2_is_deterministic():
-    a, b = load_transformer("tiny-flux2"), load_transformer("tiny-flux2")
+    a, b = load_transformer("tiny-flux2-random"), load_transformer("tiny-flux2-random")
     assert _same_weights(a, b)
     assert a.config == TINY_FLUX2 and isinstance(a, Flux2Transformer)
     img = torch.randn(1, 6, 128).to(torch.bfloat16)

@@ -182,6 +182,6 @@ def test_cached_model_id_loads(tmp_path, monkeypatch, dev_model):
 
 
 def test_builtin_tiny_is_deterministic():
-    a, b = load_transformer("tiny"), load_transformer("tiny")
+    a, b = load_transformer("tiny-random"), load_transformer("tiny-random")
     assert _same_weights(a, b)
     assert a.config == TINY

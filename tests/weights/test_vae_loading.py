@@ -120,7 +120,7 @@ def test_given_config_must_agree_with_config_json(folder):
 
 
 def test_tiny_preset_is_deterministic():
-    a, b = load_vae("tiny", dtype=torch.float32), load_vae("tiny", dtype=torch.float32)
+    a, b = load_vae("tiny-random", dtype=torch.float32), load_vae("tiny-random", dtype=torch.float32)
     assert a.config == TINY_VAE
     assert _same_weights(a, b)
     with torch.no_grad():

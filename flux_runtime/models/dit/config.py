@@ -75,6 +75,11 @@ TINY = replace(
     depth_single_blocks=2,
     axes_dim=(8, 12, 12),
 )
+# The built-in `tiny` model, trained by scripts/train_tiny.py: the same text widths as TINY, 4 heads of 48,
+# 2 double and 4 single blocks (5.1 M parameters).
+TINY_TRAINED = replace(
+    TINY, hidden_size=192, num_heads=4, depth=2, depth_single_blocks=4, axes_dim=(8, 20, 20)
+)
 
 # FLUX.2 (shared/reference/flux2.md §1): 128 latent channels (32 VAE channels patchified 2x2), text width
 # 3 x the text encoder's hidden size (three stacked layers: Mistral 5120 for dev, Qwen3 2560 / 4096 for klein).
@@ -122,6 +127,11 @@ TINY_FLUX2 = replace(
     depth=2,
     depth_single_blocks=2,
     axes_dim=(8, 8, 8, 8),
+)
+# The built-in `tiny-flux2` model, trained by scripts/train_tiny.py: TINY_FLUX2's text width, 4 heads of 48,
+# 2 double and 4 single blocks (4.4 M parameters).
+TINY_FLUX2_TRAINED = replace(
+    TINY_FLUX2, hidden_size=192, num_heads=4, depth=2, depth_single_blocks=4, axes_dim=(12, 12, 12, 12)
 )
 
 PRESETS: dict[str, DiTConfig] = {

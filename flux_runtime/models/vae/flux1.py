@@ -94,6 +94,12 @@ FLUX1_VAE = VAEConfig()
 # Two levels of 32 channels, one resnet each: a 2x autoencoder that still gives the DiT's 16 latent
 # channels (packed 2x2 into its 64 input channels). 32 groups, as BFL's code hard-wires.
 TINY_VAE = replace(FLUX1_VAE, ch=32, ch_mult=(1, 1), num_res_blocks=1)
+# The built-in `tiny` model's autoencoder, trained by scripts/train_tiny.py: FLUX.1's four levels (8x) at
+# widths 32-64, one resnet each. Its latent shift and scale are the mean and 1 / std of its latents on the
+# training scenes, as that run measured and printed them (seed 0).
+TINY_TRAINED_VAE = replace(
+    FLUX1_VAE, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1, scale_factor=0.8085, shift_factor=-0.1036
+)
 
 VAE_PRESETS: dict[str, VAEConfig] = {"flux1": FLUX1_VAE, "tiny": TINY_VAE}
 

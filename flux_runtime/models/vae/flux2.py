@@ -58,6 +58,9 @@ FLUX2_VAE = Flux2VAEConfig()
 # Two levels of 32 channels, one resnet each: a 2x autoencoder that still gives FLUX.2's 32 latent
 # channels (patchified 2x2 into the DiT's 128 input channels). 32 groups, as BFL's code hard-wires.
 TINY_FLUX2_VAE = replace(FLUX2_VAE, ch=32, ch_mult=(1, 1), num_res_blocks=1)
+# The built-in `tiny-flux2` model's autoencoder, trained by scripts/train_tiny.py: FLUX.2's four levels (8x)
+# at widths 32-64, one resnet each; its BatchNorm statistics were computed on the training scenes.
+TINY_FLUX2_TRAINED_VAE = replace(FLUX2_VAE, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1)
 
 FLUX2_VAE_PRESETS: dict[str, Flux2VAEConfig] = {"flux2": FLUX2_VAE, "tiny-flux2": TINY_FLUX2_VAE}
 

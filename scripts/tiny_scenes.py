@@ -1,0 +1,290 @@
+"""The captioned scenes the built-in tiny models are trained on, and the scorer that checks their pictures.
+
+A scene is one to three flat shapes of one colour on a plain or gradient background of another; its caption
+comes from a small grammar ("two small red circles on a blue background", "a green triangle at the top left on
+a white gradient"). Scenes are drawn from a seed (`sample_scenes`, numpy) and rendered on any torch device
+(`render`, antialiased signed-distance masks), so training makes its data on the GPU and nothing is downloaded.
+Some caption combinations are held out of training (`HELD_OUT_COLOURS`, `HELD_OUT_PLACES`) and
+`held_out_prompts` asks for exactly those. `score` reads a picture back: border pixels classified to the
+palette must be the asked background colour, the other pixels the asked shape colour, and their centre of mass
+must lie where the caption put the shape.
+
+Used by `scripts/train_tiny.py`, `scripts/eval_tiny.py` and the tests of the shipped models; the runtime never
+imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 50),
+    "blue": (30, 70, 220),
+    "yellow": (245, 220, 30),
+    "white": (245, 245, 245),
+    "black": (20, 20, 20),
+    "orange": (250, 140, 10),
+    "purple": (140, 40, 170),
+}
+COLOURS = tuple(PALETTE)
+SHAPES = ("circle", "square", "triangle", "diamond", "star", "cross")
+PLURALS = {"cross": "crosses"}
+SIZES = {"small": 0.085, "": 0.13, "large": 0.19}  # shape radius, as a fraction of the image side
+COUNT_WORDS = {1: "a", 2: "two", 3: "three"}
+# where a single shape goes: phrase, centre (x, y) as fractions of the side (y grows downwards)
+PLACES: dict[str, tuple[str, float, float]] = {
+    "left": ("on the left", 0.25, 0.5),
+    "right": ("on the right", 0.75, 0.5),
+    "top": ("at the top", 0.5, 0.25),
+    "bottom": ("at the bottom", 0.5, 0.75),
+    "centre": ("in the centre", 0.5, 0.5),
+    "top left": ("at the top left", 0.25, 0.25),
+    "top right": ("at the top right", 0.75, 0.25),
+    "bottom left": ("at the bottom left", 0.25, 0.75),
+    "bottom right": ("at the bottom right", 0.75, 0.75),
+}
+GRADIENT = 0.15  # a gradient background fades this far towards white (dark colours) or black (light ones)
+
+# Combinations training never sees: (shape colour, background colour) pairs, each colour once on each side,
+# and (shape, place) pairs. `held_out_prompts` asks for them.
+HELD_OUT_COLOURS = (
+    ("red", "blue"),
+    ("green", "white"),
+    ("blue", "yellow"),
+    ("yellow", "purple"),
+    ("white", "black"),
+    ("black", "orange"),
+    ("orange", "green"),
+    ("purple", "red"),
+)
+HELD_OUT_PLACES = (
+    ("circle", "top left"),
+    ("square", "right"),
+    ("triangle", "bottom"),
+    ("diamond", "centre"),
+    ("star", "top right"),
+    ("cross", "left"),
+)
+
+
+@dataclass(frozen=True)
+class Scene:
+    """One picture's content: what the caption says, plus where each shape landed (fractions of the side)."""
+
+    count: int
+    size: str
+    colour: str
+    shape: str
+    place: str | None  # a PLACES key for one shape, None when the shapes are scattered
+    background: str
+    gradient: bool
+    centres: tuple[tuple[float, float], ...]
+    radius: float
+
+    @property
+    def caption(self) -> str:
+        noun = self.shape if self.count == 1 else PLURALS.get(self.shape, self.shape + "s")
+        words = [COUNT_WORDS[self.count], self.size, self.colour, noun]
+        if self.place is not None:
+            words.append(PLACES[self.place][0])
+        words.append(f"on a {self.background} {'gradient' if self.gradient else 'background'}")
+        text = " ".join(w for w in words if w)
+        return "an" + text[1:] if text.startswith("a o") else text
+
+
+def is_held_out(scene: Scene) -> bool:
+    """Whether the scene combines a held-out colour pair or a held-out shape and place."""
+    return (scene.colour, scene.background) in HELD_OUT_COLOURS or (
+        scene.shape,
+        scene.place,
+    ) in HELD_OUT_PLACES
+
+
+def _scatter(rng: np.random.Generator, count: int, radius: float) -> tuple[tuple[float, float], ...]:
+    """`count` centres inside the image whose shapes do not touch (rejection sampling, then a grid fallback)."""
+    lo, hi = radius + 0.04, 1 - radius - 0.04
+    for _ in range(200):
+        pts = rng.uniform(lo, hi, size=(count, 2))
+        d = np.linalg.norm(pts[:, None] - pts[None], axis=-1) + np.eye(count) * 9
+        if d.min() > 2.3 * radius:
+            return tuple((float(x), float(y)) for x, y in pts)
+    return tuple((0.25 + 0.5 * (i % 2), 0.3 + 0.4 * (i // 2)) for i in range(count))
+
+
+def sample_scene(rng: np.random.Generator, *, held_out: bool = False) -> Scene:
+    """One random scene: training scenes avoid the held-out combinations; `held_out=True` draws only those."""
+    while True:
+        count = int(rng.choice([1, 1, 1, 2, 3]))
+        size = str(rng.choice(list(SIZES)))
+        colour, background = (str(c) for c in rng.choice(COLOURS, size=2, replace=False))
+        shape = str(rng.choice(SHAPES))
+        place = str(rng.choice(list(PLACES))) if count == 1 and rng.random() < 0.8 else None
+        gradient = bool(rng.random() < 0.3)
+        radius = SIZES[size] * (1.0 if count == 1 else 0.8) * float(rng.uniform(0.9, 1.1))
+        if place is not None:
+            _, x, y = PLACES[place]
+            jitter = rng.uniform(-0.04, 0.04, size=2)
+            centres: tuple[tuple[float, float], ...] = ((x + float(jitter[0]), y + float(jitter[1])),)
+        else:
+            centres = _scatter(rng, count, radius)
+        scene = Scene(count, size, colour, shape, place, background, gradient, centres, radius)
+        if is_held_out(scene) == held_out:
+            return scene
+
+
+def sample_scenes(n: int, seed: int, *, held_out: bool = False) -> list[Scene]:
+    """`n` scenes drawn from `seed` (the same list on every machine)."""
+    rng = np.random.default_rng(seed)
+    return [sample_scene(rng, held_out=held_out) for _ in range(n)]
+
+
+def held_out_prompts(per_pair: int = 3, seed: int = 1234) -> list[Scene]:
+    """Single-shape scenes that each hold a held-out combination: `per_pair` per colour pair, then
+    `per_pair` per shape and place; every scene has a place, so all three scores apply."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for colour, background in HELD_OUT_COLOURS:
+        for _ in range(per_pair):
+            shape = str(rng.choice(SHAPES))
+            place = str(rng.choice([p for p in PLACES if (shape, p) not in HELD_OUT_PLACES]))
+            out.append(_single(rng, colour, background, shape, place))
+    for shape, place in HELD_OUT_PLACES:
+        for _ in range(per_pair):
+            pairs = [(a, b) for a in COLOURS for b in COLOURS if a != b and (a, b) not in HELD_OUT_COLOURS]
+            colour, background = pairs[int(rng.integers(len(pairs)))]
+            out.append(_single(rng, colour, background, shape, place))
+    return out
+
+
+def _single(rng: np.random.Generator, colour: str, background: str, shape: str, place: str) -> Scene:
+    size = str(rng.choice(list(SIZES)))
+    _, x, y = PLACES[place]
+    return Scene(1, size, colour, shape, place, background, bool(rng.random() < 0.3), ((x, y),), SIZES[size])
+
+
+# ---- rendering -------------------------------------------------------------------------------------------
+
+
+def _polygon_sdf(px: Tensor, py: Tensor, normals: Tensor, offsets: Tensor) -> Tensor:
+    """Approximate signed distance to a convex polygon given by unit edge normals (K, 2) and offsets (K,)."""
+    d = px[..., None] * normals[:, 0] + py[..., None] * normals[:, 1] - offsets
+    return d.amax(dim=-1)
+
+
+def _regular_normals(k: int, start: float, device: torch.device) -> Tensor:
+    a = start + torch.arange(k, device=device, dtype=torch.float32) * (2 * math.pi / k)
+    return torch.stack([torch.cos(a), torch.sin(a)], dim=-1)
+
+
+def _shape_sdf(shape: str, px: Tensor, py: Tensor, r: Tensor) -> Tensor:
+    """Signed distance (negative inside) of `shape` of radius `r`, centred at the origin; y points down."""
+    dev = px.device
+    if shape == "circle":
+        return torch.sqrt(px * px + py * py) - r
+    if shape == "square":
+        return torch.maximum(px.abs(), py.abs()) - 0.85 * r
+    if shape == "diamond":
+        return (px.abs() + py.abs()) / math.sqrt(2) - 0.75 * r
+    if shape == "triangle":  # apex up: edge normals at 90° (down), 210°, 330° in image coordinates
+        n = _regular_normals(3, math.pi / 2, dev)
+        return _polygon_sdf(px, py - 0.15 * r, n, 0.55 * r[..., None])
+    if shape == "star":  # two overlapping triangles (a hexagram)
+        up = _polygon_sdf(px, py, _regular_normals(3, math.pi / 2, dev), 0.5 * r[..., None])
+        down = _polygon_sdf(px, py, _regular_normals(3, -math.pi / 2, dev), 0.5 * r[..., None])
+        return torch.minimum(up, down)
+    if shape == "cross":
+        bar = torch.maximum(px.abs() - 0.95 * r, py.abs() - 0.3 * r)
+        post = torch.maximum(px.abs() - 0.3 * r, py.abs() - 0.95 * r)
+        return torch.minimum(bar, post)
+    raise ValueError(f"unknown shape {shape!r}")
+
+
+def render(scenes: list[Scene], size: int, device: torch.device | str = "cpu") -> Tensor:
+    """Render scenes to images (B, 3, size, size) in [-1, 1], fp32, antialiased over about one pixel."""
+    device = torch.device(device)
+    b = len(scenes)
+    coords = (torch.arange(size, device=device, dtype=torch.float32) + 0.5) / size
+    gy, gx = torch.meshgrid(coords, coords, indexing="ij")  # (S, S)
+    colour = torch.tensor([PALETTE[s.colour] for s in scenes], device=device, dtype=torch.float32) / 255
+    bg = torch.tensor([PALETTE[s.background] for s in scenes], device=device, dtype=torch.float32) / 255
+    # gradient: towards white for dark colours, towards black for light ones, top to bottom
+    light = (bg.mean(dim=1, keepdim=True) > 0.5).float()
+    target = 1.0 - light
+    amount = torch.tensor([GRADIENT if s.gradient else 0.0 for s in scenes], device=device)[:, None]
+    ramp = gy[None, None]  # (1, 1, S, S)
+    top, bottom = bg, bg + (target - bg) * amount
+    image = top[:, :, None, None] + (bottom - top)[:, :, None, None] * ramp  # (B, 3, S, S)
+    alpha = torch.zeros(b, size, size, device=device)
+    for shape in SHAPES:
+        rows = [i for i, s in enumerate(scenes) if s.shape == shape]
+        if not rows:
+            continue
+        for k in range(3):
+            sub = [i for i in rows if len(scenes[i].centres) > k]
+            if not sub:
+                continue
+            cx = torch.tensor([scenes[i].centres[k][0] for i in sub], device=device)[:, None, None]
+            cy = torch.tensor([scenes[i].centres[k][1] for i in sub], device=device)[:, None, None]
+            r = torch.tensor([scenes[i].radius for i in sub], device=device)[:, None, None]
+            sdf = _shape_sdf(shape, gx - cx, gy - cy, r.expand(-1, size, size))
+            a = (0.5 - sdf * size).clamp(0, 1)
+            idx = torch.tensor(sub, device=device)
+            alpha[idx] = torch.maximum(alpha[idx], a)
+    image = image * (1 - alpha[:, None]) + colour[:, :, None, None] * alpha[:, None]
+    return image * 2 - 1
+
+
+# ---- scoring ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Score:
+    """What one picture got right: background colour, shape colour, shape place (None: no place asked)."""
+
+    background: bool
+    colour: bool
+    place: bool | None
+
+
+def classify(pixels: np.ndarray) -> np.ndarray:
+    """Palette index of each pixel of (..., 3) uint8 RGB, by nearest palette colour."""
+    pal = np.array(list(PALETTE.values()), dtype=np.float32)
+    d = ((pixels[..., None, :].astype(np.float32) - pal) ** 2).sum(-1)
+    return d.argmin(-1)
+
+
+def score(image: np.ndarray, scene: Scene) -> Score:
+    """Score an (H, W, 3) uint8 picture against the scene its caption asked for.
+
+    Background: the most common palette colour of the outer eighth of the picture is the one asked.
+    Shape colour: of the pixels not of the background colour (at least 0.3 % of the picture), the most common
+    is the one asked. Place: the centre of mass of the pixels of the asked colour lies within 0.17 of the
+    side from where the caption put the shape (the places are 0.25 apart).
+    """
+    h, w, _ = image.shape
+    labels = classify(image)
+    m = max(1, h // 8)
+    border = np.concatenate(
+        [labels[:m].ravel(), labels[-m:].ravel(), labels[:, :m].ravel(), labels[:, -m:].ravel()]
+    )
+    bg_idx = COLOURS.index(scene.background)
+    fg_idx = COLOURS.index(scene.colour)
+    background = np.bincount(border, minlength=len(COLOURS)).argmax() == bg_idx
+    fg = labels[labels != bg_idx]
+    colour = fg.size >= 0.003 * h * w and np.bincount(fg, minlength=len(COLOURS)).argmax() == fg_idx
+    place = None
+    if scene.place is not None:
+        ys, xs = np.nonzero(labels == fg_idx)
+        if xs.size < 0.003 * h * w:
+            place = False
+        else:
+            _, x, y = PLACES[scene.place]
+            cx, cy = (xs.mean() + 0.5) / w, (ys.mean() + 0.5) / h
+            place = abs(cx - x) < 0.17 and abs(cy - y) < 0.17
+    return Score(bool(background), bool(colour), place)

@@ -1,0 +1,475 @@
+"""Train the built-in tiny FLUX.1 (`tiny`) or FLUX.2 (`tiny-flux2`) model from a seed on rendered scenes.
+
+What it trains, through the runtime's own model classes (plain PyTorch autograd; the fused kernels are off):
+
+1. The autoencoder (FLUX.1's, or FLUX.2's with its quant convs) on rendered scenes: L1 + L2 reconstruction plus
+   a small KL term on the posterior. Then its latent statistics on the data: FLUX.1's scale and shift factors
+   (printed, and written to `stats.json`), FLUX.2's BatchNorm running mean and variance (stored in the weights).
+2. The DiT with the real objective: rectified flow matching, `x_t = (1 - t) x_0 + t ε`, target `ε - x_0`, with
+   `t` logit-normal and then time-shifted exactly as the family's sampler shifts its sigmas at the default
+   size and steps (FLUX.1 [dev]: mu from the token count; FLUX.2: the empirical mu), and for FLUX.1 [dev] the
+   guidance embedding fed random guidance values in [1, 5]. The tiny text encoders (CLIP + T5, or Qwen3)
+   start from the runtime's seeded random weights and train with the DiT, so captions' word order reaches it;
+   FLUX.2 [klein] drops 10 % of captions to the empty prompt, the negative prompt its CFG uses.
+
+The latents of a pool of rendered scenes are computed once; the DiT samples batches from that pool. The
+output folder holds the weights in the layouts the runtime loads (BFL DiT file, BFL `ae.safetensors`, the text
+encoders as transformers folders with their tokenizers), `loss.json` and `loss.png`.
+
+Step counts are fixed by the arguments; `--max-seconds` stops a phase early (the log says where) so a run fits
+a device budget, and the learning rate anneals on whichever of steps or time runs out first. `--resume DIR`
+starts from the weights in an earlier output folder.
+
+Usage (one H200, both families side by side, about 7 minutes):
+    python scripts/train_tiny.py --family flux1 --out out/tiny &
+    python scripts/train_tiny.py --family flux2 --out out/tiny-flux2 & wait
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_scenes import render, sample_scenes
+
+from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
+from flux_runtime.models.dit.config import TINY_FLUX2_TRAINED, TINY_TRAINED
+from flux_runtime.models.vae import Flux1VAE, Flux2VAE
+from flux_runtime.models.vae.flux1 import TINY_TRAINED_VAE
+from flux_runtime.models.vae.flux2 import TINY_FLUX2_TRAINED_VAE
+from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, FLUX2_SCHEDULE
+from flux_runtime.sampling.flux2 import flux2_image_ids, flux2_pack, flux2_text_ids, patchify
+from flux_runtime.sampling.latents import image_ids, pack
+from flux_runtime.text.flux1 import Flux1TextEncoder
+from flux_runtime.text.flux2 import NEGATIVE_PROMPT, KleinTextEncoder
+from flux_runtime.text.tokenizers import TINY_TOKENIZERS, tiny_tokenizer_path, tokenize
+
+SIZE = 256  # training and default image side
+TEXT_LENGTH = 64  # the tiny models' text tokens (every caption of the grammar fits)
+DEFAULT_STEPS = 28  # the step count whose time shift FLUX.2's training uses
+
+
+def _autocast(device: torch.device) -> bool:
+    """bf16 autocast on CUDA (FLUX_TINY_AUTOCAST=1 forces it, to try the GPU's number path on a CPU)."""
+    return device.type == "cuda" or os.environ.get("FLUX_TINY_AUTOCAST") == "1"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- text encoders with gradients -----------------------------------------------------------------------
+
+
+class Flux1Text(nn.Module):
+    """Tiny CLIP + T5 (the runtime's `Flux1TextEncoder.tiny`), run as `Flux1TextEncoder.encode` runs them."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        enc = Flux1TextEncoder.tiny(seed=seed)
+        self.enc = enc
+        self.clip, self.t5 = enc.clip, enc.t5
+
+    def tokens(self, captions: list[str]) -> tuple[Tensor, Tensor]:
+        clip = tokenize(self.enc.clip_tokenizer, captions, self.enc.clip_max_length, "CLIP")
+        t5 = tokenize(self.enc.t5_tokenizer, captions, TEXT_LENGTH, "T5")
+        return clip, t5
+
+    def forward(self, clip_ids: Tensor, t5_ids: Tensor) -> tuple[Tensor, Tensor]:
+        pooled = self.clip(clip_ids, output_hidden_states=False).pooler_output  # (B, 32)
+        txt = self.t5(t5_ids, output_hidden_states=False)[0]  # (B, L, 32)
+        return txt, pooled
+
+
+class KleinText(nn.Module):
+    """Tiny Qwen3 (the runtime's `KleinTextEncoder.tiny`): hidden states 9, 18, 27 stacked, as `encode` does."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        enc = KleinTextEncoder.tiny(seed=seed)
+        self.enc = enc
+        self.model = enc.model
+
+    def tokens(self, captions: list[str]) -> tuple[Tensor, Tensor]:
+        return self.enc.tokenize(captions, TEXT_LENGTH)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.model.model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+        )
+        states = torch.stack([out.hidden_states[k] for k in self.enc.layers], dim=1)  # (B, 3, L, 32)
+        b, n, length, width = states.shape
+        return states.permute(0, 2, 1, 3).reshape(b, length, n * width)  # (B, L, 96)
+
+
+# ---- initialisation, EMA, schedules -----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_dit(model: nn.Module, seed: int) -> None:
+    """Linear-style init from `seed`; norm scales 1, biases 0; adaLN projections and the output layer zero,
+    so every block starts as the identity (adaLN-Zero) and the first prediction is 0."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) / math.sqrt(p.shape[1]))
+        elif name.endswith("scale"):
+            p.fill_(1.0)
+        else:
+            p.zero_()
+        if any(k in name for k in ("_mod.", "modulation", "final_layer.linear")):
+            p.zero_()
+
+
+class EMA:
+    """Exponential moving average of a module's parameters (what gets shipped)."""
+
+    def __init__(self, module: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        for p, s in zip(self.params, self.shadow, strict=True):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+
+
+def lr_at(step: int, steps: int, elapsed: float, seconds: float, base: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 5 % over whichever of the step or time budget runs out first."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, max(step / steps, elapsed / seconds))
+    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def shifted_t(u: Tensor, mu: float) -> Tensor:
+    """The samplers' exponential time shift `e^mu / (e^mu + (1/t - 1))` applied to t in (0, 1)."""
+    return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+
+
+# ---- phase 1: the autoencoder ---------------------------------------------------------------------------
+
+
+def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, history: dict) -> None:
+    params = [p for p in vae.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    start, seed = time.time(), args.seed * 1000 + 1
+    for step in range(args.vae_steps):
+        elapsed = time.time() - start
+        if elapsed > args.vae_seconds:
+            log(f"vae: time budget reached after {step} steps")
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.vae_steps, elapsed, args.vae_seconds, args.vae_lr, 100)
+        x = render(sample_scenes(args.vae_batch, seed + step), SIZE, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
+            moments = vae.encoder(x)
+            mean, logvar = torch.chunk(moments.float(), 2, dim=1)
+            logvar = logvar.clamp(-30.0, 20.0)
+            z = mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
+            recon = vae.decoder(z).float()
+        rec = (recon - x).abs().mean() + F.mse_loss(recon, x)
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
+        loss = rec + args.kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 25 == 0:
+            history["vae"].append(
+                {"step": step, "time": round(elapsed, 1), "rec": rec.item(), "kl": kl.item()}
+            )
+        if step % 200 == 0:
+            log(f"vae step {step}: rec {rec.item():.4f} kl {kl.item():.3f}")
+
+
+@torch.no_grad()
+def encode_pool(vae: nn.Module, n: int, seed: int, device: torch.device) -> tuple[Tensor, list[str]]:
+    """Raw posterior samples (N, z, 32, 32) bf16 of `n` fresh training scenes, and their captions."""
+    scenes = sample_scenes(n, seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for i in range(0, n, 256):
+        x = render(scenes[i : i + 256], SIZE, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
+            moments = vae.encoder(x).float()
+        mean, logvar = torch.chunk(moments, 2, dim=1)
+        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+        out.append((mean + std * torch.randn(mean.shape, generator=gen, device=device)).to(torch.bfloat16))
+    return torch.cat(out), [s.caption for s in scenes]
+
+
+# ---- phase 2: the DiT -----------------------------------------------------------------------------------
+
+
+def train_dit(
+    family: str,
+    model: nn.Module,
+    text: nn.Module,
+    x0_pool: Tensor,
+    tokens: tuple[Tensor, ...],
+    neg_tokens: tuple[Tensor, ...] | None,
+    args: argparse.Namespace,
+    device: torch.device,
+    history: dict,
+) -> None:
+    """Flow matching on the pool: `x0_pool` (N, L, C) normalised packed latents, `tokens` per pool entry."""
+    n, length, _ = x0_pool.shape
+    side = 2 * math.isqrt(length)  # latent pixels per side; a token packs 2x2 of them
+    if family == "flux1":
+        img_ids = image_ids(side, side, dtype=torch.float32, device=device)
+        txt_ids = torch.zeros(TEXT_LENGTH, 3, device=device)
+        mu = FLUX1_DEV_SCHEDULE.mu(length, DEFAULT_STEPS)
+    else:
+        img_ids = flux2_image_ids(side, side, device=device)
+        txt_ids = flux2_text_ids(TEXT_LENGTH, device=device)
+        mu = FLUX2_SCHEDULE.mu(length, DEFAULT_STEPS)
+    assert mu is not None
+    log(f"dit: {n} pooled latents, {length} tokens, time shift mu {mu:.3f}")
+    pe = model.rope(txt_ids, img_ids)
+    params = [p for p in (*model.parameters(), *text.parameters()) if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.dit_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    ema = EMA(nn.ModuleList([model, text]), args.ema)
+    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + 2)
+    start = time.time()
+    for step in range(args.dit_steps):
+        elapsed = time.time() - start
+        if elapsed > args.dit_seconds:
+            log(f"dit: time budget reached after {step} steps")
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.dit_steps, elapsed, args.dit_seconds, args.dit_lr, 200)
+        b = args.dit_batch
+        idx = torch.randint(0, n, (b,), device=device, generator=gen)
+        x0 = x0_pool[idx].float()
+        batch_tokens = [t[idx] for t in tokens]
+        if neg_tokens is not None:  # caption dropout to the empty prompt (CFG's negative)
+            drop = torch.rand(b, device=device, generator=gen) < 0.1
+            batch_tokens = [
+                torch.where(drop[:, None], nt.expand(b, -1), t)
+                for t, nt in zip(batch_tokens, neg_tokens, strict=True)
+            ]
+        u = torch.sigmoid(torch.randn(b, device=device, generator=gen))
+        t = shifted_t(u.clamp(1e-4, 1 - 1e-4), mu)
+        noise = torch.randn(x0.shape, device=device, generator=gen)
+        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
+            if family == "flux1":
+                txt, pooled = text(*batch_tokens)
+                guidance = 1 + 4 * torch.rand(b, device=device, generator=gen)
+                pred = model(xt, img_ids, txt.float(), txt_ids, t, pooled.float(), guidance, pe=pe)
+            else:
+                txt = text(*batch_tokens)
+                pred = model(xt, img_ids, txt.float(), txt_ids, t, None, pe=pe)
+        loss = F.mse_loss(pred.float(), noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        ema.update(step)
+        if step % 25 == 0:
+            history["dit"].append({"step": step, "time": round(elapsed, 1), "loss": loss.item()})
+        if step % 200 == 0:
+            log(f"dit step {step}: loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e}")
+    ema.swap()  # ship the averaged weights
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+
+
+def bf16_state(module: nn.Module, *, buffers: bool = False) -> dict[str, Tensor]:
+    sd = dict(module.named_parameters())
+    if buffers:
+        sd.update(dict(module.named_buffers()))
+    return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in sd.items()}
+
+
+def save_text(folder: Path, model: nn.Module, tokenizer_dir: Path) -> None:
+    """A transformers model folder (config.json, model.safetensors) with its tokenizer files beside."""
+    model.to("cpu", torch.float32).save_pretrained(folder, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+
+
+def plot_loss(history: dict, path: Path, title: str) -> None:
+    """Loss curves (VAE reconstruction, DiT flow-matching loss) as a PNG, with matplotlib if it is there."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _plot_with_pil(history, path, title)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=100)
+    for ax, key, field, label in (
+        (axes[0], "vae", "rec", "VAE L1 + L2"),
+        (axes[1], "dit", "loss", "DiT flow matching"),
+    ):
+        rows = history[key]
+        if rows:
+            ax.plot([r["step"] for r in rows], [r[field] for r in rows], lw=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_with_pil(history: dict, path: Path, title: str) -> None:
+    """The same two panels drawn with PIL: log-scale loss against step, axes labelled at the decades."""
+    from PIL import Image, ImageDraw
+
+    w, h, pad = 420, 260, 40
+    img = Image.new("RGB", (2 * w, h + 24), "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((10, 4), title, fill="black")
+    for k, (key, field, label) in enumerate(
+        (("vae", "rec", "VAE L1 + L2"), ("dit", "loss", "DiT flow matching"))
+    ):
+        rows = [r for r in history[key] if r[field] > 0]
+        x0, y0 = k * w + pad, 24
+        draw.rectangle([x0, y0, x0 + w - 2 * pad + 20, y0 + h - pad], outline="black")
+        draw.text((x0 + 5, y0 + 3), label, fill="black")
+        if len(rows) < 2:
+            continue
+        steps = [r["step"] for r in rows]
+        logs = [math.log10(r[field]) for r in rows]
+        lo, hi = math.floor(min(logs)), math.ceil(max(logs))
+        hi = hi if hi > lo else lo + 1
+        sx = (w - 2 * pad + 20) / max(1, max(steps))
+        sy = (h - pad) / (hi - lo)
+        pts = [(x0 + s * sx, y0 + (hi - v) * sy) for s, v in zip(steps, logs, strict=True)]
+        draw.line(pts, fill=(31, 119, 180), width=1)
+        for d in range(lo, hi + 1):
+            y = y0 + (hi - d) * sy
+            draw.text((x0 - 36, y - 6), f"1e{d}", fill="black")
+        draw.text((x0 + w - 2 * pad - 40, y0 + h - pad + 4), f"step {max(steps)}", fill="black")
+    img.save(path)
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", choices=["flux1", "flux2"], required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--vae-steps", type=int, default=3000)
+    ap.add_argument("--vae-batch", type=int, default=16)
+    ap.add_argument("--vae-lr", type=float, default=1e-3)
+    ap.add_argument("--vae-seconds", type=float, default=110.0)
+    ap.add_argument("--kl-weight", type=float, default=1e-4)
+    ap.add_argument("--pool", type=int, default=60000)
+    ap.add_argument("--dit-steps", type=int, default=6000)
+    ap.add_argument("--dit-batch", type=int, default=128)
+    ap.add_argument("--dit-lr", type=float, default=5e-4)
+    ap.add_argument("--dit-seconds", type=float, default=300.0)
+    ap.add_argument("--ema", type=float, default=0.998)
+    ap.add_argument("--resume", type=Path, default=None, help="an earlier output folder to start from")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    history: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "vae": [], "dit": []}
+    flux1 = args.family == "flux1"
+
+    # the autoencoder
+    vae_cfg = TINY_TRAINED_VAE if flux1 else TINY_FLUX2_TRAINED_VAE
+    torch.manual_seed(args.seed)
+    vae = (Flux1VAE if flux1 else Flux2VAE)(vae_cfg).to(device)
+    if args.resume is not None:
+        vae.load_state_dict({k: v.float() for k, v in load_file(args.resume / "ae.safetensors").items()})
+    train_vae(vae, args, device, history)
+    vae.eval().requires_grad_(False)
+    save_file(bf16_state(vae), out / "ae.safetensors")  # kept if the DiT phase fails
+
+    # its latents on a pool of scenes, and their statistics
+    raw, captions = encode_pool(vae, args.pool, args.seed * 1000 + 3, device)
+    stats: dict = {}
+    if flux1:
+        mean, std = raw.float().mean().item(), raw.float().std().item()
+        stats = {"shift_factor": round(mean, 4), "scale_factor": round(1 / std, 4)}
+        log(f"FLUX.1 latent statistics: {stats} (the VAE preset must carry these)")
+        x0 = pack(((raw.float() - stats["shift_factor"]) * stats["scale_factor"]).to(torch.bfloat16))
+    else:
+        p = patchify(raw.float())  # (N, 128, 16, 16)
+        bn_mean, bn_var = p.mean(dim=(0, 2, 3)), p.var(dim=(0, 2, 3))
+        vae.bn.running_mean.copy_(bn_mean)
+        vae.bn.running_var.copy_(bn_var)
+        eps = vae_cfg.batch_norm_eps
+        x0 = flux2_pack(
+            ((p - bn_mean[None, :, None, None]) / torch.sqrt(bn_var[None, :, None, None] + eps)).to(
+                torch.bfloat16
+            )
+        )
+        stats = {"bn_mean_abs": bn_mean.abs().mean().item(), "bn_var_mean": bn_var.mean().item()}
+    del raw
+
+    # text encoders and the DiT
+    text = Flux1Text(args.seed) if flux1 else KleinText(args.seed)
+    text.to(device).train()
+    tokens = tuple(t.to(device) for t in text.tokens(captions))
+    neg = None if flux1 else tuple(t.to(device) for t in text.tokens([NEGATIVE_PROMPT]))
+    dit_cfg = TINY_TRAINED if flux1 else TINY_FLUX2_TRAINED
+    model = (Flux1Transformer if flux1 else Flux2Transformer)(dit_cfg)
+    init_dit(model, args.seed)
+    model.to(device).train()
+    if args.resume is not None:
+        dit_file = "flux1-tiny.safetensors" if flux1 else "flux2-tiny.safetensors"
+        model.load_state_dict({k: v.float() for k, v in load_file(args.resume / dit_file).items()})
+    train_dit(args.family, model, text, x0, tokens, neg, args, device, history)
+
+    # write what the runtime loads
+    model.eval()
+    meta = {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": str(args.seed)}
+    save_file(
+        bf16_state(model), out / ("flux1-tiny.safetensors" if flux1 else "flux2-tiny.safetensors"), meta
+    )
+    save_file(bf16_state(vae, buffers=not flux1), out / "ae.safetensors", meta)
+    if flux1:
+        save_text(out / "text_encoder", text.clip, tiny_tokenizer_path("clip"))
+        save_text(out / "text_encoder_2", text.t5, tiny_tokenizer_path("t5"))
+    else:
+        save_text(out / "text_encoder", text.model, TINY_TOKENIZERS / "qwen3")
+    history["stats"] = stats
+    history["configs"] = {"dit": asdict(dit_cfg), "vae": asdict(vae_cfg)}
+    (out / "loss.json").write_text(json.dumps(history, indent=1))
+    (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    plot_loss(history, out / "loss.png", f"tiny {'FLUX.1' if flux1 else 'FLUX.2'}: seed {args.seed}")
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
