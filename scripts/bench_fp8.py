@@ -39,6 +39,7 @@ from flux_runtime.weights.fp8 import quantize_model
 DEV = torch.device("cuda")
 cuda_time = bench.cuda_time
 RESULTS: dict[str, object] = {}
+PROFILE = False
 
 
 def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str, float]:
@@ -188,6 +189,8 @@ def bench_model(name: str, iters: int) -> bool:
     measure("ours fp8 lossless eager", ours_step(ours, "lossless"), expected_fp8)
     out_fp8 = measure("ours fp8 lossless + graph", graphed(ours, "lossless"), expected_fp8)
     print(fused_ops_report(), flush=True)
+    if PROFILE:
+        bench.profile_step(ours_step(ours, "lossless"))
     out_fp8_high = measure("ours fp8 high + graph", graphed(ours, "high"), expected_fp8)
 
     floor = fp8_floor(cfg, flux1)
@@ -230,7 +233,10 @@ def main() -> int:
     ap.add_argument("--models", default="flux1-dev,klein-4b,flux2-dev")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="kernel table of one FP8 lossless step per model")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if not torch.cuda.is_available():
         print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -27,6 +27,14 @@ case "$phase" in
     timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_dispatch.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8.txt" | tail -15 || status=1
     timeout 420 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" || status=1
     ;;
+  merged)
+    # the whole GPU test suite, an FP8 tiny image through flux-gen on CUDA, the tiny models' held-out
+    # scores and grid, and one FP8 step profiled
+    timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
+    (cd /tmp && python3 -c "from flux_runtime.cli.gen import main; main()" --model tiny --fp8 --prompt "a red circle on a blue background" --out "$OUT/tiny_fp8.png" -q) || status=1
+    timeout 150 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_tiny.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -30 || status=1
+    timeout 200 python3 scripts/bench_fp8.py --models flux1-dev --profile --json "$OUT/bench_fp8_profile.json" 2>&1 | tee "$OUT/bench_fp8_profile.txt" | tail -60 || status=1
+    ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 exit $status
