@@ -20,16 +20,8 @@ import click
 from click.core import ParameterSource
 
 from flux_runtime.cli.errors import one_line_errors
+from flux_runtime.registry import MODEL_NAMES as MODEL_CHOICES
 
-MODEL_CHOICES = (
-    "tiny",
-    "flux1-dev",
-    "flux1-schnell",
-    "tiny-flux2",
-    "flux2-dev",
-    "flux2-klein-4b",
-    "flux2-klein-9b",
-)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # What a --replay takes from the image's record; given beside --replay, these are refused, not ignored.
 REPLAYED = (

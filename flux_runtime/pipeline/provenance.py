@@ -28,11 +28,12 @@ import flux_runtime
 from flux_runtime.pipeline.checks import QUALITIES
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.sources import Sources
+from flux_runtime.registry import MODELS
+from flux_runtime.weights.checkpoint import find_transformer_files
 from flux_runtime.weights.config_files import BOOL, INT, NUMBER, STR, Kind
 from flux_runtime.weights.hub import resolve
-from flux_runtime.weights.transformer import find_transformer_files
 
-BUILTIN_WEIGHTS = {"tiny": "tiny-seed0", "tiny-flux2": "tiny-flux2-seed0"}
+BUILTIN_WEIGHTS = {s.name: s.weights_id for s in MODELS.values() if s.builtin}
 # The PNG text chunk holding the record.
 CHUNK = "flux_runtime"
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -88,6 +89,15 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
     "num_images": _int_at_least(1),
     "precision": STR,
     "fp8_at_load": BOOL,
+    # FLUX.1 variants: true CFG, img2img / inpainting strength, the input images by role
+    "negative_prompt": PROMPT,
+    "true_cfg_scale": NUMBER,
+    "strength": NUMBER,
+    "variant": STR,
+    "input_images": Kind(
+        "an object of {path, width, height, sha256} objects by role (image, mask_image, control_image)",
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),
+    ),
 }
 
 

@@ -21,6 +21,7 @@ import torch
 
 from flux_runtime.models.vae.flux1 import FLUX1_VAE, VAE_PRESETS, Flux1VAE, VAEConfig
 from flux_runtime.models.vae.flux2 import FLUX2_VAE, FLUX2_VAE_PRESETS, PATCH, Flux2VAE, Flux2VAEConfig
+from flux_runtime.registry import MODELS
 from flux_runtime.weights import vae2_layout, vae_layout
 from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.config_files import (
@@ -48,7 +49,7 @@ AnyVAEConfig = VAEConfig | Flux2VAEConfig
 AnyVAE = Flux1VAE | Flux2VAE
 
 # Random-weight presets that need no checkpoint (the offline demo and tests), name → seed.
-BUILTIN = {"tiny": 0, "tiny-flux2": 0}
+BUILTIN = {s.name: s.seed for s in MODELS.values() if s.builtin}
 _PRESETS: dict[str, AnyVAEConfig] = {**VAE_PRESETS, **FLUX2_VAE_PRESETS}
 FAMILY_NAMES: dict[Family, str] = {"flux1": "FLUX.1", "flux2": "FLUX.2"}
 _BFL_STARTS = ("encoder.down.", "encoder.mid.", "decoder.up.", "decoder.mid.")
