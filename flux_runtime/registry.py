@@ -6,7 +6,8 @@ belong to the name rather than to the checkpoint (the built-in tiny models' smal
 CLI's choices, the pipeline's name lookup, the loaders' built-in presets and the provenance's weights id
 all read this table, so adding a model is one entry here.
 
-A leaf module: it imports only the architecture presets, so every layer may read it.
+A leaf module that imports nothing (not even torch), so every layer may read it and `flux-gen --help`
+stays fast; a built-in model names its architecture preset (`models.dit.PRESETS`) by key.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-
-from flux_runtime.models.dit.config import TINY, TINY_FLUX2, DiTConfig
 
 Family = Literal["flux1", "flux2"]
 Variant = Literal["text2img", "kontext", "fill", "control"]
@@ -33,14 +32,14 @@ QWEN3_8B_ID = "Qwen/Qwen3-8B"  # FLUX.2 [klein] 9B
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """One model name. `hub_id` None: built in (random weights from `seed`, architecture `dit`)."""
+    """One model name. `hub_id` None: built in (random weights from `seed`, architecture `preset`)."""
 
     name: str
     family: Family
     hub_id: str | None = None
     variant: Variant = "text2img"
     text_encoders: tuple[str, ...] = ()
-    dit: DiTConfig | None = None  # built-in models only
+    preset: str | None = None  # built-in models only: the key of its architecture in `models.dit.PRESETS`
     seed: int = 0  # built-in models only: the random weights' seed
     default_size: int | None = None  # None: the family's native size
 
@@ -58,7 +57,7 @@ _FLUX1_TEXT = (CLIP_L_ID, T5_XXL_ID)
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec(name="tiny", family="flux1", dit=TINY, default_size=128),
+        ModelSpec(name="tiny", family="flux1", preset="tiny", default_size=128),
         ModelSpec(
             name="flux1-dev", family="flux1", hub_id="black-forest-labs/FLUX.1-dev", text_encoders=_FLUX1_TEXT
         ),
@@ -96,7 +95,7 @@ MODELS: dict[str, ModelSpec] = {
             variant="control",
             text_encoders=_FLUX1_TEXT,
         ),
-        ModelSpec(name="tiny-flux2", family="flux2", dit=TINY_FLUX2, default_size=128),
+        ModelSpec(name="tiny-flux2", family="flux2", preset="tiny-flux2", default_size=128),
         ModelSpec(
             name="flux2-dev",
             family="flux2",

@@ -320,11 +320,9 @@ class Recipe:
 
     def _schedule(self, steps: int, image_seq_len: int, strength: float = 1.0) -> tuple[Tensor, Tensor]:
         """(sigmas (N' + 1,), timesteps (N',)) fp32 on the device: the full schedule, or with `strength` < 1
-        its last `int(steps * strength)` steps, as diffusers' img2img `get_timesteps` cuts it."""
+        its tail from `first_step(steps, strength)`, as diffusers' img2img `get_timesteps` cuts it."""
         sched = get_schedule(steps, image_seq_len, config=self.schedule, device=self.device)
-        if strength >= 1.0:
-            return sched.sigmas, sched.timesteps
-        begin = steps - min(int(steps * strength), steps)
+        begin = first_step(steps, strength)
         return sched.sigmas[begin:], sched.timesteps[begin:]
 
     def _graphs_enabled(self) -> bool:
@@ -333,3 +331,8 @@ class Recipe:
 
     def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
         return GraphedDenoiser(fn)
+
+
+def first_step(steps: int, strength: float) -> int:
+    """The step img2img starts at: `int(steps - min(steps * strength, steps))` (diffusers' `get_timesteps`)."""
+    return int(max(steps - min(steps * strength, steps), 0))

@@ -134,9 +134,9 @@ def load_flux2_transformer(
     fp8_layers.check_dtype(dtype, fp8)
     spec = None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
     if spec is not None and spec.family == "flux2":
-        assert spec.dit is not None
+        assert spec.preset is not None
         with torch.device("meta"):
-            model = Flux2Transformer(config or spec.dit)
+            model = Flux2Transformer(config or PRESETS[spec.preset])
         return finish_builtin(init_random(model, spec.seed, device, dtype), dtype, fp8)
 
     ckpt = path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from flux_runtime.models.dit import DiTConfig, Flux1Transformer, Flux2Transformer
+from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.registry import builtin
 from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.checkpoint import (
@@ -77,8 +77,8 @@ def load_transformer(
     fp8_layers.check_dtype(dtype, fp8)
     spec = None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
     if spec is not None:
-        assert spec.dit is not None  # every built-in model has an architecture
-        cfg = config or spec.dit
+        assert spec.preset is not None  # every built-in model has an architecture
+        cfg = config or PRESETS[spec.preset]
         model_cls = Flux2Transformer if spec.family == "flux2" else Flux1Transformer
         with torch.device("meta"):
             model = model_cls(cfg)
