@@ -3,6 +3,8 @@
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
 #   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
+#   bash scripts/gpu_check.sh merged    all GPU tests, an FP8 tiny image, the tiny models' scores, a profiled FP8 step
+#   bash scripts/gpu_check.sh final     all GPU tests and the FP8 bench
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
 phase=${1:-kernels}
@@ -34,6 +36,11 @@ case "$phase" in
     (cd /tmp && python3 -c "from flux_runtime.cli.gen import main; main()" --model tiny --fp8 --prompt "a red circle on a blue background" --out "$OUT/tiny_fp8.png" -q) || status=1
     timeout 150 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_tiny.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -30 || status=1
     timeout 200 python3 scripts/bench_fp8.py --models flux1-dev --profile --json "$OUT/bench_fp8_profile.json" 2>&1 | tee "$OUT/bench_fp8_profile.txt" | tail -60 || status=1
+    ;;
+  final)
+    # the whole GPU test suite (pipelines with CUDA graphs, every kernel at every FLUX shape) and the FP8 bench
+    timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
+    timeout 280 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" | grep -v "^\[" || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -20,16 +20,8 @@ import click
 from click.core import ParameterSource
 
 from flux_runtime.cli.errors import one_line_errors
+from flux_runtime.registry import MODEL_NAMES as MODEL_CHOICES
 
-MODEL_CHOICES = (
-    "tiny",
-    "flux1-dev",
-    "flux1-schnell",
-    "tiny-flux2",
-    "flux2-dev",
-    "flux2-klein-4b",
-    "flux2-klein-9b",
-)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # What a --replay takes from the image's record; given beside --replay, these are refused, not ignored.
 REPLAYED = (
@@ -45,6 +37,11 @@ REPLAYED = (
     "dtype",
     "image",
     "num_images",
+    "mask",
+    "strength",
+    "control_image",
+    "negative_prompt",
+    "true_cfg",
 )
 
 
@@ -153,7 +150,33 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     "-i",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     multiple=True,
-    help="FLUX.2: a reference image to edit or draw from (repeatable).",
+    help="FLUX.2: a reference image to edit or draw from (repeatable). FLUX.1: the image for img2img or, "
+    "with --mask, inpainting (once).",
+)
+@click.option(
+    "--mask",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="FLUX.1 inpainting: white where --image is repainted (its size).",
+)
+@click.option(
+    "--strength",
+    type=float,
+    default=None,
+    help="FLUX.1 img2img / inpainting: how much of --image is redrawn, in (0, 1] [default: 0.6].",
+)
+@click.option(
+    "--control-image",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="FLUX.1 Depth / Canny: the depth map or edge image.",
+)
+@click.option("--negative-prompt", type=str, default=None, help="FLUX.1 true CFG: what to steer away from.")
+@click.option(
+    "--true-cfg",
+    type=click.FloatRange(min=1),
+    default=1.0,
+    help="FLUX.1 true CFG scale; with --negative-prompt and > 1 each step runs twice.",
 )
 @click.option("--num-images", type=click.IntRange(min=1), default=1)
 @click.option(
@@ -253,7 +276,15 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
         fp8=bool(rec.get("fp8_at_load", False)),
         image=_replay_images(opts["replay"], rec.get("reference_images") or []),
+        negative_prompt=rec.get("negative_prompt"),
+        true_cfg=rec.get("true_cfg_scale", 1.0),
+        strength=rec.get("strength"),
     )
+    inputs = rec.get("input_images") or {}
+    for role, opt in (("image", "image"), ("mask_image", "mask"), ("control_image", "control_image")):
+        if role in inputs:
+            (path,) = _replay_images(opts["replay"], [inputs[role]])
+            opts[opt] = (path,) if opt == "image" else path
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
 
@@ -302,6 +333,13 @@ def _check_early(opts: dict[str, Any]) -> None:
         check_steps(opts["steps"], opts["steps"])
     if opts["guidance"] is not None:
         check_guidance(opts["guidance"], opts["guidance"])
+    strength = opts.get("strength")
+    if strength is not None and not 0 < strength <= 1:
+        raise click.ClickException(f"--strength {strength} must be in (0, 1]")
+    if opts.get("mask") is not None and not opts["image"]:
+        raise click.ClickException("--mask needs --image (the image to inpaint)")
+    if opts.get("strength") is not None and not opts["image"]:
+        raise click.ClickException("--strength needs --image (img2img or inpainting)")
 
 
 def _generate(opts: dict[str, Any]) -> None:
@@ -320,6 +358,11 @@ def _generate(opts: dict[str, Any]) -> None:
     dtype_name = opts["dtype"] or ("bf16" if device.type == "cuda" or opts["fp8"] else "fp32")
     progress = _Progress(not opts["quiet"] and sys.stderr.isatty())
     images_in = [_open_image(p.resolve()) for p in opts["image"]]
+    flux1_inputs = {
+        name: _open_image(opts[opt].resolve())
+        for name, opt in (("mask_image", "mask"), ("control_image", "control_image"))
+        if opts[opt] is not None
+    }
 
     pipe = Pipeline.from_pretrained(
         opts["model"],
@@ -352,14 +395,44 @@ def _generate(opts: dict[str, Any]) -> None:
         progress=progress,
     )
     if isinstance(pipe, Flux2Pipe):
+        flux1_only = [f for f, v in _flux1_options(opts).items() if v]
+        if flux1_only:
+            raise click.ClickException(
+                f"{', '.join(flux1_only)} need a FLUX.1 model; {opts['model']} is FLUX.2"
+            )
         out = pipe(opts["prompt"], image=images_in or None, **common)
-    elif images_in:
-        raise click.ClickException(f"--image needs a FLUX.2 model; {opts['model']} is FLUX.1")
     else:
-        out = pipe(opts["prompt"], **common)
+        if images_in and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
+            # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
+            raise click.ClickException(
+                f"--image needs a FLUX.2 model; {opts['model']} is FLUX.1: for img2img give --strength, "
+                "for inpainting --mask"
+            )
+        if len(images_in) > 1:
+            raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
+        out = pipe(
+            opts["prompt"],
+            image=images_in[0] if images_in else None,
+            strength=opts["strength"],
+            negative_prompt=opts["negative_prompt"],
+            true_cfg_scale=opts["true_cfg"],
+            **flux1_inputs,
+            **common,
+        )
     progress.close()
     images = out.images[-1:] if replaying else out.images
     for i, (image, path) in enumerate(zip(images, paths, strict=True)):
         info = {**out.info, "index": opts["_replay_index"] if replaying else i, "num_images": num_per_prompt}
         save_png(image, path, info, overwrite=opts["overwrite"])
         click.echo(str(path))
+
+
+def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:
+    """The FLUX.1-only options and whether each was given."""
+    return {
+        "--mask": opts["mask"] is not None,
+        "--strength": opts["strength"] is not None,
+        "--control-image": opts["control_image"] is not None,
+        "--negative-prompt": opts["negative_prompt"] is not None,
+        "--true-cfg": opts["true_cfg"] != 1.0,
+    }

@@ -39,6 +39,7 @@ from flux_runtime.kernels.triton_utils import (
     jit,
     round_to,
     tl,
+    triton,
     upcast,
 )
 
@@ -49,6 +50,7 @@ E4M3_MAX = 448.0
 INV_E4M3_MAX = 1.0 / 448.0
 MIN_AMAX = 1e-12  # a row of zeros gets this amax, so its scale is positive and its reciprocal finite
 ACTS = {"identity": 0, "gelu_tanh": 1, "swiglu": 2}
+MAX_ONE_BLOCK = 16384  # widest row held in registers by one program (FLUX.1's single-block input: 15360)
 
 
 class Fp8Quant(NamedTuple):
@@ -145,6 +147,7 @@ def _act_quant_rows_kernel(
     ACT: tl.constexpr,  # 0 identity, 1 tanh-GELU, 2 SwiGLU
     DYNAMIC: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,  # BLOCK_N >= N: the row is read once and held in registers
     GPU: tl.constexpr,
     BETA: tl.constexpr,  # the tanh-GELU constants (gelu.K_BETA, gelu.K_KAPPA)
     KAPPA: tl.constexpr,
@@ -156,7 +159,18 @@ def _act_quant_rows_kernel(
     x_row = x_ptr + b * stride_xb + pos * stride_xl
     q_row = q_ptr + b * stride_qb + pos * stride_ql
     offs = tl.arange(0, BLOCK_N)
-    if DYNAMIC:
+    if ONE_BLOCK:
+        mask = offs < N
+        y = _act_value(x_row, offs, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
+        if DYNAMIC:
+            m = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0), 1e-12)
+            s = m * 0.002232142857142857  # INV_E4M3_MAX, rounded to fp32 as aten rounds the scalar
+            inv = tl.math.div_rn(1.0, s)
+            tl.store(scale_ptr + b * L + pos, s)
+        else:
+            inv = tl.load(inv_ptr)
+        tl.store(q_row + offs, e4m3_code(y * inv), mask=mask)
+    elif DYNAMIC:
         amax = tl.zeros((BLOCK_N,), tl.float32)
         for c0 in range(0, N, BLOCK_N):
             cols = c0 + offs
@@ -169,18 +183,23 @@ def _act_quant_rows_kernel(
         tl.store(scale_ptr + b * L + pos, s)
     else:
         inv = tl.load(inv_ptr)
-    for c0 in range(0, N, BLOCK_N):
-        cols = c0 + offs
-        mask = cols < N
-        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
-        tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
+    if not ONE_BLOCK:
+        for c0 in range(0, N, BLOCK_N):
+            cols = c0 + offs
+            mask = cols < N
+            y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
+            tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
 
 
 def act_quantize_triton(
     x: Tensor, act: str, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None = None,
-    *, block_n: int = 2048,
+    *, block_n: int | None = None,
 ) -> Fp8Act:  # fmt: skip
-    """Fused `act_quantize_reference`: x (..., K) bf16/fp16 with a unit last stride, any row strides."""
+    """Fused `act_quantize_reference`: x (..., K) bf16/fp16 with a unit last stride, any row strides.
+
+    A row of up to `MAX_ONE_BLOCK` values is read once and kept in registers (one program of 8-16 warps per
+    row); wider rows, or an explicit `block_n`, loop over column blocks (twice for a dynamic scale).
+    """
     op = f"{act}_fp8"
     if act not in ACTS:
         raise ValueError(f"act_quantize: unknown activation {act!r}; expected one of {tuple(ACTS)}")
@@ -211,11 +230,15 @@ def act_quantize_triton(
         check_int32_offsets(op, name, t)
     b, length, _ = x3.shape
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if dynamic else scale
+    one_block = block_n is None and n <= MAX_ONE_BLOCK
+    if block_n is None:
+        block_n = triton.next_power_of_2(n) if one_block else 2048
+    warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
     _act_quant_rows_kernel[(length, b)](
         x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
         x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),
-        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, num_warps=4,
-        enable_fp_fusion=False,
+        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, ONE_BLOCK=one_block, GPU=ON_GPU, BETA=K_BETA,
+        KAPPA=K_KAPPA, num_warps=warps if one_block else 4, enable_fp_fusion=False,
     )  # fmt: skip
     return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
 

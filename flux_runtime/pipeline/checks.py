@@ -46,6 +46,23 @@ def check_prompts(prompt: object) -> int:
     return len(prompts)
 
 
+def check_prompt_embeds(embeds: object, width: int, max_len: int, dtype: torch.dtype) -> int:
+    """A float tensor (B, 1..max_len, width) in the model's dtype (the noise is drawn in the embeddings'
+    dtype, as diffusers does); returns B."""
+    if (
+        not isinstance(embeds, Tensor)
+        or embeds.ndim != 3
+        or embeds.shape[-1] != width
+        or not 1 <= embeds.shape[1] <= max_len
+        or not embeds.is_floating_point()
+    ):
+        shape = tuple(embeds.shape) if isinstance(embeds, Tensor) else type(embeds).__name__
+        raise FluxError(f"prompt_embeds must be a float tensor (B, L <= {max_len}, {width}), got {shape}")
+    if embeds.dtype != dtype:
+        raise FluxError(f"prompt_embeds are {embeds.dtype}; this pipeline runs {dtype}")
+    return embeds.shape[0]
+
+
 def check_size(height: object, width: object, multiple: int) -> None:
     """Positive pixel sides divisible by `multiple` (2 x the VAE factor: packing takes 2x2 latents)."""
     for name, v in (("height", height), ("width", width)):

@@ -1,88 +1,82 @@
-"""`Pipeline`: FLUX.1 text to image with the same pixels as diffusers' FluxPipeline.
+"""`Pipeline`: FLUX.1 text to image with the same pixels as diffusers' FluxPipeline, and its variants.
 
-Order of work, as FluxPipeline: encode the prompt (CLIP pooled + T5 states), draw noise with a CPU
-generator in the model dtype, pack it, build the schedule from the image token count, Euler-integrate
-the transformer's velocity, unpack, denormalise, decode, postprocess. Every input is checked before any
-model runs; RoPE tables are built once per image size and reused by every block of every step.
+The FLUX.1 recipe for the pipeline core: encode the prompt (CLIP pooled + T5 states; with true CFG also
+the negative prompt), draw noise with a CPU generator in the text dtype, pack it, build the schedule from
+the image token count, Euler-integrate the transformer's velocity, unpack, denormalise, decode. The
+variants (img2img, inpainting, Kontext, Fill, Depth/Canny) change only how the latents start and what
+conditions each step (`flux1_variants`). Every input is checked before any model runs.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
+from PIL import Image
 from torch import Tensor
 
-from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.vae import Flux1VAE, Flux2VAE
 from flux_runtime.pipeline.checks import (
-    StepWatch,
     check_device,
-    check_finite,
     check_guidance,
+    check_prompt_embeds,
     check_prompts,
     check_sampling,
     check_size,
     check_steps,
     check_vae_tile,
 )
+from flux_runtime.pipeline.core import (
+    Call,
+    Conditioning,
+    OutputType,
+    PipelineOutput,
+    Progress,
+    Recipe,
+    RoPE,
+    Start,
+)
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
-from flux_runtime.pipeline.provenance import provenance, weights_id
-from flux_runtime.pipeline.sources import MODEL_IDS, Sources, find_sources, schedule_config
-from flux_runtime.pipeline.tiers import Tier, fused_tier, resolve_tier, tier_context
+from flux_runtime.pipeline.provenance import weights_id
+from flux_runtime.pipeline.sources import Sources, find_sources, schedule_config
+from flux_runtime.pipeline.tiers import Tier
+from flux_runtime.registry import MODEL_IDS, MODELS, Variant, spec_for
 from flux_runtime.sampling import (
-    ScheduleConfig,
-    denoise,
     denormalize_latents,
-    get_schedule,
+    draw_noise,
     image_ids,
     latent_size,
     pack,
-    prepare_noise,
-    to_pil_images,
     unpack,
 )
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin
-from flux_runtime.weights.flux2_transformer import is_flux2
+from flux_runtime.weights.checkpoint import open_transformer
 from flux_runtime.weights.vae import load_vae
 
 if TYPE_CHECKING:
     from flux_runtime.pipeline.flux2 import Flux2Pipe
 
-__all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput"]
+__all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput", "check_latent_widths"]
 
 log = logging.getLogger(__name__)
 
-OutputType = Literal["pil", "pt", "np", "latent"]
-Progress = Callable[[str, int, int], None]
-"""`progress(stage, done, total)` with stage "encode", "denoise" or "decode"."""
+# FluxPipeline.__call__ defaults: dev 28 steps at guidance 3.5, schnell 4.
+DEFAULT_STEPS, DISTILLED_STEPS, DEFAULT_GUIDANCE = 28, 4, 3.5
+DEFAULT_SIZE = 1024
 
 
-@dataclass
-class PipelineOutput:
-    """`images`: PIL images, a float tensor (B, 3, H, W) in [0, 1], uint8 arrays, or latents.
+class Pipeline(Recipe):
+    """FLUX.1 [dev] / [schnell] text-to-image, true CFG, and the FLUX.1 variants. Build with `from_pretrained`.
 
-    `latents` are the final packed latents (B, L, 64), FLUX.2 (B, L, 128), in the model dtype; `info` is the
-    provenance (prompt, seed, size, steps, guidance, model, quality tier actually used, versions; FLUX.2 adds
-    its reference images).
+    `variant` is what the checkpoint does besides text to image (`text2img`, `kontext`, `fill`, `depth`,
+    `canny`); Fill and Depth/Canny are also told by the transformer's input width.
     """
-
-    images: Any
-    latents: Tensor
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-class Pipeline:
-    """FLUX.1 [dev] / [schnell] text-to-image. Build with `Pipeline.from_pretrained`."""
 
     def __init__(
         self,
@@ -90,26 +84,23 @@ class Pipeline:
         vae: Flux1VAE,
         text_encoder: Flux1TextEncoder,
         *,
-        schedule: ScheduleConfig,
+        schedule: Any,
         model_name: str = "custom",
         weights_id: str = "",
         quality: Tier = "lossless",
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
+        variant: Variant | None = None,
     ) -> None:
-        check_latent_widths(transformer, vae, model_name)
+        from flux_runtime.pipeline import flux1_variants
+
+        self.variant: Variant = flux1_variants.variant_of(transformer, vae, variant, model_name)
+        check_latent_widths(transformer, vae, model_name, self.variant)
         _check_text_widths(transformer, text_encoder, model_name)
-        self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
-        self.schedule = schedule
-        self.model_name, self.weights_id = model_name, weights_id
-        self.quality: Tier = quality
-        self.cuda_graphs = cuda_graphs
-        self.offload_text_encoders = offload_text_encoders
-        # decode in tiles of this many latent pixels (bounds VAE memory for large images; not bit-identical
-        # to a one-pass decode at the seams); None decodes in one pass, as diffusers does by default
-        self.vae_tile: int | None = None
-        self._graphed: dict[tuple, GraphedDenoiser] = {}
-        self._rope: dict[tuple, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
+        self._setup(
+            transformer, vae, text_encoder, schedule=schedule, model_name=model_name, weights_id=weights_id,
+            quality=quality, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -127,12 +118,13 @@ class Pipeline:
         offload_text_encoders: bool = False,
         is_distilled: bool | None = None,
         fp8: bool = False,
+        variant: Variant | None = None,
     ) -> Pipeline | Flux2Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) when the transformer's keys are FLUX.2's.
 
-        `path_or_id`: `tiny` / `tiny-flux2` (built in, trained on coloured shapes, offline; `tiny-random` /
-        `tiny-flux2-random`: random weights for tests), `flux1-dev` / `flux1-schnell` /
-        `flux2-dev` / `flux2-klein-4b` / `flux2-klein-9b` or any model id in the local Hugging Face cache, a
+        `path_or_id`: `tiny` / `tiny-flux2` (built in, random, offline), a registry name (`flux1-dev`,
+        `flux1-schnell`, `flux1-kontext-dev`, `flux1-fill-dev`, `flux1-depth-dev`, `flux1-canny-dev`,
+        `flux2-dev`, `flux2-klein-4b`, `flux2-klein-9b`) or any model id in the local Hugging Face cache, a
         diffusers pipeline folder, or a BFL transformer file (then `ae.safetensors` beside it, or `vae=`;
         FLUX.1: CLIP-L and T5 from `text_encoder` / `text_encoder_2`, folders or cached ids, default
         openai/clip-vit-large-patch14 and google/t5-v1_1-xxl; FLUX.2: its one LLM from `text_encoder`, default
@@ -142,6 +134,8 @@ class Pipeline:
         folder's model_index.json, else False. BFL klein files carry no such flag: say so here.
         `fp8`: quantize the transformer's block projections to e4m3 at load (bf16 only; FP8 checkpoints
         load as FP8 without it). Precision is the model's, orthogonal to `quality`; the provenance records it.
+        `variant` (FLUX.1): `kontext` for a Kontext checkpoint that is neither a diffusers folder saying so
+        (model_index.json) nor a registry name; Fill and Depth/Canny are told by the transformer's width.
         """
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
@@ -155,27 +149,39 @@ class Pipeline:
                 f"fp8=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
             )
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
-        if is_flux2(src.transformer):  # reads the safetensors headers only
+        spec = MODELS.get(src.name) if src.name in MODELS and MODELS[src.name].builtin else None
+        # the checkpoint is opened once: its headers tell the family and feed the loader
+        ckpt = None if spec is not None else open_transformer(src.transformer)
+        family = spec.family if spec is not None else ckpt.family  # type: ignore[union-attr]
+        if family == "flux2":
             from flux_runtime.pipeline.flux2 import Flux2Pipe
 
+            if variant is not None:
+                raise FluxError(f"variant {variant!r} is a FLUX.1 setting; this checkpoint is FLUX.2")
             return Flux2Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
-                is_distilled=is_distilled, fp8=fp8,
+                is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt,
             )  # fmt: skip
         if is_distilled is not None:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")
-        transformer = load_transformer(src.transformer, device=device, dtype=dtype, fp8=fp8)
-        if transformer.config.family != "flux1":
-            raise FluxError(
-                f"{src.name} is a {transformer.config.family} transformer; this pipeline runs FLUX.1"
-            )
+        transformer = load_transformer(ckpt or src.transformer, device=device, dtype=dtype, fp8=fp8)
+        assert isinstance(transformer, Flux1Transformer)  # told by the keys
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
         if vae_model.config.family != "flux1":
             raise FluxError(
                 f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE"
             )
-        check_latent_widths(transformer, vae_model, src.name)  # before the text encoders load
+        from flux_runtime.pipeline import flux1_variants
+
+        named = flux1_variants.named_variant(src, variant)
+        # before the text encoders load
+        check_latent_widths(
+            transformer,
+            vae_model,
+            src.name,
+            flux1_variants.variant_of(transformer, vae_model, named, src.name),
+        )
         text_device = "cpu" if offload_text_encoders else device
         text = _open_text(src, text_device, dtype)
         return cls(
@@ -188,15 +194,8 @@ class Pipeline:
             quality=quality,
             cuda_graphs=cuda_graphs,
             offload_text_encoders=offload_text_encoders,
+            variant=named,
         )
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.img_in.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.img_in.weight.dtype
 
     @property
     def is_distilled(self) -> bool:
@@ -205,23 +204,26 @@ class Pipeline:
 
     @property
     def default_steps(self) -> int:
-        return 4 if self.is_distilled else 28
-
-    @property
-    def default_size(self) -> int:
-        """Default image side: 1024 (FLUX.1's native size); a built-in model's own (`tiny`: 256, trained there)."""
-        spec = builtin(self.model_name)
-        return 1024 if spec is None else spec.default_size
+        return DISTILLED_STEPS if self.is_distilled else DEFAULT_STEPS
 
     @property
     def default_max_sequence_length(self) -> int:
-        """T5 tokens when the call does not say: 512 (diffusers'), or the length a built-in model trained with."""
-        spec = builtin(self.model_name)
-        return (
-            MAX_SEQUENCE_LENGTH
-            if spec is None or spec.max_sequence_length is None
-            else spec.max_sequence_length
-        )
+        """Text tokens when a call does not say: 512 (diffusers'), or the length a built-in model trained with."""
+        spec = spec_for(self.model_name)
+        if spec is not None and spec.builtin and spec.max_sequence_length:
+            return spec.max_sequence_length
+        return MAX_SEQUENCE_LENGTH
+
+    @property
+    def default_size(self) -> int:
+        """Default image side: 1024 (FLUX.1's native size), the registry's for a built-in model (tiny: 128)."""
+        spec = spec_for(self.model_name)
+        return spec.default_size if spec is not None and spec.default_size else DEFAULT_SIZE
+
+    @property
+    def latent_channels(self) -> int:
+        """The VAE's latent channels (16 for FLUX.1's autoencoder), read from its config."""
+        return self.vae.config.z_channels
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -242,116 +244,80 @@ class Pipeline:
         pooled_prompt_embeds: Tensor | None = None,
         quality: Tier | None = None,
         progress: Progress | None = None,
+        negative_prompt: str | list[str] | None = None,
+        true_cfg_scale: float = 1.0,
+        image: Image.Image | None = None,
+        mask_image: Image.Image | None = None,
+        strength: float | None = None,
+        control_image: Image.Image | None = None,
+        auto_resize: bool = True,
     ) -> PipelineOutput:
-        """Generate images. Arguments as diffusers' FluxPipeline where they overlap.
+        """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
 
-        `height`/`width` default `default_size`, `max_sequence_length` `default_max_sequence_length`; `num_steps` default 28 (dev) / 4 (schnell); `guidance` default 3.5 (dev), ignored with a warning
-        on schnell. Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (B, L, 4096) with
+        `height`/`width` default `default_size` (img2img / inpainting: the input image's size); `num_steps`
+        default 28 (dev) / 4 (schnell); `guidance` default 3.5 (dev), ignored with a warning on schnell.
+        Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (B, L, 4096) with
         `pooled_prompt_embeds` (B, 768) may replace `prompt`.
+        `negative_prompt` with `true_cfg_scale > 1`: true classifier-free guidance (a second forward per step).
+        `image` (+ `strength` in (0, 1], default 0.6): img2img as FluxImg2ImgPipeline; with `mask_image`
+        (white = repaint): inpainting as FluxInpaintPipeline; on a Kontext checkpoint `image` is the
+        reference to edit (`auto_resize`: to Kontext's preferred resolutions); on a Fill checkpoint `image` +
+        `mask_image` are its conditioning. `control_image`: the depth map or edge image of a Depth / Canny
+        checkpoint.
         """
-        quality = quality or self.quality
         if max_sequence_length is None:
             max_sequence_length = self.default_max_sequence_length
-        height = self.default_size if height is None else height
-        width = self.default_size if width is None else width
-        steps, g = self._check_call(
-            prompt,
-            height,
-            width,
-            num_steps,
-            guidance,
-            seed,
-            generator,
-            max_sequence_length,
-            num_images_per_prompt,
-            output_type,
-            prompt_embeds,
+        call = Call(
+            prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
+            num_images_per_prompt, output_type, quality or self.quality, progress, prompt_embeds,
             pooled_prompt_embeds,
-            quality,
-        )
-        if seed is None and generator is None:
-            seed = 0
-        tier = resolve_tier(quality, self.device, self.dtype)
-        try:
-            return self._generate(
-                prompt,
-                height,
-                width,
-                steps,
-                g,
-                seed,
-                generator,
-                max_sequence_length,
-                num_images_per_prompt,
-                output_type,
-                prompt_embeds,
-                pooled_prompt_embeds,
-                tier,
-                progress,
-            )
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            raise FluxError(
-                f"out of GPU memory generating {num_images_per_prompt} image(s) of {width}x{height}: try a smaller "
-                "size or batch, offload the text encoders (offload_text_encoders=True / --offload-text-encoders)"
-            ) from None
+            inputs=dict(
+                negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale, image=image,
+                mask_image=mask_image, strength=strength, control_image=control_image, auto_resize=auto_resize,
+            ),
+        )  # fmt: skip
+        return self._run(call)
 
-    def _check_call(
-        self,
-        prompt,
-        height,
-        width,
-        num_steps,
-        guidance,
-        seed,
-        generator,
-        max_sequence_length,
-        num_images_per_prompt,
-        output_type,
-        prompt_embeds,
-        pooled_prompt_embeds,
-        quality,
-    ) -> tuple[int, float | None]:
-        if prompt_embeds is None:
-            check_prompts(prompt)
+    # ------------------------------------------------------------------ the recipe
+    def check(self, call: Call) -> None:
+        from flux_runtime.pipeline import flux1_variants
+
+        cfg = self.transformer.config
+        if call.prompt_embeds is None:
+            check_prompts(call.prompt)
         else:
-            if prompt is not None:
+            if call.prompt is not None:
                 raise FluxError("pass either prompt or prompt_embeds, not both")
-            if pooled_prompt_embeds is None:
+            if call.pooled_prompt_embeds is None:
                 raise FluxError("prompt_embeds needs pooled_prompt_embeds too")
-            cfg = self.transformer.config
-            if prompt_embeds.ndim != 3 or prompt_embeds.shape[-1] != cfg.context_in_dim:
+            check_prompt_embeds(call.prompt_embeds, cfg.context_in_dim, MAX_SEQUENCE_LENGTH, self.dtype)
+            if call.pooled_prompt_embeds.shape != (call.prompt_embeds.shape[0], cfg.vec_in_dim):
                 raise FluxError(
-                    f"prompt_embeds must be (B, L, {cfg.context_in_dim}), got {tuple(prompt_embeds.shape)}"
+                    f"pooled_prompt_embeds must be ({call.prompt_embeds.shape[0]}, {cfg.vec_in_dim}), "
+                    f"got {tuple(call.pooled_prompt_embeds.shape)}"
                 )
-            if pooled_prompt_embeds.shape != (prompt_embeds.shape[0], cfg.vec_in_dim):
-                raise FluxError(
-                    f"pooled_prompt_embeds must be ({prompt_embeds.shape[0]}, {cfg.vec_in_dim}), "
-                    f"got {tuple(pooled_prompt_embeds.shape)}"
-                )
-        check_size(height, width, 2 * self.vae.config.spatial_factor)
+        # the variant's inputs (images, masks, strength, negative prompt) and the default size they imply
+        flux1_variants.check_inputs(self, call)
+        call.height = self.default_size if call.height is None else call.height
+        call.width = self.default_size if call.width is None else call.width
         f = self.vae.config.spatial_factor
-        check_vae_tile(self.vae_tile, (height // f, width // f))
-        steps = check_steps(num_steps, self.default_steps)
+        check_size(call.height, call.width, 2 * f)
+        check_vae_tile(self.vae_tile, (call.height // f, call.width // f))
+        call.steps = check_steps(call.num_steps, self.default_steps)
         if self.is_distilled:
-            if guidance is not None:
+            if call.guidance is not None:
                 warnings.warn(
-                    f"{self.model_name} is guidance-distilled (schnell): guidance {guidance} is ignored",
-                    stacklevel=3,
+                    f"{self.model_name} is guidance-distilled (schnell): guidance {call.guidance} is ignored",
+                    stacklevel=4,
                 )
-            g = None
+            call.guidance_used = None
         else:
-            g = check_guidance(guidance, 3.5)
+            call.guidance_used = check_guidance(call.guidance, DEFAULT_GUIDANCE)
         check_sampling(
-            seed,
-            generator,
-            max_sequence_length,
-            MAX_SEQUENCE_LENGTH,
-            num_images_per_prompt,
-            output_type,
-            quality,
-        )
-        return steps, g
+            call.seed, call.generator, call.max_sequence_length, MAX_SEQUENCE_LENGTH,
+            call.num_images_per_prompt, call.output_type, call.quality,
+        )  # fmt: skip
+        flux1_variants.check_after_size(self, call)
 
     def encode_prompt(
         self,
@@ -361,147 +327,92 @@ class Pipeline:
         num_images_per_prompt: int = 1,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`(prompt_embeds (B, L, 4096), pooled (B, 768), text_ids (L, 3))` on the pipeline's device."""
+        (embeds, pooled), _ = self._encode_texts([prompt], max_sequence_length, num_images_per_prompt)
+        return embeds, pooled, torch.zeros(embeds.shape[1], 3).to(device=self.device, dtype=embeds.dtype)
+
+    def _encode_texts(
+        self, prompts: list[str | list[str]], max_len: int, n: int
+    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
+        """(embeds, pooled) of the first prompt and of the second (the negative) when there is one, the
+        encoders on the device only meanwhile when offloading."""
         te = self.text_encoder
         if self.offload_text_encoders:
             te.to(self.device)
         try:
-            out = te.encode(
-                prompt,
-                max_sequence_length=max_sequence_length,
-                num_images_per_prompt=num_images_per_prompt,
-                device=self.device,
-            )
+            outs = [
+                te.encode(p, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device)
+                for p in prompts
+            ]
         finally:
             if self.offload_text_encoders:
                 te.offload()
-        return out.prompt_embeds, out.pooled_prompt_embeds, out.text_ids
+        pairs = [(o.prompt_embeds, o.pooled_prompt_embeds) for o in outs]
+        return pairs[0], (pairs[1] if len(pairs) > 1 else None)
 
-    def _generate(
-        self,
-        prompt,
-        height,
-        width,
-        steps,
-        guidance,
-        seed,
-        generator,
-        max_sequence_length,
-        num_images_per_prompt,
-        output_type,
-        prompt_embeds,
-        pooled,
-        tier,
-        progress,
-    ) -> PipelineOutput:
-        device = self.device
-        report = progress or (lambda stage, done, total: None)
-
-        # text
-        report("encode", 0, 1)
-        if prompt_embeds is None:
-            prompt_embeds, pooled, text_ids = self.encode_prompt(
-                prompt, max_sequence_length=max_sequence_length, num_images_per_prompt=num_images_per_prompt
-            )
+    def encode(self, call: Call) -> Conditioning:
+        n = call.num_images_per_prompt
+        negative = call.inputs["negative_prompt"] if call.true_cfg_scale > 1 else None
+        if call.prompt_embeds is None:
+            assert call.prompt is not None  # checked
+            texts: list[str | list[str]] = [call.prompt] + ([negative] if negative is not None else [])
+            (txt, vec), neg = self._encode_texts(texts, call.max_sequence_length, n)
         else:
-            prompt_embeds = prompt_embeds.to(device=device).repeat_interleave(num_images_per_prompt, dim=0)
-            pooled = pooled.to(device=device).repeat_interleave(num_images_per_prompt, dim=0)
-            text_ids = torch.zeros(prompt_embeds.shape[1], 3).to(device=device, dtype=prompt_embeds.dtype)
-        report("encode", 1, 1)
-        batch = prompt_embeds.shape[0]
+            txt = call.prompt_embeds.to(device=self.device).repeat_interleave(n, dim=0)
+            vec = call.pooled_prompt_embeds.to(device=self.device).repeat_interleave(n, dim=0)  # type: ignore[union-attr]
+            neg = None
+            if negative is not None:
+                _, neg = self._encode_texts(["", negative], call.max_sequence_length, n)
+        if neg is None:
+            return Conditioning(txt, vec)
+        return Conditioning(txt, vec, neg[0], neg[1])
 
-        # latents: noise in the text dtype (as FluxPipeline), packed to tokens
-        f = self.vae.config.spatial_factor
-        h, w = latent_size(height, width, f)
-        noise = prepare_noise(
-            batch,
-            height,
-            width,
-            dtype=prompt_embeds.dtype,
-            device=device,
-            seed=seed,
-            generator=generator,
-            vae_scale_factor=f,
-        )
+    def prepare(self, call: Call, cond: Conditioning) -> Start:
+        from flux_runtime.pipeline import flux1_variants
+
+        return flux1_variants.prepare(self, call, cond)
+
+    def text2img_start(self, call: Call, cond: Conditioning) -> Start:
+        """Noise in the text dtype (as FluxPipeline), packed to tokens, the full schedule."""
+        device, f = self.device, self.vae.config.spatial_factor
+        assert call.height is not None and call.width is not None  # filled by check
+        h, w = latent_size(call.height, call.width, f)
+        # latent channels as diffusers' FluxPipeline: the transformer's input width / 4
+        # (Fill / control: the VAE's latent channels, as FluxFillPipeline / FluxControlPipeline)
+        by_model = self.variant in ("text2img", "kontext")
+        channels = self.transformer.config.in_channels // 4 if by_model else self.latent_channels
+        noise = draw_noise(
+            (cond.batch, channels, h, w), dtype=cond.txt.dtype, device=device, seed=call.seed,
+            generator=call.generator,
+        )  # fmt: skip
         latents = pack(noise)
-        img_ids = image_ids(h, w, dtype=prompt_embeds.dtype, device=device)
-        sched = get_schedule(steps, latents.shape[1], config=self.schedule, device=device)
-        g = (
-            None
-            if guidance is None
-            else torch.full([1], guidance, device=device, dtype=torch.float32).expand(batch)
-        )
+        sigmas, timesteps = self._schedule(call.steps, latents.shape[1])
+        return Start(
+            latents, (h, w), sigmas, timesteps,
+            img_ids=image_ids(h, w, dtype=cond.txt.dtype, device=device),
+            txt_ids=self._text_ids(cond),
+            rope_key=(h, w, cond.txt.shape[1], device),
+        )  # fmt: skip
 
-        # RoPE tables once per image size, shared by every block and step
-        pe_key = (h, w, text_ids.shape[0], device)
-        if pe_key not in self._rope:
-            self._rope[pe_key] = (img_ids, text_ids, self.transformer.rope(text_ids, img_ids))
-        img_ids, text_ids, pe = self._rope[pe_key]
-        model = self.transformer
-        dispatch = fused_tier(tier, device, self.dtype)
+    def _text_ids(self, cond: Conditioning) -> Tensor:
+        return torch.zeros(cond.txt.shape[1], 3).to(device=self.device, dtype=cond.txt.dtype)
 
-        def velocity(
-            x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor, y: Tensor, mods: Tensor | None = None
-        ) -> Tensor:
-            with tier_context(dispatch):
-                return model(x, img_ids, txt, text_ids, t, y, gd, pe=pe, mods=mods)
+    def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
+        if call.guidance_used is None:
+            return None
+        return torch.full([1], call.guidance_used, device=self.device, dtype=torch.float32).expand(batch)
 
-        # high tier: every step's adaLN projections in one batched GEMM per projection (F13)
-        table = (
-            self._modulation_table(sched.timesteps, pooled, g, batch, latents.dtype)
-            if dispatch == "high"
-            else None
-        )
-        step = iter(range(steps))
+    def velocity(
+        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+        ids: tuple[Tensor, Tensor], pe: RoPE,
+    ) -> Tensor:  # fmt: skip
+        img_ids, txt_ids = ids
+        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods)
 
-        use_graphs = self.cuda_graphs and device.type == "cuda"
-        if use_graphs:
-            graphed = self._graphed.setdefault((pe_key, tier), GraphedDenoiser(velocity))
-
-            def model_fn(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
-                mods = None if table is None else table[next(step)]
-                return graphed(x, t, gd, prompt_embeds, pooled, mods)
-        else:
-
-            def model_fn(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
-                mods = None if table is None else table[next(step)]
-                return velocity(x, t, gd, prompt_embeds, pooled, mods)
-
-        report("denoise", 0, steps)
-        reset_fused_ops_report()
-        watch = StepWatch(steps, device)
-
-        def after_step(i: int, t: Tensor, x: Tensor) -> None:
-            watch(i, x)
-            report("denoise", i + 1, steps)
-
-        latents = denoise(model_fn, latents, sched.sigmas, sched.timesteps, guidance=g, callback=after_step)
-        watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
-
-        info = self._provenance(
-            prompt, seed, height, width, steps, guidance, max_sequence_length, tier, use_graphs
-        )
-        # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
-        info["kernels"] = kernels_used(graphed if use_graphs else None)
-        if output_type == "latent":
-            return PipelineOutput(latents, latents, info)
-
-        # decode: unpack, denormalise in the latent dtype, VAE
-        report("decode", 0, 1)
-        z = denormalize_latents(
-            unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor
-        )
-        decoded = self.vae.decode(z, tile=self.vae_tile)
-        check_finite(decoded, "decoded images")
-        report("decode", 1, 1)
-        if output_type == "pil":
-            images: Any = to_pil_images(decoded)
-        elif output_type == "np":
-            from flux_runtime.sampling import to_uint8_images
-
-            images = to_uint8_images(decoded)
-        else:
-            images = (decoded * 0.5 + 0.5).clamp(0, 1)
-        return PipelineOutput(images, latents, info)
+    def modulation_table(
+        self, call: Call, start: Start, vec: Tensor | None, g: Tensor | None
+    ) -> Tensor | None:
+        assert vec is not None  # FLUX.1 always has the pooled vector
+        return self._modulation_table(start.timesteps, vec, g, vec.shape[0], start.latents.dtype)
 
     def _modulation_table(
         self, timesteps: Tensor, pooled: Tensor, guidance: Tensor | None, batch: int, dtype: torch.dtype
@@ -513,32 +424,40 @@ class Pipeline:
         vec_act = self.transformer.conditioning(t.reshape(-1), pooled.repeat(n, 1), g)
         return self.transformer.modulation_table(vec_act).view(n, batch, -1)
 
-    def _provenance(
-        self, prompt, seed, height, width, steps, guidance, max_len, tier, graphs
-    ) -> dict[str, Any]:
-        return provenance(
-            prompt=prompt, seed=seed, height=height, width=width, steps=steps, guidance=guidance,
-            max_sequence_length=max_len, tier=tier, cuda_graphs=graphs, model=self.model_name,
-            weights=self.weights_id, dtype=self.dtype, device=self.device,
-            precision=getattr(self.transformer, "precision", "bf16"),
-                fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
-        )  # fmt: skip
+    def decoder_input(self, latents: Tensor, start: Start) -> Tensor:
+        """Unpack, then denormalise in the latent dtype."""
+        h, w = start.grid
+        return denormalize_latents(
+            unpack(latents, h, w), self.vae.config.scale_factor, self.vae.config.shift_factor
+        )
+
+    def record_inputs(self, call: Call) -> dict[str, Any]:
+        from flux_runtime.pipeline import flux1_variants
+
+        return flux1_variants.record_inputs(self, call)
 
 
 def check_latent_widths(
-    transformer: Flux1Transformer | Flux2Transformer, vae: Flux1VAE | Flux2VAE, name: str
+    transformer: Flux1Transformer | Flux2Transformer,
+    vae: Flux1VAE | Flux2VAE,
+    name: str,
+    variant: Variant = "text2img",
 ) -> None:
-    """The transformer reads and predicts the VAE's latents packed 2x2: fail at load, naming the checkpoint,
-    not at the first step with a bare shape error. (FLUX.1 and FLUX.2 alike.)"""
+    """The transformer reads and predicts the VAE's latents packed 2x2 (Fill adds the masked image and its
+    8x8 mask, Depth/Canny the control image's latents): fail at load, naming the checkpoint, not at the
+    first step with a bare shape error. (FLUX.1 and FLUX.2 alike.)"""
+    from flux_runtime.pipeline.flux1_variants import input_width
+
     z = vae.config.z_channels
-    for layer, width in (
-        ("img_in", transformer.config.in_channels),
-        ("final_layer", transformer.config.out_channels),
+    f = getattr(vae.config, "spatial_factor", 8)
+    for layer, width, want in (
+        ("img_in", transformer.config.in_channels, input_width(variant, z, f)),
+        ("final_layer", transformer.config.out_channels, 4 * z),
     ):
-        if width != 4 * z:
+        if width != want:
             raise FluxError(
                 f"{name}: the transformer's {layer} has width {width}, but the VAE's {z} latent channels "
-                f"packed 2x2 are {4 * z}"
+                f"packed 2x2 are {4 * z}" + ("" if want == 4 * z else f" ({variant}: {want})")
             )
 
 
@@ -557,7 +476,7 @@ def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, na
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:
     spec = builtin(src.name)
-    if spec is not None and spec.trained:
+    if spec is not None and spec.trained:  # the encoders it was trained with, shipped beside it
         folder = spec.folder
         return Flux1TextEncoder.from_components(
             folder / "text_encoder", folder / "text_encoder_2", device=device, dtype=dtype

@@ -34,61 +34,63 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from flux_runtime.kernels import reset_fused_ops_report
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.pipeline.checks import (
-    StepWatch,
-    check_finite,
     check_guidance,
+    check_prompt_embeds,
     check_prompts,
     check_sampling,
     check_size,
     check_steps,
     check_vae_tile,
 )
+from flux_runtime.pipeline.core import (
+    Call,
+    Conditioning,
+    OutputType,
+    PipelineOutput,
+    Progress,
+    Recipe,
+    RoPE,
+    Start,
+)
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.flux1 import OutputType, PipelineOutput, Progress, check_latent_widths
-from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
-from flux_runtime.pipeline.provenance import provenance, weights_id
+from flux_runtime.pipeline.flux1 import check_latent_widths
+from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
-from flux_runtime.pipeline.tiers import Tier, fused_tier, resolve_tier, tier_context
+from flux_runtime.pipeline.tiers import Tier
+from flux_runtime.registry import (
+    MISTRAL_PROCESSOR_ID,
+    MISTRAL_SMALL_ID,
+    QWEN3_4B_ID,
+    QWEN3_8B_ID,
+    spec_for,
+)
 from flux_runtime.sampling import (
-    ScheduleConfig,
     bn_denormalize,
-    denoise,
     encode_reference_images,
     flux2_image_ids,
     flux2_pack,
     flux2_prepare_noise,
     flux2_text_ids,
     flux2_unpack,
-    get_schedule,
     klein_uses_cfg,
     latent_bn_stats,
     latent_size,
     preprocess_reference_images,
-    to_pil_images,
-    to_uint8_images,
     unpatchify,
 )
-from flux_runtime.text.flux2 import (
-    MAX_SEQUENCE_LENGTH,
-    MISTRAL_PROCESSOR_ID,
-    MISTRAL_SMALL_ID,
-    NEGATIVE_PROMPT,
-    QWEN3_4B_ID,
-    QWEN3_8B_ID,
-    Flux2TextEncoder,
-    KleinTextEncoder,
-)
+from flux_runtime.text.flux2 import MAX_SEQUENCE_LENGTH, NEGATIVE_PROMPT, Flux2TextEncoder, KleinTextEncoder
 from flux_runtime.weights import load_transformer
-from flux_runtime.weights.builtin import builtin
+from flux_runtime.weights.builtin import builtin as builtin_files
+from flux_runtime.weights.checkpoint import TransformerCheckpoint
 from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.vae import load_vae
 
-__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "Flux2Pipe", "image_fingerprint"]
+__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "Flux2Pipe", "image_fingerprint", "image_record"]
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +113,14 @@ def image_fingerprint(image: Image.Image) -> str:
     return digest.hexdigest()
 
 
-class Flux2Pipe:
+class Flux2Pipe(Recipe):
     """FLUX.2 [dev] / [klein] text-to-image and reference-image editing.
 
     Built by `Pipeline.from_pretrained` for FLUX.2 checkpoints, or from loaded parts. `is_distilled` marks a
     step-distilled [klein] checkpoint (no CFG; `guidance` is ignored).
     """
+
+    oom_hint = "fewer reference images, "
 
     def __init__(
         self,
@@ -124,7 +128,7 @@ class Flux2Pipe:
         vae: Flux2VAE,
         text_encoder: TextEncoder,
         *,
-        schedule: ScheduleConfig,
+        schedule: Any,
         is_distilled: bool = False,
         model_name: str = "custom",
         weights_id: str = "",
@@ -149,18 +153,11 @@ class Flux2Pipe:
             raise FluxError(
                 "is_distilled is a FLUX.2 [klein] setting; this transformer embeds guidance ([dev])"
             )
-        self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
-        self.schedule = schedule
         self.is_distilled = is_distilled
-        self.model_name, self.weights_id = model_name, weights_id
-        self.quality: Tier = quality
-        self.cuda_graphs = cuda_graphs
-        self.offload_text_encoders = offload_text_encoders
-        # decode in tiles of this many latent pixels (bounds VAE memory for large images; not bit-identical
-        # to a one-pass decode at the seams); None decodes in one pass, as diffusers does by default
-        self.vae_tile: int | None = None
-        self._graphed: dict[tuple, GraphedDenoiser] = {}
-        self._rope: dict[tuple, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
+        self._setup(
+            transformer, vae, text_encoder, schedule=schedule, model_name=model_name, weights_id=weights_id,
+            quality=quality, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -177,8 +174,10 @@ class Flux2Pipe:
         offload_text_encoders: bool = False,
         is_distilled: bool | None = None,
         fp8: bool = False,
+        checkpoint: TransformerCheckpoint | None = None,
     ) -> Flux2Pipe:
-        """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`).
+        """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`;
+        `checkpoint`: the transformer already opened there, so its headers are not read again).
 
         The text encoder: the folder's `text_encoder/` + `tokenizer/` (Mistral3 or Qwen3, told by its
         config.json); else `text_encoder` (a diffusers FLUX.2 folder or a model folder / cached id); else, for a
@@ -187,7 +186,7 @@ class Flux2Pipe:
         """
         if text_encoder_2 is not None:
             raise FluxError("FLUX.2 has one text encoder: pass text_encoder=, not text_encoder_2=")
-        transformer = load_transformer(src.transformer, device=device, dtype=dtype, fp8=fp8)
+        transformer = load_transformer(checkpoint or src.transformer, device=device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
@@ -214,14 +213,6 @@ class Flux2Pipe:
         )
 
     @property
-    def device(self) -> torch.device:
-        return self.transformer.img_in.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.img_in.weight.dtype
-
-    @property
     def is_dev(self) -> bool:
         """FLUX.2 [dev]: the transformer embeds guidance (Flux2Pipeline); otherwise [klein] (Flux2KleinPipeline)."""
         return self.transformer.config.guidance_embed
@@ -232,21 +223,21 @@ class Flux2Pipe:
         return DEFAULT_STEPS
 
     @property
-    def default_size(self) -> int:
-        """Default image side: diffusers' 128 latent pixels x the VAE factor (1024), or a built-in model's own
-        (`tiny-flux2`: 256, trained there). With reference images the first one's size is the default instead."""
-        spec = builtin(self.model_name)
-        return DEFAULT_SAMPLE_SIZE * self.vae.config.spatial_factor if spec is None else spec.default_size
+    def default_max_sequence_length(self) -> int:
+        """Text tokens when a call does not say: 512 (diffusers'), or the length a built-in model trained with."""
+        spec = spec_for(self.model_name)
+        if spec is not None and spec.builtin and spec.max_sequence_length:
+            return spec.max_sequence_length
+        return MAX_SEQUENCE_LENGTH
 
     @property
-    def default_max_sequence_length(self) -> int:
-        """Text tokens when the call does not say: 512 (diffusers'), or the length a built-in model trained with."""
-        spec = builtin(self.model_name)
-        return (
-            MAX_SEQUENCE_LENGTH
-            if spec is None or spec.max_sequence_length is None
-            else spec.max_sequence_length
-        )
+    def default_size(self) -> int:
+        """Default image side: diffusers' 128 latent pixels x the VAE factor (1024), the registry's for a built-in
+        model (tiny-flux2: 128, fast on a CPU). With reference images the first one's size is the default instead."""
+        spec = spec_for(self.model_name)
+        if spec is not None and spec.default_size:
+            return spec.default_size
+        return DEFAULT_SAMPLE_SIZE * self.vae.config.spatial_factor
 
     def uses_cfg(self, guidance: float) -> bool:
         """Whether a call with this guidance runs classifier-free guidance: [klein], not distilled, guidance > 1."""
@@ -276,49 +267,23 @@ class Flux2Pipe:
 
         `image`: reference PIL image(s) to edit or compose from (each ≥ 64 px a side, aspect ≤ 8; shrunk to
         ≤ 1024² px and center-cropped to a multiple of 16, as diffusers does); `height`/`width` then default to
-        the first one's size, else `default_size`; `max_sequence_length` `default_max_sequence_length`. `num_steps` default 50, `guidance` default 4.0 (diffusers'
+        the first one's size, else `default_size`. `num_steps` default 50, `guidance` default 4.0 (diffusers'
         defaults): [dev] embeds it; [klein] uses it as the CFG scale (CFG when > 1 and not distilled; a
         distilled model ignores it, with a warning when given). Exactly one of `seed` / `generator` (neither:
         seed 0). `prompt_embeds` (B, L, context_in_dim) may replace `prompt` (the CFG negative is still
         encoded). `output_type="latent"` returns in `images` what diffusers returns: [dev] the packed latents
         (B, L, 128), [klein] the decoder's input (B, 32, h, w); `latents` is always the packed (B, L, 128).
         """
-        quality = quality or self.quality
         if max_sequence_length is None:
             max_sequence_length = self.default_max_sequence_length
-        refs = self._check_images(image)
-        if refs:
-            ref_h, ref_w = refs[0].shape[-2:]
-            height = ref_h if height is None else height
-            width = ref_w if width is None else width
-        height = self.default_size if height is None else height
-        width = self.default_size if width is None else width
-        steps, g, cfg = self._check_call(
+        call = Call(
             prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
-            num_images_per_prompt, output_type, prompt_embeds, quality,
+            num_images_per_prompt, output_type, quality or self.quality, progress, prompt_embeds,
+            inputs={"image": image},
         )  # fmt: skip
-        if seed is None and generator is None:
-            seed = 0
-        tier = resolve_tier(quality, self.device, self.dtype)
-        try:
-            latents, images, use_graphs, kernels = self._generate(
-                prompt, refs, height, width, steps, g, cfg, seed, generator, max_sequence_length,
-                num_images_per_prompt, output_type, prompt_embeds, tier, progress,
-            )  # fmt: skip
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            raise FluxError(
-                f"out of GPU memory generating {num_images_per_prompt} image(s) of {width}x{height}: try a smaller "
-                "size or batch, fewer reference images, offload the text encoders "
-                "(offload_text_encoders=True / --offload-text-encoders)"
-            ) from None
-        info = self._provenance(
-            prompt, image, seed, height, width, steps, g, max_sequence_length, tier, use_graphs
-        )
-        # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
-        info["kernels"] = kernels
-        return PipelineOutput(images, latents, info)
+        return self._run(call)
 
+    # ------------------------------------------------------------------ the recipe
     def _check_images(self, image: ReferenceImages | None) -> list[Tensor]:
         """The preprocessed reference images (fp32, (1, 3, h, w) in [-1, 1]); [] without any."""
         if image is None:
@@ -332,79 +297,52 @@ class Flux2Pipe:
         except ValueError as e:
             raise FluxError(str(e)) from None
 
-    def _check_call(
-        self,
-        prompt: str | list[str] | None,
-        height: int,
-        width: int,
-        num_steps: int | None,
-        guidance: float | None,
-        seed: int | None,
-        generator: torch.Generator | list[torch.Generator] | None,
-        max_sequence_length: int,
-        num_images_per_prompt: int,
-        output_type: str,
-        prompt_embeds: Tensor | None,
-        quality: str,
-    ) -> tuple[int, float | None, bool]:
-        """(steps, guidance to use and record (None when ignored), CFG on) or one FluxError naming the problem."""
-        if prompt_embeds is None:
-            batch = check_prompts(prompt)
+    def check(self, call: Call) -> None:
+        """Defaults filled in, or one FluxError naming the problem; no model runs."""
+        refs = self._check_images(call.inputs["image"])
+        call.prepared["refs"] = refs
+        if refs:
+            ref_h, ref_w = refs[0].shape[-2:]
+            call.height = ref_h if call.height is None else call.height
+            call.width = ref_w if call.width is None else call.width
+        call.height = self.default_size if call.height is None else call.height
+        call.width = self.default_size if call.width is None else call.width
+        if call.prompt_embeds is None:
+            batch = check_prompts(call.prompt)
         else:
-            if prompt is not None:
+            if call.prompt is not None:
                 raise FluxError("pass either prompt or prompt_embeds, not both")
             dim = self.transformer.config.context_in_dim
-            if (
-                not isinstance(prompt_embeds, Tensor)
-                or prompt_embeds.ndim != 3
-                or prompt_embeds.shape[-1] != dim
-                or not 1 <= prompt_embeds.shape[1] <= MAX_SEQUENCE_LENGTH
-                or not prompt_embeds.is_floating_point()
-            ):
-                shape = (
-                    tuple(prompt_embeds.shape)
-                    if isinstance(prompt_embeds, Tensor)
-                    else type(prompt_embeds).__name__
-                )
-                raise FluxError(
-                    f"prompt_embeds must be a float tensor (B, L <= {MAX_SEQUENCE_LENGTH}, {dim}), got {shape}"
-                )
-            if prompt_embeds.dtype != self.dtype:
-                # the noise is drawn in the embeddings' dtype, as diffusers does: they must be the model's
-                raise FluxError(f"prompt_embeds are {prompt_embeds.dtype}; this pipeline runs {self.dtype}")
-            batch = prompt_embeds.shape[0]
-        check_size(height, width, 2 * self.vae.config.spatial_factor)
+            batch = check_prompt_embeds(call.prompt_embeds, dim, MAX_SEQUENCE_LENGTH, self.dtype)
+        check_size(call.height, call.width, 2 * self.vae.config.spatial_factor)
         f = self.vae.config.spatial_factor
-        check_vae_tile(self.vae_tile, (height // f, width // f))
-        steps = check_steps(num_steps, self.default_steps)
-        g = check_guidance(guidance, DEFAULT_GUIDANCE)
+        check_vae_tile(self.vae_tile, (call.height // f, call.width // f))
+        call.steps = check_steps(call.num_steps, self.default_steps)
+        g = check_guidance(call.guidance, DEFAULT_GUIDANCE)
         if self.is_distilled:
-            if guidance is not None and guidance > 1:
+            if call.guidance is not None and call.guidance > 1:
                 # Flux2KleinPipeline.check_inputs logs the same
                 warnings.warn(
-                    f"{self.model_name} is step-distilled: guidance {guidance} is ignored (no CFG)",
-                    stacklevel=3,
+                    f"{self.model_name} is step-distilled: guidance {call.guidance} is ignored (no CFG)",
+                    stacklevel=4,
                 )
-            g_used: float | None = None
+            call.guidance_used = None
         else:
-            g_used = g
+            call.guidance_used = g
         check_sampling(
-            seed,
-            generator,
-            max_sequence_length,
-            MAX_SEQUENCE_LENGTH,
-            num_images_per_prompt,
-            output_type,
-            quality,
-        )
-        n = num_images_per_prompt
+            call.seed, call.generator, call.max_sequence_length, MAX_SEQUENCE_LENGTH,
+            call.num_images_per_prompt, call.output_type, call.quality,
+        )  # fmt: skip
+        n = call.num_images_per_prompt
+        generator = call.generator
         if isinstance(generator, list) and (
             len(generator) != batch * n or not all(isinstance(x, torch.Generator) for x in generator)
         ):
             raise FluxError(
                 f"a list of generators needs one torch.Generator per image: {batch * n}, got {len(generator)}"
             )
-        return steps, g_used, g_used is not None and self.uses_cfg(g_used)
+        cfg = call.guidance_used is not None and self.uses_cfg(call.guidance_used)
+        call.true_cfg_scale = call.guidance_used if cfg and call.guidance_used is not None else 1.0
 
     def encode_prompt(
         self,
@@ -453,38 +391,22 @@ class Flux2Pipe:
                 te.offload()
         return embeds, negative
 
-    def _generate(
-        self,
-        prompt: str | list[str] | None,
-        refs: list[Tensor],
-        height: int,
-        width: int,
-        steps: int,
-        guidance: float | None,
-        cfg: bool,
-        seed: int | None,
-        generator: torch.Generator | list[torch.Generator] | None,
-        max_sequence_length: int,
-        num_images_per_prompt: int,
-        output_type: OutputType,
-        prompt_embeds: Tensor | None,
-        tier: Tier,
-        progress: Progress | None,
-    ) -> tuple[Tensor, Any, bool, str]:
-        """(packed latents, images as `output_type` asks, CUDA graphs used, kernels that ran)."""
-        device, model_dtype = self.device, self.dtype
-        report = progress or (lambda stage, done, total: None)
-
-        # text (and the negative prompt for CFG), then the reference images through the VAE encoder
-        report("encode", 0, 1)
+    def encode(self, call: Call) -> Conditioning:
         embeds, negative = self._encode(
-            prompt, prompt_embeds, cfg, max_sequence_length, num_images_per_prompt
-        )
-        batch, txt_len = embeds.shape[:2]
-        vae = self.vae
+            call.prompt, call.prompt_embeds, call.true_cfg_scale > 1, call.max_sequence_length,
+            call.num_images_per_prompt,
+        )  # fmt: skip
+        return Conditioning(embeds, negative_txt=negative)
+
+    def prepare(self, call: Call, cond: Conditioning) -> Start:
+        """The reference images through the VAE encoder, 128-channel noise in the text dtype (as
+        Flux2Pipeline) packed to tokens, ids with the references after the noise tokens."""
+        device, vae, refs = self.device, self.vae, call.prepared["refs"]
+        batch, txt_len = cond.txt.shape[:2]
         f = vae.config.spatial_factor
         mean, std = latent_bn_stats(vae.bn.running_mean, vae.bn.running_var, vae.config.batch_norm_eps)
-        h, w = latent_size(height, width, f)
+        assert call.height is not None and call.width is not None  # filled by check
+        h, w = latent_size(call.height, call.width, f)
         ref_tokens: Tensor | None = None
         ref_ids: Tensor | None = None
         if refs:
@@ -493,140 +415,69 @@ class Flux2Pipe:
             ref_tokens, ref_ids = encode_reference_images(
                 refs, vae.encode, mean, std, batch=batch, dtype=vae_dtype, device=device
             )
-        report("encode", 1, 1)
-
-        # latents: 128-channel noise in the text dtype (as Flux2Pipeline), packed to tokens
         noise = flux2_prepare_noise(
-            batch, height, width, dtype=embeds.dtype, device=device, seed=seed, generator=generator,
-            vae_scale_factor=f,
+            batch, call.height, call.width, dtype=cond.txt.dtype, device=device, seed=call.seed,
+            generator=call.generator, vae_scale_factor=f,
         )  # fmt: skip
         latents = flux2_pack(noise)  # (B, L, 128)
         # the schedule counts the generated image's tokens only
-        sched = get_schedule(steps, latents.shape[1], config=self.schedule, device=device)
-        g = (
-            torch.full([1], guidance, device=device, dtype=torch.float32).expand(batch)
-            if self.is_dev and guidance is not None
-            else None
-        )
-
-        # RoPE tables once per image size, reference layout and text length, shared by every block and step
+        sigmas, timesteps = self._schedule(call.steps, latents.shape[1])
+        img_ids = flux2_image_ids(h, w, device=device)
+        if ref_ids is not None:
+            img_ids = torch.cat([img_ids, ref_ids])  # (L + L_ref, 4): references after the noise tokens
         ref_layout = tuple(tuple(r.shape[-2:]) for r in refs)
-        pe_key = (h, w, ref_layout, txt_len, device)
-        if pe_key not in self._rope:
-            img_ids = flux2_image_ids(h, w, device=device)
-            if ref_ids is not None:
-                img_ids = torch.cat([img_ids, ref_ids])  # (L + L_ref, 4): references after the noise tokens
-            txt_ids = flux2_text_ids(txt_len, device=device)
-            self._rope[pe_key] = (img_ids, txt_ids, self.transformer.rope(txt_ids, img_ids))
-        img_ids, txt_ids, pe = self._rope[pe_key]
-        model = self.transformer
-        dispatch = fused_tier(tier, device, model_dtype)
+        return Start(
+            latents, (h, w), sigmas, timesteps, img_ids=img_ids, txt_ids=flux2_text_ids(txt_len, device=device),
+            rope_key=(h, w, ref_layout, txt_len, device), reference_tokens=ref_tokens,
+        )  # fmt: skip
 
-        def velocity(x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor) -> Tensor:
-            with tier_context(dispatch):
-                # latent_model_input.to(transformer.dtype): (B, L + L_ref, 128)
-                return model(x.to(model_dtype), img_ids, txt, txt_ids, t, gd, pe=pe)
+    def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
+        if not self.is_dev or call.guidance_used is None:
+            return None
+        return torch.full([1], call.guidance_used, device=self.device, dtype=torch.float32).expand(batch)
 
-        use_graphs = self._graphs_enabled()
+    def velocity(
+        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+        ids: tuple[Tensor, Tensor], pe: RoPE,
+    ) -> Tensor:  # fmt: skip
+        img_ids, txt_ids = ids
+        # latent_model_input.to(transformer.dtype): (B, L + L_ref, 128)
+        return self.transformer(x.to(self.dtype), img_ids, txt, txt_ids, t, g, pe=pe)
 
-        def branch(name: str, txt: Tensor) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
-            if not use_graphs:
-                return lambda x, t, gd: velocity(x, t, gd, txt)
-            # one graph per branch: a replay overwrites its static output, and CFG needs both at once
-            key = (pe_key, tier, name)
-            if key not in self._graphed:
-                self._graphed[key] = GraphedDenoiser(velocity)
-            graphed = self._graphed[key]
-            return lambda x, t, gd: graphed(x, t, gd, txt)
+    def _decoder_latents(self, latents: Tensor, start: Start) -> Tensor:
+        """Unpack, BatchNorm-denormalise and unpatchify in the latents' dtype: (B, 32, h, w)."""
+        vae = self.vae
+        mean, std = latent_bn_stats(vae.bn.running_mean, vae.bn.running_var, vae.config.batch_norm_eps)
+        h, w = start.grid
+        return unpatchify(bn_denormalize(flux2_unpack(latents, h, w), mean, std))
 
-        report("denoise", 0, steps)
-        reset_fused_ops_report()
-        watch = StepWatch(steps, device)
+    def decoder_input(self, latents: Tensor, start: Start) -> Tensor:
+        return self._decoder_latents(latents, start)
 
-        def after_step(i: int, t: Tensor, x: Tensor) -> None:
-            watch(i, x)
-            report("denoise", i + 1, steps)
+    def latent_output(self, latents: Tensor, start: Start) -> Tensor:
+        """[dev]: the packed latents (Flux2Pipeline); [klein]: the decoder's input (Flux2KleinPipeline)."""
+        return latents if self.is_dev else self._decoder_latents(latents, start)
 
-        latents = denoise(
-            branch("cond", embeds),
-            latents,
-            sched.sigmas,
-            sched.timesteps,
-            guidance=g,
-            negative_model_fn=branch("uncond", negative) if negative is not None else None,
-            true_cfg_scale=guidance if cfg and guidance is not None else 1.0,
-            reference_tokens=ref_tokens,
-            callback=after_step,
-        )
-        watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
-        kernels = kernels_used(self._graphed.get((pe_key, tier, "cond")) if use_graphs else None)
-
-        if output_type == "latent" and self.is_dev:
-            return latents, latents, use_graphs, kernels  # Flux2Pipeline: the packed latents
-        # unpack, BatchNorm-denormalise and unpatchify in the latents' dtype: the decoder's input (B, 32, h, w)
-        z = unpatchify(bn_denormalize(flux2_unpack(latents, h, w), mean, std))
-        if output_type == "latent":
-            return latents, z, use_graphs, kernels  # Flux2KleinPipeline: the decoder's input
-        report("decode", 0, 1)
-        decoded = vae.decode(z, tile=self.vae_tile)
-        check_finite(decoded, "decoded images")
-        report("decode", 1, 1)
-        if output_type == "pil":
-            images: Any = to_pil_images(decoded)
-        elif output_type == "np":
-            images = to_uint8_images(decoded)
-        else:
-            images = (decoded * 0.5 + 0.5).clamp(0, 1)
-        return latents, images, use_graphs, kernels
-
-    def _graphs_enabled(self) -> bool:
-        """CUDA graphs run where they can: asked for, and the model on a CUDA device."""
-        return self.cuda_graphs and self.device.type == "cuda"
-
-    def _provenance(
-        self,
-        prompt: str | list[str] | None,
-        image: ReferenceImages | None,
-        seed: int | None,
-        height: int,
-        width: int,
-        steps: int,
-        guidance: float | None,
-        max_len: int,
-        tier: Tier,
-        graphs: bool,
-    ) -> dict[str, Any]:
-        """FLUX.1's provenance keys, plus `reference_images`: per image its file (PIL's `filename`, or None
-        for an image made in memory), size and `image_fingerprint`, so a replay can tell a changed file."""
+    def record_inputs(self, call: Call) -> dict[str, Any]:
+        """`reference_images`: per image its file (PIL's `filename`, or None for an image made in memory),
+        size and `image_fingerprint`, so a replay can tell a changed file."""
+        image = call.inputs["image"]
         given = [] if image is None else [image] if isinstance(image, Image.Image) else list(image)
-        return {
-            **provenance(
-                prompt=prompt,
-                seed=seed,
-                height=height,
-                width=width,
-                steps=steps,
-                guidance=guidance,
-                max_sequence_length=max_len,
-                tier=tier,
-                cuda_graphs=graphs,
-                model=self.model_name,
-                weights=self.weights_id,
-                dtype=self.dtype,
-                device=self.device,
-                precision=getattr(self.transformer, "precision", "bf16"),
-                fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
-            ),
-            "reference_images": [
-                {
-                    "path": getattr(im, "filename", "") or None,
-                    "width": im.width,
-                    "height": im.height,
-                    "sha256": image_fingerprint(im),
-                }
-                for im in given
-            ],
-        }
+        return {"reference_images": [image_record(im) for im in given]}
+
+    def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
+        # through this module's name, so a test can stand a CPU fake in for the CUDA graphs
+        return GraphedDenoiser(fn)
+
+
+def image_record(image: Image.Image) -> dict[str, Any]:
+    """What the provenance keeps of an input image: its file (or None), size and `image_fingerprint`."""
+    return {
+        "path": getattr(image, "filename", "") or None,
+        "width": image.width,
+        "height": image.height,
+        "sha256": image_fingerprint(image),
+    }
 
 
 def _open_text(
@@ -637,8 +488,8 @@ def _open_text(
     dtype: torch.dtype,
 ) -> TextEncoder:
     """The FLUX.2 text encoder for these sources (see `Flux2Pipe.from_sources`)."""
-    spec = builtin(src.name)
-    if spec is not None and spec.trained and text_encoder is None:
+    spec = builtin_files(src.name)
+    if spec is not None and spec.trained and text_encoder is None:  # the encoder it was trained with
         return KleinTextEncoder.from_components(spec.folder / "text_encoder", device=device, dtype=dtype)
     if spec is not None and text_encoder is None:
         return KleinTextEncoder.tiny(device=device, dtype=dtype)

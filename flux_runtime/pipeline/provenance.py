@@ -29,9 +29,9 @@ from flux_runtime.pipeline.checks import QUALITIES
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.sources import Sources
 from flux_runtime.weights.builtin import builtin
+from flux_runtime.weights.checkpoint import find_transformer_files
 from flux_runtime.weights.config_files import BOOL, INT, NUMBER, STR, Kind
 from flux_runtime.weights.hub import resolve
-from flux_runtime.weights.transformer import find_transformer_files
 
 # The PNG text chunk holding the record.
 CHUNK = "flux_runtime"
@@ -88,6 +88,15 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
     "num_images": _int_at_least(1),
     "precision": STR,
     "fp8_at_load": BOOL,
+    # FLUX.1 variants: true CFG, img2img / inpainting strength, the input images by role
+    "negative_prompt": PROMPT,
+    "true_cfg_scale": NUMBER,
+    "strength": NUMBER,
+    "variant": STR,
+    "input_images": Kind(
+        "an object of {path, width, height, sha256} objects by role (image, mask_image, control_image)",
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),
+    ),
 }
 
 
@@ -134,12 +143,9 @@ def read_provenance(png: Path) -> dict[str, Any]:
 
 
 def weights_id(src: Sources) -> str:
-    """A short fingerprint of the transformer weights: sha256 over its files' names, sizes and headers.
-
-    Built-in models name themselves: `tiny-seed0` (random), `tiny-trained-<sha256 of the shipped file>`.
-    """
+    """A short fingerprint of the transformer weights: sha256 over its files' names, sizes and headers."""
     spec = builtin(src.name)
-    if spec is not None:
+    if spec is not None:  # built-in models name themselves: `tiny-seed0`, `tiny-trained-<sha256 of its file>`
         return spec.weights_id()
     digest = hashlib.sha256()
     for f in find_transformer_files(resolve(src.transformer)):

@@ -10,8 +10,9 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from flux_runtime.registry import CLIP_L_ID, MODEL_IDS, MODELS, T5_XXL_ID
 from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, FLUX1_SCHNELL_SCHEDULE, FLUX2_SCHEDULE, ScheduleConfig
-from flux_runtime.weights.builtin import BUILTINS
+from flux_runtime.weights.checkpoint import find_transformer_files
 from flux_runtime.weights.config_files import (
     BOOL,
     INT,
@@ -24,27 +25,11 @@ from flux_runtime.weights.config_files import (
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.safetensors_io import read_header
-from flux_runtime.weights.transformer import find_transformer_files
 
 log = logging.getLogger(__name__)
 
-# Names `flux-gen --model` and `Pipeline.from_pretrained` accept besides paths and other cached ids.
-MODEL_IDS: dict[str, str] = {
-    "tiny": "tiny",
-    "flux1-dev": "black-forest-labs/FLUX.1-dev",
-    "flux1-schnell": "black-forest-labs/FLUX.1-schnell",
-    "tiny-flux2": "tiny-flux2",
-    "tiny-random": "tiny-random",
-    "tiny-flux2-random": "tiny-flux2-random",
-    "flux2-dev": "black-forest-labs/FLUX.2-dev",
-    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
-    "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B",
-}
-# Built-in models: trained FLUX.1 [dev] `tiny` and FLUX.2 [klein] `tiny-flux2` (files in the package), and the
-# random `tiny-random` / `tiny-flux2-random` of the TINY / TINY_FLUX2 presets (no files).
-BUILTIN_MODELS = tuple(BUILTINS)
-CLIP_L_ID = "openai/clip-vit-large-patch14"
-T5_XXL_ID = "google/t5-v1_1-xxl"
+# Built-in random models (no files), from the registry: FLUX.1-shaped `tiny`, FLUX.2 [klein]-shaped `tiny-flux2`.
+BUILTIN_MODELS = tuple(s.name for s in MODELS.values() if s.builtin)
 # The kinds of the scheduler_config.json and model_index.json fields the pipelines read.
 _SCHEDULER_FIELDS: dict[str, Kind] = {
     "num_train_timesteps": INT,

@@ -39,6 +39,7 @@ def denoise(
     true_cfg_scale: float = 1.0,
     reference_tokens: Tensor | None = None,
     callback: StepCallback | None = None,
+    after_step: Callable[[int, Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Integrate packed `latents` (B, L, C) from `sigmas[0]` to `sigmas[-1]` with Euler steps; returns (B, L, C).
 
@@ -51,7 +52,9 @@ def denoise(
     `reference_tokens` (B, L_ref, C) (FLUX.2 editing, `encode_reference_images`) are appended to the latents
     for every model call, `torch.cat([latents, reference_tokens], dim=1)`, and the prediction is cut back to
     the first L tokens before guidance and the step, so they condition without being updated (FLUX.2
-    `__call__`). The result has the prediction's dtype (the model's, normally the latents' dtype).
+    `__call__`). `after_step(i, latents) -> latents` runs after each update, before `callback` (inpainting
+    puts the re-noised original back outside the mask there). The result has the prediction's dtype (the
+    model's, normally the latents' dtype).
     """
     if latents.ndim != 3:
         raise ValueError(f"denoise: expected packed latents (B, L, C), got shape {tuple(latents.shape)}")
@@ -94,6 +97,8 @@ def denoise(
         sample = latents.to(torch.float32)
         dt = sigmas[i + 1] - sigmas[i]
         latents = (sample + dt * pred).to(pred.dtype)
+        if after_step is not None:
+            latents = after_step(i, latents)
         if callback is not None:
             callback(i, t, latents)
     return latents

@@ -4,18 +4,16 @@ FLUX.1: CLIP-L pooled + T5-XXL sequence. FLUX.2: three stacked hidden states of 
 [dev], Qwen3 for [klein]).
 """
 
-from flux_runtime.text.flux1 import (
+from flux_runtime.registry import (
     CLIP_L_ID,
-    MAX_SEQUENCE_LENGTH,
-    T5_XXL_ID,
-    Flux1TextEmbeddings,
-    Flux1TextEncoder,
-)
-from flux_runtime.text.flux2 import (
     MISTRAL_PROCESSOR_ID,
     MISTRAL_SMALL_ID,
     QWEN3_4B_ID,
     QWEN3_8B_ID,
+    T5_XXL_ID,
+)
+from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEmbeddings, Flux1TextEncoder
+from flux_runtime.text.flux2 import (
     Flux2TextEmbeddings,
     Flux2TextEncoder,
     KleinTextEncoder,

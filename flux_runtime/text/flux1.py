@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from transformers import CLIPTextModel, PreTrainedModel, PreTrainedTokenizerBase, T5EncoderModel
 
+from flux_runtime.registry import CLIP_L_ID, T5_XXL_ID
 from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.text.tiny import init_random, tiny_clip_config, tiny_t5_config
 from flux_runtime.text.tokenizers import (
@@ -41,8 +42,6 @@ from flux_runtime.weights.safetensors_io import check_safetensors_folder
 
 logger = logging.getLogger(__name__)
 
-CLIP_L_ID = "openai/clip-vit-large-patch14"
-T5_XXL_ID = "google/t5-v1_1-xxl"
 # FLUX.1 was trained with at most 512 T5 tokens; diffusers refuses more.
 MAX_SEQUENCE_LENGTH = 512
 

@@ -34,6 +34,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from flux_runtime.registry import MISTRAL_PROCESSOR_ID, MISTRAL_SMALL_ID
 from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer, tokenize_chats
 from flux_runtime.text.flux1 import _prompt_list
 from flux_runtime.text.quiet import no_progress_bars
@@ -45,10 +46,6 @@ from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.safetensors_io import check_safetensors_folder
 
 # BFL's FLUX.2 [dev] and diffusers' converter pair Mistral Small 3.2's weights with Mistral Small 3.1's processor.
-MISTRAL_SMALL_ID = "mistralai/Mistral-Small-3.2-24B-Instruct-2506"
-MISTRAL_PROCESSOR_ID = "mistralai/Mistral-Small-3.1-24B-Instruct-2503"
-QWEN3_4B_ID = "Qwen/Qwen3-4B"  # FLUX.2 [klein] 4B
-QWEN3_8B_ID = "Qwen/Qwen3-8B"  # FLUX.2 [klein] 9B
 # FLUX.2 is trained with 512 text tokens (BFL's MAX_LENGTH); diffusers' default.
 MAX_SEQUENCE_LENGTH = 512
 # diffusers' pipelines/flux2/system_messages.py (from BFL's flux2 repo): one newline, no trailing one.

@@ -1,11 +1,11 @@
-"""The built-in models: `tiny` and `tiny-flux2` (trained, shipped as files) and their random test twins.
+"""Where the built-in models' weights are: the registry's built-in names seen with their configs and files.
 
 `tiny` / `tiny-flux2` are small FLUX.1 [dev] / FLUX.2 [klein] models trained by `scripts/train_tiny.py` on
 rendered scenes of coloured shapes; their files live in `flux_runtime/assets/models/<name>/` in the layouts
 the real checkpoints use (a BFL DiT file, a BFL `ae.safetensors`, transformers text-encoder folders), and load
-through the same loaders with the shapes below (a BFL file cannot state its RoPE axes or latent factors).
-`tiny-random` / `tiny-flux2-random` are the seeded random models of the `TINY` / `TINY_FLUX2` presets, for
-tests that need a model of those exact shapes and nothing else.
+through the same loaders with their presets' shapes (a BFL file cannot state its RoPE axes or latent factors).
+`tiny-random` / `tiny-flux2-random` are the seeded random models of the `TINY` / `TINY_FLUX2` presets. The
+names and their settings are `flux_runtime.registry`'s; this module adds the configs and paths.
 """
 
 from __future__ import annotations
@@ -14,37 +14,60 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from flux_runtime.models.dit.config import TINY, TINY_FLUX2, TINY_FLUX2_TRAINED, TINY_TRAINED, DiTConfig
-from flux_runtime.models.vae.flux1 import TINY_TRAINED_VAE, TINY_VAE, VAEConfig
-from flux_runtime.models.vae.flux2 import TINY_FLUX2_TRAINED_VAE, TINY_FLUX2_VAE, Flux2VAEConfig
+from flux_runtime.models.dit.config import PRESETS, DiTConfig
+from flux_runtime.models.vae.flux1 import VAE_PRESETS, VAEConfig
+from flux_runtime.models.vae.flux2 import FLUX2_VAE_PRESETS, Flux2VAEConfig
+from flux_runtime.registry import MODELS, ModelSpec
+from flux_runtime.registry import builtin as registry_builtin
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
 
 
 @dataclass(frozen=True)
 class Builtin:
-    """One built-in model: its shapes, and for a trained one the folder and DiT file holding its weights."""
+    """One built-in model: its registry entry, its shapes, and for a trained one the files of its weights."""
 
-    name: str
-    family: str  # "flux1" or "flux2"
-    dit: DiTConfig
-    vae: VAEConfig | Flux2VAEConfig
-    dit_file: str | None  # None: seeded random weights (seed 0), no files
-    default_size: int
-    max_sequence_length: int | None  # the text length it was trained with; None: the family's
+    spec: ModelSpec
 
     @property
-    def folder(self) -> Path:
-        return MODELS_DIR / self.name
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def family(self) -> str:
+        return self.spec.family
+
+    @property
+    def dit(self) -> DiTConfig:
+        assert self.spec.preset is not None
+        return PRESETS[self.spec.preset]
+
+    @property
+    def vae(self) -> VAEConfig | Flux2VAEConfig:
+        assert self.spec.vae_preset is not None
+        return {**VAE_PRESETS, **FLUX2_VAE_PRESETS}[self.spec.vae_preset]
 
     @property
     def trained(self) -> bool:
-        return self.dit_file is not None
+        return self.spec.trained
+
+    @property
+    def default_size(self) -> int | None:
+        return self.spec.default_size
+
+    @property
+    def max_sequence_length(self) -> int | None:
+        return self.spec.max_sequence_length
+
+    @property
+    def folder(self) -> Path:
+        assert self.spec.files is not None
+        return MODELS_DIR / self.spec.files
 
     @property
     def transformer_path(self) -> Path:
-        assert self.dit_file is not None
-        return self.folder / self.dit_file
+        assert self.spec.dit_file is not None
+        return self.folder / self.spec.dit_file
 
     @property
     def vae_path(self) -> Path:
@@ -53,33 +76,15 @@ class Builtin:
     def weights_id(self) -> str:
         """Provenance: `<name>-seed0` for a random model; `<name>-trained-<sha256 of the DiT file[:12]>`."""
         if not self.trained:
-            return f"{self.name.removesuffix('-random')}-seed0"
+            return self.spec.weights_id
         digest = hashlib.sha256(self.transformer_path.read_bytes()).hexdigest()
         return f"{self.name}-trained-{digest[:12]}"
 
 
-BUILTINS: dict[str, Builtin] = {
-    b.name: b
-    for b in (
-        Builtin("tiny", "flux1", TINY_TRAINED, TINY_TRAINED_VAE, "flux1-tiny.safetensors", 256, 64),
-        Builtin(
-            "tiny-flux2",
-            "flux2",
-            TINY_FLUX2_TRAINED,
-            TINY_FLUX2_TRAINED_VAE,
-            "flux2-tiny.safetensors",
-            256,
-            64,
-        ),
-        Builtin("tiny-random", "flux1", TINY, TINY_VAE, None, 128, None),
-        Builtin("tiny-flux2-random", "flux2", TINY_FLUX2, TINY_FLUX2_VAE, None, 128, None),
-    )
-}
+BUILTINS: dict[str, Builtin] = {name: Builtin(spec) for name, spec in MODELS.items() if spec.builtin}
 
 
 def builtin(path_or_id: str | Path) -> Builtin | None:
     """The built-in model of this name (unless a file or folder of that name exists), else None."""
-    name = str(path_or_id)
-    if name in BUILTINS and not Path(path_or_id).exists():
-        return BUILTINS[name]
-    return None
+    spec = registry_builtin(path_or_id)
+    return None if spec is None else BUILTINS[spec.name]

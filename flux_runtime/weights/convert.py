@@ -27,12 +27,14 @@ from torch import Tensor
 
 from flux_runtime.models.dit import DiTConfig, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux1_layout, flux2_layout, flux2_transformer, vae_layout
+from flux_runtime.weights.checkpoint import find_transformer_files, read_folder_config
 from flux_runtime.weights.diffusers_config import (
     FLUX2_DIFFUSERS_FIXED,
     transformer_diffusers_config,
     vae_diffusers_config,
 )
 from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.flux1_transformer import detect_layout, infer_config
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.keys import KeyView
 from flux_runtime.weights.safetensors_io import TensorSource
@@ -42,12 +44,6 @@ from flux_runtime.weights.safetensors_writer import (
     SafetensorsWriter,
     parse_size,
     shard,
-)
-from flux_runtime.weights.transformer import (
-    detect_layout,
-    find_transformer_files,
-    infer_config,
-    read_folder_config,
 )
 from flux_runtime.weights.vae import AnyVAEConfig, open_vae_checkpoint
 

@@ -1,6 +1,6 @@
 """`load_flux2_transformer`: a FLUX.2 DiT from a BFL file, a diffusers folder, or a cached model id.
 
-The FLUX.1 loader's steps and helpers (weights/transformer.py), with FLUX.2's key table: the
+The FLUX.1 loader's steps and the shared helpers (weights/checkpoint.py), with FLUX.2's key table: the
 layout is read from the keys, the shape from the tensors (plus `config.json` for the RoPE axes when
 there is one), the model is built on the meta device and each tensor is streamed straight to the
 target device and dtype. Missing, unexpected and misshapen keys are named. `load_transformer`
@@ -17,44 +17,43 @@ from pathlib import Path
 import torch
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux2Transformer
+from flux_runtime.registry import builtin
 from flux_runtime.weights import flux2_layout
 from flux_runtime.weights import fp8 as fp8_layers
-from flux_runtime.weights.builtin import builtin
+from flux_runtime.weights.builtin import MODELS_DIR
+from flux_runtime.weights.checkpoint import (
+    TransformerCheckpoint,
+    check_config,
+    check_keys,
+    config_errors,
+    finish_builtin,
+    identity_rules,
+    open_transformer,
+    take_only,
+    transformer_family,
+)
 from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
-from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
 from flux_runtime.weights.random_init import init_random
-from flux_runtime.weights.safetensors_io import TensorSource
-from flux_runtime.weights.transformer import (
-    _check_config,
-    _check_keys,
-    config_errors,
-    find_transformer_files,
-    finish_builtin,
-    identity_rules,
-    read_folder_config,
-    take_only,
-)
 
 log = logging.getLogger(__name__)
 
-# Random-weight FLUX.2 presets that need no checkpoint (the offline demo and tests), name → seed.
+# Random-weight FLUX.2 presets that need no checkpoint, name → seed (kept for callers of the old name;
+# the registry is the list).
+BUILTIN_FLUX2 = {"tiny-flux2": 0}
 
 ShapeOf = Callable[[str], tuple[int, ...]]
 
 
-def is_flux2(path_or_id: str | Path) -> bool:
-    """True for `tiny-flux2`, `tiny-flux2-random` and for checkpoints whose keys are FLUX.2's; False for FLUX.1 ones.
+def is_flux2(path_or_id: str | Path | TransformerCheckpoint) -> bool:
+    """True for `tiny-flux2` and for checkpoints whose keys are FLUX.2's; False for FLUX.1 ones.
 
     Reads only the safetensors headers. Raises the loader's `WeightsError` for a path or id that
     does not resolve to readable safetensors files.
     """
-    spec = builtin(path_or_id)
-    if spec is not None:
-        return spec.family == "flux2"
-    return flux2_layout.is_flux2(TensorSource(find_transformer_files(resolve(path_or_id))).keys())
+    return transformer_family(path_or_id) == "flux2"
 
 
 def infer_config(
@@ -66,9 +65,10 @@ def infer_config(
 ) -> DiTConfig:
     """Read widths, heads and channels from the checkpoint itself, through BFL key names (`where` names it in errors).
 
-    `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta are not in
-    the weights: `rope` (a caller's config), else a diffusers `config.json`, else the FLUX.2 preset of this
-    head width.
+    `rope`: a caller's (axes, theta), used when it fits the head width (the weights do not state them).
+
+    `depths` is (double blocks, single blocks, guidance embedder present); RoPE axes and theta come
+    from a diffusers `config.json` when there is one, else from the FLUX.2 preset of this head width.
     """
     depth, depth_single, guidance = depths
     hidden, in_ch = need_shape(shape_of, "img_in.weight", "hidden size", 2)
@@ -82,7 +82,6 @@ def infer_config(
         raise WeightsError("FLUX.2 checkpoint has no transformer blocks")
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    # a given config's axes that do not fit this head width: it is refused by name afterwards
     axes_dim, theta = rope if rope and sum(rope[0]) == head_dim else _rope(head_dim, folder_config)
     with config_errors(where):
         cfg = DiTConfig(
@@ -118,7 +117,7 @@ def _rope(head_dim: int, folder_config: dict | None) -> tuple[tuple[int, ...], i
 
 
 def load_flux2_transformer(
-    path_or_id: str | Path,
+    path_or_id: str | Path | TransformerCheckpoint,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
@@ -129,29 +128,34 @@ def load_flux2_transformer(
 
     `path_or_id`: a BFL single file (`flux2-dev.safetensors`, optionally `model.diffusion_model.`
     prefixed), a diffusers `transformer/` folder or pipeline root (sharded or not), a Hugging Face
-    model id in the local cache, or a built-in model (`tiny-flux2` trained, `tiny-flux2-random`). `config` is
-    optional; when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used). `dtype` and
+    model id in the local cache, or the built-in random preset `tiny-flux2`. `config` is optional;
+    when given it must agree with the checkpoint (its `axes_dim` and `theta` are then used). `dtype` and
     `device` are checked, and the weights' stored dtypes and values, as by `load_transformer`; FP8
     checkpoints and `fp8=True` as there too.
     """
     device = check_device(device)
     dtype = check_load_dtype(dtype)
     fp8_layers.check_dtype(dtype, fp8)
-    spec = builtin(path_or_id)
-    if spec is not None and not spec.trained:
+    spec = None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
+    if spec is not None and spec.family == "flux2" and spec.trained:  # a shipped BFL file, the preset's RoPE
+        path_or_id, config = (
+            MODELS_DIR / (spec.files or "") / (spec.dit_file or ""),
+            config or PRESETS[spec.preset or ""],
+        )
+        spec = None
+    if spec is not None and spec.family == "flux2":
+        assert spec.preset is not None
         with torch.device("meta"):
-            model = Flux2Transformer(config or spec.dit)
-        return finish_builtin(init_random(model, 0, device, dtype), dtype, fp8)
-    if spec is not None:
-        path_or_id, config = spec.transformer_path, config or spec.dit
+            model = Flux2Transformer(config or PRESETS[spec.preset])
+        return finish_builtin(init_random(model, spec.seed, device, dtype), dtype, fp8)
 
-    files = find_transformer_files(resolve(path_or_id))
-    src = TensorSource(files)
-    if not flux2_layout.is_flux2(src.keys()):
+    ckpt = path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)
+    files, src = ckpt.files, ckpt.source
+    if ckpt.family != "flux2":
         raise WeightsError(f"{files[0]}: not a FLUX.2 transformer (no shared modulation weights)")
     layout = flux2_layout.detect_layout(src.keys())
     reader = KeyView(src, BFL_PREFIXES) if layout == "bfl" else src
-    fp8_src = fp8_layers.Fp8Source.detect(reader, read_folder_config(files), str(files[0].parent))
+    fp8_src = fp8_layers.Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent))
     extra = fp8_src.extra_keys() if fp8_src is not None else set()
     if layout == "bfl":
         view = reader
@@ -164,11 +168,10 @@ def load_flux2_transformer(
         raise_key_errors(sorted(used - set(src.keys())), sorted(set(src.keys()) - used - extra))
         shape_of = _fused_shapes(table, src.shape)
 
-    # a config of the other family is refused below, by name; its RoPE axes do not apply
     given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux2" else None
-    inferred = infer_config(shape_of, depths, read_folder_config(files), files[0], given_rope)
+    inferred = infer_config(shape_of, depths, ckpt.folder_config, files[0], given_rope)
     if config is not None:
-        _check_config(inferred, config)
+        check_config(inferred, config)
         inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
     log.info("loading %s-layout FLUX.2 transformer from %s (%d files)", layout, files[0].parent, len(files))
 
@@ -178,7 +181,7 @@ def load_flux2_transformer(
 
     finite = FiniteCheck()
     if layout == "bfl":
-        _check_keys(set(view.keys()) - extra, expected, shape_of)
+        check_keys(set(view.keys()) - extra, expected, shape_of)
         check_weight_dtypes(view, expected)
         table, assemble = identity_rules(expected), take_only
     else:

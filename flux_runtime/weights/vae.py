@@ -19,10 +19,11 @@ from typing import Any, Literal
 
 import torch
 
-from flux_runtime.models.vae.flux1 import FLUX1_VAE, Flux1VAE, VAEConfig
-from flux_runtime.models.vae.flux2 import FLUX2_VAE, PATCH, Flux2VAE, Flux2VAEConfig
+from flux_runtime.models.vae.flux1 import FLUX1_VAE, VAE_PRESETS, Flux1VAE, VAEConfig
+from flux_runtime.models.vae.flux2 import FLUX2_VAE, FLUX2_VAE_PRESETS, PATCH, Flux2VAE, Flux2VAEConfig
+from flux_runtime.registry import MODELS
 from flux_runtime.weights import vae2_layout, vae_layout
-from flux_runtime.weights.builtin import builtin
+from flux_runtime.weights.builtin import BUILTINS
 from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.config_files import (
     BOOL,
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 Family = Literal["flux1", "flux2"]
 AnyVAEConfig = VAEConfig | Flux2VAEConfig
 AnyVAE = Flux1VAE | Flux2VAE
+
+# Random-weight presets that need no checkpoint (the offline demo and tests), name → seed.
+BUILTIN = {s.name: s.seed for s in MODELS.values() if s.builtin and not s.trained}
+BUILTIN_NAMES = {s.name for s in MODELS.values() if s.builtin}
+_PRESETS: dict[str, AnyVAEConfig] = {**VAE_PRESETS, **FLUX2_VAE_PRESETS}
 
 FAMILY_NAMES: dict[Family, str] = {"flux1": "FLUX.1", "flux2": "FLUX.2"}
 _BFL_STARTS = ("encoder.down.", "encoder.mid.", "decoder.up.", "decoder.mid.")
@@ -375,7 +381,7 @@ def load_vae(
 
     `path_or_id`: a BFL `ae.safetensors` (optionally under a `vae.` / `first_stage_model.`
     prefix), a diffusers `vae/` folder or pipeline root (sharded or not), a Hugging Face model id in
-    the local cache, or a built-in model (`tiny`, `tiny-flux2` trained; `tiny-random`, `tiny-flux2-random`). The keys decide the family:
+    the local cache, or a built-in random preset (`tiny`, `tiny-flux2`). The keys decide the family:
     a `Flux2VAE` for a checkpoint with the latent BatchNorm, else a `Flux1VAE` (`.config.family` says
     which). `config` (a `VAEConfig` or `Flux2VAEConfig`) is optional; when given it must be of the
     checkpoint's family and agree with it (its shapes, and its config.json if it has one), and supplies
@@ -386,22 +392,21 @@ def load_vae(
     device = check_device(device)
     dtype = check_load_dtype(dtype)
     name = str(path_or_id)
-    spec = builtin(path_or_id)
-    if spec is not None:
+    spec = BUILTINS[name] if name in BUILTIN_NAMES and not Path(path_or_id).exists() else None
+    if spec is not None and config is not None and config.family != spec.vae.family:
+        raise WeightsError(
+            f"{name!r} is a {FAMILY_NAMES[spec.vae.family]} preset but config is a {type(config).__name__}"
+        )
+    if spec is not None and spec.trained:  # a shipped BFL ae.safetensors, the preset's latent factors
+        path_or_id, config = spec.vae_path, config or spec.vae
+    elif spec is not None:
         preset = spec.vae
-        if config is not None and config.family != preset.family:
-            raise WeightsError(
-                f"{name!r} is a {FAMILY_NAMES[preset.family]} preset but config is a {type(config).__name__}"
-            )
-        if spec.trained:
-            path_or_id, config = spec.vae_path, config or preset
-        else:
-            with torch.device("meta"):
-                model = build_vae(config or preset)
-            init_random(model, 0, device, dtype)
-            if isinstance(model, Flux2VAE):
-                _random_stats(model, 0, device, dtype)
-            return model.eval()
+        with torch.device("meta"):
+            model = build_vae(config or preset)
+        init_random(model, spec.spec.seed, device, dtype)
+        if isinstance(model, Flux2VAE):
+            _random_stats(model, spec.spec.seed, device, dtype)
+        return model.eval()
 
     ckpt = open_vae_checkpoint(path_or_id, config)
     check_weight_dtypes(ckpt.view, [ckpt.source_key(rule) for rule in ckpt.table])

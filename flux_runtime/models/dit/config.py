@@ -142,4 +142,6 @@ PRESETS: dict[str, DiTConfig] = {
     "flux2-klein-4b": FLUX2_KLEIN_4B,
     "flux2-klein-9b": FLUX2_KLEIN_9B,
     "tiny-flux2": TINY_FLUX2,
+    "tiny-trained": TINY_TRAINED,
+    "tiny-flux2-trained": TINY_FLUX2_TRAINED,
 }

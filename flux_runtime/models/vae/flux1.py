@@ -101,7 +101,7 @@ TINY_TRAINED_VAE = replace(
     FLUX1_VAE, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1, scale_factor=0.8085, shift_factor=-0.1036
 )
 
-VAE_PRESETS: dict[str, VAEConfig] = {"flux1": FLUX1_VAE, "tiny": TINY_VAE}
+VAE_PRESETS: dict[str, VAEConfig] = {"flux1": FLUX1_VAE, "tiny": TINY_VAE, "tiny-trained": TINY_TRAINED_VAE}
 
 
 def group_norm(channels: int, groups: int) -> nn.GroupNorm:

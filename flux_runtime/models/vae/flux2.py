@@ -62,7 +62,11 @@ TINY_FLUX2_VAE = replace(FLUX2_VAE, ch=32, ch_mult=(1, 1), num_res_blocks=1)
 # at widths 32-64, one resnet each; its BatchNorm statistics were computed on the training scenes.
 TINY_FLUX2_TRAINED_VAE = replace(FLUX2_VAE, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1)
 
-FLUX2_VAE_PRESETS: dict[str, Flux2VAEConfig] = {"flux2": FLUX2_VAE, "tiny-flux2": TINY_FLUX2_VAE}
+FLUX2_VAE_PRESETS: dict[str, Flux2VAEConfig] = {
+    "flux2": FLUX2_VAE,
+    "tiny-flux2": TINY_FLUX2_VAE,
+    "tiny-flux2-trained": TINY_FLUX2_TRAINED_VAE,
+}
 
 
 class Flux2Encoder(Encoder):

@@ -1,0 +1,338 @@
+"""The pipeline core: one order of work for every FLUX family and variant.
+
+check → encode → latents → schedule → denoise → decode → provenance. The core owns what every family
+shares: the call record (`Call`, the arguments written once), the tier (resolved once per call), the
+RoPE-table and CUDA-graph caches, true classifier-free guidance, the NaN watch, out-of-memory handling,
+output types and the provenance. A family or variant is a `Recipe` subclass that fills in the few
+steps that differ (`check`, `encode`, `prepare`, `velocity`, `decoder_input`, `record_inputs`):
+`Pipeline` (FLUX.1 and its variants) and `Flux2Pipe` (FLUX.2 [dev] / [klein]).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from flux_runtime.kernels import reset_fused_ops_report
+from flux_runtime.pipeline.checks import StepWatch, check_finite
+from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
+from flux_runtime.pipeline.provenance import provenance
+from flux_runtime.pipeline.tiers import RunTier, Tier, resolve_tier
+from flux_runtime.sampling import ScheduleConfig, denoise, get_schedule, to_pil_images, to_uint8_images
+
+log = logging.getLogger(__name__)
+
+OutputType = Literal["pil", "pt", "np", "latent"]
+Progress = Callable[[str, int, int], None]
+"""`progress(stage, done, total)` with stage "encode", "denoise" or "decode"."""
+RoPE = tuple[Tensor, Tensor]
+
+
+@dataclass
+class PipelineOutput:
+    """`images`: PIL images, a float tensor (B, 3, H, W) in [0, 1], uint8 arrays, or latents.
+
+    `latents` are the final packed latents (B, L, 64), FLUX.2 (B, L, 128), in the model dtype; `info` is the
+    provenance (prompt, seed, size, steps, guidance, model, quality tier actually used, versions, and the
+    input images' paths and fingerprints where there were any).
+    """
+
+    images: Any
+    latents: Tensor
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """One call's arguments, as given, then completed by the recipe's `check` (defaults filled in)."""
+
+    prompt: str | list[str] | None
+    height: int | None
+    width: int | None
+    num_steps: int | None
+    guidance: float | None
+    seed: int | None
+    generator: torch.Generator | list[torch.Generator] | None
+    max_sequence_length: int
+    num_images_per_prompt: int
+    output_type: OutputType
+    quality: Tier
+    progress: Progress | None
+    prompt_embeds: Tensor | None = None
+    pooled_prompt_embeds: Tensor | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    """The variant's own arguments (`image`, `mask_image`, `strength`, `negative_prompt`, ...)."""
+    # filled in by `Recipe.check`
+    steps: int = 0
+    guidance_used: float | None = None  # what the model is fed / the CFG scale; None when ignored
+    true_cfg_scale: float = 1.0  # > 1: a negative branch runs every step
+    prepared: dict[str, Any] = field(default_factory=dict)
+    """What `check` made of the inputs (preprocessed images, masks), for `encode` and `prepare`."""
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(stage, done, total)
+
+
+@dataclass
+class Conditioning:
+    """The encoded prompt(s): text states (B, L, D), FLUX.1's pooled vector (B, D_pooled), and the
+    negative branch's when CFG runs."""
+
+    txt: Tensor
+    vec: Tensor | None = None
+    negative_txt: Tensor | None = None
+    negative_vec: Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.txt.shape[0]
+
+
+@dataclass
+class Start:
+    """Where denoising starts: packed latents (B, L, C), the latent grid (h, w), the sigma schedule, the
+    position ids, the RoPE cache key, and tokens that condition every step without being updated."""
+
+    latents: Tensor
+    grid: tuple[int, int]
+    sigmas: Tensor
+    timesteps: Tensor
+    img_ids: Tensor
+    txt_ids: Tensor
+    rope_key: tuple
+    reference_tokens: Tensor | None = None  # appended after the latents (FLUX.2 references, Kontext)
+    channel_cond: Tensor | None = None  # concatenated on the channels (Fill, Depth/Canny)
+    blend: Callable[[int, Tensor], Tensor] | None = None  # after step i (inpainting keeps the unmasked part)
+
+
+class Recipe:
+    """The shared machinery of a FLUX pipeline; subclasses supply the family's steps.
+
+    Subclasses set `transformer`, `vae`, `text_encoder`, `schedule`, `model_name`, `weights_id`, `quality`,
+    `cuda_graphs`, `offload_text_encoders` through `_setup` and implement the hooks below.
+    """
+
+    transformer: Any
+    vae: Any
+    text_encoder: Any
+    schedule: ScheduleConfig
+    oom_hint = ""  # extra advice in the out-of-memory message
+
+    def _setup(
+        self,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        *,
+        schedule: ScheduleConfig,
+        model_name: str,
+        weights_id: str,
+        quality: Tier,
+        cuda_graphs: bool,
+        offload_text_encoders: bool,
+    ) -> None:
+        self.transformer, self.vae, self.text_encoder = transformer, vae, text_encoder
+        self.schedule = schedule
+        self.model_name, self.weights_id = model_name, weights_id
+        self.quality: Tier = quality
+        self.cuda_graphs = cuda_graphs
+        self.offload_text_encoders = offload_text_encoders
+        # decode in tiles of this many latent pixels (bounds VAE memory for large images; not bit-identical
+        # to a one-pass decode at the seams); None decodes in one pass, as diffusers does by default
+        self.vae_tile: int | None = None
+        self._graphed: dict[tuple, GraphedDenoiser] = {}
+        self._rope: dict[tuple, tuple[Tensor, Tensor, RoPE]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.img_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.img_in.weight.dtype
+
+    # ------------------------------------------------------------------ the hooks a recipe fills in
+    def check(self, call: Call) -> None:
+        """Validate `call` and fill in `steps`, `guidance_used`, `true_cfg_scale`, `prepared` (no model runs)."""
+        raise NotImplementedError
+
+    def encode(self, call: Call) -> Conditioning:
+        raise NotImplementedError
+
+    def prepare(self, call: Call, cond: Conditioning) -> Start:
+        """Noise (or noised image latents), ids and the schedule; may run the VAE encoder."""
+        raise NotImplementedError
+
+    def velocity(
+        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+        ids: tuple[Tensor, Tensor], pe: RoPE,
+    ) -> Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
+        """What the transformer's guidance embedder is fed (B,) fp32, or None for a model without one."""
+        raise NotImplementedError
+
+    def decoder_input(self, latents: Tensor, start: Start) -> Tensor:
+        """The VAE decoder's input from the final packed latents."""
+        raise NotImplementedError
+
+    def latent_output(self, latents: Tensor, start: Start) -> Tensor:
+        """What `output_type="latent"` returns in `images` (diffusers' choice for this pipeline)."""
+        return latents
+
+    def record_inputs(self, call: Call) -> dict[str, Any]:
+        """Provenance fields beyond the common ones (input images, strength, negative prompt)."""
+        return {}
+
+    def modulation_table(
+        self, call: Call, start: Start, vec: Tensor | None, g: Tensor | None
+    ) -> Tensor | None:
+        """High tier: every step's adaLN projections in one GEMM, (steps, B, total); None where unused."""
+        return None
+
+    # ------------------------------------------------------------------ the one order of work
+    def _run(self, call: Call) -> PipelineOutput:
+        """check → encode → latents → schedule → denoise → decode → provenance, one FluxError on OOM."""
+        self.check(call)
+        if call.seed is None and call.generator is None:
+            call.seed = 0
+        tier = resolve_tier(call.quality, self.device, self.dtype)
+        try:
+            latents, images, graphs, kernels = self._generate(call, tier)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise FluxError(
+                f"out of GPU memory generating {call.num_images_per_prompt} image(s) of {call.width}x{call.height}: "
+                f"try a smaller size or batch, {self.oom_hint}offload the text encoders "
+                "(offload_text_encoders=True / --offload-text-encoders)"
+            ) from None
+        info = {
+            **provenance(
+                prompt=call.prompt, seed=call.seed, height=call.height, width=call.width, steps=call.steps,
+                guidance=call.guidance_used, max_sequence_length=call.max_sequence_length, tier=tier.quality,
+                cuda_graphs=graphs, model=self.model_name, weights=self.weights_id, dtype=self.dtype,
+                device=self.device, precision=getattr(self.transformer, "precision", "bf16"),
+                fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
+            ),
+            **self.record_inputs(call),
+            # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
+            "kernels": kernels,
+        }  # fmt: skip
+        return PipelineOutput(images, latents, info)
+
+    def _generate(self, call: Call, tier: RunTier) -> tuple[Tensor, Any, bool, str]:
+        """(packed latents, images as `output_type` asks, CUDA graphs used, kernels that ran)."""
+        call.report("encode", 0, 1)
+        cond = self.encode(call)
+        start = self.prepare(call, cond)
+        call.report("encode", 1, 1)
+        batch, steps = cond.batch, call.steps
+        g = self.guidance_tensor(call, batch)
+
+        # RoPE tables once per image size and token layout, shared by every block and step
+        if start.rope_key not in self._rope:
+            self._rope[start.rope_key] = (
+                start.img_ids,
+                start.txt_ids,
+                self.transformer.rope(start.txt_ids, start.img_ids),
+            )
+        img_ids, txt_ids, pe = self._rope[start.rope_key]
+        ids = (img_ids, txt_ids)
+        channel_cond = start.channel_cond
+
+        def velocity(
+            x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+            cc: Tensor | None,
+        ) -> Tensor:  # fmt: skip
+            with tier.mounted():
+                if cc is not None:  # Fill / Control: the conditioning latents beside the noisy ones
+                    x = torch.cat([x, cc], dim=2)
+                return self.velocity(x, t, gd, txt, vec, mods, ids, pe)
+
+        use_graphs = self._graphs_enabled()
+
+        def branch(
+            name: str, txt: Tensor, vec: Tensor | None
+        ) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+            table = self.modulation_table(call, start, vec, g) if tier.batched_modulation else None
+            step = iter(range(steps))
+
+            def mods() -> Tensor | None:
+                return None if table is None else table[next(step)]
+
+            if not use_graphs:
+                return lambda x, t, gd: velocity(x, t, gd, txt, vec, mods(), channel_cond)
+            # one graph per branch: a replay overwrites its static output, and CFG needs both at once
+            key = (start.rope_key, tier, name)
+            if key not in self._graphed:
+                self._graphed[key] = self._new_graph(velocity)
+            graphed = self._graphed[key]
+            return lambda x, t, gd: graphed(x, t, gd, txt, vec, mods(), channel_cond)
+
+        call.report("denoise", 0, steps)
+        reset_fused_ops_report()
+        watch = StepWatch(steps, self.device)
+
+        def after_step(i: int, t: Tensor, x: Tensor) -> None:
+            watch(i, x)
+            call.report("denoise", i + 1, steps)
+
+        negative = None
+        if cond.negative_txt is not None:
+            negative = branch("uncond", cond.negative_txt, cond.negative_vec)
+        latents = denoise(
+            branch("cond", cond.txt, cond.vec),
+            start.latents,
+            start.sigmas,
+            start.timesteps,
+            guidance=g,
+            negative_model_fn=negative,
+            true_cfg_scale=call.true_cfg_scale,
+            reference_tokens=start.reference_tokens,
+            callback=after_step,
+            after_step=start.blend,
+        )
+        watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
+        kernels = kernels_used(self._graphed.get((start.rope_key, tier, "cond")) if use_graphs else None)
+
+        if call.output_type == "latent":
+            return latents, self.latent_output(latents, start), use_graphs, kernels
+        z = self.decoder_input(latents, start)
+        call.report("decode", 0, 1)
+        decoded = self.vae.decode(z, tile=self.vae_tile)
+        check_finite(decoded, "decoded images")
+        call.report("decode", 1, 1)
+        if call.output_type == "pil":
+            images: Any = to_pil_images(decoded)
+        elif call.output_type == "np":
+            images = to_uint8_images(decoded)
+        else:
+            images = (decoded * 0.5 + 0.5).clamp(0, 1)
+        return latents, images, use_graphs, kernels
+
+    def _schedule(self, steps: int, image_seq_len: int, strength: float = 1.0) -> tuple[Tensor, Tensor]:
+        """(sigmas (N' + 1,), timesteps (N',)) fp32 on the device: the full schedule, or with `strength` < 1
+        its tail from `first_step(steps, strength)`, as diffusers' img2img `get_timesteps` cuts it."""
+        sched = get_schedule(steps, image_seq_len, config=self.schedule, device=self.device)
+        begin = first_step(steps, strength)
+        return sched.sigmas[begin:], sched.timesteps[begin:]
+
+    def _graphs_enabled(self) -> bool:
+        """CUDA graphs run where they can: asked for, and the model on a CUDA device."""
+        return self.cuda_graphs and self.device.type == "cuda"
+
+    def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
+        return GraphedDenoiser(fn)
+
+
+def first_step(steps: int, strength: float) -> int:
+    """The step img2img starts at: `int(steps - min(steps * strength, steps))` (diffusers' `get_timesteps`)."""
+    return int(max(steps - min(steps * strength, steps), 0))

@@ -1,0 +1,237 @@
+"""The FLUX.1 variants as small recipes: how each one's latents start and what conditions every step.
+
+- text to image (FluxPipeline), with true CFG when `negative_prompt` and `true_cfg_scale > 1` are given;
+- img2img (FluxImg2ImgPipeline): the image's latents noised to the first kept timestep (`strength`);
+- inpainting (FluxInpaintPipeline): img2img, and after each step the re-noised original outside the mask;
+- Kontext (FluxKontextPipeline): the reference image's tokens appended after the latents, ids at time 1;
+- Fill (FluxFillPipeline): masked-image latents and the 8x8-packed mask concatenated on the channels;
+- control (FluxControlPipeline, Depth / Canny): the control image's latents concatenated on the channels.
+
+Which one a checkpoint is: the diffusers folder's model_index.json class, else the registry name, else the
+caller's `variant=`; Fill and control are also told by the transformer's input width.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from flux_runtime.pipeline.core import Call, Conditioning, Start, first_step
+from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.sources import Sources
+from flux_runtime.registry import Variant, spec_for
+from flux_runtime.sampling import draw_noise, image_ids, latent_size, pack
+
+if TYPE_CHECKING:
+    from flux_runtime.pipeline.flux1 import Pipeline
+
+# FluxImg2ImgPipeline / FluxInpaintPipeline's default strength.
+DEFAULT_STRENGTH = 0.6
+MASK_MODES = ("L", "1", "RGB", "RGBA", "LA", "P")
+IMAGE_ROLES = ("image", "mask_image", "control_image")
+VARIANTS: tuple[Variant, ...] = ("text2img", "kontext", "fill", "control")
+# model_index.json `_class_name` → variant
+_PIPELINE_CLASSES: dict[str, Variant] = {
+    "FluxPipeline": "text2img",
+    "FluxImg2ImgPipeline": "text2img",
+    "FluxInpaintPipeline": "text2img",
+    "FluxKontextPipeline": "kontext",
+    "FluxKontextInpaintPipeline": "kontext",
+    "FluxFillPipeline": "fill",
+    "FluxControlPipeline": "control",
+    "FluxControlImg2ImgPipeline": "control",
+    "FluxControlInpaintPipeline": "control",
+}
+
+
+def input_width(variant: Variant, z: int, f: int) -> int:
+    """The transformer's input width for a variant: latents packed 2x2 (4z), Fill adds the masked image's
+    latents (4z) and the f x f mask packed 2x2 (4 f^2), control the control image's latents (4z)."""
+    if variant == "fill":
+        return 8 * z + 4 * f * f
+    if variant == "control":
+        return 8 * z
+    return 4 * z
+
+
+def named_variant(src: Sources, variant: Variant | None) -> Variant | None:
+    """The variant the sources name: model_index.json's class, else the registry entry, else `variant`."""
+    if variant is not None and variant not in VARIANTS:
+        raise FluxError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+    cls = (src.model_index or {}).get("_class_name")
+    if isinstance(cls, str) and cls in _PIPELINE_CLASSES:
+        return _PIPELINE_CLASSES[cls]
+    spec = spec_for(src.name)
+    if spec is not None and spec.family == "flux1":
+        return spec.variant
+    return variant
+
+
+def variant_of(transformer: Any, vae: Any, named: Variant | None, name: str) -> Variant:
+    """The variant: told by the input width for Fill and control, else `named` (Kontext has dev's keys)."""
+    z, f = vae.config.z_channels, getattr(vae.config, "spatial_factor", 8)
+    width = transformer.config.in_channels
+    for by_width in ("fill", "control"):
+        if width == input_width(by_width, z, f):  # type: ignore[arg-type]
+            return by_width  # type: ignore[return-value]
+    return named if named in ("text2img", "kontext") else "text2img"
+
+
+def check_inputs(pipe: Pipeline, call: Call) -> None:
+    """The variant's own arguments, before any model runs."""
+    inputs = call.inputs
+    scale, negative = inputs["true_cfg_scale"], inputs["negative_prompt"]
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not scale >= 1.0
+        or scale == float("inf")
+    ):
+        raise FluxError(f"true_cfg_scale {scale!r} must be a finite number >= 1")
+    if negative is not None:
+        n = 1 if isinstance(call.prompt, str) or call.prompt is None else len(call.prompt)
+        negatives = [negative] if isinstance(negative, str) else negative
+        if not isinstance(negatives, list) or not all(isinstance(p, str) for p in negatives):
+            raise FluxError("negative_prompt must be a string or a list of strings")
+        if isinstance(negative, list) and len(negative) != n:
+            raise FluxError(
+                f"negative_prompt has {len(negative)} prompts for {n} prompts; give one per prompt"
+            )
+        if isinstance(negative, str) and n > 1:
+            inputs["negative_prompt"] = [negative] * n
+    if scale > 1 and negative is None:
+        warnings.warn("true_cfg_scale > 1 needs a negative_prompt; no true CFG runs", stacklevel=5)
+    if negative is not None and scale <= 1:
+        warnings.warn("negative_prompt is used only with true_cfg_scale > 1; no true CFG runs", stacklevel=5)
+    call.true_cfg_scale = float(scale) if scale > 1 and negative is not None else 1.0
+    image, mask, strength = inputs["image"], inputs["mask_image"], inputs["strength"]
+    for arg in ("image", "mask_image", "control_image"):
+        if inputs[arg] is not None and not isinstance(inputs[arg], Image.Image):
+            raise FluxError(f"{arg} must be a PIL image, got {type(inputs[arg]).__name__}")
+    if pipe.variant in ("kontext", "fill", "control"):
+        raise FluxError(f"the FLUX.1 {pipe.variant} variant is not supported yet")
+    if inputs["control_image"] is not None:
+        raise FluxError(
+            f"control_image needs a Depth or Canny checkpoint; {pipe.model_name} has no control input"
+        )
+    if mask is not None and image is None:
+        raise FluxError("mask_image needs an image to inpaint")
+    if strength is not None and image is None:
+        raise FluxError("strength needs an image (img2img or inpainting)")
+    if image is not None:
+        strength = DEFAULT_STRENGTH if strength is None else strength
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
+            raise FluxError(f"strength {strength!r} must be in (0, 1]")
+        inputs["strength"] = float(strength)
+    if mask is not None:
+        if mask.mode not in MASK_MODES:
+            raise FluxError(f"mask_image has mode {mask.mode}; give a grayscale (L), 1-bit or RGB mask")
+        if mask.size != image.size:
+            raise FluxError(
+                f"mask_image is {mask.width}x{mask.height} but image is {image.width}x{image.height}"
+            )
+
+
+def check_after_size(pipe: Pipeline, call: Call) -> None:
+    """Checks that need the final size and step count: strength leaves at least one step."""
+    strength = call.inputs["strength"]
+    if strength is not None and first_step(call.steps, strength) >= call.steps:
+        raise FluxError(
+            f"strength {strength} of {call.steps} steps leaves no step to run: raise strength or num_steps"
+        )
+
+
+def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    if call.inputs["image"] is None:
+        return pipe.text2img_start(call, cond)
+    return _img2img_start(pipe, call, cond)
+
+
+def _preprocess(image: Image.Image, height: int, width: int, *, mask: bool = False) -> Tensor:
+    """VaeImageProcessor.preprocess: LANCZOS resize to width x height, [0, 1] floats (B, C, H, W); an image
+    to [-1, 1] RGB, a mask to one grayscale channel binarized at 0.5."""
+    image = image.convert("L") if mask else image if image.mode == "RGB" else image.convert("RGB")
+    image = image.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
+    array = np.array(image).astype(np.float32) / 255.0
+    array = array[None, ..., None] if mask else array[None]  # (1, H, W, C)
+    pixels = torch.from_numpy(array.transpose(0, 3, 1, 2))
+    if mask:
+        pixels[pixels < 0.5] = 0
+        pixels[pixels >= 0.5] = 1
+        return pixels
+    return 2.0 * pixels - 1.0
+
+
+def _img2img_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    """FluxImg2ImgPipeline / FluxInpaintPipeline: the image's latents (a posterior sample, drawn with the
+    call's generator before the noise) noised to the first kept sigma, the schedule's last steps."""
+    assert call.height is not None and call.width is not None  # filled by check
+    device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
+    batch, f = cond.batch, vae.config.spatial_factor
+    h, w = latent_size(call.height, call.width, f)
+    # one generator for the VAE sample and the noise, as diffusers threads it through both
+    generator = torch.Generator("cpu").manual_seed(call.seed) if call.seed is not None else call.generator
+    first = generator[0] if isinstance(generator, list) else generator
+    pixels = _preprocess(call.inputs["image"], call.height, call.width).to(device=device, dtype=dtype)
+    image_latents = vae.scale_latents(vae.encode(pixels, sample=True, generator=first))
+    image_latents = torch.cat([image_latents] * batch, dim=0)  # (B, C, h, w)
+    noise = draw_noise(tuple(image_latents.shape), dtype=dtype, device=device, generator=generator)
+    tokens = (h // 2) * (w // 2)
+    sigmas, timesteps = pipe._schedule(call.steps, tokens, call.inputs["strength"])
+    # FlowMatchEulerDiscreteScheduler.scale_noise: sigma cast to the sample's dtype first
+    sigma = sigmas[0].to(dtype)
+    latents = pack(sigma * noise + (1.0 - sigma) * image_latents)
+    blend = None
+    if call.inputs["mask_image"] is not None:
+        mask = _preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
+        mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
+        mask = pack(mask.repeat(batch, image_latents.shape[1], 1, 1))
+        packed_image, packed_noise = pack(image_latents), pack(noise)
+        blend = _inpaint_blend(packed_image, packed_noise, mask, sigmas)
+    return Start(
+        latents, (h, w), sigmas, timesteps,
+        img_ids=image_ids(h, w, dtype=dtype, device=device),
+        txt_ids=pipe._text_ids(cond),
+        rope_key=(h, w, cond.txt.shape[1], device),
+        blend=blend,
+    )  # fmt: skip
+
+
+def _inpaint_blend(
+    image: Tensor, noise: Tensor, mask: Tensor, sigmas: Tensor
+) -> Callable[[int, Tensor], Tensor]:
+    """After step i: outside the mask, the original latents noised to the next sigma (none after the last)."""
+    last = sigmas.shape[0] - 2
+
+    def blend(i: int, latents: Tensor) -> Tensor:
+        proper = image
+        if i < last:
+            sigma = sigmas[i + 1].to(image.dtype)
+            proper = sigma * noise + (1.0 - sigma) * image
+        return (1 - mask) * proper + mask * latents
+
+    return blend
+
+
+def record_inputs(pipe: Pipeline, call: Call) -> dict[str, Any]:
+    """Provenance of the variant's inputs: the negative prompt and CFG scale when true CFG ran, the
+    strength and each input image's file and fingerprint."""
+    from flux_runtime.pipeline.flux2 import image_record
+
+    out: dict[str, Any] = {}
+    if pipe.variant != "text2img":
+        out["variant"] = pipe.variant
+    if call.true_cfg_scale > 1:
+        out.update(negative_prompt=call.inputs["negative_prompt"], true_cfg_scale=call.true_cfg_scale)
+    images = {k: image_record(call.inputs[k]) for k in IMAGE_ROLES if call.inputs.get(k) is not None}
+    if images:
+        out["input_images"] = images
+    if call.inputs.get("strength") is not None:
+        out["strength"] = call.inputs["strength"]
+    return out

@@ -1,0 +1,159 @@
+"""A transformer checkpoint opened once: its files, their headers, and the family its keys say.
+
+`open_transformer` finds the safetensors files of a path or cached id, reads their headers (once) and
+tells FLUX.1 from FLUX.2 by the keys; the family loaders (`flux1_transformer`, `flux2_transformer`)
+take the opened checkpoint, so a pipeline that asked for the family first reads no header twice.
+The helpers both loaders share (config checks, key checks, identity rules, built-in models) live here,
+so neither loader imports the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from flux_runtime.models.dit import DiTConfig
+from flux_runtime.registry import builtin
+from flux_runtime.weights import flux1_layout, flux2_layout
+from flux_runtime.weights import fp8 as fp8_layers
+from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.hub import resolve, safetensors_files
+from flux_runtime.weights.keys import raise_key_errors, strip_prefix
+from flux_runtime.weights.safetensors_io import TensorSource, read_header
+
+log = logging.getLogger(__name__)
+
+Family = Literal["flux1", "flux2"]
+BFL_MARK = "double_blocks.0.img_attn.norm.key_norm.scale"
+BFL_ANY = ("img_in.weight", "final_layer.linear.weight")
+# The fields of a diffusers transformer config.json the loaders read (the rest comes from the tensor shapes).
+CONFIG_FIELDS = {"axes_dims_rope": INT_LIST, "rope_theta": NUMBER}
+
+
+@dataclass
+class TransformerCheckpoint:
+    """The files of one transformer checkpoint with their headers read (`source`) and its `family`."""
+
+    files: list[Path]
+    source: TensorSource = field(repr=False)
+    family: Family
+
+    @cached_property
+    def folder_config(self) -> dict | None:
+        """The diffusers `config.json` beside the files, type-checked where read; None without one."""
+        return read_folder_config(self.files)
+
+    @property
+    def where(self) -> Path:
+        return self.files[0]
+
+
+def open_transformer(path_or_id: str | Path) -> TransformerCheckpoint:
+    """Find and open the transformer under a file, folder or cached id; the family from its keys."""
+    files = find_transformer_files(resolve(path_or_id))
+    source = TensorSource(files)
+    family: Family = "flux2" if flux2_layout.is_flux2(source.keys()) else "flux1"
+    return TransformerCheckpoint(files, source, family)
+
+
+def transformer_family(path_or_id: str | Path | TransformerCheckpoint) -> Family:
+    """FLUX.1 or FLUX.2: a built-in model's registry entry, else the checkpoint's keys (headers only)."""
+    if isinstance(path_or_id, TransformerCheckpoint):
+        return path_or_id.family
+    spec = builtin(path_or_id)
+    if spec is not None:
+        return spec.family
+    return open_transformer(path_or_id).family
+
+
+def find_transformer_files(path: Path) -> list[Path]:
+    """The safetensors files holding the transformer under `path` (file, component or pipeline folder)."""
+    if path.is_file():
+        return [path]
+    if (path / "transformer").is_dir():
+        return find_transformer_files(path / "transformer")
+    files = safetensors_files(path, "diffusion_pytorch_model")
+    if files:
+        return files
+    # A BFL repo root: the transformer is the single file whose keys look like a FLUX DiT.
+    for f in sorted(path.glob("*.safetensors")):
+        keys = read_header(f)
+        if any(_strip(k) in (*BFL_ANY, BFL_MARK) for k in keys):
+            return [f]
+    raise WeightsError(
+        f"{path}: no FLUX transformer found (no transformer/ folder, no diffusion_pytorch_model*.safetensors, no BFL single file)"
+    )
+
+
+def _strip(key: str) -> str:
+    return strip_prefix(key, flux1_layout.BFL_PREFIXES)
+
+
+@contextmanager
+def config_errors(where: Path | str) -> Iterator[None]:
+    """Turn `DiTConfig`'s ValueError (shapes or config.json values no FLUX model has) into a WeightsError naming `where`."""
+    try:
+        yield
+    except WeightsError:
+        raise
+    except ValueError as e:
+        raise WeightsError(
+            f"{where}: the checkpoint's shapes and config.json give no valid model ({e})"
+        ) from None
+
+
+def check_config(inferred: DiTConfig, given: DiTConfig) -> None:
+    diffs = [
+        f"{f.name}: checkpoint {getattr(inferred, f.name)}, config {getattr(given, f.name)}"
+        for f in fields(DiTConfig)
+        if f.name not in ("axes_dim", "theta") and getattr(inferred, f.name) != getattr(given, f.name)
+    ]
+    if diffs:
+        raise WeightsError("checkpoint does not match the given config: " + "; ".join(diffs))
+
+
+def read_folder_config(files: list[Path]) -> dict | None:
+    """The diffusers `config.json` beside a transformer's files, its fields that we read type-checked; or None."""
+    path = files[0].parent / "config.json"
+    cfg = read_json_if_present(path)
+    if cfg is not None:
+        check_fields(cfg, CONFIG_FIELDS, path)
+    return cfg
+
+
+def identity_rules(expected: dict[str, tuple[int, ...]]) -> list[flux1_layout.Rule]:
+    """Rules for a checkpoint stored under our own (BFL) names: each key is itself."""
+    return [flux1_layout.Rule(k, (k,)) for k in expected]
+
+
+def take_only(rule: flux1_layout.Rule, get) -> torch.Tensor:
+    """`assemble` for identity rules."""
+    return get(rule.diffusers[0])
+
+
+def finish_builtin(model: nn.Module, dtype: torch.dtype, fp8: bool) -> nn.Module:
+    """A built-in random model, quantized when `fp8`, with its precision recorded."""
+    model.precision = fp8_layers.quantize_model(model, dtype) if fp8 else fp8_layers.precision_of({}, dtype)
+    model.quantized_at_load = fp8
+    return model.eval()
+
+
+def check_keys(keys: set[str], expected: dict[str, tuple[int, ...]], shape_of) -> None:
+    raise_key_errors(sorted(set(expected) - keys), sorted(keys - set(expected)))
+    for k, want in expected.items():
+        got = tuple(shape_of(k))
+        if got != want:
+            raise WeightsError(f"{k}: expected shape {want}, checkpoint has {got}")
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
