@@ -14,7 +14,11 @@ from typing import cast
 import click
 
 from flux_runtime.cli.errors import one_line_errors
-from flux_runtime.weights.convert import COMPONENTS, DEFAULT_MAX_SHARD_SIZE, Component, convert, parse_size
+
+# `flux_runtime.weights.convert`'s COMPONENTS and DEFAULT_MAX_SHARD_SIZE (a test keeps them equal), written
+# out so that importing this command loads no torch: Ctrl-C while torch loads is then one line too.
+COMPONENTS = ("transformer", "vae")
+DEFAULT_MAX_SHARD_SIZE = "10GB"
 
 
 class _Size(click.ParamType):
@@ -25,6 +29,8 @@ class _Size(click.ParamType):
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
+        from flux_runtime.weights.safetensors_writer import parse_size
+
         try:
             return parse_size(str(value))
         except ValueError as e:
@@ -98,6 +104,8 @@ def main(
 
                 bar = tqdm(unit="B", unit_scale=True, desc=component, leave=False)
                 progress = bar.update
+            from flux_runtime.weights.convert import Component, convert
+
             kind = cast(Component, component)  # click.Choice(COMPONENTS) checked it
             result = convert(
                 kind, src, dst, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress
