@@ -24,6 +24,7 @@ from flux_runtime.models.dit import DiTConfig
 from flux_runtime.registry import builtin
 from flux_runtime.weights import flux1_layout, flux2_layout
 from flux_runtime.weights import fp8 as fp8_layers
+from flux_runtime.weights.checks import FiniteCheck
 from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
@@ -138,6 +139,51 @@ def identity_rules(expected: dict[str, tuple[int, ...]]) -> list[flux1_layout.Ru
 def take_only(rule: flux1_layout.Rule, get) -> torch.Tensor:
     """`assemble` for identity rules."""
     return get(rule.diffusers[0])
+
+
+def check_part_shapes(
+    table: list[flux1_layout.Rule],
+    expected: dict[str, tuple[int, ...]],
+    shape_of,
+    split,
+) -> None:
+    """Each diffusers tensor has the shape that splitting the model's (BFL-named) tensor the layout's way gives."""
+    for rule in table:
+        meta = torch.empty(expected[rule.bfl], device="meta")
+        for d, part in split(rule, meta).items():
+            if shape_of(d) != tuple(part.shape):
+                raise WeightsError(
+                    f"{d}: expected shape {tuple(part.shape)}, checkpoint has {shape_of(d)} (part of {rule.bfl})"
+                )
+
+
+def fill_model(
+    model: nn.Module,
+    table: list[flux1_layout.Rule],
+    reader,
+    assemble,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    fp8_src: fp8_layers.Fp8Source | None,
+    fp8: bool,
+) -> nn.Module:
+    """Stream the checkpoint into `model` (on meta) through `table`, each tensor checked finite; eval, no grads.
+
+    FP8 weights stay FP8 (or `fp8` quantizes bf16 ones as they stream in); `.precision` and
+    `.quantized_at_load` record which.
+    """
+    finite = FiniteCheck()
+    read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
+    model.precision = fp8_layers.load_state(
+        model, table, lambda k, _device, _dtype: read(k), assemble,
+        device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
+    )  # fmt: skip
+    finite.raise_if_any()
+    model.quantized_at_load = fp8
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
 
 
 def finish_builtin(model: nn.Module, dtype: torch.dtype, fp8: bool) -> nn.Module:

@@ -24,11 +24,13 @@ from flux_runtime.weights.checkpoint import (
     _strip,
     check_config,
     check_keys,
+    check_part_shapes,
     config_errors,
+    fill_model,
     identity_rules,
     take_only,
 )
-from flux_runtime.weights.checks import FiniteCheck, check_weight_dtypes
+from flux_runtime.weights.checks import check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
 
@@ -157,7 +159,6 @@ def load_flux1_transformer(
     fp8_src = fp8_layers.Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent))
     extra = fp8_src.extra_keys() if fp8_src is not None else set()
 
-    finite = FiniteCheck()
     if layout == "bfl":
         check_keys(set(keys) - extra, expected, shape_of)
         check_weight_dtypes(view, expected)
@@ -170,22 +171,8 @@ def load_flux1_transformer(
         unexpected = sorted(set(keys) - used - extra)
         raise_key_errors(missing, unexpected)
         assemble = flux1_layout.diffusers_to_bfl
-        for rule in table:
-            # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
-            meta = torch.empty(expected[rule.bfl], device="meta")
-            for d, part in flux1_layout.bfl_to_diffusers(rule, meta, cfg.hidden_size).items():
-                if src.shape(d) != tuple(part.shape):
-                    raise WeightsError(
-                        f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
-                    )
+        check_part_shapes(
+            table, expected, src.shape, lambda r, t: flux1_layout.bfl_to_diffusers(r, t, cfg.hidden_size)
+        )
         check_weight_dtypes(src, sorted(used))
-    read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
-    model.precision = fp8_layers.load_state(
-        model, table, lambda k, _device, _dtype: read(k), assemble,
-        device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
-    )  # fmt: skip
-    finite.raise_if_any()
-    model.quantized_at_load = fp8
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()
+    return fill_model(model, table, reader, assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8)

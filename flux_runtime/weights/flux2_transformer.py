@@ -25,14 +25,16 @@ from flux_runtime.weights.checkpoint import (
     TransformerCheckpoint,
     check_config,
     check_keys,
+    check_part_shapes,
     config_errors,
+    fill_model,
     finish_builtin,
     identity_rules,
     open_transformer,
     take_only,
     transformer_family,
 )
-from flux_runtime.weights.checks import FiniteCheck, check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.checks import check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
@@ -179,32 +181,15 @@ def load_flux2_transformer(
         model = Flux2Transformer(inferred)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
-    finite = FiniteCheck()
     if layout == "bfl":
         check_keys(set(view.keys()) - extra, expected, shape_of)
         check_weight_dtypes(view, expected)
         table, assemble = identity_rules(expected), take_only
     else:
         assemble = flux2_layout.diffusers_to_bfl
-        for rule in table:
-            # expected diffusers shapes: split an empty tensor of the BFL shape the way the layout does
-            meta = torch.empty(expected[rule.bfl], device="meta")
-            for d, part in flux2_layout.bfl_to_diffusers(rule, meta).items():
-                if src.shape(d) != tuple(part.shape):
-                    raise WeightsError(
-                        f"{d}: expected shape {tuple(part.shape)}, checkpoint has {src.shape(d)} (part of {rule.bfl})"
-                    )
+        check_part_shapes(table, expected, src.shape, flux2_layout.bfl_to_diffusers)
         check_weight_dtypes(src, sorted(used))
-    read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
-    model.precision = fp8_layers.load_state(
-        model, table, lambda k, _device, _dtype: read(k), assemble,
-        device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
-    )  # fmt: skip
-    finite.raise_if_any()
-    model.quantized_at_load = fp8
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()
+    return fill_model(model, table, reader, assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8)
 
 
 def _fused_shapes(table: list[flux2_layout.Rule], diffusers_shape: ShapeOf) -> ShapeOf:
