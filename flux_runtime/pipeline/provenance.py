@@ -10,6 +10,7 @@ interrupted write leaves no file behind and two writers of one path cannot both 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import platform
@@ -198,6 +199,21 @@ def provenance(
     }
 
 
+def png_bytes(image: Image.Image, info: Mapping[str, Any], *, where: Path | str = "<memory>") -> bytes:
+    """`image` as PNG bytes with the provenance in text chunks (`flux_runtime` JSON + a readable summary).
+
+    What `save_png` writes and `flux-serve` sends; `where` names the image in a schema error.
+    """
+    record = check_record(dict(info), where)  # the writer keeps the schema the reader checks
+    meta = PngInfo()
+    meta.add_text(CHUNK, json.dumps(record, default=str))
+    meta.add_text("Description", str(record.get("prompt", "")))
+    meta.add_text("Software", f"flux-runtime {flux_runtime.__version__}")
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=meta)
+    return buf.getvalue()
+
+
 def save_png(image: Image.Image, path: Path, info: Mapping[str, Any], *, overwrite: bool = False) -> None:
     """Write `image` with the provenance in PNG text chunks (`flux_runtime` JSON + a readable summary).
 
@@ -207,16 +223,12 @@ def save_png(image: Image.Image, path: Path, info: Mapping[str, Any], *, overwri
     meanwhile, nothing is replaced and a FluxError says so.
     """
     path = Path(path)
-    record = check_record(dict(info), path)  # the writer keeps the schema the reader checks
-    meta = PngInfo()
-    meta.add_text(CHUNK, json.dumps(record, default=str))
-    meta.add_text("Description", str(record.get("prompt", "")))
-    meta.add_text("Software", f"flux-runtime {flux_runtime.__version__}")
+    data = png_bytes(image, info, where=path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
     try:
         with os.fdopen(fd, "wb") as f:
-            image.save(f, format="PNG", pnginfo=meta)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         _place(tmp, path, overwrite)

@@ -1,0 +1,322 @@
+"""The FastAPI app: the OpenAI-shaped routes over one `Worker`, the URL store, `/health` and `/metrics`.
+
+Routes: `POST /v1/images/generations`, `POST /v1/images/edits`, `GET /v1/images/files/{name}` (the `url`
+answers), `GET /v1/models`, `GET /health`, `GET /metrics`. A handler checks what needs no model, queues a
+job and waits for it; it gives the job up when its client disconnects or its timeout passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from PIL import Image
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.provenance import png_bytes
+from flux_runtime.serve.api import SIZE_MULTIPLE, APIError, EditRequest, GenerationRequest, parse_size
+from flux_runtime.serve.worker import Abandoned, Generated, Job, Metrics, QueueFull, Worker
+
+_FILE_NAME = re.compile(r"^[0-9a-f]{32}\.png$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What one request may ask for, and how long the server waits for it."""
+
+    max_n: int = 4
+    max_side: int = 2048
+    max_upload_bytes: int = 16 << 20
+    timeout: float = 600.0
+    retry_after: int = 5  # seconds, in a 503's Retry-After
+
+
+class ImageStore:
+    """The PNGs answered by `url`: a folder holding at most `max_files`, the oldest removed first."""
+
+    def __init__(self, folder: Path, max_files: int) -> None:
+        self.folder, self.max_files = folder, max_files
+        folder.mkdir(parents=True, exist_ok=True)
+        self._names: list[str] = []
+
+    def put(self, data: bytes) -> str:
+        name = f"{secrets.token_hex(16)}.png"
+        (self.folder / name).write_bytes(data)
+        self._names.append(name)
+        while len(self._names) > self.max_files:
+            (self.folder / self._names.pop(0)).unlink(missing_ok=True)
+        return name
+
+    def path(self, name: str) -> Path | None:
+        if not _FILE_NAME.match(name) or not (self.folder / name).is_file():
+            return None
+        return self.folder / name
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    """The first pydantic complaint as a 400 naming its field (`n`, `size`, ...)."""
+    first = e.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[-1] if loc else None
+    return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
+
+
+def prompt_tokens(pipe: Any, prompt: str) -> int:
+    """How many tokens the pipeline's sequence encoder makes of `prompt` (T5 for FLUX.1, the LLM's chat
+    text for FLUX.2), to refuse a prompt the pipeline would cut short."""
+    te = pipe.text_encoder
+    if hasattr(te, "t5_tokenizer"):
+        return len(te.t5_tokenizer(prompt)["input_ids"])
+    return len(te.tokenizer(te.render([prompt])[0])["input_ids"])
+
+
+def create_app(
+    pipe: Any,
+    *,
+    model: str,
+    store: ImageStore,
+    limits: Limits,
+    max_queue: int = 16,
+    max_batch: int = 4,
+    batching: bool = True,
+    drain: bool = True,
+) -> FastAPI:
+    """The server over the loaded `pipe`, served under the name `model`."""
+    from flux_runtime.pipeline.flux2 import Flux2Pipe
+
+    flux2 = isinstance(pipe, Flux2Pipe)
+    metrics = Metrics(pipe.device)
+    worker = Worker(pipe, metrics, max_queue=max_queue, max_batch=max_batch, batching=batching, flux2=flux2)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        # uvicorn has waited for the open requests (their jobs ran); whatever remains is run or refused
+        await asyncio.to_thread(worker.close, drain)
+
+    app = FastAPI(title="flux-serve", lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(_validation_error(e))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception) -> JSONResponse:
+        """One request's bug answers 500; the server lives on."""
+        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+    app.add_middleware(_CountAnswers, metrics=metrics)
+
+    def check_common(req: GenerationRequest) -> tuple[int, int] | None:
+        if req.model is not None and req.model != model:
+            raise APIError(
+                404, f"model {req.model!r} is not served here; this server serves {model!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        if req.n > limits.max_n:
+            raise APIError(400, f"n {req.n} is over this server's limit of {limits.max_n}", param="n")
+        if req.timeout is not None and req.timeout > limits.timeout:
+            raise APIError(
+                400, f"timeout {req.timeout} is over this server's {limits.timeout} s", param="timeout"
+            )
+        size = parse_size(req.size, limits.max_side)
+        for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
+            if text is not None:
+                tokens, limit = prompt_tokens(pipe, text), pipe.default_max_sequence_length
+                if tokens > limit:
+                    raise APIError(
+                        400, f"{name} is {tokens} tokens; {model} reads at most {limit}", param=name
+                    )
+        if flux2 and (req.negative_prompt is not None or req.true_cfg_scale != 1.0):
+            field = "negative_prompt" if req.negative_prompt is not None else "true_cfg_scale"
+            raise APIError(400, f"{field} needs a FLUX.1 model; {model} is FLUX.2", param=field)
+        return size
+
+    def new_job(req: GenerationRequest, **extra: Any) -> Job:
+        size = check_common(req)
+        timeout = req.timeout or limits.timeout
+        return Job(
+            prompt=req.prompt, n=req.n, seed=secrets.randbelow(2**32) if req.seed is None else req.seed,
+            width=size[0] if size else None, height=size[1] if size else None, steps=req.steps,
+            guidance=req.guidance, quality=req.quality, negative_prompt=req.negative_prompt,
+            true_cfg_scale=req.true_cfg_scale, deadline=time.monotonic() + timeout, **extra,
+        )  # fmt: skip
+
+    async def answer(request: Request, job: Job, response_format: str) -> Response:
+        """Queue `job`, wait for it (giving it up on a disconnect or its deadline), answer OpenAI's shape."""
+        try:
+            worker.submit(job)
+        except QueueFull as e:
+            metrics.dropped.labels("queue_full").inc()
+            raise APIError(
+                503, f"{e}; retry after {limits.retry_after} s", kind="server_busy", code="queue_full",
+                headers={"Retry-After": str(limits.retry_after)},
+            ) from None  # fmt: skip
+        began = time.monotonic()
+        waiting = asyncio.wrap_future(job.future)
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=0.05)
+            if done:
+                break
+            if time.monotonic() > job.deadline:
+                worker.abandon(job, "timeout")
+                raise APIError(504, "the request timed out before its images were made", kind="timeout")
+            if await request.is_disconnected():
+                worker.abandon(job, "disconnected")
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        try:
+            generated: Generated = waiting.result()
+        except asyncio.CancelledError:  # cancelled unrun by the worker: the deadline passed in the queue
+            raise APIError(504, "the request timed out in the queue", kind="timeout") from None
+        except Abandoned:
+            raise APIError(504, "the request timed out while it ran", kind="timeout") from None
+        except QueueFull as e:
+            raise APIError(
+                503, str(e), kind="server_busy", headers={"Retry-After": str(limits.retry_after)}
+            ) from None
+        except FluxError as e:
+            raise APIError(400, str(e).strip().splitlines()[0]) from None
+        data = await asyncio.to_thread(_encode, generated, response_format, store, str(request.base_url))
+        metrics.stage.labels("total").observe(time.monotonic() - began)
+        return JSONResponse({"created": int(time.time()), "data": data})
+
+    @app.post("/v1/images/generations")
+    async def generations(request: Request, req: GenerationRequest) -> Response:
+        """Text to image."""
+        return await answer(request, new_job(req), req.response_format)
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request) -> Response:
+        """FLUX.2: draw from reference images (`image`, repeatable); FLUX.1: img2img, or inpainting with
+        `mask` (white = repaint)."""
+        try:
+            form = await request.form(max_files=16, max_fields=64)
+        except Exception as e:  # starlette's MultiPartException, a body that is not a form
+            raise APIError(400, f"the body must be a multipart form: {e}") from None
+        files = [f for name in ("image", "image[]") for f in form.getlist(name) if isinstance(f, UploadFile)]
+        fields = {k: v for k, v in form.multi_items() if isinstance(v, str) and k not in ("image", "image[]")}
+        try:
+            req = EditRequest.model_validate(fields)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if not files:
+            raise APIError(400, "image: an edit needs at least one image file", param="image")
+        if not flux2 and len(files) > 1:
+            raise APIError(400, f"image: {model} (FLUX.1) takes one image, got {len(files)}", param="image")
+        images = [await _read_image(f, "image", limits.max_upload_bytes) for f in files]
+        mask_file = form.get("mask")
+        mask = None
+        if isinstance(mask_file, UploadFile):
+            if flux2:
+                raise APIError(400, f"mask needs a FLUX.1 model; {model} is FLUX.2", param="mask")
+            mask = await _read_image(mask_file, "mask", limits.max_upload_bytes)
+        if flux2 and req.strength is not None:
+            raise APIError(400, f"strength needs a FLUX.1 model; {model} is FLUX.2", param="strength")
+        job = new_job(req, images=images, mask=mask, strength=req.strength)
+        w, h = images[0].size
+        if job.width is None and not (w % SIZE_MULTIPLE or h % SIZE_MULTIPLE):
+            job.width, job.height = w, h  # as OpenAI: an edit is the size of its (first) image by default
+        return await answer(request, job, req.response_format)
+
+    @app.get("/v1/images/files/{name}")
+    async def files(name: str) -> Response:
+        path = store.path(name)
+        if path is None:
+            raise APIError(
+                404, f"no image {name!r} (the store keeps the latest {store.max_files})", param="name"
+            )
+        return FileResponse(path, media_type="image/png")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": model, "object": "model", "created": 0, "owned_by": "flux-runtime"}],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model, "queue_depth": worker.depth}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _CountAnswers:
+    """Count every answer by route and status: a plain ASGI middleware (it leaves `receive` alone, so a
+    handler still sees its client disconnect, which Starlette's BaseHTTPMiddleware would hide)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: dict[str, int] = {}
+
+        async def send_status(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_status)
+        route = getattr(scope.get("route"), "path", "other")
+        self.metrics.requests.labels(route, str(status.get("code", 0))).inc()
+
+
+async def _read_image(upload: UploadFile, param: str, limit: int) -> Image.Image:
+    """An uploaded image, decoded now: a 413 past `limit` bytes, a 400 naming `param` if it does not decode."""
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise APIError(413, f"{param}: the upload is over this server's {limit} bytes", param=param)
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as e:
+        raise APIError(
+            400, f"{param}: {upload.filename or 'the upload'} is not an image PIL reads ({e})", param=param
+        ) from None
+    return image
+
+
+def _encode(
+    generated: Generated, response_format: str, store: ImageStore, base_url: str
+) -> list[dict[str, Any]]:
+    """PNGs with the provenance chunk, as base64 or as URLs into the store."""
+    data = []
+    for image, info in generated:
+        png = png_bytes(image, info)
+        if response_format == "url":
+            data.append({"url": f"{base_url}v1/images/files/{store.put(png)}", "revised_prompt": None})
+        else:
+            data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None})
+    return data

@@ -1,0 +1,313 @@
+"""The bounded queue, the batching and the one GPU worker thread, with the metrics they report.
+
+Handlers `submit` a `Job` (a full queue raises `QueueFull` at once) and wait on its `concurrent.futures`
+future. The worker thread takes the oldest job and, unless batching is off, every queued job that can share
+its batch (same size, steps, guidance, tier, negative prompt; text to image only) up to `max_batch` images,
+and runs them as one pipeline call. A job whose client went away or whose time ran out before the worker
+took it is dropped unrun (its future was cancelled); a running batch whose every job was abandoned stops at
+its next step. An error in a batch of several jobs reruns each alone, so one bad request fails only itself.
+
+Every image is drawn as its own seed (`seed + i` for a request's i-th image, a CPU generator each, as a
+single `seed` call draws), so a served image is replayable as one `flux-gen --seed` run. A batch of two is
+not promised `torch.equal` to two single runs: batched matmuls may sum in another order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
+
+Generated = list[tuple[Image.Image, dict[str, Any]]]
+"""A job's images with each one's provenance."""
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` jobs (or the server is shutting down)."""
+
+
+class Abandoned(Exception):
+    """Every job of a running batch was given up by its client (disconnect or timeout)."""
+
+
+@dataclass
+class Job:
+    """One request's work: `n` images of one prompt, seeds `seed .. seed + n - 1`."""
+
+    prompt: str
+    n: int
+    seed: int
+    width: int | None
+    height: int | None
+    steps: int | None
+    guidance: float | None
+    quality: str | None
+    negative_prompt: str | None = None
+    true_cfg_scale: float = 1.0
+    images: list[Image.Image] = field(default_factory=list)  # edits: references / the image to redraw
+    mask: Image.Image | None = None
+    strength: float | None = None
+    deadline: float = float("inf")  # time.monotonic() after which nobody waits for the answer
+    enqueued: float = field(default_factory=time.monotonic)
+    future: Future[Generated] = field(default_factory=Future)
+    abandoned: bool = False  # set by the handler when it stops waiting
+
+    @property
+    def batch_key(self) -> tuple | None:
+        """Jobs with equal keys run in one batch; None (edits) runs alone."""
+        if self.images:
+            return None
+        return (
+            self.width, self.height, self.steps, self.guidance, self.quality, self.negative_prompt,
+            self.true_cfg_scale,
+        )  # fmt: skip
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (one per app, so tests may build several)."""
+
+    STAGES = ("queue", "encode", "denoise", "decode", "total")
+
+    def __init__(self, device: torch.device) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge("flux_serve_queue_depth", "Jobs waiting for the GPU worker", registry=r)
+        self.running = Gauge("flux_serve_running", "Jobs in the batch the worker runs now", registry=r)
+        self.images = Counter("flux_serve_images", "Images generated", registry=r)
+        self.requests = Counter(
+            "flux_serve_requests",
+            "Requests answered, by route and HTTP status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "flux_serve_dropped", "Jobs dropped before or during their run", ["reason"], registry=r
+        )
+        self.stage = Histogram(
+            "flux_serve_stage_seconds",
+            "Latency per stage (queue wait, encode, denoise, decode) and per request (total)",
+            ["stage"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.batch = Histogram(
+            "flux_serve_batch_images", "Images per pipeline call", buckets=(1, 2, 4, 8, 16), registry=r
+        )
+        self._done: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+        rate = Gauge("flux_serve_images_per_second", "Images per second over the last minute", registry=r)
+        rate.set_function(self.images_per_second)
+        if device.type == "cuda":
+            mem = Gauge("flux_serve_gpu_memory_bytes", "GPU memory", ["kind"], registry=r)
+            mem.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
+            mem.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
+            mem.labels("max_allocated").set_function(lambda: torch.cuda.max_memory_allocated(device))
+
+    def generated(self, count: int) -> None:
+        self.images.inc(count)
+        with self._lock:
+            self._done.append((time.monotonic(), count))
+
+    def images_per_second(self, window: float = 60.0) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._done and self._done[0][0] < now - window:
+                self._done.popleft()
+            return sum(c for _, c in self._done) / window
+
+
+class _StageTimer:
+    """The pipeline's `progress` callback: times encode / denoise / decode, and stops an abandoned batch."""
+
+    def __init__(self, metrics: Metrics, jobs: list[Job]) -> None:
+        self.metrics, self.jobs = metrics, jobs
+        self.began: dict[str, float] = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if all(j.abandoned for j in self.jobs):
+            raise Abandoned()
+        if done == 0:
+            self.began[stage] = time.perf_counter()
+        if done >= total and stage in self.began:
+            self.metrics.stage.labels(stage).observe(time.perf_counter() - self.began.pop(stage))
+
+
+class Worker:
+    """The queue and the thread that runs the pipeline; `close(drain=True)` finishes what is queued."""
+
+    def __init__(
+        self,
+        pipe: Any,
+        metrics: Metrics,
+        *,
+        max_queue: int,
+        max_batch: int,
+        batching: bool,
+        flux2: bool,
+    ) -> None:
+        self.pipe, self.metrics = pipe, metrics
+        self.max_queue, self.max_batch, self.batching, self.flux2 = max_queue, max_batch, batching, flux2
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="flux-serve-gpu", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests)")
+            self._queue.append(job)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._cond.notify()
+
+    def abandon(self, job: Job, reason: str) -> None:
+        """The handler stops waiting for `job`: dropped unrun if still queued, else its result discarded."""
+        job.abandoned = True
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+                self.metrics.queue_depth.set(len(self._queue))
+                job.future.cancel()
+                self.metrics.dropped.labels(reason).inc()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def close(self, drain: bool, timeout: float | None = None) -> None:
+        """Stop taking jobs; with `drain` run what is queued, else fail it with QueueFull; join the thread."""
+        with self._cond:
+            self._closing = True
+            if not drain:
+                while self._queue:
+                    job = self._queue.popleft()
+                    if job.future.set_running_or_notify_cancel():
+                        job.future.set_exception(QueueFull("the server shut down before this request ran"))
+                self.metrics.queue_depth.set(0)
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the worker thread
+    def _take(self) -> list[Job] | None:
+        """The next batch (oldest job first), or None once closing with nothing queued."""
+        with self._cond:
+            while not self._queue and not self._closing:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            first = self._queue.popleft()
+            batch, images = [first], first.n
+            key = first.batch_key
+            if self.batching and key is not None:
+                for job in list(self._queue):
+                    if job.batch_key == key and images + job.n <= self.max_batch:
+                        self._queue.remove(job)
+                        batch.append(job)
+                        images += job.n
+            self.metrics.queue_depth.set(len(self._queue))
+        live = []
+        now = time.monotonic()
+        for job in batch:
+            if now > job.deadline:
+                job.abandoned = True
+                job.future.cancel()
+                self.metrics.dropped.labels("timeout").inc()
+            elif job.future.set_running_or_notify_cancel():
+                self.metrics.stage.labels("queue").observe(now - job.enqueued)
+                live.append(job)
+        return live
+
+    def _loop(self) -> None:
+        while (batch := self._take()) is not None:
+            if not batch:
+                continue
+            self.metrics.running.set(len(batch))
+            try:
+                self._run_isolated(batch)
+            finally:
+                self.metrics.running.set(0)
+
+    def _run_isolated(self, batch: list[Job]) -> None:
+        """Run `batch`; if it fails and holds several jobs, run each alone so an error stays with its job."""
+        try:
+            results = self._run(batch)
+        except Abandoned:
+            for job in batch:
+                self.metrics.dropped.labels("abandoned").inc()
+                job.future.set_exception(Abandoned())
+            return
+        except Exception as e:
+            if len(batch) == 1:
+                if not isinstance(e, ValueError):  # FluxError is a ValueError: bad input, not our bug
+                    log.exception("request failed")
+                batch[0].future.set_exception(e)
+                return
+            for job in batch:
+                self._run_isolated([job])
+            return
+        for job, result in zip(batch, results, strict=True):
+            job.future.set_result(result)
+
+    def _run(self, batch: list[Job]) -> list[Generated]:
+        """One pipeline call for a text-to-image batch; an edit runs image by image."""
+        first = batch[0]
+        if first.images:
+            return [[img for i in range(first.n) for img in self._call([first], i, edit=True)]]
+        images = self._call(batch, None, edit=False)
+        out, k = [], 0
+        for job in batch:
+            out.append(images[k : k + job.n])
+            k += job.n
+        return out
+
+    def _call(self, jobs: list[Job], index: int | None, *, edit: bool) -> Generated:
+        """Run the pipeline for `jobs`' images (or only image `index` of one edit job)."""
+        first = jobs[0]
+        units = [(j, i) for j in jobs for i in range(j.n)] if index is None else [(first, index)]
+        prompts = [j.prompt for j, _ in units]
+        seeds = [j.seed + i for j, i in units]
+        size = {} if first.width is None else {"width": first.width, "height": first.height}
+        kwargs: dict[str, Any] = dict(
+            num_steps=first.steps, guidance=first.guidance, quality=first.quality,
+            generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
+            progress=_StageTimer(self.metrics, jobs), **size,
+        )  # fmt: skip
+        if self.flux2:
+            if first.images:
+                kwargs["image"] = first.images
+        else:
+            if first.negative_prompt is not None:
+                kwargs["negative_prompt"] = [first.negative_prompt] * len(units)
+            kwargs["true_cfg_scale"] = first.true_cfg_scale
+            if first.images:
+                kwargs.update(image=first.images[0], mask_image=first.mask, strength=first.strength)
+        began = time.perf_counter()
+        out = self.pipe(prompts, **kwargs)
+        log.debug("ran %d image(s) in %.2fs", len(units), time.perf_counter() - began)
+        self.metrics.batch.observe(len(units))
+        self.metrics.generated(len(units))
+        results = []
+        for k, (image, seed) in enumerate(zip(out.images, seeds, strict=True)):
+            info = {**out.info, "prompt": prompts[k], "seed": seed, "index": 0, "num_images": 1}
+            if "negative_prompt" in info and isinstance(info["negative_prompt"], list):
+                info["negative_prompt"] = info["negative_prompt"][k]
+            if len(units) > 1:
+                info["served_batch"] = len(units)  # how many images shared this image's pipeline call
+            results.append((image, info))
+        return results
