@@ -251,6 +251,7 @@ class Pipeline(Recipe):
         strength: float | None = None,
         control_image: Image.Image | None = None,
         auto_resize: bool = True,
+        max_area: int | None = None,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
 
@@ -261,7 +262,9 @@ class Pipeline(Recipe):
         `negative_prompt` with `true_cfg_scale > 1`: true classifier-free guidance (a second forward per step).
         `image` (+ `strength` in (0, 1], default 0.6): img2img as FluxImg2ImgPipeline; with `mask_image`
         (white = repaint): inpainting as FluxInpaintPipeline; on a Kontext checkpoint `image` is the
-        reference to edit (`auto_resize`: to Kontext's preferred resolutions); on a Fill checkpoint `image` +
+        reference to edit (`auto_resize`: to Kontext's preferred resolution nearest its aspect ratio; the
+        output keeps `width / height` at `max_area` pixels, default 1024², as FluxKontextPipeline rescales
+        it); on a Fill checkpoint `image` +
         `mask_image` are its conditioning. `control_image`: the depth map or edge image of a Depth / Canny
         checkpoint.
         """
@@ -274,6 +277,7 @@ class Pipeline(Recipe):
             inputs=dict(
                 negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale, image=image,
                 mask_image=mask_image, strength=strength, control_image=control_image, auto_resize=auto_resize,
+                max_area=max_area,
             ),
         )  # fmt: skip
         return self._run(call)

@@ -13,6 +13,7 @@ caller's `variant=`; Fill and control are also told by the transformer's input w
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,9 +32,17 @@ from flux_runtime.sampling import draw_noise, image_ids, latent_size, pack
 if TYPE_CHECKING:
     from flux_runtime.pipeline.flux1 import Pipeline
 
+log = logging.getLogger(__name__)
+
 # FluxImg2ImgPipeline / FluxInpaintPipeline's default strength.
 DEFAULT_STRENGTH = 0.6
 MASK_MODES = ("L", "1", "RGB", "RGBA", "LA", "P")
+# FLUX.1 Kontext's preferred (width, height), about one megapixel each, the aspect ratios it was trained at
+KONTEXT_RESOLUTIONS: tuple[tuple[int, int], ...] = (
+    (672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184), (944, 1104),
+    (1024, 1024),
+    (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688), (1568, 672),
+)  # fmt: skip
 IMAGE_ROLES = ("image", "mask_image", "control_image")
 VARIANTS: tuple[Variant, ...] = ("text2img", "kontext", "fill", "control")
 # model_index.json `_class_name` → variant
@@ -114,7 +123,12 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
     for arg in ("image", "mask_image", "control_image"):
         if inputs[arg] is not None and not isinstance(inputs[arg], Image.Image):
             raise FluxError(f"{arg} must be a PIL image, got {type(inputs[arg]).__name__}")
-    if pipe.variant in ("kontext", "fill", "control"):
+    if inputs["max_area"] is not None and pipe.variant != "kontext":
+        raise FluxError(f"max_area is a Kontext setting; {pipe.model_name} is not a Kontext checkpoint")
+    if pipe.variant == "kontext":
+        _check_kontext(pipe, call)
+        return
+    if pipe.variant in ("fill", "control"):
         raise FluxError(f"the FLUX.1 {pipe.variant} variant is not supported yet")
     if inputs["control_image"] is not None:
         raise FluxError(
@@ -138,6 +152,59 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
             )
 
 
+def _check_kontext(pipe: Pipeline, call: Call) -> None:
+    """FluxKontextPipeline's sizes: the output keeps the asked aspect ratio at `max_area` pixels (default
+    the model's native area, 1024²) and the reference image is resized to the preferred resolution nearest
+    its aspect ratio (`auto_resize`), both in multiples of 2f; a side that rounds to nothing is an error."""
+    inputs = call.inputs
+    for arg in ("mask_image", "control_image", "strength"):
+        if inputs[arg] is not None:
+            raise FluxError(
+                f"{pipe.model_name} is a Kontext checkpoint: it takes no {arg}, only an image to edit"
+            )
+    unit = 2 * pipe.vae.config.spatial_factor
+    height = pipe.default_size if call.height is None else call.height
+    width = pipe.default_size if call.width is None else call.width
+    area = pipe.default_size**2 if inputs["max_area"] is None else inputs["max_area"]
+    if isinstance(area, bool) or not isinstance(area, int) or area < unit * unit:
+        raise FluxError(f"max_area {area!r} must be a whole number of pixels >= {unit * unit}")
+    for side, value in (("height", height), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FluxError(f"{side} {value!r} must be a positive whole number of pixels")
+    aspect = width / height
+    out_w = round((area * aspect) ** 0.5) // unit * unit
+    out_h = round((area / aspect) ** 0.5) // unit * unit
+    if out_w == 0 or out_h == 0:
+        raise FluxError(
+            f"{width}x{height} is too extreme an aspect ratio for Kontext at max_area {area}: a side rounds to "
+            f"under {unit} px; ask for a size nearer to square"
+        )
+    if (out_h, out_w) != (height, width):
+        log.warning("Kontext: %dx%d adjusted to %dx%d (max_area %d, multiples of %d)",
+                    width, height, out_w, out_h, area, unit)  # fmt: skip
+    call.height, call.width = out_h, out_w
+    image = inputs["image"]
+    if image is None:
+        return
+    ref_w, ref_h = (image.width // unit * unit, image.height // unit * unit)
+    if ref_w == 0 or ref_h == 0:
+        raise FluxError(
+            f"image is {image.width}x{image.height}: too extreme an aspect ratio (or too small) for Kontext, a "
+            f"side is under {unit} px; crop or pad it nearer to square"
+        )
+    if inputs["auto_resize"]:
+        ref_w, ref_h = kontext_resolution(ref_w, ref_h)
+    call.prepared["reference_size"] = (ref_h // unit * unit, ref_w // unit * unit)
+
+
+def kontext_resolution(width: int, height: int) -> tuple[int, int]:
+    """The preferred Kontext (width, height) nearest the aspect ratio `width / height` (ties: the
+    narrower), as FluxKontextPipeline's `_auto_resize` picks it."""
+    aspect = width / height
+    _, w, h = min((abs(aspect - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+    return w, h
+
+
 def check_after_size(pipe: Pipeline, call: Call) -> None:
     """Checks that need the final size and step count: strength leaves at least one step."""
     strength = call.inputs["strength"]
@@ -148,9 +215,34 @@ def check_after_size(pipe: Pipeline, call: Call) -> None:
 
 
 def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    if pipe.variant == "kontext":
+        return _kontext_start(pipe, call, cond)
     if call.inputs["image"] is None:
         return pipe.text2img_start(call, cond)
     return _img2img_start(pipe, call, cond)
+
+
+def _kontext_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    """FluxKontextPipeline: noise as text to image; the reference image's latents (the posterior mean, so
+    no draw from the generator) packed to tokens that follow the noise tokens at every step, their ids
+    `[1, i, j]` so attention tells them from the image being made (`[0, i, j]`). The schedule's shift
+    counts the noise tokens only."""
+    start = pipe.text2img_start(call, cond)
+    if call.inputs["image"] is None:
+        return start
+    device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
+    ref_h, ref_w = call.prepared["reference_size"]
+    pixels = _preprocess(call.inputs["image"], ref_h, ref_w).to(device=device, dtype=dtype)
+    latents = vae.scale_latents(vae.encode(pixels))
+    latents = torch.cat([latents] * cond.batch, dim=0)
+    gh, gw = latents.shape[2:]
+    ref_ids = image_ids(gh, gw, dtype=dtype, device=device)
+    ref_ids[..., 0] = 1
+    h, w = start.grid
+    start.reference_tokens = pack(latents)
+    start.img_ids = torch.cat([start.img_ids, ref_ids], dim=0)
+    start.rope_key = (h, w, gh, gw, cond.txt.shape[1], device)
+    return start
 
 
 def _preprocess(image: Image.Image, height: int, width: int, *, mask: bool = False) -> Tensor:
@@ -234,4 +326,7 @@ def record_inputs(pipe: Pipeline, call: Call) -> dict[str, Any]:
         out["input_images"] = images
     if call.inputs.get("strength") is not None:
         out["strength"] = call.inputs["strength"]
+    if pipe.variant == "kontext" and call.inputs.get("image") is not None:
+        out["auto_resize"] = bool(call.inputs["auto_resize"])
+        out["reference_size"] = list(call.prepared["reference_size"])
     return out

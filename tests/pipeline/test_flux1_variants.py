@@ -118,3 +118,90 @@ def test_variant_inputs_are_checked_before_any_model_work(kwargs, message, monke
         monkeypatch.setattr(obj, name, boom)
     with pytest.raises(FluxError, match=message):
         pipe(**{"prompt": "a cat", "height": 32, "width": 32, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def kontext_folder(dev_folder, tmp_path_factory):
+    """The tiny dev components saved by diffusers as a FluxKontextPipeline (its model_index.json names it)."""
+    from diffusers import FluxKontextPipeline
+
+    folder = tmp_path_factory.mktemp("kontext") / "FLUX.1-Kontext-tiny"
+    FluxKontextPipeline.from_pretrained(dev_folder).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kontext_equals_diffusers(kontext_folder, dtype):
+    from diffusers import FluxKontextPipeline
+
+    ref = FluxKontextPipeline.from_pretrained(kontext_folder, dtype=dtype)
+    ours = Pipeline.from_pretrained(kontext_folder, device="cpu", dtype=dtype)
+    assert ours.variant == "kontext"
+    image = _image(41, 30, seed=4)  # rounded down to 40x28 (multiples of 2f), as diffusers does
+    kw = dict(image=image, height=32, width=48, max_area=32 * 48, max_sequence_length=16)
+    lat, pil = _both(ref, prompt=PROMPTS, _auto_resize=False, num_inference_steps=3, guidance_scale=2.5, **kw)
+    got = ours(PROMPTS, auto_resize=False, seed=5, num_steps=3, guidance=2.5, **kw)
+    _same(got, lat, pil)
+    assert got.info["variant"] == "kontext" and got.info["reference_size"] == [28, 40]
+    assert got.info["auto_resize"] is False and "image" in got.info["input_images"]
+
+
+def test_kontext_true_cfg_and_max_area_equal_diffusers(kontext_folder):
+    from diffusers import FluxKontextPipeline
+
+    ref = FluxKontextPipeline.from_pretrained(kontext_folder, dtype=torch.bfloat16)
+    ours = Pipeline.from_pretrained(kontext_folder, device="cpu", dtype=torch.bfloat16)
+    image = _image(24, 36, seed=6)
+    # 40x40 asked at 24² pixels: the output is rescaled to 24x24, as diffusers does
+    kw = dict(image=image, height=40, width=40, max_area=24 * 24, max_sequence_length=16)
+    cfg = dict(negative_prompt="blurry", true_cfg_scale=3.0)
+    lat, pil = _both(ref, prompt=PROMPTS[0], _auto_resize=False, num_inference_steps=2, **cfg, **kw)
+    got = ours(PROMPTS[0], auto_resize=False, seed=5, num_steps=2, **cfg, **kw)
+    _same(got, lat, pil)
+    assert got.images[0].size == (24, 24)
+
+
+def test_kontext_resolution_is_diffusers_choice():
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    from flux_runtime.pipeline.flux1_variants import KONTEXT_RESOLUTIONS, kontext_resolution
+
+    assert list(KONTEXT_RESOLUTIONS) == PREFERRED_KONTEXT_RESOLUTIONS
+    for w, h in [(1024, 1024), (100, 300), (300, 100), (4000, 16), (1000, 999), (1260, 840), (640, 480)]:
+        aspect = w / h
+        _, want_w, want_h = min((abs(aspect - pw / ph), pw, ph) for pw, ph in PREFERRED_KONTEXT_RESOLUTIONS)
+        assert kontext_resolution(w, h) == (want_w, want_h)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(image=_image(400, 2, 0)), "image is 400x2: too extreme an aspect ratio"),
+        (
+            dict(image=_image(32, 32, 0), mask_image=_image(32, 32, 0, "L")),
+            "Kontext checkpoint: it takes no mask_image",
+        ),
+        (dict(image=_image(32, 32, 0), strength=0.5), "it takes no strength"),
+        (dict(height=4, width=4096, max_area=64 * 64), "too extreme an aspect ratio for Kontext"),
+        (dict(max_area=0), "max_area 0 must be"),
+    ],
+)
+def test_kontext_inputs_are_checked_before_any_model_work(kontext_folder, kwargs, message, monkeypatch):
+    pipe = Pipeline.from_pretrained(kontext_folder, device="cpu", dtype=torch.float32)
+    _no_models(pipe, monkeypatch)
+    with pytest.raises(FluxError, match=message):
+        pipe(**{"prompt": "a cat", "max_area": 32 * 32, **kwargs})
+
+
+def test_max_area_needs_kontext(dev_folder):
+    pipe = Pipeline.from_pretrained(dev_folder, device="cpu", dtype=torch.float32)
+    with pytest.raises(FluxError, match="max_area is a Kontext setting"):
+        pipe("a cat", height=32, width=32, max_area=1024)
+
+
+def _no_models(pipe, monkeypatch) -> None:
+    def boom(*a, **k):
+        raise AssertionError("a model ran before validation")
+
+    for obj, name in ((pipe.text_encoder, "encode"), (pipe.transformer, "forward"), (pipe.vae, "encode")):
+        monkeypatch.setattr(obj, name, boom)
