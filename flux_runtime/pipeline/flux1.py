@@ -66,8 +66,9 @@ __all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput", "check_latent_widths"]
 
 log = logging.getLogger(__name__)
 
-# FluxPipeline.__call__ defaults: dev 28 steps at guidance 3.5, schnell 4.
+# FluxPipeline.__call__ defaults: dev 28 steps at guidance 3.5, schnell 4; FluxFillPipeline's 50 at 30.
 DEFAULT_STEPS, DISTILLED_STEPS, DEFAULT_GUIDANCE = 28, 4, 3.5
+FILL_STEPS, FILL_GUIDANCE = 50, 30.0
 DEFAULT_SIZE = 1024
 
 
@@ -204,7 +205,14 @@ class Pipeline(Recipe):
 
     @property
     def default_steps(self) -> int:
-        return DISTILLED_STEPS if self.is_distilled else DEFAULT_STEPS
+        if self.is_distilled:
+            return DISTILLED_STEPS
+        return FILL_STEPS if self.variant == "fill" else DEFAULT_STEPS
+
+    @property
+    def default_guidance(self) -> float:
+        """3.5 (FluxPipeline, Kontext, control), 30 for Fill (FluxFillPipeline's)."""
+        return FILL_GUIDANCE if self.variant == "fill" else DEFAULT_GUIDANCE
 
     @property
     def default_max_sequence_length(self) -> int:
@@ -316,7 +324,7 @@ class Pipeline(Recipe):
                 )
             call.guidance_used = None
         else:
-            call.guidance_used = check_guidance(call.guidance, DEFAULT_GUIDANCE)
+            call.guidance_used = check_guidance(call.guidance, self.default_guidance)
         check_sampling(
             call.seed, call.generator, call.max_sequence_length, MAX_SEQUENCE_LENGTH,
             call.num_images_per_prompt, call.output_type, call.quality,

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # FluxImg2ImgPipeline / FluxInpaintPipeline's default strength.
 DEFAULT_STRENGTH = 0.6
+# FluxFillPipeline's: the whole schedule, the masked image comes in through the channels
+FILL_STRENGTH = 1.0
 MASK_MODES = ("L", "1", "RGB", "RGBA", "LA", "P")
 # FLUX.1 Kontext's preferred (width, height), about one megapixel each, the aspect ratios it was trained at
 KONTEXT_RESOLUTIONS: tuple[tuple[int, int], ...] = (
@@ -128,7 +130,14 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
     if pipe.variant == "kontext":
         _check_kontext(pipe, call)
         return
-    if pipe.variant in ("fill", "control"):
+    if pipe.variant == "fill":
+        if inputs["control_image"] is not None:
+            raise FluxError(f"{pipe.model_name} is a Fill checkpoint: it takes no control_image")
+        if image is None or mask is None:
+            raise FluxError(
+                f"{pipe.model_name} is a Fill checkpoint: give an image and a mask_image (white = fill)"
+            )
+    if pipe.variant == "control":
         raise FluxError(f"the FLUX.1 {pipe.variant} variant is not supported yet")
     if inputs["control_image"] is not None:
         raise FluxError(
@@ -139,7 +148,8 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
     if strength is not None and image is None:
         raise FluxError("strength needs an image (img2img or inpainting)")
     if image is not None:
-        strength = DEFAULT_STRENGTH if strength is None else strength
+        default = FILL_STRENGTH if pipe.variant == "fill" else DEFAULT_STRENGTH
+        strength = default if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
             raise FluxError(f"strength {strength!r} must be in (0, 1]")
         inputs["strength"] = float(strength)
@@ -219,7 +229,41 @@ def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
         return _kontext_start(pipe, call, cond)
     if call.inputs["image"] is None:
         return pipe.text2img_start(call, cond)
-    return _img2img_start(pipe, call, cond)
+    generator = _generator(call)
+    if pipe.variant == "fill":
+        start = _img2img_start(pipe, call, cond, generator, inpaint=False)
+        start.channel_cond = _fill_condition(pipe, call, cond, generator)
+        return start
+    return _img2img_start(pipe, call, cond, generator)
+
+
+def _generator(call: Call) -> torch.Generator | list[torch.Generator] | None:
+    """One generator for every draw of the call (VAE samples, noise), as diffusers threads it through them."""
+    return torch.Generator("cpu").manual_seed(call.seed) if call.seed is not None else call.generator
+
+
+def _fill_condition(
+    pipe: Pipeline, call: Call, cond: Conditioning, generator: torch.Generator | list[torch.Generator] | None
+) -> Tensor:
+    """FluxFillPipeline's conditioning tokens (B, L, 4z + 4f²): the latents of the image with the mask's
+    area blanked (a posterior sample, drawn after the noise), then the pixel mask folded f x f onto the
+    channels so each latent pixel sees its own f² mask pixels, both packed 2x2."""
+    assert call.height is not None and call.width is not None  # filled by check
+    device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
+    batch, f = cond.batch, vae.config.spatial_factor
+    h, w = latent_size(call.height, call.width, f)
+    first = generator[0] if isinstance(generator, list) else generator
+    pixels = _preprocess(call.inputs["image"], call.height, call.width)
+    mask = _preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
+    masked = (pixels * (1 - mask)).to(device=device, dtype=dtype)
+    latents = vae.scale_latents(vae.encode(masked, sample=True, generator=first)).to(
+        device=device, dtype=dtype
+    )
+    latents = pack(torch.cat([latents] * batch, dim=0))
+    # (1, 1, h f, w f) → (B, f², h, w): mask pixel (i f + a, j f + b) goes to channel a f + b at (i, j)
+    folded = mask[:, 0].view(1, h, f, w, f).permute(0, 2, 4, 1, 3).reshape(1, f * f, h, w)
+    folded = pack(folded.repeat(batch, 1, 1, 1)).to(device=device, dtype=dtype)
+    return torch.cat([latents, folded], dim=2)
 
 
 def _kontext_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
@@ -260,15 +304,21 @@ def _preprocess(image: Image.Image, height: int, width: int, *, mask: bool = Fal
     return 2.0 * pixels - 1.0
 
 
-def _img2img_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
-    """FluxImg2ImgPipeline / FluxInpaintPipeline: the image's latents (a posterior sample, drawn with the
-    call's generator before the noise) noised to the first kept sigma, the schedule's last steps."""
+def _img2img_start(
+    pipe: Pipeline,
+    call: Call,
+    cond: Conditioning,
+    generator: torch.Generator | list[torch.Generator] | None,
+    *,
+    inpaint: bool = True,
+) -> Start:
+    """FluxImg2ImgPipeline / FluxInpaintPipeline / FluxFillPipeline: the image's latents (a posterior sample,
+    drawn with the call's generator before the noise) noised to the first kept sigma, the schedule's last
+    steps; with a mask and `inpaint`, the original put back outside the mask after every step."""
     assert call.height is not None and call.width is not None  # filled by check
     device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
     batch, f = cond.batch, vae.config.spatial_factor
     h, w = latent_size(call.height, call.width, f)
-    # one generator for the VAE sample and the noise, as diffusers threads it through both
-    generator = torch.Generator("cpu").manual_seed(call.seed) if call.seed is not None else call.generator
     first = generator[0] if isinstance(generator, list) else generator
     pixels = _preprocess(call.inputs["image"], call.height, call.width).to(device=device, dtype=dtype)
     image_latents = vae.scale_latents(vae.encode(pixels, sample=True, generator=first))
@@ -280,7 +330,7 @@ def _img2img_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
     sigma = sigmas[0].to(dtype)
     latents = pack(sigma * noise + (1.0 - sigma) * image_latents)
     blend = None
-    if call.inputs["mask_image"] is not None:
+    if inpaint and call.inputs["mask_image"] is not None:
         mask = _preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
         mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
         mask = pack(mask.repeat(batch, image_latents.shape[1], 1, 1))

@@ -205,3 +205,76 @@ def _no_models(pipe, monkeypatch) -> None:
 
     for obj, name in ((pipe.text_encoder, "encode"), (pipe.transformer, "forward"), (pipe.vae, "encode")):
         monkeypatch.setattr(obj, name, boom)
+
+
+def _save_variant(dev_folder, folder, pipeline_class: str, in_channels: int):
+    """The tiny dev components with a transformer `in_channels` wide, saved by diffusers as `pipeline_class`."""
+    import inspect
+
+    import diffusers
+    from diffusers import FluxPipeline
+
+    from tests.flux1_fixtures import make_diffusers_transformer
+
+    cls = getattr(diffusers, pipeline_class)
+    wanted = inspect.signature(cls.__init__).parameters
+    components = {k: v for k, v in FluxPipeline.from_pretrained(dev_folder).components.items() if k in wanted}
+    components["transformer"] = make_diffusers_transformer(
+        True, seed=7, in_channels=in_channels, out_channels=64
+    )
+    cls(**components).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fill_folder(dev_folder, tmp_path_factory):
+    """FluxFillPipeline on tiny components: img_in 8z + 4f² = 144 wide (z 16 latents, f 2), out 64."""
+    return _save_variant(
+        dev_folder, tmp_path_factory.mktemp("fill") / "FLUX.1-Fill-tiny", "FluxFillPipeline", 144
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fill_equals_diffusers(fill_folder, dtype):
+    from diffusers import FluxFillPipeline
+
+    ref = FluxFillPipeline.from_pretrained(fill_folder, dtype=dtype)
+    ours = Pipeline.from_pretrained(fill_folder, device="cpu", dtype=dtype)
+    assert ours.variant == "fill"
+    image, mask = _image(40, 24, seed=2), _image(40, 24, seed=3, mode="L")  # resized to 48x32
+    kw = dict(image=image, mask_image=mask, height=32, width=48, max_sequence_length=16)
+    lat, pil = _both(ref, prompt=PROMPTS, num_inference_steps=3, guidance_scale=30.0, **kw)
+    got = ours(PROMPTS, seed=5, num_steps=3, guidance=30.0, **kw)
+    _same(got, lat, pil)
+    assert got.info["variant"] == "fill" and set(got.info["input_images"]) == {"image", "mask_image"}
+
+
+def test_fill_strength_equals_diffusers(fill_folder):
+    from diffusers import FluxFillPipeline
+
+    ref = FluxFillPipeline.from_pretrained(fill_folder, dtype=torch.bfloat16)
+    ours = Pipeline.from_pretrained(fill_folder, device="cpu", dtype=torch.bfloat16)
+    kw = dict(image=_image(32, 32, seed=8), mask_image=_image(32, 32, seed=9, mode="L"), strength=0.6)
+    kw.update(height=32, width=32, max_sequence_length=16)
+    lat, pil = _both(ref, prompt=PROMPTS[0], num_inference_steps=4, **kw)
+    got = ours(PROMPTS[0], seed=5, num_steps=4, **kw)
+    _same(got, lat, pil)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(image=_image(32, 32, 0)), "Fill checkpoint: give an image and a mask_image"),
+        (dict(mask_image=_image(32, 32, 0, "L")), "Fill checkpoint: give an image and a mask_image"),
+        (dict(image=_image(32, 32, 0), mask_image=_image(16, 32, 0, "L")), "mask_image is 16x32"),
+        (
+            dict(image=_image(32, 32, 0), mask_image=_image(32, 32, 0, "L"), control_image=_image(32, 32, 0)),
+            "Fill checkpoint: it takes no control_image",
+        ),
+    ],
+)
+def test_fill_inputs_are_checked_before_any_model_work(fill_folder, kwargs, message, monkeypatch):
+    pipe = Pipeline.from_pretrained(fill_folder, device="cpu", dtype=torch.float32)
+    _no_models(pipe, monkeypatch)
+    with pytest.raises(FluxError, match=message):
+        pipe(**{"prompt": "a cat", "height": 32, "width": 32, **kwargs})
