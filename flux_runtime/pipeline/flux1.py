@@ -75,8 +75,8 @@ DEFAULT_SIZE = 1024
 class Pipeline(Recipe):
     """FLUX.1 [dev] / [schnell] text-to-image, true CFG, and the FLUX.1 variants. Build with `from_pretrained`.
 
-    `variant` is what the checkpoint does besides text to image (`text2img`, `kontext`, `fill`, `depth`,
-    `canny`); Fill and Depth/Canny are also told by the transformer's input width.
+    `variant` is what the checkpoint does besides text to image (`text2img`, `kontext`, `fill`,
+    `control` for Depth / Canny); Fill and Depth/Canny are also told by the transformer's input width.
     """
 
     def __init__(
@@ -383,8 +383,11 @@ class Pipeline(Recipe):
 
         return flux1_variants.prepare(self, call, cond)
 
-    def text2img_start(self, call: Call, cond: Conditioning) -> Start:
-        """Noise in the text dtype (as FluxPipeline), packed to tokens, the full schedule."""
+    def text2img_start(
+        self, call: Call, cond: Conditioning, generator: torch.Generator | list[torch.Generator] | None = None
+    ) -> Start:
+        """Noise in the text dtype (as FluxPipeline), packed to tokens, the full schedule; drawn from
+        `generator` when an earlier draw of the call (a VAE sample) has already used it."""
         device, f = self.device, self.vae.config.spatial_factor
         assert call.height is not None and call.width is not None  # filled by check
         h, w = latent_size(call.height, call.width, f)
@@ -393,8 +396,8 @@ class Pipeline(Recipe):
         by_model = self.variant in ("text2img", "kontext")
         channels = self.transformer.config.in_channels // 4 if by_model else self.latent_channels
         noise = draw_noise(
-            (cond.batch, channels, h, w), dtype=cond.txt.dtype, device=device, seed=call.seed,
-            generator=call.generator,
+            (cond.batch, channels, h, w), dtype=cond.txt.dtype, device=device,
+            seed=call.seed if generator is None else None, generator=call.generator if generator is None else generator,
         )  # fmt: skip
         latents = pack(noise)
         sigmas, timesteps = self._schedule(call.steps, latents.shape[1])

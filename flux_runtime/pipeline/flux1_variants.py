@@ -138,7 +138,15 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
                 f"{pipe.model_name} is a Fill checkpoint: give an image and a mask_image (white = fill)"
             )
     if pipe.variant == "control":
-        raise FluxError(f"the FLUX.1 {pipe.variant} variant is not supported yet")
+        for arg in ("image", "mask_image", "strength"):
+            if inputs[arg] is not None:
+                raise FluxError(f"{pipe.model_name} is a Depth / Canny checkpoint: it takes no {arg}")
+        if inputs["control_image"] is None:
+            raise FluxError(
+                f"{pipe.model_name} is a Depth / Canny checkpoint: give a control_image (the depth map or "
+                "edge image)"
+            )
+        return
     if inputs["control_image"] is not None:
         raise FluxError(
             f"control_image needs a Depth or Canny checkpoint; {pipe.model_name} has no control input"
@@ -227,6 +235,8 @@ def check_after_size(pipe: Pipeline, call: Call) -> None:
 def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
     if pipe.variant == "kontext":
         return _kontext_start(pipe, call, cond)
+    if pipe.variant == "control":
+        return _control_start(pipe, call, cond)
     if call.inputs["image"] is None:
         return pipe.text2img_start(call, cond)
     generator = _generator(call)
@@ -240,6 +250,23 @@ def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
 def _generator(call: Call) -> torch.Generator | list[torch.Generator] | None:
     """One generator for every draw of the call (VAE samples, noise), as diffusers threads it through them."""
     return torch.Generator("cpu").manual_seed(call.seed) if call.seed is not None else call.generator
+
+
+def _control_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    """FluxControlPipeline: the control image, resized to the output and repeated over the batch, goes
+    through the VAE as a posterior sample (drawn before the noise, from the same generator); its packed
+    latents sit beside the noisy ones on the channels at every step. The noise is text to image's."""
+    assert call.height is not None and call.width is not None  # filled by check
+    device, vae, batch = pipe.device, pipe.vae, cond.batch
+    generator = _generator(call)
+    pixels = _preprocess(call.inputs["control_image"], call.height, call.width)
+    pixels = pixels.repeat_interleave(batch, dim=0).to(device=device, dtype=pipe.dtype)
+    if isinstance(generator, list) and len(generator) != batch:
+        raise FluxError(f"got {len(generator)} generators for a batch of {batch}; pass one per image")
+    raw = vae.encode(pixels, sample=True, generator=generator)
+    start = pipe.text2img_start(call, cond, generator=generator)
+    start.channel_cond = pack(vae.scale_latents(raw)).to(dtype=cond.txt.dtype)
+    return start
 
 
 def _fill_condition(

@@ -278,3 +278,59 @@ def test_fill_inputs_are_checked_before_any_model_work(fill_folder, kwargs, mess
     _no_models(pipe, monkeypatch)
     with pytest.raises(FluxError, match=message):
         pipe(**{"prompt": "a cat", "height": 32, "width": 32, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def control_folder(dev_folder, tmp_path_factory):
+    """FluxControlPipeline on tiny components: img_in 8z = 128 wide (the noisy and the control latents)."""
+    return _save_variant(
+        dev_folder, tmp_path_factory.mktemp("control") / "FLUX.1-Depth-tiny", "FluxControlPipeline", 128
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_control_equals_diffusers(control_folder, dtype):
+    from diffusers import FluxControlPipeline
+
+    ref = FluxControlPipeline.from_pretrained(control_folder, dtype=dtype)
+    ours = Pipeline.from_pretrained(control_folder, device="cpu", dtype=dtype)
+    assert ours.variant == "control"
+    control = _image(40, 24, seed=10)  # a depth map / edge image, resized to 48x32
+    kw = dict(control_image=control, height=32, width=48, max_sequence_length=16)
+    lat, pil = _both(ref, prompt=PROMPTS, num_inference_steps=3, guidance_scale=10.0, **kw)
+    got = ours(PROMPTS, seed=5, num_steps=3, guidance=10.0, **kw)
+    _same(got, lat, pil)
+    assert got.info["variant"] == "control" and set(got.info["input_images"]) == {"control_image"}
+
+
+def test_control_generators_and_true_cfg_equal_diffusers(control_folder):
+    from diffusers import FluxControlPipeline
+
+    ref = FluxControlPipeline.from_pretrained(control_folder, dtype=torch.bfloat16)
+    ours = Pipeline.from_pretrained(control_folder, device="cpu", dtype=torch.bfloat16)
+    kw = dict(control_image=_image(32, 32, seed=11), height=32, width=32, max_sequence_length=16)
+    want = ref(
+        prompt=PROMPTS[0], generator=[torch.Generator().manual_seed(s) for s in (1, 2)],
+        num_images_per_prompt=2, num_inference_steps=2, output_type="latent", **kw,
+    ).images  # fmt: skip
+    got = ours(
+        PROMPTS[0], generator=[torch.Generator().manual_seed(s) for s in (1, 2)], num_images_per_prompt=2,
+        num_steps=2, output_type="latent", **kw,
+    )  # fmt: skip
+    assert torch.equal(got.images, want)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(), "Depth / Canny checkpoint: give a control_image"),
+        (dict(control_image=_image(32, 32, 0), image=_image(32, 32, 0)), "it takes no image"),
+        (dict(control_image=_image(32, 32, 0), strength=0.5), "it takes no strength"),
+        (dict(control_image=np.zeros((32, 32, 3))), "control_image must be a PIL image"),
+    ],
+)
+def test_control_inputs_are_checked_before_any_model_work(control_folder, kwargs, message, monkeypatch):
+    pipe = Pipeline.from_pretrained(control_folder, device="cpu", dtype=torch.float32)
+    _no_models(pipe, monkeypatch)
+    with pytest.raises(FluxError, match=message):
+        pipe(**{"prompt": "a cat", "height": 32, "width": 32, **kwargs})
