@@ -60,13 +60,17 @@ def test_bad_flux1_inputs_are_one_line_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def variant_folders(tmp_path_factory):
-    """Tiny Fill and Depth folders saved by diffusers (their model_index.json names the pipeline)."""
+    """Tiny Kontext, Fill and Depth folders saved by diffusers (their model_index.json names the pipeline)."""
+    from diffusers import FluxKontextPipeline
+
     from tests.pipeline.test_flux1_pipeline import _save_pipeline
     from tests.pipeline.test_flux1_variants import _save_variant
 
     root = tmp_path_factory.mktemp("cli-variants")
     dev = _save_pipeline(root / "dev", True)
+    FluxKontextPipeline.from_pretrained(dev).save_pretrained(root / "kontext")
     return {
+        "kontext": root / "kontext",
         "fill": _save_variant(dev, root / "fill", "FluxFillPipeline", 144),
         "control": _save_variant(dev, root / "depth", "FluxControlPipeline", 128),
     }
@@ -77,9 +81,10 @@ def _gen(model, *args: str):
     return CliRunner().invoke(main, [*base, "--max-sequence-length", "16", *args], catch_exceptions=False)
 
 
-def test_fill_and_control_record_their_inputs_and_replay(variant_folders, tmp_path):
+def test_kontext_fill_and_control_record_their_inputs_and_replay(variant_folders, tmp_path):
     image, mask = _write(tmp_path / "in.png", 1), _write(tmp_path / "mask.png", 2, "L")
     for variant, args, roles in (
+        ("kontext", ["--image", str(image), "--max-area", "1024", "--no-auto-resize"], {"image"}),
         ("fill", ["--image", str(image), "--mask", str(mask)], {"image", "mask_image"}),
         ("control", ["--control-image", str(image)], {"control_image"}),
     ):
@@ -96,3 +101,5 @@ def test_fill_and_control_record_their_inputs_and_replay(variant_folders, tmp_pa
         assert np.array_equal(np.asarray(Image.open(out)), np.asarray(Image.open(again)))
     res = _gen(variant_folders["control"], "--prompt", "a cat", "--image", str(image), "--strength", "0.5")
     assert res.exit_code == 1 and "it takes no image" in res.output
+    res = _gen(variant_folders["fill"], "--prompt", "a cat", "--image", str(image), "--max-area", "1024")
+    assert res.exit_code == 1 and "--max-area and --no-auto-resize need a FLUX.1 Kontext model" in res.output

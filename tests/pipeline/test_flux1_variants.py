@@ -334,3 +334,28 @@ def test_control_inputs_are_checked_before_any_model_work(control_folder, kwargs
     _no_models(pipe, monkeypatch)
     with pytest.raises(FluxError, match=message):
         pipe(**{"prompt": "a cat", "height": 32, "width": 32, **kwargs})
+
+
+@pytest.mark.slow
+def test_kontext_auto_resize_equals_diffusers(tmp_path):
+    """`auto_resize`: a 60x40 image goes to the preferred 1248x832 (4056 reference tokens with an 8x VAE)."""
+    from diffusers import FluxKontextPipeline, FluxPipeline
+
+    from tests.weights.vae_fixtures import make_diffusers_vae
+
+    base = _save_pipeline(tmp_path / "dev", True)
+    parts = FluxPipeline.from_pretrained(base).components
+    parts["vae"] = make_diffusers_vae(block_out_channels=(32, 32, 32, 32))
+    FluxKontextPipeline(**{k: v for k, v in parts.items() if "image_encoder" not in k}).save_pretrained(
+        tmp_path / "kontext"
+    )
+    ref = FluxKontextPipeline.from_pretrained(tmp_path / "kontext", dtype=torch.bfloat16)
+    ours = Pipeline.from_pretrained(tmp_path / "kontext", device="cpu", dtype=torch.bfloat16)
+    kw = dict(image=_image(60, 40, seed=12), height=32, width=48, max_area=32 * 48, max_sequence_length=16)
+    want = ref(
+        prompt=PROMPTS[0], generator=torch.Generator().manual_seed(5), num_inference_steps=2,
+        output_type="latent", **kw,
+    ).images  # fmt: skip
+    got = ours(PROMPTS[0], seed=5, num_steps=2, output_type="latent", **kw)
+    assert torch.equal(got.images, want)
+    assert got.info["reference_size"] == [832, 1248] and got.info["auto_resize"] is True
