@@ -198,8 +198,7 @@ def _check_kontext(pipe: Pipeline, call: Call) -> None:
             f"under {unit} px; ask for a size nearer to square"
         )
     if (out_h, out_w) != (height, width):
-        log.warning("Kontext: %dx%d adjusted to %dx%d (max_area %d, multiples of %d)",
-                    width, height, out_w, out_h, area, unit)  # fmt: skip
+        log.warning("Kontext: %dx%d adjusted to %dx%d (max_area %d)", width, height, out_w, out_h, area)
     call.height, call.width = out_h, out_w
     image = inputs["image"]
     if image is None:
