@@ -42,6 +42,8 @@ REPLAYED = (
     "control_image",
     "negative_prompt",
     "true_cfg",
+    "max_area",
+    "no_auto_resize",
 )
 
 
@@ -171,6 +173,17 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     default=None,
     help="FLUX.1 Depth / Canny: the depth map or edge image.",
 )
+@click.option(
+    "--max-area",
+    type=click.IntRange(min=1),
+    default=None,
+    help="FLUX.1 Kontext: output pixels; the size keeps --width / --height at this area [default: 1024²].",
+)
+@click.option(
+    "--no-auto-resize",
+    is_flag=True,
+    help="FLUX.1 Kontext: keep --image's size (rounded) instead of the nearest preferred Kontext resolution.",
+)
 @click.option("--negative-prompt", type=str, default=None, help="FLUX.1 true CFG: what to steer away from.")
 @click.option(
     "--true-cfg",
@@ -280,6 +293,8 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         true_cfg=rec.get("true_cfg_scale", 1.0),
         strength=rec.get("strength"),
     )
+    if rec.get("variant") == "kontext":  # the recorded size is the rescaled one: keep it as the area
+        opts.update(max_area=rec["width"] * rec["height"], no_auto_resize=rec.get("auto_resize") is False)
     inputs = rec.get("input_images") or {}
     for role, opt in (("image", "image"), ("mask_image", "mask"), ("control_image", "control_image")):
         if role in inputs:
@@ -410,6 +425,12 @@ def _generate(opts: dict[str, Any]) -> None:
             )
         if len(images_in) > 1:
             raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
+        if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
+            raise click.ClickException(
+                f"--max-area and --no-auto-resize need a FLUX.1 Kontext model; {opts['model']} is not one"
+            )
+        if pipe.variant == "kontext":
+            flux1_inputs.update(max_area=opts["max_area"], auto_resize=not opts["no_auto_resize"])
         out = pipe(
             opts["prompt"],
             image=images_in[0] if images_in else None,
@@ -433,6 +454,8 @@ def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:
         "--mask": opts["mask"] is not None,
         "--strength": opts["strength"] is not None,
         "--control-image": opts["control_image"] is not None,
+        "--max-area": opts["max_area"] is not None,
+        "--no-auto-resize": opts["no_auto_resize"],
         "--negative-prompt": opts["negative_prompt"] is not None,
         "--true-cfg": opts["true_cfg"] != 1.0,
     }

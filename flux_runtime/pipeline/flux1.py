@@ -66,16 +66,17 @@ __all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput", "check_latent_widths"]
 
 log = logging.getLogger(__name__)
 
-# FluxPipeline.__call__ defaults: dev 28 steps at guidance 3.5, schnell 4.
+# FluxPipeline.__call__ defaults: dev 28 steps at guidance 3.5, schnell 4; FluxFillPipeline's 50 at 30.
 DEFAULT_STEPS, DISTILLED_STEPS, DEFAULT_GUIDANCE = 28, 4, 3.5
+FILL_STEPS, FILL_GUIDANCE = 50, 30.0
 DEFAULT_SIZE = 1024
 
 
 class Pipeline(Recipe):
     """FLUX.1 [dev] / [schnell] text-to-image, true CFG, and the FLUX.1 variants. Build with `from_pretrained`.
 
-    `variant` is what the checkpoint does besides text to image (`text2img`, `kontext`, `fill`, `depth`,
-    `canny`); Fill and Depth/Canny are also told by the transformer's input width.
+    `variant` is what the checkpoint does besides text to image (`text2img`, `kontext`, `fill`,
+    `control` for Depth / Canny); Fill and Depth/Canny are also told by the transformer's input width.
     """
 
     def __init__(
@@ -204,7 +205,14 @@ class Pipeline(Recipe):
 
     @property
     def default_steps(self) -> int:
-        return DISTILLED_STEPS if self.is_distilled else DEFAULT_STEPS
+        if self.is_distilled:
+            return DISTILLED_STEPS
+        return FILL_STEPS if self.variant == "fill" else DEFAULT_STEPS
+
+    @property
+    def default_guidance(self) -> float:
+        """3.5 (FluxPipeline, Kontext, control), 30 for Fill (FluxFillPipeline's)."""
+        return FILL_GUIDANCE if self.variant == "fill" else DEFAULT_GUIDANCE
 
     @property
     def default_max_sequence_length(self) -> int:
@@ -251,6 +259,7 @@ class Pipeline(Recipe):
         strength: float | None = None,
         control_image: Image.Image | None = None,
         auto_resize: bool = True,
+        max_area: int | None = None,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
 
@@ -261,7 +270,9 @@ class Pipeline(Recipe):
         `negative_prompt` with `true_cfg_scale > 1`: true classifier-free guidance (a second forward per step).
         `image` (+ `strength` in (0, 1], default 0.6): img2img as FluxImg2ImgPipeline; with `mask_image`
         (white = repaint): inpainting as FluxInpaintPipeline; on a Kontext checkpoint `image` is the
-        reference to edit (`auto_resize`: to Kontext's preferred resolutions); on a Fill checkpoint `image` +
+        reference to edit (`auto_resize`: to Kontext's preferred resolution nearest its aspect ratio; the
+        output keeps `width / height` at `max_area` pixels, default 1024², as FluxKontextPipeline rescales
+        it); on a Fill checkpoint `image` +
         `mask_image` are its conditioning. `control_image`: the depth map or edge image of a Depth / Canny
         checkpoint.
         """
@@ -274,6 +285,7 @@ class Pipeline(Recipe):
             inputs=dict(
                 negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale, image=image,
                 mask_image=mask_image, strength=strength, control_image=control_image, auto_resize=auto_resize,
+                max_area=max_area,
             ),
         )  # fmt: skip
         return self._run(call)
@@ -312,7 +324,7 @@ class Pipeline(Recipe):
                 )
             call.guidance_used = None
         else:
-            call.guidance_used = check_guidance(call.guidance, DEFAULT_GUIDANCE)
+            call.guidance_used = check_guidance(call.guidance, self.default_guidance)
         check_sampling(
             call.seed, call.generator, call.max_sequence_length, MAX_SEQUENCE_LENGTH,
             call.num_images_per_prompt, call.output_type, call.quality,
@@ -371,8 +383,11 @@ class Pipeline(Recipe):
 
         return flux1_variants.prepare(self, call, cond)
 
-    def text2img_start(self, call: Call, cond: Conditioning) -> Start:
-        """Noise in the text dtype (as FluxPipeline), packed to tokens, the full schedule."""
+    def text2img_start(
+        self, call: Call, cond: Conditioning, generator: torch.Generator | list[torch.Generator] | None = None
+    ) -> Start:
+        """Noise in the text dtype (as FluxPipeline), packed to tokens, the full schedule; drawn from
+        `generator` when an earlier draw of the call (a VAE sample) has already used it."""
         device, f = self.device, self.vae.config.spatial_factor
         assert call.height is not None and call.width is not None  # filled by check
         h, w = latent_size(call.height, call.width, f)
@@ -381,8 +396,8 @@ class Pipeline(Recipe):
         by_model = self.variant in ("text2img", "kontext")
         channels = self.transformer.config.in_channels // 4 if by_model else self.latent_channels
         noise = draw_noise(
-            (cond.batch, channels, h, w), dtype=cond.txt.dtype, device=device, seed=call.seed,
-            generator=call.generator,
+            (cond.batch, channels, h, w), dtype=cond.txt.dtype, device=device,
+            seed=call.seed if generator is None else None, generator=call.generator if generator is None else generator,
         )  # fmt: skip
         latents = pack(noise)
         sigmas, timesteps = self._schedule(call.steps, latents.shape[1])

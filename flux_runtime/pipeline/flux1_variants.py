@@ -13,6 +13,7 @@ caller's `variant=`; Fill and control are also told by the transformer's input w
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,9 +32,19 @@ from flux_runtime.sampling import draw_noise, image_ids, latent_size, pack
 if TYPE_CHECKING:
     from flux_runtime.pipeline.flux1 import Pipeline
 
+log = logging.getLogger(__name__)
+
 # FluxImg2ImgPipeline / FluxInpaintPipeline's default strength.
 DEFAULT_STRENGTH = 0.6
+# FluxFillPipeline's: the whole schedule, the masked image comes in through the channels
+FILL_STRENGTH = 1.0
 MASK_MODES = ("L", "1", "RGB", "RGBA", "LA", "P")
+# FLUX.1 Kontext's preferred (width, height), about one megapixel each, the aspect ratios it was trained at
+KONTEXT_RESOLUTIONS: tuple[tuple[int, int], ...] = (
+    (672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184), (944, 1104),
+    (1024, 1024),
+    (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688), (1568, 672),
+)  # fmt: skip
 IMAGE_ROLES = ("image", "mask_image", "control_image")
 VARIANTS: tuple[Variant, ...] = ("text2img", "kontext", "fill", "control")
 # model_index.json `_class_name` → variant
@@ -114,8 +125,28 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
     for arg in ("image", "mask_image", "control_image"):
         if inputs[arg] is not None and not isinstance(inputs[arg], Image.Image):
             raise FluxError(f"{arg} must be a PIL image, got {type(inputs[arg]).__name__}")
-    if pipe.variant in ("kontext", "fill", "control"):
-        raise FluxError(f"the FLUX.1 {pipe.variant} variant is not supported yet")
+    if inputs["max_area"] is not None and pipe.variant != "kontext":
+        raise FluxError(f"max_area is a Kontext setting; {pipe.model_name} is not a Kontext checkpoint")
+    if pipe.variant == "kontext":
+        _check_kontext(pipe, call)
+        return
+    if pipe.variant == "fill":
+        if inputs["control_image"] is not None:
+            raise FluxError(f"{pipe.model_name} is a Fill checkpoint: it takes no control_image")
+        if image is None or mask is None:
+            raise FluxError(
+                f"{pipe.model_name} is a Fill checkpoint: give an image and a mask_image (white = fill)"
+            )
+    if pipe.variant == "control":
+        for arg in ("image", "mask_image", "strength"):
+            if inputs[arg] is not None:
+                raise FluxError(f"{pipe.model_name} is a Depth / Canny checkpoint: it takes no {arg}")
+        if inputs["control_image"] is None:
+            raise FluxError(
+                f"{pipe.model_name} is a Depth / Canny checkpoint: give a control_image (the depth map or "
+                "edge image)"
+            )
+        return
     if inputs["control_image"] is not None:
         raise FluxError(
             f"control_image needs a Depth or Canny checkpoint; {pipe.model_name} has no control input"
@@ -125,7 +156,8 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
     if strength is not None and image is None:
         raise FluxError("strength needs an image (img2img or inpainting)")
     if image is not None:
-        strength = DEFAULT_STRENGTH if strength is None else strength
+        default = FILL_STRENGTH if pipe.variant == "fill" else DEFAULT_STRENGTH
+        strength = default if strength is None else strength
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
             raise FluxError(f"strength {strength!r} must be in (0, 1]")
         inputs["strength"] = float(strength)
@@ -138,6 +170,58 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
             )
 
 
+def _check_kontext(pipe: Pipeline, call: Call) -> None:
+    """FluxKontextPipeline's sizes: the output keeps the asked aspect ratio at `max_area` pixels (default
+    the model's native area, 1024²) and the reference image is resized to the preferred resolution nearest
+    its aspect ratio (`auto_resize`), both in multiples of 2f; a side that rounds to nothing is an error."""
+    inputs = call.inputs
+    for arg in ("mask_image", "control_image", "strength"):
+        if inputs[arg] is not None:
+            raise FluxError(
+                f"{pipe.model_name} is a Kontext checkpoint: it takes no {arg}, only an image to edit"
+            )
+    unit = 2 * pipe.vae.config.spatial_factor
+    height = pipe.default_size if call.height is None else call.height
+    width = pipe.default_size if call.width is None else call.width
+    area = pipe.default_size**2 if inputs["max_area"] is None else inputs["max_area"]
+    if isinstance(area, bool) or not isinstance(area, int) or area < unit * unit:
+        raise FluxError(f"max_area {area!r} must be a whole number of pixels >= {unit * unit}")
+    for side, value in (("height", height), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FluxError(f"{side} {value!r} must be a positive whole number of pixels")
+    aspect = width / height
+    out_w = round((area * aspect) ** 0.5) // unit * unit
+    out_h = round((area / aspect) ** 0.5) // unit * unit
+    if out_w == 0 or out_h == 0:
+        raise FluxError(
+            f"{width}x{height} is too extreme an aspect ratio for Kontext at max_area {area}: a side rounds to "
+            f"under {unit} px; ask for a size nearer to square"
+        )
+    if (out_h, out_w) != (height, width):
+        log.warning("Kontext: %dx%d adjusted to %dx%d (max_area %d)", width, height, out_w, out_h, area)
+    call.height, call.width = out_h, out_w
+    image = inputs["image"]
+    if image is None:
+        return
+    ref_w, ref_h = (image.width // unit * unit, image.height // unit * unit)
+    if ref_w == 0 or ref_h == 0:
+        raise FluxError(
+            f"image is {image.width}x{image.height}: too extreme an aspect ratio (or too small) for Kontext, a "
+            f"side is under {unit} px; crop or pad it nearer to square"
+        )
+    if inputs["auto_resize"]:
+        ref_w, ref_h = kontext_resolution(ref_w, ref_h)
+    call.prepared["reference_size"] = (ref_h // unit * unit, ref_w // unit * unit)
+
+
+def kontext_resolution(width: int, height: int) -> tuple[int, int]:
+    """The preferred Kontext (width, height) nearest the aspect ratio `width / height` (ties: the
+    narrower), as FluxKontextPipeline's `_auto_resize` picks it."""
+    aspect = width / height
+    _, w, h = min((abs(aspect - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+    return w, h
+
+
 def check_after_size(pipe: Pipeline, call: Call) -> None:
     """Checks that need the final size and step count: strength leaves at least one step."""
     strength = call.inputs["strength"]
@@ -148,9 +232,87 @@ def check_after_size(pipe: Pipeline, call: Call) -> None:
 
 
 def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    if pipe.variant == "kontext":
+        return _kontext_start(pipe, call, cond)
+    if pipe.variant == "control":
+        return _control_start(pipe, call, cond)
     if call.inputs["image"] is None:
         return pipe.text2img_start(call, cond)
-    return _img2img_start(pipe, call, cond)
+    generator = _generator(call)
+    if pipe.variant == "fill":
+        start = _img2img_start(pipe, call, cond, generator, inpaint=False)
+        start.channel_cond = _fill_condition(pipe, call, cond, generator)
+        return start
+    return _img2img_start(pipe, call, cond, generator)
+
+
+def _generator(call: Call) -> torch.Generator | list[torch.Generator] | None:
+    """One generator for every draw of the call (VAE samples, noise), as diffusers threads it through them."""
+    return torch.Generator("cpu").manual_seed(call.seed) if call.seed is not None else call.generator
+
+
+def _control_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    """FluxControlPipeline: the control image, resized to the output and repeated over the batch, goes
+    through the VAE as a posterior sample (drawn before the noise, from the same generator); its packed
+    latents sit beside the noisy ones on the channels at every step. The noise is text to image's."""
+    assert call.height is not None and call.width is not None  # filled by check
+    device, vae, batch = pipe.device, pipe.vae, cond.batch
+    generator = _generator(call)
+    pixels = _preprocess(call.inputs["control_image"], call.height, call.width)
+    pixels = pixels.repeat_interleave(batch, dim=0).to(device=device, dtype=pipe.dtype)
+    if isinstance(generator, list) and len(generator) != batch:
+        raise FluxError(f"got {len(generator)} generators for a batch of {batch}; pass one per image")
+    raw = vae.encode(pixels, sample=True, generator=generator)
+    start = pipe.text2img_start(call, cond, generator=generator)
+    start.channel_cond = pack(vae.scale_latents(raw)).to(dtype=cond.txt.dtype)
+    return start
+
+
+def _fill_condition(
+    pipe: Pipeline, call: Call, cond: Conditioning, generator: torch.Generator | list[torch.Generator] | None
+) -> Tensor:
+    """FluxFillPipeline's conditioning tokens (B, L, 4z + 4f²): the latents of the image with the mask's
+    area blanked (a posterior sample, drawn after the noise), then the pixel mask folded f x f onto the
+    channels so each latent pixel sees its own f² mask pixels, both packed 2x2."""
+    assert call.height is not None and call.width is not None  # filled by check
+    device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
+    batch, f = cond.batch, vae.config.spatial_factor
+    h, w = latent_size(call.height, call.width, f)
+    first = generator[0] if isinstance(generator, list) else generator
+    pixels = _preprocess(call.inputs["image"], call.height, call.width)
+    mask = _preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
+    masked = (pixels * (1 - mask)).to(device=device, dtype=dtype)
+    latents = vae.scale_latents(vae.encode(masked, sample=True, generator=first)).to(
+        device=device, dtype=dtype
+    )
+    latents = pack(torch.cat([latents] * batch, dim=0))
+    # (1, 1, h f, w f) → (B, f², h, w): mask pixel (i f + a, j f + b) goes to channel a f + b at (i, j)
+    folded = mask[:, 0].view(1, h, f, w, f).permute(0, 2, 4, 1, 3).reshape(1, f * f, h, w)
+    folded = pack(folded.repeat(batch, 1, 1, 1)).to(device=device, dtype=dtype)
+    return torch.cat([latents, folded], dim=2)
+
+
+def _kontext_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
+    """FluxKontextPipeline: noise as text to image; the reference image's latents (the posterior mean, so
+    no draw from the generator) packed to tokens that follow the noise tokens at every step, their ids
+    `[1, i, j]` so attention tells them from the image being made (`[0, i, j]`). The schedule's shift
+    counts the noise tokens only."""
+    start = pipe.text2img_start(call, cond)
+    if call.inputs["image"] is None:
+        return start
+    device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
+    ref_h, ref_w = call.prepared["reference_size"]
+    pixels = _preprocess(call.inputs["image"], ref_h, ref_w).to(device=device, dtype=dtype)
+    latents = vae.scale_latents(vae.encode(pixels))
+    latents = torch.cat([latents] * cond.batch, dim=0)
+    gh, gw = latents.shape[2:]
+    ref_ids = image_ids(gh, gw, dtype=dtype, device=device)
+    ref_ids[..., 0] = 1
+    h, w = start.grid
+    start.reference_tokens = pack(latents)
+    start.img_ids = torch.cat([start.img_ids, ref_ids], dim=0)
+    start.rope_key = (h, w, gh, gw, cond.txt.shape[1], device)
+    return start
 
 
 def _preprocess(image: Image.Image, height: int, width: int, *, mask: bool = False) -> Tensor:
@@ -168,15 +330,21 @@ def _preprocess(image: Image.Image, height: int, width: int, *, mask: bool = Fal
     return 2.0 * pixels - 1.0
 
 
-def _img2img_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
-    """FluxImg2ImgPipeline / FluxInpaintPipeline: the image's latents (a posterior sample, drawn with the
-    call's generator before the noise) noised to the first kept sigma, the schedule's last steps."""
+def _img2img_start(
+    pipe: Pipeline,
+    call: Call,
+    cond: Conditioning,
+    generator: torch.Generator | list[torch.Generator] | None,
+    *,
+    inpaint: bool = True,
+) -> Start:
+    """FluxImg2ImgPipeline / FluxInpaintPipeline / FluxFillPipeline: the image's latents (a posterior sample,
+    drawn with the call's generator before the noise) noised to the first kept sigma, the schedule's last
+    steps; with a mask and `inpaint`, the original put back outside the mask after every step."""
     assert call.height is not None and call.width is not None  # filled by check
     device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
     batch, f = cond.batch, vae.config.spatial_factor
     h, w = latent_size(call.height, call.width, f)
-    # one generator for the VAE sample and the noise, as diffusers threads it through both
-    generator = torch.Generator("cpu").manual_seed(call.seed) if call.seed is not None else call.generator
     first = generator[0] if isinstance(generator, list) else generator
     pixels = _preprocess(call.inputs["image"], call.height, call.width).to(device=device, dtype=dtype)
     image_latents = vae.scale_latents(vae.encode(pixels, sample=True, generator=first))
@@ -188,7 +356,7 @@ def _img2img_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
     sigma = sigmas[0].to(dtype)
     latents = pack(sigma * noise + (1.0 - sigma) * image_latents)
     blend = None
-    if call.inputs["mask_image"] is not None:
+    if inpaint and call.inputs["mask_image"] is not None:
         mask = _preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
         mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
         mask = pack(mask.repeat(batch, image_latents.shape[1], 1, 1))
@@ -234,4 +402,7 @@ def record_inputs(pipe: Pipeline, call: Call) -> dict[str, Any]:
         out["input_images"] = images
     if call.inputs.get("strength") is not None:
         out["strength"] = call.inputs["strength"]
+    if pipe.variant == "kontext" and call.inputs.get("image") is not None:
+        out["auto_resize"] = bool(call.inputs["auto_resize"])
+        out["reference_size"] = list(call.prepared["reference_size"])
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from PIL import Image
 
@@ -55,3 +56,50 @@ def test_bad_flux1_inputs_are_one_line_errors(tmp_path):
     assert res.exit_code == 1 and "--mask needs --image" in res.output
     res = _run("--prompt", "a cat", "--control-image", str(image))
     assert res.exit_code == 1 and "no control input" in res.output
+
+
+@pytest.fixture(scope="module")
+def variant_folders(tmp_path_factory):
+    """Tiny Kontext, Fill and Depth folders saved by diffusers (their model_index.json names the pipeline)."""
+    from diffusers import FluxKontextPipeline
+
+    from tests.pipeline.test_flux1_pipeline import _save_pipeline
+    from tests.pipeline.test_flux1_variants import _save_variant
+
+    root = tmp_path_factory.mktemp("cli-variants")
+    dev = _save_pipeline(root / "dev", True)
+    FluxKontextPipeline.from_pretrained(dev).save_pretrained(root / "kontext")
+    return {
+        "kontext": root / "kontext",
+        "fill": _save_variant(dev, root / "fill", "FluxFillPipeline", 144),
+        "control": _save_variant(dev, root / "depth", "FluxControlPipeline", 128),
+    }
+
+
+def _gen(model, *args: str):
+    base = ["--model", str(model), "--height", "32", "--width", "32", "--steps", "2", "--quiet"]
+    return CliRunner().invoke(main, [*base, "--max-sequence-length", "16", *args], catch_exceptions=False)
+
+
+def test_kontext_fill_and_control_record_their_inputs_and_replay(variant_folders, tmp_path):
+    image, mask = _write(tmp_path / "in.png", 1), _write(tmp_path / "mask.png", 2, "L")
+    for variant, args, roles in (
+        ("kontext", ["--image", str(image), "--max-area", "1024", "--no-auto-resize"], {"image"}),
+        ("fill", ["--image", str(image), "--mask", str(mask)], {"image", "mask_image"}),
+        ("control", ["--control-image", str(image)], {"control_image"}),
+    ):
+        out, again = tmp_path / f"{variant}.png", tmp_path / f"{variant}-again.png"
+        res = _gen(variant_folders[variant], "--prompt", "a cat", *args, "--out", str(out))
+        assert res.exit_code == 0, res.output
+        with Image.open(out) as im:
+            info = json.loads(im.text["flux_runtime"])
+        assert info["variant"] == variant and set(info["input_images"]) == roles
+        res = CliRunner().invoke(
+            main, ["--replay", str(out), "--out", str(again), "--quiet"], catch_exceptions=False
+        )
+        assert res.exit_code == 0, res.output
+        assert np.array_equal(np.asarray(Image.open(out)), np.asarray(Image.open(again)))
+    res = _gen(variant_folders["control"], "--prompt", "a cat", "--image", str(image), "--strength", "0.5")
+    assert res.exit_code == 1 and "it takes no image" in res.output
+    res = _gen(variant_folders["fill"], "--prompt", "a cat", "--image", str(image), "--max-area", "1024")
+    assert res.exit_code == 1 and "--max-area and --no-auto-resize need a FLUX.1 Kontext model" in res.output

@@ -302,12 +302,19 @@ class KLAutoencoder(nn.Module, Generic[ConfigT]):
     def _param_dtype(self) -> torch.dtype:
         return self.encoder.conv_in.weight.dtype
 
-    def encode(self, x: Tensor, *, sample: bool = False, generator: torch.Generator | None = None) -> Tensor:
+    def encode(
+        self,
+        x: Tensor,
+        *,
+        sample: bool = False,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+    ) -> Tensor:
         """Image (B, in_channels, H, W) in [-1, 1] → raw latent (B, z_channels, H/f, W/f), model dtype.
 
         Returns the posterior mean, diffusers' `encode(x).latent_dist.mode()`; with `sample=True`,
         `mean + std * noise` with noise drawn as `latent_dist.sample(generator)` draws it (on the
-        generator's device when that is the CPU, in the model dtype), so a seed gives the same latent.
+        generator's device when that is the CPU, in the model dtype), so a seed gives the same latent; a list of
+        generators draws each image's noise from its own.
         """
         cfg, f = self.config, self.config.spatial_factor
         if x.ndim != 4 or x.shape[1] != cfg.in_channels:
@@ -323,10 +330,22 @@ class KLAutoencoder(nn.Module, Generic[ConfigT]):
         if not sample:
             return mean.contiguous()
         std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
-        on_cpu = generator is not None and generator.device.type == "cpu"
-        noise = torch.randn(
-            mean.shape, generator=generator, device="cpu" if on_cpu else moments.device, dtype=moments.dtype
-        ).to(moments.device)
+        gens = generator if isinstance(generator, list) else [generator]
+        if isinstance(generator, list) and len(generator) != mean.shape[0]:
+            raise ValueError(
+                f"got {len(generator)} generators for a batch of {mean.shape[0]}; pass one per image"
+            )
+        # a list draws one image's noise per generator, as diffusers' randn_tensor does
+        shape = (mean.shape[0] // len(gens), *mean.shape[1:])
+        noise = torch.cat(
+            [
+                torch.randn(
+                    shape, generator=g, device="cpu" if g is not None and g.device.type == "cpu" else moments.device,
+                    dtype=moments.dtype,
+                ).to(moments.device)
+                for g in gens
+            ]
+        )  # fmt: skip
         return mean + std * noise
 
     def decode(self, z: Tensor, *, tile: int | None = None) -> Tensor:
