@@ -14,7 +14,7 @@ and bf16 and fp16:
 2. (bf16; fp16 too with `--bench-fp16`) the median time of each variant and of the eager reference
    chain (`triton.testing.do_bench`, L2 flushed before each call), and each variant's bandwidth
    against the 4.16 TB/s device-to-device copy ceiling measured on the H200
-   (shared/reference/h200_baseline.md). `*` marks the variant the op uses now (its module's `VARIANT`).
+  . `*` marks the variant the op uses now (its module's `VARIANT`).
 
 GELU and SiLU (SwiGLU's first op) are also checked exhaustively over all 65,536 inputs of each
 dtype. `--tune` adds a sweep of the v2 tile sizes at the 1024² joint shapes. Exits 1 on any

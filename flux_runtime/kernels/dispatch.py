@@ -10,8 +10,8 @@ The pipeline sets the quality tier for a block of work::
 - `lossless`: kernels that are bit-identical to their reference. Each one is verified on the first call
   per signature (shapes, strides, dtypes, device, alignment, scalars): both paths run and must agree
   bit for bit (`torch.equal`, NaNs in the same places allowed). A mismatch is logged as an error,
-  recorded, and that signature uses the reference from then on (sglang's `BitExactFusionGate`,
-  shared/reference/fusions.md §0.7). Verification needs a host sync, so it never happens while a CUDA
+  recorded, and that signature uses the reference from then on (the idea of sglang's
+  `BitExactFusionGate`). Verification needs a host sync, so it never happens while a CUDA
   graph is captured; an unverified signature runs the reference there.
 - `high`: also kernels that change rounding (none of the kernels here yet: the pipeline's `high` tier batches
   the adaLN projections of all steps instead); lossless kernels are still verified.
@@ -258,7 +258,7 @@ def _fallback(op: str, reason: str, level: int = logging.WARNING, detail: str | 
 
 
 def _signature(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Everything a kernel's guards and aten's kernel choice depend on (R9): not the values."""
+    """Everything a kernel's guards and aten's kernel choice depend on: not the values."""
     parts: list[Any] = [name]
     for a in args:
         if isinstance(a, Tensor):

@@ -78,6 +78,14 @@ class Fp8Act(NamedTuple):
 # reference
 
 
+def check_quant(op: str, scale: Tensor | None, inv_scale: Tensor | None) -> None:
+    """A kernel's quantization arguments: both (static, one fp32 value each) or neither (per-row scales)."""
+    if (scale is None) != (inv_scale is None):
+        raise ValueError(f"{op}: pass both scale and inv_scale (static) or neither (dynamic)")
+    if scale is not None and (scale.numel() != 1 or inv_scale is None or inv_scale.dtype != torch.float32):
+        raise UnsupportedInput(f"{op}: a static scale must be one fp32 value")
+
+
 def quantize_reference(x: Tensor, scale: Tensor | None = None, inv_scale: Tensor | None = None) -> Fp8Act:
     """e4m3 of `x` (..., K): static with `scale` and `inv_scale = 1 / scale` (0-dim fp32), dynamic per row without."""
     if (scale is None) != (inv_scale is None):
@@ -207,11 +215,8 @@ def act_quantize_triton(
     check_half(op, x=x)
     if x.numel() == 0:
         raise UnsupportedInput(f"{op}: empty input")
+    check_quant(op, scale, inv_scale)
     dynamic = scale is None
-    if (scale is None) != (inv_scale is None):
-        raise ValueError(f"{op}: pass both scale and inv_scale (static) or neither (dynamic)")
-    if not dynamic and (scale.numel() != 1 or inv_scale.dtype != torch.float32):
-        raise UnsupportedInput(f"{op}: a static scale must be one fp32 value")
     n = x.shape[-1] // 2 if act == "swiglu" else x.shape[-1]
     shape = (*x.shape[:-1], n)
     if out is None:

@@ -8,7 +8,7 @@ aten's CUDA functor, which the fused kernel copies expression for expression (nv
     out = 0.5 * x * (1 + tanhf(inner))      # in fp32, one rounding to bf16/fp16
 
 A unary function of a 16-bit input can be checked exhaustively: the first verification per
-signature also compares all 65,536 inputs of the dtype against aten on the same device (R6).
+signature also compares all 65,536 inputs of the dtype against aten on the same device.
 """
 
 from __future__ import annotations

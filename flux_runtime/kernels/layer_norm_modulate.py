@@ -4,7 +4,7 @@
 normalises the result: one pass over the row in a fused kernel, two eager chains in the reference.
 
 The fused kernel is lossless because it replays aten's `vectorized_layer_norm_kernel` (bf16/fp16,
-`D % 4 == 0`, aligned: shared/reference/fusions.md §3.1) operation for operation: a row is read by
+`D % 4 == 0`, aligned) operation for operation: a row is read by
 128 threads (4 warps × 32 lanes), thread t pushing the 4 elements of vectors t, t+128, ... through
 Welford in order (`mean = fma(delta, 1/count, mean)`, `m2 = fma(delta, x - mean, m2)`, correctly
 rounded reciprocals); lanes fold by shuffle-down 16…1, warps by (0,2),(1,3) then (0,1), each step
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.fp8 import E4M3, Fp8Act, quantize_reference
+from flux_runtime.kernels.fp8 import E4M3, Fp8Act, check_quant, quantize_reference
 from flux_runtime.kernels.gated_residual import check_gated_residual, gated_residual_reference
 from flux_runtime.kernels.modulate import modulate_reference
 from flux_runtime.kernels.triton_utils import (
@@ -426,6 +426,18 @@ def _check_norm_modulate(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> tu
     return b, length, d
 
 
+def _check_plain_input(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> None:
+    """Guards of the kernels that normalise `x` itself (no pending residual): launchable, (B, L, D), and laid
+    out as the aten kernel they replay sees it."""
+    check_launchable(op, x, shift, scale)
+    if x.ndim != 3 or x.numel() == 0:
+        raise UnsupportedInput(f"{op}: x must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
+    _check_norm_modulate(op, x, shift, scale)
+    check_unit_stride(op, "x", x)
+    check_int32_offsets(op, "x", x)
+    check_aten_vectorized(op, "x", x)
+
+
 def _even_counts_halve(iters: int) -> bool:
     """`fl(n * fl(1/n)) == 1` for aten's per-lane count n = 4 * iters, so the fold's `nA = nB = 0.5`."""
     n = np.float32(4 * iters)
@@ -495,13 +507,7 @@ def layer_norm_modulate_triton(
     `variant` "v1" or "v2" (default `VARIANT`); `rows_per_program` defaults per variant and width.
     """
     op = "layer_norm_modulate"
-    check_launchable(op, x, shift, scale)
-    if x.ndim != 3 or x.numel() == 0:
-        raise UnsupportedInput(f"{op}: x must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
-    _check_norm_modulate(op, x, shift, scale)
-    check_unit_stride(op, "x", x)
-    check_int32_offsets(op, "x", x)
-    check_aten_vectorized(op, "x", x)
+    _check_plain_input(op, x, shift, scale)
     return _launch(x, None, None, shift, scale, eps, variant, rows_per_program)[1]
 
 
@@ -561,30 +567,14 @@ def residual_layer_norm_modulate(
 # e4m3 outputs: the bf16/fp16 value above, then the FP8 consumer's quantization (no bf16 copy written)
 
 
-def _check_quant(
-    op: str, scale: Tensor | None, inv_scale: Tensor | None
-) -> tuple[Tensor | None, Tensor | None]:
-    if (scale is None) != (inv_scale is None):
-        raise ValueError(f"{op}: pass both scale and inv_scale (static) or neither (dynamic)")
-    if scale is not None and (scale.numel() != 1 or inv_scale.dtype != torch.float32):
-        raise UnsupportedInput(f"{op}: a static scale must be one fp32 value")
-    return scale, inv_scale
-
-
 def layer_norm_modulate_fp8_triton(
     x: Tensor, shift: Tensor, scale: Tensor, eps: float, q_scale: Tensor | None, q_inv: Tensor | None
 ) -> Fp8Act:
     """Fused `layer_norm_modulate_fp8_reference` (the v2 kernel with its e4m3 epilogue)."""
     op = "layer_norm_modulate_fp8"
-    check_launchable(op, x, shift, scale)
-    if x.ndim != 3 or x.numel() == 0:
-        raise UnsupportedInput(f"{op}: x must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
-    _check_norm_modulate(op, x, shift, scale)
-    check_unit_stride(op, "x", x)
-    check_int32_offsets(op, "x", x)
-    check_aten_vectorized(op, "x", x)
-    quant = _check_quant(op, q_scale, q_inv)
-    return _launch(x, None, None, shift, scale, eps, "v2", None, quant)[1]
+    _check_plain_input(op, x, shift, scale)
+    check_quant(op, q_scale, q_inv)
+    return _launch(x, None, None, shift, scale, eps, "v2", None, (q_scale, q_inv))[1]
 
 
 def residual_layer_norm_modulate_fp8_triton(
@@ -596,8 +586,8 @@ def residual_layer_norm_modulate_fp8_triton(
     check_launchable(op, residual, gate, update, shift, scale)
     check_gated_residual(op, residual, gate, update)
     _check_norm_modulate(op, residual, shift, scale)
-    quant = _check_quant(op, q_scale, q_inv)
-    return _launch(residual, gate, update, shift, scale, eps, "v2", None, quant)
+    check_quant(op, q_scale, q_inv)
+    return _launch(residual, gate, update, shift, scale, eps, "v2", None, (q_scale, q_inv))
 
 
 def layer_norm_modulate_fp8_reference(

@@ -1,7 +1,7 @@
 """adaLN modulate `y * (1 + scale) + shift` (fusion F1).
 
 Eager runs three bf16 ops, each rounding once: `1 + scale`, the product, the sum. The fused kernel
-does the same three roundings in one pass over `y` (lossless: R1, R2, R4 of fusions.md §0.3).
+does the same three roundings in one pass over `y` (lossless: one rounding per eager op, Python scalars do not widen, no FMA across ops).
 """
 
 from __future__ import annotations

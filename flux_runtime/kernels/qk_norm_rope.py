@@ -5,10 +5,10 @@ text before image along the sequence, then applies RoPE in fp32: `x * cos + rot(
 (two fp32 products and one fp32 add, separately rounded) with a single cast back.
 
 The fused kernel reads each head row once from its stream, writes the joint layout directly and is
-lossless: the RMSNorm replays aten's fused CUDA kernel for a 128-wide row (fusions.md §3.2: lane t of
+lossless: the RMSNorm replays aten's fused CUDA kernel for a 128-wide row (lane t of
 warp 0 sums the squares of elements 4t..4t+3 with FMAs in order, shuffle-down 16…1, the idle warps
 add zeros, `ms = sum / 128`, `rstd = rsqrtf(ms + eps)`, `y = r(w * (rstd * x))`); RoPE uses
-separately rounded `mul.rn`, `mul.rn`, `add.rn` and a sign-bit negation (R4, R8).
+separately rounded `mul.rn`, `mul.rn`, `add.rn` and a sign-bit negation.
 """
 
 from __future__ import annotations

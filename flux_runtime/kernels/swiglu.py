@@ -12,7 +12,7 @@ The input may be a strided view (the single blocks' `[gate | up]` is a column sl
 `linear1` output, row stride 3D + 2M); `out=` writes into a preallocated view instead (F11: the right
 column slice of the `[attn | mlp]` buffer). A unary function of a 16-bit input can be checked
 exhaustively: the first verification per signature also compares the fused SiLU with aten's on all
-65,536 inputs of the dtype on the same device (R6).
+65,536 inputs of the dtype on the same device.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Shared pieces of the fused Triton kernels: optional import, exact rounding helpers, input guards.
 
-Exactness rules (shared/reference/fusions.md §0.3) that every kernel here relies on:
+Exactness rules that every kernel here relies on:
 
-- Each eager op rounds once to the storage dtype (R1). `round_to` reproduces that rounding on an fp32
+- Each eager op rounds once to the storage dtype. `round_to` reproduces that rounding on an fp32
   value and hands back fp32, so the next op sees exactly what eager would have loaded.
 - On the GPU `round_to` is the hardware `cvt.rn` conversion (round to nearest even). The Triton
-  interpreter (CPU CI, `TRITON_INTERPRET=1`) truncates instead (shared/reference/h200_baseline.md), so
+  interpreter (CPU CI, `TRITON_INTERPRET=1`) truncates instead, so
   there the same rounding is done with integer bit operations, which are exact RNE for finite values.
-- No FMA contraction across ops that eager ran separately (R4): every launch passes
+- No FMA contraction across ops that eager ran separately: every launch passes
   `enable_fp_fusion=False`, and the code does not rely on it either: where a product feeds an add,
   the product goes through `mul_rn` (an opaque `mul.rn.f32` on the GPU) or is rounded to the storage
   dtype first, which blocks contraction. FMAs that aten's own SASS has are written as `tl.fma`.
 - `rsqrtf` is CUDA's `rsqrt.approx.f32` (MUFU.RSQ with its subnormal rescale), called as inline PTX so
-  the libdevice flush-to-zero setting Triton uses cannot change it (R6).
+  the libdevice flush-to-zero setting Triton uses cannot change it.
 
 Every kernel takes a `GPU: tl.constexpr` flag (False under the interpreter) that selects between the
 hardware instruction and its interpreter equivalent at compile time.

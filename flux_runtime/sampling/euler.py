@@ -1,10 +1,10 @@
 """The flow-matching Euler loop, with `FluxPipeline`'s and `Flux2Pipeline`'s roundings (diffusers 0.42.1).
 
-Per step i (flux1.md §3.4): `timestep = t.expand(B).to(latents.dtype)`; the denoiser sees
+Per step i: `timestep = t.expand(B).to(latents.dtype)`; the denoiser sees
 `timestep / 1000` computed in that dtype (bf16: 988.40863 → 988.0 → 0.98828125); the update is
 `(latents.to(fp32) + dt * pred).to(pred.dtype)` where `dt = σ[i+1] − σ[i]` is a 0-dim fp32 tensor, so by
 type promotion `dt * pred` is a bf16 product added to the fp32 sample (FlowMatchEulerDiscreteScheduler.step).
-FLUX.2 runs the same steps (flux2.md §3.3), plus reference-image tokens appended to the model input and cut
+FLUX.2 runs the same steps, plus reference-image tokens appended to the model input and cut
 from its prediction, and klein's CFG, which is FLUX.1's true-CFG formula with `guidance_scale`.
 The denoiser is a callable, so this module knows nothing of models (import direction: sampling → nothing).
 """

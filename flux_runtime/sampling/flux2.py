@@ -11,7 +11,7 @@ Sizes: `check_image_size`, `latent_size` and `num_image_tokens` (latents.py) hol
 grid, as FLUX.1's `unpack` and `image_ids` do. Everything follows `Flux2Pipeline` / `Flux2KleinPipeline`
 (diffusers 0.42.1): `prepare_latents`, `_pack_latents`, `_unpack_latents_with_ids`, `_patchify_latents`,
 `_unpatchify_latents`, `_prepare_latent_ids`, `_prepare_text_ids` and the BatchNorm lines of `__call__`
-and `_encode_vae_image` (flux2.md §3.2).
+and `_encode_vae_image`.
 
 The order `Flux2Pipeline` / `Flux2KleinPipeline.__call__` runs them in (tests/sampling/test_flux2_euler.py
 does exactly this against both pipelines):

@@ -1,7 +1,7 @@
 """After the loop: undo the VAE's latent normalization, and turn decoded images into uint8 / PIL.
 
 Both follow `FluxPipeline.__call__` and `VaeImageProcessor.postprocess` (diffusers 0.42.1), including where
-they round: the arithmetic runs in the tensor's own dtype (bf16 in practice), not in fp32 (flux1.md §3.5).
+they round: the arithmetic runs in the tensor's own dtype (bf16 in practice), not in fp32.
 """
 
 from __future__ import annotations

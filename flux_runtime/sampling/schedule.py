@@ -87,12 +87,12 @@ def _empirical_mu(image_seq_len: int, num_steps: int) -> float:
 
 # FLUX.1-dev `scheduler/scheduler_config.json`: shift 3.0 with use_dynamic_shifting=true, so the 3.0 is
 # unused and mu comes from the token count; base/max values are diffusers' defaults, which the config
-# repeats (flux1.md §3.3; the gated JSON itself was not read, the values agree with BFL's `get_schedule`).
+# repeats (the gated JSON itself was not read, the values agree with BFL's `get_schedule`).
 FLUX1_DEV_SCHEDULE = ScheduleConfig(shift=3.0, mu_rule="linear")
 # FLUX.1-schnell: use_dynamic_shifting=false, shift=1.0, i.e. sigmas = linspace(1, 1/N, N) unchanged.
 FLUX1_SCHNELL_SCHEDULE = ScheduleConfig(shift=1.0, mu_rule=None)
 # FLUX.2 (dev and klein pipelines): the FLUX.1-dev scheduler config, but the pipeline passes the empirical mu
-# (flux2.md §3.3; not verified for the klein repos' configs).
+# (not verified for the klein repos' configs).
 FLUX2_SCHEDULE = ScheduleConfig(shift=3.0, mu_rule="empirical")
 
 

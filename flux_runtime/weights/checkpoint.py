@@ -176,7 +176,7 @@ def fill_model(
     finite = FiniteCheck()
     read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
     model.precision = fp8_layers.load_state(
-        model, table, lambda k, _device, _dtype: read(k), assemble,
+        model, table, read, assemble,
         device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
     )  # fmt: skip
     finite.raise_if_any()

@@ -15,7 +15,7 @@ from flux_runtime.weights.vae import AnyVAEConfig
 
 # The diffusers release whose config.json fields and file names we write (our parity target).
 DIFFUSERS_VERSION = "0.42.1"
-# What diffusers' FLUX.1 `vae/config.json` says beyond the architecture (shared/reference/vae.md §1).
+# What diffusers' FLUX.1 `vae/config.json` says beyond the architecture.
 FLUX1_VAE_SAMPLE_SIZE = 1024
 # What FLUX.2's BFL code fixes and diffusers' configs state (AutoencoderKLFlux2 and
 # Flux2Transformer2DModel defaults, which diffusers' FLUX.2 converter keeps).

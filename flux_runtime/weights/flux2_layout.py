@@ -1,7 +1,6 @@
 """The FLUX.2 transformer's diffusers layout, expressed against BFL's flux2 keys (our module names).
 
-One table of `{i}` templates: each BFL key and the diffusers keys it is made of (shared/reference/
-flux2.md §4.3). FLUX.2 has no biases, so every rule is one `.weight` (or QK-norm `.scale`). Only two
+One table of `{i}` templates: each BFL key and the diffusers keys it is made of. FLUX.2 has no biases, so every rule is one `.weight` (or QK-norm `.scale`). Only two
 rules change a tensor; every other rule is a rename:
 - double blocks: BFL fuses `qkv` per stream, diffusers keeps `to_q/to_k/to_v` (image) and
   `add_q_proj/add_k_proj/add_v_proj` (text) apart: concatenate along the output dim (rows [q; k; v]);

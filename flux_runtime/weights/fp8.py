@@ -259,7 +259,7 @@ def precision_of(layers: dict[str, Fp8Tensors], dtype: torch.dtype) -> str:
 def load_state(
     model: nn.Module,
     rules: list[Rule],
-    read: Callable[[str, torch.device, torch.dtype | None], Tensor],
+    read: Callable[[str], Tensor],
     assemble: Callable[[Rule, Callable[[str], Tensor]], Tensor],
     *,
     device: torch.device,
@@ -268,6 +268,8 @@ def load_state(
     quantize: bool,
 ) -> str:
     """Stream every rule's tensor into `model` (built on meta) and return its precision.
+
+    `read(key)` gives one checkpoint tensor already on `device` in `dtype` (FP8 weights are read raw here).
 
     FP8 weights of block projections go into `Fp8Linear` modules as they are; FP8 weights anywhere else,
     or on a device without FP8 GEMMs, are dequantized to `dtype` (said once). With `quantize`, bf16 block
@@ -293,7 +295,7 @@ def load_state(
                 sd[rule.bfl] = dequantize(t, dtype)
                 dequantized.append(module)
             continue
-        tensor = assemble(rule, lambda k: read(k, device, dtype))
+        tensor = assemble(rule, read)
         if leaf == "weight" and quantize and may_run_fp8(module):
             layers[module] = quantize_weight(tensor)
             del tensor

@@ -1,7 +1,7 @@
 """The FLUX.2 autoencoder's diffusers layout, expressed against BFL's keys (our module names).
 
 FLUX.1's table (`vae_layout`: same encoder, decoder, renames and 1x1 attention reshapes) plus the
-parts FLUX.2 adds (shared/reference/vae.md §5, diffusers' `DIFFUSERS_VAE_TO_FLUX2_MAPPING`), all plain
+parts FLUX.2 adds (as diffusers' `DIFFUSERS_VAE_TO_FLUX2_MAPPING` names them), all plain
 renames: BFL keeps the quant convs inside the encoder and decoder (`encoder.quant_conv`,
 `decoder.post_quant_conv`), diffusers at the top (`quant_conv`, `post_quant_conv`); the BatchNorm
 statistics have the same names in both. Both directions are pure and lossless.

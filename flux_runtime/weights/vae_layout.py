@@ -1,6 +1,6 @@
 """The FLUX.1 autoencoder's diffusers layout, expressed against BFL's keys (our module names).
 
-One rule per tensor: the BFL key and its diffusers key (shared/reference/vae.md §4). The renames
+One rule per tensor: the BFL key and its diffusers key. The renames
 follow diffusers' `convert_ldm_vae_checkpoint`: `down.{i}.block` ↔ `down_blocks.{i}.resnets`,
 `nin_shortcut` ↔ `conv_shortcut`, `mid.block_{1,2}` ↔ `mid_block.resnets.{0,1}`, `mid.attn_1` ↔
 `mid_block.attentions.0`, `norm_out` ↔ `conv_norm_out`; the decoder's `up` list is stored by
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-# SD-style single files put the VAE under one of these (shared/reference/vae.md §4).
+# SD-style single files put the VAE under one of these.
 PREFIXES = ("first_stage_model.", "vae.")
 
 

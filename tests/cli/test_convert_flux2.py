@@ -77,7 +77,7 @@ def test_full_presets_write_diffusers_own_configs():
     """The config.json written for a full FLUX.2 BFL file is the one diffusers' converter saves.
 
     `convert_flux2_to_diffusers.py` builds `AutoencoderKLFlux2()` and `Flux2Transformer2DModel(**config)`
-    with its dev / klein-4b / klein-9b configs (shared/reference/flux2.md §1); built on meta here.
+    with its dev / klein-4b / klein-9b configs; built on meta here.
     """
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 

@@ -1,4 +1,4 @@
-"""Plain-PyTorch replays of aten's CUDA vectorised LayerNorm / fused RMSNorm (fusions.md §3.1, §3.2).
+"""Plain-PyTorch replays of aten's CUDA vectorised LayerNorm / fused RMSNorm.
 
 Written lane by lane in fp32 torch ops, independently of the Triton kernels, so they serve twice:
 - on the CPU they are the bit-exact oracle for the kernels under `TRITON_INTERPRET=1` (aten's own CPU

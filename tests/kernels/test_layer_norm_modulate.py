@@ -251,7 +251,7 @@ def test_residual_layer_norm_modulate_gpu_bit_exact(
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 4096, 3072), (2, 4608, 6144), ODD_ROWS], ids=row_id)
 def test_layer_norm_replay_matches_aten_gpu(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    """The algorithm read from aten (fusions.md §3.1) is the one torch runs on this GPU.
+    """The algorithm read from aten is the one torch runs on this GPU.
 
     If this fails, the kernel's failure is in the reading of aten, not in Triton.
     """

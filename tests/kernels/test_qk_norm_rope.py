@@ -155,7 +155,7 @@ def test_qk_norm_rope_gpu_bit_exact(
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 4608, 24), (2, 4544, 48), (2, 7, 3)], ids=row_id)
 def test_rms_norm_replay_matches_aten_gpu(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    """The RMSNorm read from aten (fusions.md §3.2) is what `F.rms_norm` runs on this GPU."""
+    """The RMSNorm read from aten is what `F.rms_norm` runs on this GPU."""
     b, n, h = shape
     x = head_states(b, n, h, dtype, "cuda", packed=False)
     w = (torch.rand(128, device="cuda") * 2).to(dtype)

@@ -11,7 +11,7 @@ from PIL import Image
 
 CPU = torch.device("cpu")
 
-# FLUX.2's scheduler config: FLUX.1-dev's, dynamic shifting on, mu passed by the pipeline (flux2.md §3.3)
+# FLUX.2's scheduler config: FLUX.1-dev's, dynamic shifting on, mu passed by the pipeline
 FLUX2_SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000,
     shift=3.0,

@@ -117,7 +117,7 @@ def test_bf16_roundings_are_visible() -> None:
 
 
 def test_model_sees_bf16_rounded_timesteps() -> None:
-    """flux1.md §3.4: t = 988.40863 → bf16 988.0 → / 1000 in bf16 → 0.98828125."""
+    """diffusers: t = 988.40863 → bf16 988.0 → / 1000 in bf16 → 0.98828125."""
     latents = start_latents(2, 1024, 1024, torch.bfloat16)[:, :16]  # 4096-token schedule, few tokens to run
     model = FakeDenoiser(64, torch.bfloat16, seed=0)
     sigmas, timesteps = get_schedule(28, 4096, config=FLUX1_DEV_SCHEDULE)

@@ -136,7 +136,7 @@ def test_patchify_matches_diffusers(dtype, h: int, w: int) -> None:
 
 
 def test_patchify_layout() -> None:
-    """Channel c·4 + dy·2 + dx of patch (i, j) holds latent pixel (c, 2i + dy, 2j + dx) (flux2.md §3.2)."""
+    """Channel c·4 + dy·2 + dx of patch (i, j) holds latent pixel (c, 2i + dy, 2j + dx)."""
     b, c, h, w = 2, 3, 4, 6
     z = torch.arange(b * c * h * w, dtype=torch.float32).reshape(b, c, h, w)
     grid = patchify(z)

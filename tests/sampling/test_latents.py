@@ -138,7 +138,7 @@ def test_pack_unpack_match_diffusers(height: int, width: int) -> None:
 
 
 def test_pack_layout() -> None:
-    """Token n = i·(w/2) + j, channel c·4 + dy·2 + dx (flux1.md §3.2), checked element by element."""
+    """Token n = i·(w/2) + j, channel c·4 + dy·2 + dx, checked element by element."""
     b, c, h, w = 2, 3, 4, 6
     x = torch.arange(b * c * h * w, dtype=torch.float32).reshape(b, c, h, w)
     tokens = pack(x)
@@ -174,7 +174,7 @@ def test_image_ids_match_diffusers(dtype, h: int, w: int) -> None:
 
 
 def test_image_ids_round_like_diffusers_past_256_patches() -> None:
-    """512 patch rows: bf16 cannot hold 257 exactly, and neither does diffusers (flux1.md §3.2)."""
+    """512 patch rows: bf16 cannot hold 257 exactly, and neither does diffusers."""
     ids = image_ids(1024, 2, dtype=torch.bfloat16)
     assert ids[257, 1].item() == 256.0
     assert torch.equal(ids, FluxPipeline._prepare_latent_image_ids(1, 512, 1, CPU, torch.bfloat16))

@@ -20,7 +20,7 @@ from flux_runtime.sampling import (
     num_image_tokens,
 )
 
-# scheduler/scheduler_config.json of the two FLUX.1 repos (flux1.md §3.3), written out independently of ours.
+# scheduler/scheduler_config.json of the two FLUX.1 repos, written out independently of ours.
 DEV_CONFIG = dict(
     num_train_timesteps=1000,
     shift=3.0,
@@ -108,7 +108,7 @@ def test_static_shift_other_than_one_matches_diffusers() -> None:
 
 
 def test_documented_examples() -> None:
-    """flux1.md §3.3 / flux2.md §3.3 example values (printed with 5 decimals there)."""
+    """Example schedule values (printed with 5 decimals there)."""
     dev = get_schedule(28, 4096, config=FLUX1_DEV_SCHEDULE)
     assert dev.timesteps.shape == (28,) and dev.sigmas.shape == (29,)
     expected = torch.tensor([1000.0, 988.40863, 976.22247, 963.39441])

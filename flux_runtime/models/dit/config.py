@@ -81,7 +81,7 @@ TINY_TRAINED = replace(
     TINY, hidden_size=192, num_heads=4, depth=2, depth_single_blocks=4, axes_dim=(8, 20, 20)
 )
 
-# FLUX.2 (shared/reference/flux2.md §1): 128 latent channels (32 VAE channels patchified 2x2), text width
+# FLUX.2: 128 latent channels (32 VAE channels patchified 2x2), text width
 # 3 x the text encoder's hidden size (three stacked layers: Mistral 5120 for dev, Qwen3 2560 / 4096 for klein).
 FLUX2_DEV = DiTConfig(
     family="flux2",

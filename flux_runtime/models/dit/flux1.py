@@ -2,7 +2,7 @@
 
 Module names equal Black Forest Labs' checkpoint keys (`double_blocks.N.img_attn.qkv`, ...), so a
 BFL file loads with no key map. The forward pass reproduces diffusers 0.42.1
-`FluxTransformer2DModel` op for op (shared/reference/flux1.md §2): every elementwise chain is one
+`FluxTransformer2DModel` op for op: every elementwise chain is one
 call into `flux_runtime.kernels`, whose reference is that chain, and gated residuals are handed to
 the next norm as `Pending` triples so a fused kernel can materialise them in the same pass.
 """

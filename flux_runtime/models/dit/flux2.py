@@ -3,7 +3,7 @@
 Module names equal Black Forest Labs' flux2 checkpoint keys (`double_stream_modulation_img.lin`,
 `double_blocks.N.img_mlp.0`, `single_blocks.N.linear1`, ...), so a BFL file loads with no key map.
 The forward pass reproduces diffusers 0.42.1 `Flux2Transformer2DModel` op for op
-(shared/reference/flux2.md §2). What differs from FLUX.1 (flux1.py):
+. What differs from FLUX.1 (flux1.py):
 
 - no biases anywhere and no pooled text vector: the conditioning vector is time (+ guidance for dev);
 - modulation is shared: three projections of that vector, computed once per forward, feed every

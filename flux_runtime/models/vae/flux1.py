@@ -3,7 +3,7 @@
 Module names equal Black Forest Labs' `ae.safetensors` keys (`encoder.down.0.block.1.conv2`,
 `decoder.up.3.upsample.conv`, `encoder.mid.attn_1.q`), so that file loads with no key map; the
 diffusers `vae/` layout is mapped by `flux_runtime.weights.vae_layout`. The forward pass reproduces
-diffusers 0.42.1 `AutoencoderKL` op for op (shared/reference/vae.md §2-§3, §6): in particular the
+diffusers 0.42.1 `AutoencoderKL` op for op: in particular the
 mid-block attention stores BFL's 1x1 convs but runs them as `F.linear` on the `(B, HW, C)` token
 view, as diffusers does with its `nn.Linear` projections.
 

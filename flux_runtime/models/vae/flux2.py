@@ -1,7 +1,7 @@
 """The FLUX.2 autoencoder (a KL-regularised VAE, 32 latent channels, 8x spatial compression).
 
 It is the FLUX.1 network (flux1.py: same blocks, levels, widths and mid-block attention, imported from
-there) with three additions (shared/reference/vae.md §5):
+there) with three additions:
 - a 1x1 `quant_conv` (2z → 2z) after the encoder's `conv_out`, before the posterior split;
 - a 1x1 `post_quant_conv` (z → z) before the decoder's `conv_in`;
 - BatchNorm running statistics `bn.running_mean` / `bn.running_var` over the 2x2-patchified latent
