@@ -2,9 +2,9 @@
 """The FLUX autoencoders' decode at full size on one GPU: ours against diffusers, and what `high` could change.
 
 For each family (FLUX.1 `AutoencoderKL`, FLUX.2 `AutoencoderKLFlux2`), random full-size weights in bf16,
-one latent of a 1024² image (B=1): diffusers' decode, ours (`torch.equal` checked), and candidate
-approximations of ours, each with its ms and its PSNR against our lossless decode (images in [0, 1]):
-channels-last convolutions, cuDNN autotuning, both, and torch.compile of the decoder on top. With
+one latent of a 1024² image (B=1): diffusers' decode, ours (`torch.equal` checked), our `high` decode (the
+fused GroupNorm + SiLU), and other candidates, each with its ms and its PSNR against our lossless decode
+(images in [0, 1]): channels-last convolutions, cuDNN autotuning, fp16, torch.compile of the decoder. With
 --profile, a kernel table of our lossless decode. Never a test: run it on the device, quote the ratios.
 """
 
@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.models.vae import FLUX1_VAE, FLUX2_VAE
 from flux_runtime.weights import vae2_layout, vae_layout
 from flux_runtime.weights.diffusers_config import vae_diffusers_config
@@ -102,6 +103,13 @@ def bench_family(family: str, iters: int, profile: bool, compile_: bool) -> None
         ms = cuda_time(fn, iters=iters)
         row[name] = {"ms": ms, "psnr_db": psnr(out, base), "equal": bool(torch.equal(out, base))}
 
+    def high(model, latent):
+        with use_fused("high"):
+            return model.decode(latent)
+
+    reset_fused_ops_report()
+    variant("high", lambda: high(ours, z))
+    row["high_kernels"] = str(fused_ops_report())
     torch.backends.cudnn.benchmark = True
     variant("cudnn_benchmark", lambda: ours.decode(z))
     torch.backends.cudnn.benchmark = False
@@ -110,6 +118,10 @@ def bench_family(family: str, iters: int, profile: bool, compile_: bool) -> None
     variant("channels_last", lambda: ours_cl.decode(z_cl))
     torch.backends.cudnn.benchmark = True
     variant("channels_last_benchmark", lambda: ours_cl.decode(z_cl))
+    variant("high_channels_last_benchmark", lambda: high(ours_cl, z_cl))
+    torch.backends.cudnn.benchmark = False
+    variant("high_channels_last", lambda: high(ours_cl, z_cl))
+    torch.backends.cudnn.benchmark = True
     variant("fp16_channels_last", lambda: _fp16(ours_cl)(z_cl.half()))
     if compile_:
         t0 = time.perf_counter()
@@ -124,10 +136,12 @@ def bench_family(family: str, iters: int, profile: bool, compile_: bool) -> None
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
 
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            ours.decode(z)
-            torch.cuda.synchronize()
-        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        for name, fn in (("lossless", lambda: ours.decode(z)), ("high", lambda: high(ours, z))):
+            with prof(activities=[ProfilerActivity.CUDA]) as p:
+                fn()
+                torch.cuda.synchronize()
+            print(f"{family} {name} decode kernels")
+            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
     RESULTS[family] = row
     print(family, json.dumps(row, indent=1))
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from flux_runtime.kernels import reset_fused_ops_report
+from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
 from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
@@ -206,7 +206,7 @@ class Recipe:
             call.seed = 0
         tier = resolve_tier(call.quality, self.device, self.dtype)
         try:
-            latents, images, graphs, kernels = self._generate(call, tier)
+            latents, images, graphs, kernels, decode_kernels = self._generate(call, tier)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise FluxError(
@@ -225,11 +225,14 @@ class Recipe:
             **self.record_inputs(call),
             # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
             "kernels": kernels,
+            # the decode's: "off" (the reference ops), or the high tier's fused GroupNorm + SiLU
+            **({} if decode_kernels is None else {"decode_kernels": decode_kernels}),
         }  # fmt: skip
         return PipelineOutput(images, latents, info)
 
-    def _generate(self, call: Call, tier: RunTier) -> tuple[Tensor, Any, bool, str]:
-        """(packed latents, images as `output_type` asks, CUDA graphs used, kernels that ran)."""
+    def _generate(self, call: Call, tier: RunTier) -> tuple[Tensor, Any, bool, str, str | None]:
+        """(packed latents, images as `output_type` asks, CUDA graphs used, kernels that ran, and the
+        decode's kernels (None: no decode))."""
         call.report("encode", 0, 1)
         cond = self.encode(call)
         start = self.prepare(call, cond)
@@ -304,10 +307,10 @@ class Recipe:
         kernels = kernels_used(self._graphed.get((start.rope_key, tier, "cond")) if use_graphs else None)
 
         if call.output_type == "latent":
-            return latents, self.latent_output(latents, start), use_graphs, kernels
+            return latents, self.latent_output(latents, start), use_graphs, kernels, None
         z = self.decoder_input(latents, start)
         call.report("decode", 0, 1)
-        decoded = self.vae.decode(z, tile=self.vae_tile)
+        decoded, decode_kernels = self._decode(z, tier)
         check_finite(decoded, "decoded images")
         call.report("decode", 1, 1)
         if call.output_type == "pil":
@@ -316,7 +319,17 @@ class Recipe:
             images = to_uint8_images(decoded)
         else:
             images = (decoded * 0.5 + 0.5).clamp(0, 1)
-        return latents, images, use_graphs, kernels
+        return latents, images, use_graphs, kernels, decode_kernels
+
+    def _decode(self, z: Tensor, tier: RunTier) -> tuple[Tensor, str]:
+        """The autoencoder's decode and what it ran: the reference ops ("off": diffusers' bits), or in the
+        high tier its fused GroupNorm + SiLU kernels ("high", or "high, partly reference" if a guard refused)."""
+        if tier.kernels != "high":
+            return self.vae.decode(z, tile=self.vae_tile), "off"
+        reset_fused_ops_report()
+        with tier.mounted():
+            decoded = self.vae.decode(z, tile=self.vae_tile)
+        return decoded, fused_ops_report().tier_used
 
     def _schedule(self, steps: int, image_seq_len: int, strength: float = 1.0) -> tuple[Tensor, Tensor]:
         """(sigmas (N' + 1,), timesteps (N',)) fp32 on the device: the full schedule, or with `strength` < 1

@@ -81,6 +81,7 @@ RECORD_FIELDS: dict[str, Kind] = {
 # ... and may have these (the kernels that ran, FLUX.2's references, flux-gen's place of the image in its batch).
 OPTIONAL_FIELDS: dict[str, Kind] = {
     "kernels": STR,
+    "decode_kernels": STR,
     "reference_images": Kind(
         "a list of {path, width, height, sha256} objects",
         lambda v: isinstance(v, list) and all(_is_reference(r) for r in v),

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flux_runtime.kernels.group_norm import group_norm_silu
+
 EPS = 1e-6
 # diffusers' tiled decode: neighbouring tiles overlap by a quarter of a tile and are blended linearly.
 TILE_OVERLAP = 0.25
@@ -124,8 +126,8 @@ class ResnetBlock(nn.Module):
         self.nin_shortcut = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else None
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        h = self.conv1(group_norm_silu(x, self.norm1))
+        h = self.conv2(group_norm_silu(h, self.norm2))
         if self.nin_shortcut is not None:
             x = self.nin_shortcut(x)
         # diffusers divides by output_scale_factor 1.0 here: exact, so left out
@@ -154,7 +156,7 @@ class AttnBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, c, h, w = x.shape
         # GroupNorm on the (B, C, HW) view, then tokens (B, HW, C) (a transposed view, as in diffusers)
-        tokens = self.norm(x.view(b, c, h * w)).transpose(1, 2)
+        tokens = group_norm_silu(x.view(b, c, h * w), self.norm, silu=False).transpose(1, 2)
         q, k, v = (self._linear(conv, tokens) for conv in (self.q, self.k, self.v))
         # one head of width C: (B, 1, HW, C)
         q, k, v = (t.view(b, -1, 1, c).transpose(1, 2) for t in (q, k, v))
@@ -249,7 +251,7 @@ class Encoder(nn.Module):
         for level in self.down:
             h = level(h)
         h = self.mid(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(group_norm_silu(h, self.norm_out))
 
 
 class Decoder(nn.Module):
@@ -279,7 +281,7 @@ class Decoder(nn.Module):
         h = self.mid(self.conv_in(z))
         for level in reversed(self.up):
             h = level(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(group_norm_silu(h, self.norm_out))
 
 
 ConfigT = TypeVar("ConfigT", bound=VAEShape)
