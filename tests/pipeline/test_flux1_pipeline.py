@@ -214,6 +214,28 @@ def test_high_tier_images_stay_within_35_db_of_lossless():
     mse = ((a - b.images.astype(np.float64)) ** 2).mean()
     psnr = 10 * np.log10(255**2 / mse) if mse else float("inf")
     assert psnr >= 35.0, f"PSNR {psnr:.1f} dB"
+    assert b.info["decode_kernels"] == "high"  # the fused GroupNorm + SiLU decoded it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
+def test_high_tier_decode_stays_within_40_db_of_the_lossless_decode(model):
+    """The trained autoencoders decode the same latents in both tiers: the fused GroupNorm + SiLU only."""
+    from flux_runtime import load_vae
+    from flux_runtime.kernels import use_fused
+
+    vae = load_vae(model, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(
+        2, vae.config.z_channels, 32, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    z = z.to(torch.bfloat16)
+    a = vae.decode(z)
+    with use_fused("high"):
+        b = vae.decode(z)
+    assert not torch.equal(a, b)
+    a, b = ((t.float().clamp(-1, 1) + 1) / 2 for t in (a, b))
+    psnr = 10 * torch.log10(1 / (a - b).pow(2).mean()).item()
+    assert psnr >= 40.0, f"PSNR {psnr:.1f} dB"
 
 
 def test_vae_tile_decodes_in_tiles_and_is_checked_first(monkeypatch):
