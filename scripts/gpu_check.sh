@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
 #   bash scripts/gpu_check.sh merged    all GPU tests, an FP8 tiny image, the tiny models' scores, a profiled FP8 step
 #   bash scripts/gpu_check.sh final     all GPU tests and the FP8 bench
-#   bash scripts/gpu_check.sh high      all GPU tests, the decode bench, the FP8-attention candidate
+#   bash scripts/gpu_check.sh high      all GPU tests, the decode bench
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
@@ -46,7 +46,6 @@ case "$phase" in
     ;;
   high)
     timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
-    timeout 150 python3 scripts/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt" | tail -60 || status=1
     timeout 150 python3 scripts/bench_vae.py --json "$OUT/bench_vae.json" 2>&1 | tee "$OUT/bench_vae.txt" || status=1
     ;;
   vae)

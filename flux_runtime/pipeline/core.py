@@ -323,12 +323,17 @@ class Recipe:
 
     def _decode(self, z: Tensor, tier: RunTier) -> tuple[Tensor, str]:
         """The autoencoder's decode and what it ran: the reference ops ("off": diffusers' bits), or in the
-        high tier its fused GroupNorm + SiLU kernels ("high", or "high, partly reference" if a guard refused)."""
+        high tier its fused GroupNorm + SiLU kernels ("high", or "high, partly reference" if a guard refused).
+
+        The high decode runs channels-last: a channels-last input makes every convolution take cuDNN's NHWC
+        kernels without converting each activation to NHWC and back, and the fused GroupNorm keeps the
+        layout (aten's GroupNorm is slow on it, which is why the lossless decode stays NCHW).
+        """
         if tier.kernels != "high":
             return self.vae.decode(z, tile=self.vae_tile), "off"
         reset_fused_ops_report()
         with tier.mounted():
-            decoded = self.vae.decode(z, tile=self.vae_tile)
+            decoded = self.vae.decode(z.contiguous(memory_format=torch.channels_last), tile=self.vae_tile)
         return decoded, fused_ops_report().tier_used
 
     def _schedule(self, steps: int, image_seq_len: int, strength: float = 1.0) -> tuple[Tensor, Tensor]:
