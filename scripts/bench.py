@@ -4,6 +4,8 @@
 Sections (pick with flags; default: all that exist):
   --dit       full-size FLUX.1-dev, random weights, one bf16 step at 1024²: torch.equal with diffusers,
               per-step ms for the library floor, diffusers eager and ours (median of >= 10 after warm-up).
+  --variants  a FLUX.1 Kontext step (8192 image + reference tokens) and a Fill step (384 input channels)
+              at 1024², ours lossless (eager and + CUDA graph) vs diffusers, torch.equal.
 Writes a JSON of every number to --json. Never a test: run it on the device, quote the ratios.
 """
 
@@ -76,15 +78,21 @@ def library_floor(cfg=FLUX1_DEV, n_img: int = 4096, n_txt: int = 512) -> tuple[f
     return gemm_ms, attn_ms
 
 
-def build_pair():
-    """Full-size FLUX.1-dev in diffusers (random init on the GPU) and ours with the same weights."""
+def build_pair(in_channels: int = 64):
+    """Full-size FLUX.1-dev in diffusers (random init on the GPU) and ours with the same weights.
+
+    `in_channels` 384 is FLUX.1 Fill's transformer (latents + masked-image latents + mask), 128 Depth/Canny's.
+    """
+    from dataclasses import replace
+
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
     with torch.device(DEV):
-        ref = FluxTransformer2DModel(guidance_embeds=True).to(torch.bfloat16).eval()
+        ref = FluxTransformer2DModel(guidance_embeds=True, in_channels=in_channels, out_channels=64)
+        ref = ref.to(torch.bfloat16).eval()
     sd = ref.state_dict()
-    cfg = FLUX1_DEV
+    cfg = replace(FLUX1_DEV, in_channels=in_channels, out_channels=64)
     ours_sd = {
         r.bfl: flux1_layout.diffusers_to_bfl(r, sd.__getitem__)
         for r in flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
@@ -95,10 +103,10 @@ def build_pair():
     return ref, ours.eval()
 
 
-def step_inputs(n_img: int = 4096, n_txt: int = 512, batch: int = 1):
+def step_inputs(n_img: int = 4096, n_txt: int = 512, batch: int = 1, channels: int = 64):
     g = torch.Generator(device=DEV).manual_seed(1)
     bf = torch.bfloat16
-    img = torch.randn(batch, n_img, 64, device=DEV, generator=g).to(bf)
+    img = torch.randn(batch, n_img, channels, device=DEV, generator=g).to(bf)
     txt = torch.randn(batch, n_txt, 4096, device=DEV, generator=g).to(bf)
     y = torch.randn(batch, 768, device=DEV, generator=g).to(bf)
     side = int(n_img**0.5)
@@ -208,6 +216,56 @@ def bench_dit(ref, ours, iters: int, profile: bool) -> None:
         profile_step(tiered("lossless"))
 
 
+@torch.no_grad()
+def bench_variant(name: str, ref, ours, inputs, iters: int) -> None:
+    """One step of a FLUX.1 variant at 1024²: diffusers eager vs ours lossless (eager and + CUDA graph)."""
+    from flux_runtime.kernels.dispatch import use_fused
+    from flux_runtime.pipeline.graphs import GraphedDenoiser
+
+    img, img_ids, txt, txt_ids, t, y, g = inputs
+
+    def run_ref():
+        return ref(
+            hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=t, img_ids=img_ids,
+            txt_ids=txt_ids, guidance=g, return_dict=False,
+        )[0]  # fmt: skip
+
+    pe = ours.rope(txt_ids, img_ids)
+
+    def lossless(x=img, tt=t, gg=g):
+        with use_fused("lossless"):
+            return ours(x, img_ids, txt, txt_ids, tt, y, gg, pe=pe)
+
+    graphed = GraphedDenoiser(lambda x, tt, gg: lossless(x, tt, gg))
+    expected = run_ref()
+    row: dict[str, object] = {"tokens": img.shape[1] + txt.shape[1], "in_channels": img.shape[2]}
+    row["diffusers_ms"] = cuda_time(run_ref, iters=iters)
+    for label, fn in (("lossless", lossless), ("lossless_graph", lambda: graphed(img, t, g))):
+        fn()
+        out = fn()
+        row[f"{label}_equal"] = bool(torch.equal(out, expected))
+        row[f"{label}_ms"] = cuda_time(fn, iters=iters)
+        row[f"{label}_vs_diffusers"] = row[f"{label}_ms"] / row["diffusers_ms"]
+    RESULTS.setdefault("variants", {})[name] = row
+    print(name, json.dumps(row, indent=1), flush=True)
+
+
+def bench_variants(iters: int) -> bool:
+    """Kontext (4096 image + 4096 reference tokens with index 1, 512 text) and Fill (384 input channels)."""
+    ref, ours = build_pair()
+    img, img_ids, txt, txt_ids, t, y, g = step_inputs()
+    ref_ids = img_ids.clone()
+    ref_ids[:, 0] = 1  # Kontext's reference tokens: the same grid at index 1
+    kontext = (torch.cat([img, img.flip(1)], dim=1), torch.cat([img_ids, ref_ids]), txt, txt_ids, t, y, g)
+    bench_variant("kontext", ref, ours, kontext, iters)
+    del ref, ours
+    torch.cuda.empty_cache()
+    ref, ours = build_pair(in_channels=384)
+    bench_variant("fill", ref, ours, step_inputs(channels=384), iters)
+    rows = RESULTS["variants"].values()
+    return all(r["lossless_equal"] and r["lossless_graph_equal"] for r in rows)
+
+
 def step_error_vs_fp64(ours, expected, tiered, inputs) -> dict[str, float]:
     """‖out − ref64‖ / ‖ref64‖ for diffusers/lossless and high, ref64 = our model in float64 on the GPU."""
     import copy
@@ -241,6 +299,7 @@ def main() -> int:
     ap.add_argument("--dit", action="store_true", help="per-step parity and timings at full size")
     ap.add_argument("--pipeline", action="store_true", help="end-to-end 50-step generation vs FluxPipeline")
     ap.add_argument("--profile", action="store_true", help="kernel table of one lossless step")
+    ap.add_argument("--variants", action="store_true", help="a Kontext step and a Fill step vs diffusers")
     ap.add_argument(
         "--flux2", action="store_true", help="FLUX.2-dev and klein-4B per step instead (runs bench_flux2.py)"
     )
@@ -257,6 +316,12 @@ def main() -> int:
 
         sys.argv = [sys.argv[0], *(["--json", str(args.json)] if args.json else [])]
         return bench_flux2.main()
+    if args.variants:
+        try:
+            return 0 if bench_variants(args.iters) else 1
+        finally:
+            if args.json:
+                args.json.write_text(json.dumps(RESULTS, indent=2, default=str))
     run_all = not (args.dit or args.pipeline)
     t0 = time.perf_counter()
     ref, ours = build_pair()
