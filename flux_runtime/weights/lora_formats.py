@@ -417,9 +417,11 @@ _BFL_KEY = re.compile(r"^(.+)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias|alpha
 
 def _bfl(sd: dict[str, Tensor], table: LayerTable, name: str, unmatched: list[str]) -> LoraWeights:
     """BFL module names with PEFT's lora_A / lora_B: a merged layer's lora_A is shared by its parts and its
-    lora_B (and bias) split by rows. FLUX.1's final-adaLN lora_B is swapped into diffusers' half order;
-    diffusers maps FLUX.2's as it stands, and so does this."""
+    lora_B (and bias) split by rows. FLUX.1's final-adaLN lora_B is swapped into diffusers' half order
+    (in a control LoRA lora_A's rows too, as diffusers does); diffusers maps FLUX.2's as it stands, and so
+    does this."""
     out = LoraWeights("bfl")
+    control = any("query_norm.scale" in k for k in sd)
     groups: dict[str, dict[str, Tensor]] = {}
     norm_of = {bfl: d for d, bfl in table.norms.items()}
     for key, t in sd.items():
@@ -442,6 +444,8 @@ def _bfl(sd: dict[str, Tensor], table: LayerTable, name: str, unmatched: list[st
         scaling: float | Tensor = 1.0 if "alpha" not in g else g["alpha"] / rank
         if layer.swap and table.family == "flux1":
             up, bias = _swap(up), None if bias is None else _swap(bias)
+            if control:  # diffusers' control-LoRA converter swaps lora_A's (rank) row halves as well
+                down = _swap(down)
         if len(layer.parts) == 1:
             out.transformer[layer.parts[0]] = Factors(down, up, bias, scaling)
             continue

@@ -113,7 +113,7 @@ def test_unfuse_restores_exactly_and_saves_only_touched_layers(base, tmp_path):
     folder, shapes, _ = base
     mods = ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear1", "final_layer.adaLN_modulation.1"]
     a = lf.kohya_file(tmp_path / "a.safetensors", shapes, mods, seed=7)
-    b = lf.bfl_file(tmp_path / "b.safetensors", shapes, mods[:1] + ["img_in"], seed=8)
+    b = lf.bfl_file(tmp_path / "b.safetensors", shapes, [*mods[:1], "img_in"], seed=8)
     base_sd = {
         k: v.clone()
         for k, v in load_transformer(folder, device="cpu", dtype=torch.float32).state_dict().items()
