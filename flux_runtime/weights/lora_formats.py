@@ -77,7 +77,10 @@ class LoraWeights:
 def open_lora(path_or_id: str | Path) -> tuple[Path, bytes, str]:
     """(the file, its bytes, their sha256) of a LoRA given as a .safetensors path, a folder holding one, or a
     Hugging Face id in the local cache (`pytorch_lora_weights.safetensors` where a folder holds several)."""
-    path = resolve(path_or_id)
+    try:
+        path = resolve(path_or_id)
+    except WeightsError as e:
+        raise LoraError(f"LoRA {e}") from None
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         named = path / "pytorch_lora_weights.safetensors"
