@@ -94,7 +94,9 @@ def test_control_lora_widens_img_in_and_runs_as_flux_control(folder, shapes, tmp
     for m, f in w.transformer.items():
         named[f"transformer.{m}.lora_A.weight"], named[f"transformer.{m}.lora_B.weight"] = f.down, f.up
         named[f"transformer.{m}.lora_B.bias"] = f.up_bias
-    save_file({k: v.clone().contiguous() for k, v in named.items()}, str(tmp_path / "depth-diffusers.safetensors"))
+    save_file(
+        {k: v.clone().contiguous() for k, v in named.items()}, str(tmp_path / "depth-diffusers.safetensors")
+    )
     wanted = inspect.signature(FluxControlPipeline.__init__).parameters
     ref = FluxControlPipeline(
         **{k: v for k, v in FluxPipeline.from_pretrained(folder).components.items() if k in wanted}
