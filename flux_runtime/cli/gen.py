@@ -44,6 +44,7 @@ REPLAYED = (
     "true_cfg",
     "max_area",
     "no_auto_resize",
+    "lora",
 )
 
 
@@ -191,6 +192,13 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     default=1.0,
     help="FLUX.1 true CFG scale; with --negative-prompt and > 1 each step runs twice.",
 )
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    metavar="PATH[:SCALE]",
+    help="A LoRA (.safetensors file, folder or cached id) fused at SCALE [default 1] (repeatable).",
+)
 @click.option("--num-images", type=click.IntRange(min=1), default=1)
 @click.option(
     "--max-sequence-length",
@@ -260,7 +268,8 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     given = [
         name
         for name in REPLAYED
-        if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+        if ctx.get_parameter_source("loras" if name == "lora" else name)
+        in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
     ]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
@@ -300,8 +309,40 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         if role in inputs:
             (path,) = _replay_images(opts["replay"], [inputs[role]])
             opts[opt] = (path,) if opt == "image" else path
+    opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
+
+
+def parse_lora(spec: str) -> tuple[str, float]:
+    """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path."""
+    import math
+
+    path, _, tail = spec.rpartition(":")
+    if path:
+        try:
+            scale = float(tail)
+        except ValueError:
+            return spec, 1.0
+        if not math.isfinite(scale):
+            raise click.ClickException(f"--lora {spec}: the scale {tail} must be a finite number")
+        return path, scale
+    return spec, 1.0
+
+
+def _replay_loras(png: Path, recorded: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """The LoRAs a PNG was made with, each still at its path with the same bytes."""
+    import hashlib
+
+    out = []
+    for lo in recorded:
+        path = Path(lo["path"])
+        if not path.is_file():
+            raise click.ClickException(f"cannot replay {png}: its LoRA {path} is gone")
+        if hashlib.sha256(path.read_bytes()).hexdigest() != lo["sha256"]:
+            raise click.ClickException(f"cannot replay {png}: its LoRA {path} has changed since")
+        out.append((str(path), float(lo["scale"])))
+    return out
 
 
 def _replay_images(png: Path, recorded: list[dict[str, Any]]) -> tuple[Path, ...]:
@@ -366,6 +407,14 @@ def _generate(opts: dict[str, Any]) -> None:
     from flux_runtime.pipeline.provenance import save_png
 
     _check_early(opts)
+    from flux_runtime.weights.hub import resolve
+
+    loras = opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
+    for path, _ in loras:  # a missing LoRA fails before the model loads
+        try:
+            resolve(path)
+        except ValueError as e:
+            raise click.ClickException(f"--lora: {e}") from None
     device = check_device(opts["device"])
     replaying = opts["replay"] is not None
     n = 1 if replaying else opts["num_images"]
@@ -392,6 +441,8 @@ def _generate(opts: dict[str, Any]) -> None:
         fp8=opts["fp8"],
     )
     pipe.vae_tile = opts["vae_tile"]
+    for path, scale in loras:
+        pipe.load_lora(path, scale=scale)
     if replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
         click.echo(
             f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "

@@ -13,18 +13,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
+from flux_runtime.pipeline import loras as fused_loras
 from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.provenance import provenance
 from flux_runtime.pipeline.tiers import RunTier, Tier, resolve_tier
 from flux_runtime.sampling import ScheduleConfig, denoise, get_schedule, to_pil_images, to_uint8_images
+
+if TYPE_CHECKING:
+    from flux_runtime.pipeline.loras import LoadedLora
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +203,24 @@ class Recipe:
         """High tier: every step's adaLN projections in one GEMM, (steps, B, total); None where unused."""
         return None
 
+    # ------------------------------------------------------------------ LoRAs
+    def load_lora(self, path: str | Path, scale: float = 1.0) -> LoadedLora:
+        """Fuse a LoRA into the weights (as diffusers' `load_lora_weights` + `fuse_lora(lora_scale=scale)`).
+
+        `path`: a .safetensors file, a folder holding one, or a Hugging Face id in the local cache; the
+        layout is read from its keys. Repeatable (one scale each); `unload_loras()` takes them all out.
+        """
+        return fused_loras.load_lora(self, path, scale)
+
+    def unload_loras(self) -> None:
+        """Restore the base weights of every layer the LoRAs touched, bit for bit."""
+        fused_loras.unload_loras(self)
+
+    @property
+    def loras(self) -> list[LoadedLora]:
+        """The fused LoRAs, in the order they were loaded."""
+        return list(fused_loras.holder(self).loaded)
+
     # ------------------------------------------------------------------ the one order of work
     def _run(self, call: Call) -> PipelineOutput:
         """check → encode → latents → schedule → denoise → decode → provenance, one FluxError on OOM."""
@@ -223,6 +246,7 @@ class Recipe:
                 fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
             ),
             **self.record_inputs(call),
+            **fused_loras.provenance_fields(self),  # each fused LoRA: file, sha256, scale
             # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
             "kernels": kernels,
             # the decode's: "off" (the reference ops), or the high tier's fused GroupNorm + SiLU

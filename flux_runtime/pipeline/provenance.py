@@ -56,6 +56,14 @@ def _is_reference(v: object) -> bool:
     )
 
 
+def _is_lora(v: object) -> bool:
+    return (
+        isinstance(v, dict)
+        and all(isinstance(v.get(k), str) for k in ("name", "path", "sha256", "format"))
+        and NUMBER.ok(v.get("scale"))
+    )
+
+
 PROMPT = Kind(
     "a string, a list of strings or null",
     lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(p, str) for p in v)),
@@ -95,6 +103,11 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
     "true_cfg_scale": NUMBER,
     "strength": NUMBER,
     "variant": STR,
+    "loras": Kind(
+        "a list of {name, path, sha256, scale, format} objects",
+        lambda v: isinstance(v, list) and all(_is_lora(r) for r in v),
+    ),
+    "lora_fp8": STR,
     "input_images": Kind(
         "an object of {path, width, height, sha256} objects by role (image, mask_image, control_image)",
         lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),
