@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh merged    all GPU tests, an FP8 tiny image, the tiny models' scores, a profiled FP8 step
 #   bash scripts/gpu_check.sh final     all GPU tests and the FP8 bench
 #   bash scripts/gpu_check.sh high      all GPU tests, the decode bench
+#   bash scripts/gpu_check.sh mid       new GPU tests (LoRA, high decode), the decode, variant, LoRA and FLUX.1 step benches
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
@@ -47,6 +48,13 @@ case "$phase" in
   high)
     timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
     timeout 150 python3 scripts/bench_vae.py --json "$OUT/bench_vae.json" 2>&1 | tee "$OUT/bench_vae.txt" || status=1
+    ;;
+  mid)
+    timeout 200 python3 -m pytest -q -m gpu tests/lora/test_fp8_lora.py tests/kernels/test_group_norm.py tests/pipeline/test_flux1_pipeline.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_mid.txt" | tail -15 || status=1
+    timeout 120 python3 scripts/bench_vae.py --json "$OUT/bench_vae.json" 2>&1 | tee "$OUT/bench_vae.txt" | grep -v "^ *\"\(cudnn\|fp16\|channels_last\)" || status=1
+    timeout 200 python3 scripts/bench.py --variants --json "$OUT/bench_variants.json" 2>&1 | tee "$OUT/bench_variants.txt" | tail -30 || status=1
+    timeout 150 python3 scripts/bench.py --dit --json "$OUT/bench_dit.json" 2>&1 | tee "$OUT/bench_dit.txt" | tail -14 || status=1
+    timeout 150 python3 scripts/bench_lora.py 2>&1 | tee "$OUT/bench_lora.txt" | tail -5 || status=1
     ;;
   vae)
     timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
