@@ -79,6 +79,7 @@ def test_group_norm_guards():
 DECODER_SITES = [(1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 512, 512), (1, 128, 1024, 1024)]
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", [*DECODER_SITES, (2, 512, 64, 96)], ids=str)
@@ -87,12 +88,14 @@ def test_group_norm_gpu_sites(shape, channels_last):
         check(*inputs(shape, torch.bfloat16, "cuda", channels_last), silu)
 
 
+@pytest.mark.gpu
 @gpu
 def test_group_norm_gpu_attention_view():
     x, w, b = inputs((1, 512, 128, 128), torch.bfloat16, "cuda")
     check(x.view(1, 512, 128 * 128), w, b, False)
 
 
+@pytest.mark.gpu
 @gpu
 def test_group_norm_dispatch_by_tier():
     """lossless runs the eager op (its bits); high runs the kernel and the report says so."""
