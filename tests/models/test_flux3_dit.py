@@ -127,3 +127,57 @@ def test_full_size_parameter_count_matches_diffusers(flow_map):
     for r in table:
         parts = flux3_layout.bfl_to_diffusers(r, torch.empty(ours_shapes[r.bfl], device="meta"))
         assert {k: tuple(v.shape) for k, v in parts.items()} == {d: ref_shapes[d] for d in r.diffusers}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flow_map", [False, True], ids=["base", "flow-map"])
+def test_full_size_one_step_at_1024_equals_diffusers_on_gpu(flow_map):
+    """FLUX.3 Klein at full size, random bf16 weights (QK norms fp32, as from_pretrained keeps them), one step at
+    1024² with 480 text tokens, without and with one 1024² reference; eager reference ops and the lossless tier."""
+    from diffusers import Flux3Transformer2DModel
+
+    from flux_runtime.kernels import use_fused
+    from flux_runtime.sampling.flux3 import flux3_image_ids
+    from flux_runtime.text.flux3 import text_ids
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    cfg = FLUX3_KLEIN if flow_map else FLUX3_KLEIN_BASE
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(bf)
+    try:
+        with torch.device(dev):
+            ref = Flux3Transformer2DModel(flow_map=flow_map).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+                if ".norm_q." in name or ".norm_k." in name:
+                    p.data = p.data.float()
+    sd = ref.state_dict()
+    table = flux3_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.flow_map)
+    with torch.device("meta"):
+        ours = Flux3Transformer(cfg)
+    ours.load_state_dict(
+        {r.bfl: flux3_layout.diffusers_to_bfl(r, sd.__getitem__) for r in table}, strict=True, assign=True
+    )
+    g = torch.Generator(device=dev).manual_seed(1)
+    img = torch.randn(1, 4096, 128, device=dev, generator=g).to(bf)
+    txt = torch.randn(1, 480, cfg.context_in_dim, device=dev, generator=g).to(bf)
+    img_ids, txt_ids = flux3_image_ids(64, 64, device=dev), text_ids(480, dev)
+    t = (torch.tensor(988.0, device=dev) / 1000).expand(1).to(bf)
+    target = (torch.tensor(953.0, device=dev) / 1000).expand(1).to(bf) if flow_map else None
+    for with_ref in (False, True):
+        rf = torch.randn(1, 4096, 128, device=dev, generator=g).to(bf) if with_ref else None
+        rf_ids = flux3_image_ids(64, 64, -1, device=dev) if with_ref else None
+        with torch.no_grad():
+            want = ref(
+                hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids,
+                image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=target, return_dict=False,
+            )[0]  # fmt: skip
+            for tier in ("off", "lossless"):
+                with use_fused(tier):
+                    got = ours(img, img_ids, txt, txt_ids, t, ref=rf, ref_ids=rf_ids, target_timesteps=target)
+                assert torch.equal(got, want), f"reference={with_ref} tier={tier}: {(got - want).abs().max()}"
