@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Family = Literal["flux1", "flux2"]
+Family = Literal["flux1", "flux2", "flux3"]
 Variant = Literal["text2img", "kontext", "fill", "control"]
 """What a FLUX.1 checkpoint does besides text to image: Kontext edits with reference tokens, Fill
 inpaints from masked-image latents, Depth/Canny follow a control image."""
@@ -28,6 +28,8 @@ MISTRAL_SMALL_ID = "mistralai/Mistral-Small-3.2-24B-Instruct-2506"
 MISTRAL_PROCESSOR_ID = "mistralai/Mistral-Small-3.1-24B-Instruct-2503"
 QWEN3_4B_ID = "Qwen/Qwen3-4B"  # FLUX.2 [klein] 4B
 QWEN3_8B_ID = "Qwen/Qwen3-8B"  # FLUX.2 [klein] 9B
+QWEN3_VL_4B_ID = "Qwen/Qwen3-VL-4B-Instruct"  # FLUX.3 Image Klein
+FLUX3_UPSAMPLER_ID = "black-forest-labs/flux-3-image-klein-pup"  # FLUX.3's prompt upsampler (Qwen3.5-9B)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +151,25 @@ MODELS: dict[str, ModelSpec] = {
             family="flux2",
             hub_id="black-forest-labs/FLUX.2-klein-9B",
             text_encoders=(QWEN3_8B_ID,),
+        ),
+        ModelSpec(
+            name="tiny-flux3-random",
+            family="flux3",
+            preset="tiny-flux3",
+            vae_preset="tiny-flux2",
+            default_size=128,
+        ),
+        ModelSpec(
+            name="flux3-klein",  # step-distilled (flow map): 16 steps, no CFG
+            family="flux3",
+            hub_id="black-forest-labs/flux-3-image-klein",
+            text_encoders=(QWEN3_VL_4B_ID,),
+        ),
+        ModelSpec(
+            name="flux3-klein-base",  # 50 steps with CFG
+            family="flux3",
+            hub_id="black-forest-labs/flux-3-image-klein-base",
+            text_encoders=(QWEN3_VL_4B_ID,),
         ),
     )
 }

@@ -404,6 +404,7 @@ def _generate(opts: dict[str, Any]) -> None:
     from flux_runtime.pipeline import Pipeline
     from flux_runtime.pipeline.checks import check_device
     from flux_runtime.pipeline.flux2 import Flux2Pipe
+    from flux_runtime.pipeline.flux3 import Flux3Pipe
     from flux_runtime.pipeline.provenance import save_png
 
     _check_early(opts)
@@ -460,12 +461,13 @@ def _generate(opts: dict[str, Any]) -> None:
         num_images_per_prompt=num_per_prompt,
         progress=progress,
     )
-    if isinstance(pipe, Flux2Pipe):
-        flux1_only = [f for f, v in _flux1_options(opts).items() if v]
-        if flux1_only:
-            raise click.ClickException(
-                f"{', '.join(flux1_only)} need a FLUX.1 model; {opts['model']} is FLUX.2"
-            )
+    if isinstance(pipe, Flux3Pipe):
+        _refuse_flux1_options(opts, "FLUX.3")
+        if images_in:
+            raise click.ClickException("--image: reference images for FLUX.3 are not supported yet")
+        out = pipe(opts["prompt"], **common)
+    elif isinstance(pipe, Flux2Pipe):
+        _refuse_flux1_options(opts, "FLUX.2")
         out = pipe(opts["prompt"], image=images_in or None, **common)
     else:
         if images_in and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
@@ -497,6 +499,15 @@ def _generate(opts: dict[str, Any]) -> None:
         info = {**out.info, "index": opts["_replay_index"] if replaying else i, "num_images": num_per_prompt}
         save_png(image, path, info, overwrite=opts["overwrite"])
         click.echo(str(path))
+
+
+def _refuse_flux1_options(opts: dict[str, Any], family: str) -> None:
+    """One error naming the FLUX.1-only options given for a model of another family."""
+    flux1_only = [f for f, v in _flux1_options(opts).items() if v]
+    if flux1_only:
+        raise click.ClickException(
+            f"{', '.join(flux1_only)} need a FLUX.1 model; {opts['model']} is {family}"
+        )
 
 
 def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:

@@ -5,7 +5,8 @@ shares: the call record (`Call`, the arguments written once), the tier (resolved
 RoPE-table and CUDA-graph caches, true classifier-free guidance, the NaN watch, out-of-memory handling,
 output types and the provenance. A family or variant is a `Recipe` subclass that fills in the few
 steps that differ (`check`, `encode`, `prepare`, `velocity`, `decoder_input`, `record_inputs`):
-`Pipeline` (FLUX.1 and its variants) and `Flux2Pipe` (FLUX.2 [dev] / [klein]).
+`Pipeline` (FLUX.1 and its variants), `Flux2Pipe` (FLUX.2 [dev] / [klein]) and `Flux3Pipe` (FLUX.3 Image
+Klein, which also fills in `rope_tables` and `sample`).
 """
 
 from __future__ import annotations
@@ -221,6 +222,16 @@ class Recipe:
         """The fused LoRAs, in the order they were loaded."""
         return list(fused_loras.holder(self).loaded)
 
+    def rope_tables(self, start: Start) -> Any:
+        """The RoPE tables of this token layout, built once and handed to every `velocity` call as `pe`."""
+        return self.transformer.rope(start.txt_ids, start.img_ids)
+
+    def sample(
+        self, model_fn: Callable[..., Tensor], latents: Tensor, sigmas: Tensor, timesteps: Tensor, **kw: Any
+    ) -> Tensor:
+        """The sampling loop: FLUX.1's and FLUX.2's Euler `denoise` (a family with other roundings overrides it)."""
+        return denoise(model_fn, latents, sigmas, timesteps, **kw)
+
     # ------------------------------------------------------------------ the one order of work
     def _run(self, call: Call) -> PipelineOutput:
         """check → encode → latents → schedule → denoise → decode → provenance, one FluxError on OOM."""
@@ -266,11 +277,7 @@ class Recipe:
 
         # RoPE tables once per image size and token layout, shared by every block and step
         if start.rope_key not in self._rope:
-            self._rope[start.rope_key] = (
-                start.img_ids,
-                start.txt_ids,
-                self.transformer.rope(start.txt_ids, start.img_ids),
-            )
+            self._rope[start.rope_key] = (start.img_ids, start.txt_ids, self.rope_tables(start))
         img_ids, txt_ids, pe = self._rope[start.rope_key]
         ids = (img_ids, txt_ids)
         channel_cond = start.channel_cond
@@ -315,7 +322,7 @@ class Recipe:
         negative = None
         if cond.negative_txt is not None:
             negative = branch("uncond", cond.negative_txt, cond.negative_vec)
-        latents = denoise(
+        latents = self.sample(
             branch("cond", cond.txt, cond.vec),
             start.latents,
             start.sigmas,

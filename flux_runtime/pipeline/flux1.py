@@ -61,6 +61,7 @@ from flux_runtime.weights.vae import load_vae
 
 if TYPE_CHECKING:
     from flux_runtime.pipeline.flux2 import Flux2Pipe
+    from flux_runtime.pipeline.flux3 import Flux3Pipe
 
 __all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput", "check_latent_widths"]
 
@@ -120,8 +121,9 @@ class Pipeline(Recipe):
         is_distilled: bool | None = None,
         fp8: bool = False,
         variant: Variant | None = None,
-    ) -> Pipeline | Flux2Pipe:
-        """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) when the transformer's keys are FLUX.2's.
+    ) -> Pipeline | Flux2Pipe | Flux3Pipe:
+        """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
+        keys are theirs.
 
         `path_or_id`: `tiny` / `tiny-flux2` (built in, random, offline), a registry name (`flux1-dev`,
         `flux1-schnell`, `flux1-kontext-dev`, `flux1-fill-dev`, `flux1-depth-dev`, `flux1-canny-dev`,
@@ -163,6 +165,18 @@ class Pipeline(Recipe):
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
                 is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt,
+            )  # fmt: skip
+        if family == "flux3":
+            from flux_runtime.pipeline.flux3 import Flux3Pipe
+
+            if variant is not None or is_distilled is not None or fp8 or text_encoder_2 is not None:
+                raise FluxError(
+                    "variant, is_distilled, fp8 and text_encoder_2 are not FLUX.3 settings (a FLUX.3 checkpoint says "
+                    "itself whether it is the flow map)"
+                )
+            return Flux3Pipe.from_sources(
+                src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
+                cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders, checkpoint=ckpt,
             )  # fmt: skip
         if is_distilled is not None:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")

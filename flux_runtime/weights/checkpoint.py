@@ -1,7 +1,7 @@
 """A transformer checkpoint opened once: its files, their headers, and the family its keys say.
 
 `open_transformer` finds the safetensors files of a path or cached id, reads their headers (once) and
-tells FLUX.1 from FLUX.2 by the keys; the family loaders (`flux1_transformer`, `flux2_transformer`)
+tells FLUX.1, FLUX.2 and FLUX.3 apart by the keys; the family loaders (`flux{1,2,3}_transformer`)
 take the opened checkpoint, so a pipeline that asked for the family first reads no header twice.
 The helpers both loaders share (config checks, key checks, identity rules, built-in models) live here,
 so neither loader imports the other.
@@ -22,7 +22,7 @@ from torch import nn
 
 from flux_runtime.models.dit import DiTConfig
 from flux_runtime.registry import builtin
-from flux_runtime.weights import flux1_layout, flux2_layout
+from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.checks import FiniteCheck
 from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
@@ -33,9 +33,9 @@ from flux_runtime.weights.safetensors_io import TensorSource, read_header
 
 log = logging.getLogger(__name__)
 
-Family = Literal["flux1", "flux2"]
+Family = Literal["flux1", "flux2", "flux3"]
 BFL_MARK = "double_blocks.0.img_attn.norm.key_norm.scale"
-BFL_ANY = ("img_in.weight", "final_layer.linear.weight")
+BFL_ANY = ("img_in.weight", "final_layer.linear.weight", "emb_in.image.weight")
 # The fields of a diffusers transformer config.json the loaders read (the rest comes from the tensor shapes).
 CONFIG_FIELDS = {"axes_dims_rope": INT_LIST, "rope_theta": NUMBER}
 
@@ -62,12 +62,15 @@ def open_transformer(path_or_id: str | Path) -> TransformerCheckpoint:
     """Find and open the transformer under a file, folder or cached id; the family from its keys."""
     files = find_transformer_files(resolve(path_or_id))
     source = TensorSource(files)
-    family: Family = "flux2" if flux2_layout.is_flux2(source.keys()) else "flux1"
+    keys = source.keys()
+    family: Family = (
+        "flux3" if flux3_layout.is_flux3(keys) else "flux2" if flux2_layout.is_flux2(keys) else "flux1"
+    )
     return TransformerCheckpoint(files, source, family)
 
 
 def transformer_family(path_or_id: str | Path | TransformerCheckpoint) -> Family:
-    """FLUX.1 or FLUX.2: a built-in model's registry entry, else the checkpoint's keys (headers only)."""
+    """FLUX.1, FLUX.2 or FLUX.3: a built-in model's registry entry, else the checkpoint's keys (headers only)."""
     if isinstance(path_or_id, TransformerCheckpoint):
         return path_or_id.family
     spec = builtin(path_or_id)

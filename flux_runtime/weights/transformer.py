@@ -1,8 +1,8 @@
-"""`load_transformer`: a FLUX.1 or FLUX.2 DiT from a BFL file, a diffusers folder, a cached id or a built-in name.
+"""`load_transformer`: a FLUX.1, FLUX.2 or FLUX.3 DiT from a BFL file, a diffusers folder, a cached id or a built-in name.
 
 The one family dispatch of the loaders: the checkpoint is opened once (`open_transformer`: files found,
 headers read, family told by the keys) and handed to its family's loader (`flux1_transformer`,
-`flux2_transformer`), which build on the helpers in `checkpoint` and never import each other.
+`flux2_transformer`, `flux3_transformer`), which build on the helpers in `checkpoint` and never import each other.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer
+from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer, Flux3Transformer
 from flux_runtime.registry import builtin
 from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.builtin import BUILTINS as _BUILTIN_FILES
@@ -28,6 +28,7 @@ from flux_runtime.weights.checkpoint import (
 from flux_runtime.weights.checks import check_device, check_load_dtype
 from flux_runtime.weights.flux1_transformer import detect_layout, infer_config, load_flux1_transformer
 from flux_runtime.weights.flux2_transformer import load_flux2_transformer
+from flux_runtime.weights.flux3_transformer import load_flux3_transformer
 from flux_runtime.weights.random_init import init_random
 
 __all__ = [
@@ -56,8 +57,8 @@ def load_transformer(
     dtype: torch.dtype = torch.bfloat16,
     config: DiTConfig | None = None,
     fp8: bool = False,
-) -> Flux1Transformer | Flux2Transformer:
-    """Load a FLUX.1 or FLUX.2 transformer, ready for inference (eval mode, no grads).
+) -> Flux1Transformer | Flux2Transformer | Flux3Transformer:
+    """Load a FLUX.1, FLUX.2 or FLUX.3 transformer, ready for inference (eval mode, no grads).
 
     `path_or_id`: a BFL single file (`flux1-dev.safetensors`, optionally with the
     `model.diffusion_model.` prefix), a diffusers `transformer/` folder or pipeline root (sharded or
@@ -80,6 +81,8 @@ def load_transformer(
     if spec is not None and spec.trained:  # a shipped BFL file, with the preset's RoPE axes
         path_or_id, config = _BUILTIN_FILES[spec.name].transformer_path, config or PRESETS[spec.preset or ""]
         spec = None
+    if spec is not None and spec.family == "flux3":
+        return load_flux3_transformer(path_or_id, device=device, dtype=dtype, config=config, fp8=fp8)
     if spec is not None:
         assert spec.preset is not None  # every built-in model has an architecture
         cfg = config or PRESETS[spec.preset]
@@ -88,5 +91,9 @@ def load_transformer(
             model = model_cls(cfg)
         return finish_builtin(init_random(model, spec.seed, device, dtype), dtype, fp8)
     ckpt = path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)
-    load = load_flux2_transformer if ckpt.family == "flux2" else load_flux1_transformer
+    load = {
+        "flux1": load_flux1_transformer,
+        "flux2": load_flux2_transformer,
+        "flux3": load_flux3_transformer,
+    }[ckpt.family]
     return load(ckpt, device=device, dtype=dtype, config=config, fp8=fp8)

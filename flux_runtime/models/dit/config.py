@@ -11,12 +11,17 @@ class DiTConfig:
     """Shape of a FLUX diffusion transformer, in Black Forest Labs' `FluxParams` vocabulary.
 
     `family` picks the architecture (`flux1`: per-block modulation, GELU MLP, biases;
-    `flux2`: shared modulation, SwiGLU, no biases). Validated on construction.
+    `flux2`: shared modulation, SwiGLU, no biases; `flux3`: per-mode blocks and per-token modulation,
+    SwiGLU, no biases, where `depth` counts the blocks of each token mode). Validated on construction.
     """
 
-    family: Literal["flux1", "flux2"] = "flux1"
+    family: Literal["flux1", "flux2", "flux3"] = "flux1"
     in_channels: int = 64
     out_channels: int = 64
+    # flux3 only: the reference-image token width (0 elsewhere) and whether the checkpoint is a flow map
+    # (step-distilled: a second timestep embedder for the time each step jumps to)
+    cond_in_channels: int = 0
+    flow_map: bool = False
     vec_in_dim: int = 768
     context_in_dim: int = 4096
     hidden_size: int = 3072
@@ -45,11 +50,24 @@ class DiTConfig:
             )
         if self.mlp_hidden_dim <= 0:
             raise ValueError(f"mlp_ratio {self.mlp_ratio} gives an empty MLP")
-        if self.family == "flux2" and (self.qkv_bias or self.vec_in_dim):
+        if self.family in ("flux2", "flux3") and (self.qkv_bias or self.vec_in_dim):
             # FLUX.2 has no Linear biases and no pooled text vector; a config claiming either is wrong.
             raise ValueError(
-                f"flux2 has no biases and no pooled vector: qkv_bias {self.qkv_bias} must be False, "
+                f"{self.family} has no biases and no pooled vector: qkv_bias {self.qkv_bias} must be False, "
                 f"vec_in_dim {self.vec_in_dim} must be 0"
+            )
+        if self.family == "flux3":
+            if self.guidance_embed:
+                raise ValueError("flux3 embeds no guidance: guidance_embed must be False")
+            if self.cond_in_channels <= 0 or self.out_channels != self.in_channels:
+                raise ValueError(
+                    f"flux3 needs cond_in_channels > 0 (got {self.cond_in_channels}) and out_channels equal to "
+                    f"in_channels ({self.out_channels} vs {self.in_channels})"
+                )
+        elif self.cond_in_channels or self.flow_map:
+            raise ValueError(
+                f"cond_in_channels {self.cond_in_channels} and flow_map {self.flow_map} are flux3 fields; "
+                f"{self.family} has neither"
             )
 
     @property
@@ -134,6 +152,38 @@ TINY_FLUX2_TRAINED = replace(
     TINY_FLUX2, hidden_size=192, num_heads=4, depth=2, depth_single_blocks=4, axes_dim=(12, 12, 12, 12)
 )
 
+# FLUX.3 Image Klein: 128-channel image and reference tokens, text width 8 x 2560 (eight stacked Qwen3-VL-4B
+# states), 24 heads of 128, 5 blocks per token mode and 28 joint blocks; RoPE theta 10000 over 4 axes.
+FLUX3_KLEIN_BASE = DiTConfig(
+    family="flux3",
+    in_channels=128,
+    out_channels=128,
+    cond_in_channels=128,
+    vec_in_dim=0,
+    context_in_dim=20480,
+    hidden_size=3072,
+    mlp_ratio=3.0,
+    num_heads=24,
+    depth=5,
+    depth_single_blocks=28,
+    axes_dim=(32, 32, 32, 32),
+    theta=10_000,
+    qkv_bias=False,
+    guidance_embed=False,
+)
+FLUX3_KLEIN = replace(FLUX3_KLEIN_BASE, flow_map=True)  # the step-distilled release
+# The FLUX.3 architecture shrunk for tests and the offline demo: real latent width (128), text width 256
+# (eight layers of a 32-wide tiny Qwen3-VL), 2 heads of 32, 2 blocks per mode and 2 joint blocks.
+TINY_FLUX3 = replace(
+    FLUX3_KLEIN_BASE,
+    context_in_dim=256,
+    hidden_size=64,
+    num_heads=2,
+    depth=2,
+    depth_single_blocks=2,
+    axes_dim=(8, 8, 8, 8),
+)
+
 PRESETS: dict[str, DiTConfig] = {
     "flux1-dev": FLUX1_DEV,
     "flux1-schnell": FLUX1_SCHNELL,
@@ -144,4 +194,7 @@ PRESETS: dict[str, DiTConfig] = {
     "tiny-flux2": TINY_FLUX2,
     "tiny-trained": TINY_TRAINED,
     "tiny-flux2-trained": TINY_FLUX2_TRAINED,
+    "flux3-klein-base": FLUX3_KLEIN_BASE,
+    "flux3-klein": FLUX3_KLEIN,
+    "tiny-flux3": TINY_FLUX3,
 }

@@ -41,6 +41,7 @@ from flux_runtime.models.dit.layers import (
     materialize,
     norm_modulate,
     rope_tables,
+    shared_ids,
     timestep_embedding,
 )
 
@@ -171,7 +172,7 @@ class Flux2Transformer(nn.Module):
         `(0, i, j, 0)`, reference image k `(10 + 10k, i, j, 0)`. Shared across the batch, as in diffusers.
         """
         n = len(self.config.axes_dim)
-        txt_ids, img_ids = _shared_ids(txt_ids, "txt_ids", n), _shared_ids(img_ids, "img_ids", n)
+        txt_ids, img_ids = shared_ids(txt_ids, "txt_ids", n), shared_ids(img_ids, "img_ids", n)
         return rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.config.axes_dim, self.config.theta)
 
     def forward(
@@ -246,14 +247,3 @@ class Flux2Transformer(nn.Module):
                 raise ValueError(f"guidance must be ({b},), got {tuple(guidance.shape)}")
         elif guidance is not None:
             raise ValueError("this model has no guidance embedding (FLUX.2 [klein]): pass guidance=None")
-
-
-def _shared_ids(ids: Tensor, name: str, n_axes: int) -> Tensor:
-    """(L, n_axes) positions from (L, n_axes) or (B, L, n_axes) ids that agree across the batch."""
-    if ids.ndim == 3:
-        if ids.shape[0] > 1 and not torch.equal(ids, ids[:1].expand_as(ids)):
-            raise ValueError(f"{name} must hold the same positions for every batch row")
-        ids = ids[0]
-    if ids.ndim != 2 or ids.shape[-1] != n_axes:
-        raise ValueError(f"{name} must be (L, {n_axes}) or (B, L, {n_axes}), got {tuple(ids.shape)}")
-    return ids

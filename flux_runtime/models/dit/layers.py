@@ -279,6 +279,17 @@ def rope_tables(ids: Tensor, axes_dim: tuple[int, ...], theta: int) -> tuple[Ten
     return torch.cat(cos_out, dim=-1), torch.cat(sin_out, dim=-1)
 
 
+def shared_ids(ids: Tensor, name: str, n_axes: int) -> Tensor:
+    """(L, n_axes) positions from (L, n_axes) or (B, L, n_axes) ids that agree across the batch."""
+    if ids.ndim == 3:
+        if ids.shape[0] > 1 and not torch.equal(ids, ids[:1].expand_as(ids)):
+            raise ValueError(f"{name} must hold the same positions for every batch row")
+        ids = ids[0]
+    if ids.ndim != 2 or ids.shape[-1] != n_axes:
+        raise ValueError(f"{name} must be (L, {n_axes}) or (B, L, {n_axes}), got {tuple(ids.shape)}")
+    return ids
+
+
 def attention(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor | None = None, quant: kernels.Fp8Quant | None = None
 ) -> Tensor:

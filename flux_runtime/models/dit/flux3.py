@@ -1,0 +1,293 @@
+"""The FLUX.3 Image Klein diffusion transformer (base and step-distilled "flow map").
+
+Module names equal Black Forest Labs' FLUX.3 checkpoint keys (`emb_in.image`, `time_in.in_layer`,
+`early_stream_modulations.txt.lin`, `content_mode_blocks.image.N.q_proj`, `single_blocks.N.mlp_in`,
+`final_layer.image.adaLN_modulation.1`, ...), so a BFL file loads with no key map. The forward pass
+reproduces diffusers 0.42.1 `Flux3Transformer2DModel` op for op. What differs from FLUX.2 (flux2.py):
+
+- three token modes: `image` (the noisy latents), `image_cond` (reference-image latents) and `txt`;
+- per-mode blocks first (5 per mode), each attending within its own mode only, then joint single blocks
+  over `[txt | image | image_cond]`; every block is one shape: separate q/k/v projections, a SwiGLU MLP
+  (`mlp_in` rows `[gate | up]`), parallel attention and MLP on one modulated input, `x + gate * (attn + mlp)`;
+- modulation is per token: `lin(silu(temb))` on a (B, L, D) embedding, the image tokens at the flow
+  timestep t, the text and reference tokens at t = 0; the joint blocks modulate text and content apart;
+- a flow map adds the embedding of the timestep the step jumps to (`ref_time_in`) to every mode's;
+- QK RMSNorm and RoPE run in fp32 (the norm weights are kept fp32, the heads upcast) with one cast back;
+- RoPE theta 10000, position ids are floats (image rows and columns scaled by 0.5, references at l = -1, -2, ...).
+
+The norm weights (`*.norm.query_norm.scale`, `*.norm.key_norm.scale`) stay fp32 whatever the model
+dtype, as diffusers keeps them (`cast_to` does this for a model built here).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flux_runtime.kernels.qk_norm_rope import rms_norm_reference, rope_reference
+from flux_runtime.kernels.swiglu import swiglu
+from flux_runtime.models.dit.config import DiTConfig
+from flux_runtime.models.dit.layers import (
+    EPS,
+    Linear,
+    MLPEmbedder,
+    QKNorm,
+    RoPE,
+    rope_tables,
+    shared_ids,
+    timestep_embedding,
+)
+
+MODES = ("image", "image_cond")  # the image token modes, in BFL's order; text is the third mode
+FP32_SUFFIXES = ("norm.query_norm.scale", "norm.key_norm.scale")  # parameters kept in fp32
+
+
+class Flux3RoPE(NamedTuple):
+    """RoPE tables (cos, sin), each (L, head_dim) fp32: per mode for the per-mode blocks, joined for the rest."""
+
+    txt: RoPE
+    image: RoPE
+    image_cond: RoPE | None
+    joint: RoPE  # [txt | image | image_cond]
+
+
+class Modulation(nn.Module):
+    """`lin(silu(temb))` → (B, L, 3D) per-token (shift, scale, gate), BFL's `*_stream_modulations.<mode>`."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, temb_act: Tensor) -> Tensor:
+        return self.lin(temb_act)
+
+
+class Block(nn.Module):
+    """Parallel attention + SwiGLU MLP from one modulated input: a per-mode block or a joint single block."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        d, self.num_heads = cfg.hidden_size, cfg.num_heads
+        self.q_proj = Linear(d, d, bias=False)
+        self.k_proj = Linear(d, d, bias=False)
+        self.v_proj = Linear(d, d, bias=False)
+        self.norm = QKNorm(cfg.head_dim)
+        self.attn_out = Linear(d, d, bias=False)
+        self.mlp_in = Linear(d, 2 * cfg.mlp_hidden_dim, bias=False)  # rows [gate | up]
+        self.mlp_out = Linear(cfg.mlp_hidden_dim, d, bias=False)
+
+    def attention_mlp(self, x: Tensor, pe: RoPE) -> Tensor:
+        """`attn(x) + mlp(x)` for the modulated stream `x` (B, L, D), self-attention over all of its tokens."""
+        q, k, v = (p(x).unflatten(-1, (self.num_heads, -1)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        # QK norm and RoPE in fp32, one cast back to the stream dtype: (B, L, H, Dh)
+        q = rope_reference(rms_norm_reference(q.float(), self.norm.query_norm.scale, EPS), *pe).to(v.dtype)
+        k = rope_reference(rms_norm_reference(k.float(), self.norm.key_norm.scale, EPS), *pe).to(v.dtype)
+        o = F.scaled_dot_product_attention(
+            q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        )
+        attn = self.attn_out(o.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype))
+        mlp = self.mlp_out(swiglu(self.mlp_in(x)))
+        return attn + mlp
+
+    def forward(self, x: Tensor, mod: Tensor, pe: RoPE) -> Tensor:
+        """A per-mode block: x (B, L, D), mod (B, L, 3D) → x + gate * (attn + mlp)."""
+        shift, scale, gate = mod.chunk(3, dim=-1)
+        return x + gate * self.attention_mlp(modulate(x, shift, scale), pe)
+
+    def joint(
+        self, txt: Tensor, content: Tensor, mod_txt: Tensor, mod: Tensor, pe: RoPE
+    ) -> tuple[Tensor, Tensor]:
+        """A joint single block over `[txt | content]`, each stream with its own modulation and gate."""
+        shift, scale, gate = mod.chunk(3, dim=-1)
+        c_shift, c_scale, c_gate = mod_txt.chunk(3, dim=-1)
+        # (B, L_txt + L_content, D)
+        x = torch.cat([modulate(txt, c_shift, c_scale), modulate(content, shift, scale)], dim=1)
+        out_txt, out_content = self.attention_mlp(x, pe).split([txt.shape[1], content.shape[1]], dim=1)
+        return txt + c_gate * out_txt, content + gate * out_content
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """`(1 + scale) * LayerNorm(x) + shift` with per-token shift and scale (B, L, D)."""
+    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), None, None, EPS) + shift
+
+
+class LastLayer(nn.Module):
+    """Final adaLN on the image tokens (BFL order: shift, scale) and the projection back to latent channels."""
+
+    def __init__(self, dim: int, out_channels: int) -> None:
+        super().__init__()
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim, bias=False))
+        self.linear = Linear(dim, out_channels, bias=False)
+
+    def forward(self, x: Tensor, temb: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation(temb).chunk(2, dim=-1)
+        return self.linear(F.layer_norm(x, (x.shape[-1],), None, None, EPS) * (1 + scale) + shift)
+
+
+class Flux3Transformer(nn.Module):
+    """FLUX.3 DiT: `model(img, img_ids, txt, txt_ids, timesteps, ref=, ref_ids=, target_timesteps=)` → velocity.
+
+    `ref`/`ref_ids` are the optional reference-image tokens (the `image_cond` mode); `target_timesteps`
+    is required by, and only by, a flow-map model (`config.flow_map`).
+    """
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        if cfg.family != "flux3":
+            raise ValueError(f"Flux3Transformer needs a flux3 config, got family {cfg.family!r}")
+        self.config = cfg
+        d = cfg.hidden_size
+        self.emb_in = nn.ModuleDict(
+            {
+                "image": Linear(cfg.in_channels, d, bias=False),
+                "image_cond": Linear(cfg.cond_in_channels, d, bias=False),
+            }
+        )
+        self.txt_in = Linear(cfg.context_in_dim, d, bias=False)
+        self.time_in = MLPEmbedder(256, d, bias=False)
+        if cfg.flow_map:
+            self.ref_time_in = MLPEmbedder(256, d, bias=False)
+        modes = (*MODES, "txt")
+        self.early_stream_modulations = nn.ModuleDict({m: Modulation(d) for m in modes})
+        self.single_stream_modulations = nn.ModuleDict({m: Modulation(d) for m in modes})
+        self.content_mode_blocks = nn.ModuleDict(
+            {m: nn.ModuleList(Block(cfg) for _ in range(cfg.depth)) for m in MODES}
+        )
+        self.txt_mode_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.single_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth_single_blocks))
+        self.final_layer = nn.ModuleDict({"image": LastLayer(d, cfg.out_channels)})
+
+    def cast_to(self, dtype: torch.dtype) -> Flux3Transformer:
+        """Cast the parameters to `dtype`, the QK-norm weights kept fp32 (as diffusers loads them)."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
+        return self
+
+    def rope(self, txt_ids: Tensor, img_ids: Tensor, ref_ids: Tensor | None = None) -> Flux3RoPE:
+        """RoPE tables of each mode and of the joint sequence; build once per image size, pass as `pe`.
+
+        Ids are (L, 4) or (B, L, 4) positions (t, h, w, l), shared across the batch: text `(0, 0, 0, l)`,
+        image `(0, i/2, j/2, 0)`, reference k `(0, i/2, j/2, -1 - k)`.
+        """
+        cfg = self.config
+        tables = [
+            rope_tables(shared_ids(ids, name, len(cfg.axes_dim)), cfg.axes_dim, cfg.theta)
+            for ids, name in ((txt_ids, "txt_ids"), (img_ids, "img_ids"), (ref_ids, "ref_ids"))
+            if ids is not None
+        ]
+        joint = (torch.cat([t[0] for t in tables], dim=0), torch.cat([t[1] for t in tables], dim=0))
+        return Flux3RoPE(tables[0], tables[1], tables[2] if ref_ids is not None else None, joint)
+
+    def forward(
+        self,
+        img: Tensor,
+        img_ids: Tensor,
+        txt: Tensor,
+        txt_ids: Tensor,
+        timesteps: Tensor,
+        *,
+        ref: Tensor | None = None,
+        ref_ids: Tensor | None = None,
+        target_timesteps: Tensor | None = None,
+        pe: Flux3RoPE | None = None,
+    ) -> Tensor:
+        """Predict the flow velocity of the image tokens.
+
+        img (B, L_img, in_channels) packed noisy latents; txt (B, L_txt, context_in_dim) stacked text-encoder
+        states, padding included (no mask); timesteps (B,) in [0, 1]; ref (B, L_ref, cond_in_channels) the
+        reference-image tokens with their ids; target_timesteps (B,) the time a flow-map step jumps to;
+        pe optional precomputed `rope(txt_ids, img_ids, ref_ids)`. Returns (B, L_img, out_channels) in the
+        dtype of `img`.
+        """
+        self._check_inputs(img, txt, timesteps, ref, ref_ids, target_timesteps)
+        if pe is None:
+            pe = self.rope(txt_ids, img_ids, ref_ids)
+        b, n_img = img.shape[:2]
+        dtype = img.dtype
+
+        # per-token timestep embeddings, rounded as diffusers: t*1000 in the model dtype, the sinusoid cast
+        # to it; the text and reference tokens at t = 0; a flow map adds the target time's embedding to both
+        temb = self._embed(self.time_in, timesteps.to(dtype) * 1000, dtype)  # (B, 1, D)
+        zero = self._embed(self.time_in, torch.zeros(b, device=img.device, dtype=dtype), dtype)
+        if target_timesteps is not None:
+            target = self._embed(self.ref_time_in, target_timesteps.to(dtype) * 1000, dtype)
+            temb, zero = temb + target, zero + target
+        temb = temb.expand(b, n_img, -1)  # (B, L_img, D)
+        zero_act = F.silu(zero)
+
+        # text: both modulation sets, then its per-mode blocks
+        txt_act = zero_act.expand(b, txt.shape[1], -1)
+        mod_txt = self.early_stream_modulations["txt"](txt_act)
+        mod_txt_single = self.single_stream_modulations["txt"](txt_act)
+        txt = self.txt_in(txt)
+
+        # image tokens
+        temb_act = F.silu(temb)
+        mod_img = self.early_stream_modulations["image"](temb_act)
+        mod_content = self.single_stream_modulations["image"](temb_act)
+        x = self.emb_in["image"](img)
+
+        if ref is not None:
+            ref_act = zero_act.expand(b, ref.shape[1], -1)
+            mod_ref = self.early_stream_modulations["image_cond"](ref_act)
+            mod_ref_single = self.single_stream_modulations["image_cond"](ref_act)
+            ref = self.emb_in["image_cond"](ref)
+
+        # per-mode blocks: each mode attends within itself
+        for block in self.txt_mode_blocks:
+            txt = block(txt, mod_txt, pe.txt)
+        for block in self.content_mode_blocks["image"]:
+            x = block(x, mod_img, pe.image)
+        if ref is not None:
+            assert pe.image_cond is not None  # built with ref_ids, checked above
+            for block in self.content_mode_blocks["image_cond"]:
+                ref = block(ref, mod_ref, pe.image_cond)
+            # content = [image | image_cond]: (B, L_img + L_ref, D)
+            x = torch.cat([x, ref], dim=1)
+            mod_content = torch.cat([mod_content, mod_ref_single], dim=1)
+
+        # joint single blocks over [txt | image | image_cond]
+        for block in self.single_blocks:
+            txt, x = block.joint(txt, x, mod_txt_single, mod_content, pe.joint)
+
+        # only the image tokens (first in the content) reach the output
+        return self.final_layer["image"](x[:, :n_img], temb)
+
+    @staticmethod
+    def _embed(embedder: nn.Module, t: Tensor, dtype: torch.dtype) -> Tensor:
+        """(B, 1, D) embedding of times `t` (B,) already scaled by 1000."""
+        return embedder(timestep_embedding(t).to(dtype))[:, None, :]
+
+    def _check_inputs(
+        self,
+        img: Tensor,
+        txt: Tensor,
+        timesteps: Tensor,
+        ref: Tensor | None,
+        ref_ids: Tensor | None,
+        target_timesteps: Tensor | None,
+    ) -> None:
+        cfg = self.config
+        if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
+            raise ValueError(f"img must be (B, L, {cfg.in_channels}), got {tuple(img.shape)}")
+        b = img.shape[0]
+        if txt.ndim != 3 or txt.shape[0] != b or txt.shape[-1] != cfg.context_in_dim:
+            raise ValueError(f"txt must be ({b}, L, {cfg.context_in_dim}), got {tuple(txt.shape)}")
+        if timesteps.shape != (b,):
+            raise ValueError(f"timesteps must be ({b},), got {tuple(timesteps.shape)}")
+        if (ref is None) != (ref_ids is None):
+            raise ValueError("pass ref and ref_ids together (the reference tokens and their positions)")
+        if ref is not None and (ref.ndim != 3 or ref.shape[0] != b or ref.shape[-1] != cfg.cond_in_channels):
+            raise ValueError(f"ref must be ({b}, L, {cfg.cond_in_channels}), got {tuple(ref.shape)}")
+        if cfg.flow_map:
+            if target_timesteps is None:
+                raise ValueError(
+                    "this model is a flow map (FLUX.3 Klein distilled): pass target_timesteps (B,)"
+                )
+            if target_timesteps.shape != (b,):
+                raise ValueError(f"target_timesteps must be ({b},), got {tuple(target_timesteps.shape)}")
+        elif target_timesteps is not None:
+            raise ValueError("this model is not a flow map (FLUX.3 Klein base): pass target_timesteps=None")

@@ -1,0 +1,383 @@
+"""`Flux3Pipe`: FLUX.3 Image Klein text to image, with the pixels of diffusers' FLUX.3 modular pipeline.
+
+Open it with `Pipeline.from_pretrained` (which returns this class when the transformer's keys are FLUX.3's).
+Order of work, as diffusers 0.42.1's `Flux3AutoBlocks` / `Flux3DistilledAutoBlocks` run it (the prompt
+upsampler left out): encode the one prompt with Qwen3-VL (the base model with CFG: also the empty negative
+prompt, its own text length), draw 128-channel noise in float32 and cast it, build the static-shift schedule,
+integrate (`sampling.flux3`), unpack, BatchNorm-denormalise, unpatchify, decode, postprocess.
+
+Base or flow map is the checkpoint's (`config.flow_map`, told by its target-timestep embedder):
+- base (`flux3-klein-base`): 50 steps, CFG at `guidance` (default 3.5, or the folder's guider config), the
+  conditional and unconditional prompts in separate forwards; `guidance` 1 runs no CFG;
+- flow map (`flux3-klein`): 16 steps, no CFG (`guidance` is ignored), each step told the time it jumps to.
+
+Every input is checked before any model runs; RoPE tables are built once per image size and text length; on
+CUDA each branch replays its own CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flux_runtime.models.dit.flux3 import Flux3RoPE, Flux3Transformer
+from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.pipeline.checks import (
+    check_guidance,
+    check_prompt_embeds,
+    check_sampling,
+    check_size,
+    check_steps,
+    check_vae_tile,
+)
+from flux_runtime.pipeline.core import Call, Conditioning, OutputType, PipelineOutput, Progress, Recipe, Start
+from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.flux1 import check_latent_widths
+from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.provenance import weights_id
+from flux_runtime.pipeline.sources import Sources
+from flux_runtime.pipeline.tiers import Tier
+from flux_runtime.registry import QWEN3_VL_4B_ID, spec_for
+from flux_runtime.sampling import (
+    bn_denormalize,
+    flux2_pack,
+    flux2_unpack,
+    latent_bn_stats,
+    latent_size,
+    unpatchify,
+)
+from flux_runtime.sampling.flux3 import FLUX3_SCHEDULE, flux3_denoise, flux3_image_ids, flux3_prepare_noise
+from flux_runtime.sampling.schedule import ScheduleConfig
+from flux_runtime.text.flux3 import MAX_SEQUENCE_LENGTH, Flux3TextEncoder, text_ids
+from flux_runtime.weights import load_transformer
+from flux_runtime.weights.checkpoint import TransformerCheckpoint
+from flux_runtime.weights.config_files import read_json_if_present
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.vae import load_vae
+
+__all__ = ["BASE_STEPS", "DEFAULT_GUIDANCE", "FLOW_MAP_STEPS", "Flux3Pipe"]
+
+log = logging.getLogger(__name__)
+
+# diffusers' FLUX.3 defaults: steps (base, flow map), the guider's CFG scale, the image side.
+BASE_STEPS = 50
+FLOW_MAP_STEPS = 16
+DEFAULT_GUIDANCE = 3.5
+DEFAULT_SIZE = 1024
+
+
+@dataclass
+class Flux3Start(Start):
+    """`Start` plus the text lengths of the branches (conditional first): each has its own RoPE tables."""
+
+    txt_lengths: tuple[int, ...] = ()
+
+
+class Flux3Pipe(Recipe):
+    """FLUX.3 Image Klein text-to-image, base or flow map (step-distilled)."""
+
+    def __init__(
+        self,
+        transformer: Flux3Transformer,
+        vae: Flux2VAE,
+        text_encoder: Flux3TextEncoder,
+        *,
+        schedule: ScheduleConfig = FLUX3_SCHEDULE,
+        guidance: float = DEFAULT_GUIDANCE,
+        model_name: str = "custom",
+        weights_id: str = "",
+        quality: Tier = "lossless",
+        cuda_graphs: bool = True,
+        offload_text_encoders: bool = False,
+    ) -> None:
+        if transformer.config.family != "flux3":
+            raise FluxError(
+                f"{model_name} is a {transformer.config.family} transformer; this pipeline runs FLUX.3"
+            )
+        if vae.config.family != "flux2":
+            raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.3 needs the FLUX.2 VAE")
+        check_latent_widths(transformer, vae, model_name)
+        width = transformer.config.context_in_dim
+        if text_encoder.output_dim != width:
+            raise FluxError(
+                f"{model_name}: the text encoder gives {text_encoder.output_dim}-wide embeddings but the transformer "
+                f"reads {width} (FLUX.3 Image Klein takes Qwen3-VL-4B)"
+            )
+        self.default_guidance = guidance
+        self._setup(
+            transformer, vae, text_encoder, schedule=schedule, model_name=model_name, weights_id=weights_id,
+            quality=quality, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+        )  # fmt: skip
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.txt_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.txt_in.weight.dtype
+
+    @property
+    def is_flow_map(self) -> bool:
+        """The step-distilled release: no CFG, 16 steps, each step told its target time."""
+        return self.transformer.config.flow_map
+
+    @property
+    def default_steps(self) -> int:
+        return FLOW_MAP_STEPS if self.is_flow_map else BASE_STEPS
+
+    @property
+    def default_size(self) -> int:
+        """1024, or the registry's side for a built-in model (fast on a CPU)."""
+        spec = spec_for(self.model_name)
+        return spec.default_size if spec is not None and spec.default_size else DEFAULT_SIZE
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_sources(
+        cls,
+        src: Sources,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        quality: Tier = "lossless",
+        text_encoder: str | Path | None = None,
+        cuda_graphs: bool = True,
+        offload_text_encoders: bool = False,
+        checkpoint: TransformerCheckpoint | None = None,
+    ) -> Flux3Pipe:
+        """Load the parts `find_sources` located. The text encoder: the folder's `text_encoder/` + `tokenizer/`;
+        else `text_encoder` (a diffusers FLUX.3 folder, or a Qwen3-VL folder / cached id); else Qwen3-VL-4B-Instruct;
+        a built-in random model gets the tiny Qwen3-VL. The schedule's shift and the CFG scale come from the folder's
+        `scheduler/` and `guider/` configs when it has them."""
+        transformer = load_transformer(checkpoint or src.transformer, device=device, dtype=dtype)
+        assert isinstance(transformer, Flux3Transformer)  # dispatched on the keys
+        vae = load_vae(src.vae, device=device, dtype=dtype)
+        if not isinstance(vae, Flux2VAE):
+            raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.3 needs the FLUX.2 VAE")
+        check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
+        text_device = torch.device("cpu") if offload_text_encoders else device
+        text = _open_text(src, text_encoder, text_device, dtype)
+        return cls(
+            transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
+            guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,
+            cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | None = None,
+        *,
+        height: int | None = None,
+        width: int | None = None,
+        num_steps: int | None = None,
+        guidance: float | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        max_sequence_length: int | None = None,
+        num_images_per_prompt: int = 1,
+        output_type: OutputType = "pil",
+        prompt_embeds: Tensor | None = None,
+        quality: Tier | None = None,
+        progress: Progress | None = None,
+    ) -> PipelineOutput:
+        """Generate `num_images_per_prompt` images of one prompt (FLUX.3 takes one per call, as diffusers does).
+
+        `height`/`width` default to `default_size` (multiples of 16); `num_steps` 50 (base) or 16 (flow map);
+        `guidance` the base model's CFG scale (default 3.5; 1 runs no CFG), ignored by a flow map (a warning when
+        given). `max_sequence_length` caps the text window (default 8192). Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (1, L, context_in_dim) may
+        replace `prompt` (the CFG negative is still encoded). `latents` is the final packed (B, L, 128).
+        """
+        if max_sequence_length is None:
+            max_sequence_length = MAX_SEQUENCE_LENGTH
+        call = Call(
+            prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
+            num_images_per_prompt, output_type, quality or self.quality, progress, prompt_embeds,
+        )  # fmt: skip
+        return self._run(call)
+
+    # ------------------------------------------------------------------ the recipe
+    def check(self, call: Call) -> None:
+        """Defaults filled in, or one FluxError naming the problem; no model runs."""
+        if call.prompt_embeds is None:
+            if isinstance(call.prompt, list) and len(call.prompt) == 1:
+                call.prompt = call.prompt[0]
+            if not isinstance(call.prompt, str):
+                raise FluxError(
+                    f"FLUX.3 takes one prompt (a string) per call, got {type(call.prompt).__name__}; "
+                    "use num_images_per_prompt for several images"
+                )
+        else:
+            if call.prompt is not None:
+                raise FluxError("pass either prompt or prompt_embeds, not both")
+            dim = self.transformer.config.context_in_dim
+            if check_prompt_embeds(call.prompt_embeds, dim, MAX_SEQUENCE_LENGTH, self.dtype) != 1:
+                raise FluxError("FLUX.3 takes one prompt per call: prompt_embeds must be (1, L, D)")
+        call.height = self.default_size if call.height is None else call.height
+        call.width = self.default_size if call.width is None else call.width
+        f = self.vae.config.spatial_factor
+        check_size(call.height, call.width, 2 * f)
+        check_vae_tile(self.vae_tile, (call.height // f, call.width // f))
+        call.steps = check_steps(call.num_steps, self.default_steps)
+        g = check_guidance(call.guidance, self.default_guidance)
+        if self.is_flow_map:
+            if call.guidance is not None:
+                warnings.warn(
+                    f"{self.model_name} is a flow map (step-distilled): guidance {call.guidance} is ignored (no CFG)",
+                    stacklevel=4,
+                )
+            call.guidance_used = None
+        else:
+            call.guidance_used = g
+        check_sampling(
+            call.seed, call.generator, call.max_sequence_length, MAX_SEQUENCE_LENGTH,
+            call.num_images_per_prompt, call.output_type, call.quality,
+        )  # fmt: skip
+        n = call.num_images_per_prompt
+        if isinstance(call.generator, list) and (
+            len(call.generator) != n or not all(isinstance(x, torch.Generator) for x in call.generator)
+        ):
+            raise FluxError(
+                f"a list of generators needs one torch.Generator per image: {n}, got {len(call.generator)}"
+            )
+        # diffusers' guider: CFG unless the scale is 1
+        cfg = call.guidance_used is not None and not math.isclose(call.guidance_used, 1.0)
+        call.true_cfg_scale = call.guidance_used if cfg and call.guidance_used is not None else 1.0
+
+    def encode(self, call: Call) -> Conditioning:
+        te, n = self.text_encoder, call.num_images_per_prompt
+        cfg = call.true_cfg_scale != 1.0
+        need = call.prompt_embeds is None or cfg
+        if self.offload_text_encoders and need:
+            te.to(self.device)
+        try:
+            if call.prompt_embeds is None:
+                assert isinstance(call.prompt, str)  # checked
+                embeds = te.encode(
+                    call.prompt, max_sequence_length=call.max_sequence_length, num_images_per_prompt=n,
+                    device=self.device,
+                ).prompt_embeds  # fmt: skip
+            else:
+                embeds = call.prompt_embeds.to(self.device).repeat_interleave(n, dim=0)
+            negative = None
+            if cfg:
+                negative = te.encode_negative(
+                    max_sequence_length=call.max_sequence_length, num_images_per_prompt=n, device=self.device
+                ).prompt_embeds
+        finally:
+            if self.offload_text_encoders and need:
+                te.offload()
+        return Conditioning(embeds, negative_txt=negative)
+
+    def prepare(self, call: Call, cond: Conditioning) -> Start:
+        """128-channel noise drawn in float32, cast to the text dtype, packed; ids and the static-shift schedule."""
+        assert call.height is not None and call.width is not None  # filled by check
+        f = self.vae.config.spatial_factor
+        h, w = latent_size(call.height, call.width, f)
+        noise = flux3_prepare_noise(
+            cond.batch, call.height, call.width, dtype=cond.txt.dtype, device=self.device, seed=call.seed,
+            generator=call.generator, vae_scale_factor=f,
+        )  # fmt: skip
+        latents = flux2_pack(noise)  # (B, L, 128)
+        sigmas, timesteps = self._schedule(call.steps, latents.shape[1])
+        lengths = (cond.txt.shape[1],) + (() if cond.negative_txt is None else (cond.negative_txt.shape[1],))
+        return Flux3Start(
+            latents, (h, w), sigmas, timesteps, img_ids=flux3_image_ids(h // 2, w // 2, device=self.device),
+            txt_ids=text_ids(lengths[0], self.device), rope_key=(h, w, lengths, self.device), txt_lengths=lengths,
+        )  # fmt: skip
+
+    def rope_tables(self, start: Start) -> dict[int, Flux3RoPE]:
+        """One set of tables per text length (the CFG branches' prompts have their own windows)."""
+        assert isinstance(start, Flux3Start)
+        return {n: self.transformer.rope(text_ids(n, self.device), start.img_ids) for n in start.txt_lengths}
+
+    def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
+        return None  # FLUX.3 embeds no guidance; the sampler fills this slot with a flow map's target time
+
+    def sample(
+        self, model_fn: Callable[..., Tensor], latents: Tensor, sigmas: Tensor, timesteps: Tensor, **kw: Any
+    ) -> Tensor:
+        return flux3_denoise(
+            model_fn, latents, sigmas, timesteps, flow_map=self.is_flow_map,
+            negative_model_fn=kw["negative_model_fn"], guidance_scale=kw["true_cfg_scale"],
+            reference_tokens=kw["reference_tokens"], callback=kw["callback"], after_step=kw["after_step"],
+        )  # fmt: skip
+
+    def velocity(
+        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+        ids: tuple[Tensor, Tensor], pe: Any,
+    ) -> Tensor:  # fmt: skip
+        tables: Flux3RoPE = pe[txt.shape[1]]
+        img_ids, txt_ids = ids  # the tables already hold the positions
+        # latents.to(transformer.dtype); g: the flow map's target time (None for the base model)
+        return self.transformer(x.to(self.dtype), img_ids, txt, txt_ids, t, target_timesteps=g, pe=tables)
+
+    def decoder_input(self, latents: Tensor, start: Start) -> Tensor:
+        """Unpack, BatchNorm-denormalise and unpatchify in the latents' dtype: (B, 32, h, w)."""
+        vae = self.vae
+        mean, std = latent_bn_stats(vae.bn.running_mean, vae.bn.running_var, vae.config.batch_norm_eps)
+        h, w = start.grid
+        return unpatchify(bn_denormalize(flux2_unpack(latents, h, w), mean, std))
+
+    def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
+        return GraphedDenoiser(fn)
+
+
+def _schedule_config(scheduler: dict | None) -> ScheduleConfig:
+    """The static shift of the folder's scheduler (FLUX.3 samples with 6.93), refusing settings it does not use."""
+    if scheduler is None:
+        return FLUX3_SCHEDULE
+    unsupported = [
+        k for k in ("use_dynamic_shifting", "shift_terminal", "use_karras_sigmas") if scheduler.get(k)
+    ]
+    if unsupported:
+        raise WeightsError(
+            f"scheduler_config.json asks for {', '.join(unsupported)}, which FLUX.3 sampling does not use"
+        )
+    return ScheduleConfig(
+        num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)),
+        shift=float(scheduler.get("shift", FLUX3_SCHEDULE.shift)),
+    )
+
+
+def _guider_scale(src: Sources) -> float:
+    """The CFG scale of a folder's `guider/guider_config.json` (diffusers' modular layout), else 3.5."""
+    root = Path(src.transformer)
+    if not root.is_dir():
+        return DEFAULT_GUIDANCE
+    cfg = read_json_if_present(root / "guider" / "guider_config.json")
+    scale = (cfg or {}).get("guidance_scale", DEFAULT_GUIDANCE)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise WeightsError(
+            f"{root / 'guider' / 'guider_config.json'}: guidance_scale must be a number, got {scale!r}"
+        )
+    return float(scale)
+
+
+def _open_text(
+    src: Sources, text_encoder: str | Path | None, device: torch.device, dtype: torch.dtype
+) -> Flux3TextEncoder:
+    """The FLUX.3 text encoder for these sources (see `Flux3Pipe.from_sources`)."""
+    spec = spec_for(src.name)
+    if spec is not None and spec.builtin and text_encoder is None:
+        return Flux3TextEncoder.tiny(device=device, dtype=dtype)
+    if text_encoder is None and src.text is not None:
+        return Flux3TextEncoder.from_pretrained(src.text, device=device, dtype=dtype)
+    if text_encoder is not None:
+        from flux_runtime.weights.hub import resolve
+
+        root = resolve(text_encoder)
+        if (root / "text_encoder").is_dir():  # a whole diffusers FLUX.3 folder
+            return Flux3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
+        return Flux3TextEncoder.from_components(root, device=device, dtype=dtype)
+    return Flux3TextEncoder.from_components(QWEN3_VL_4B_ID, device=device, dtype=dtype)

@@ -1,0 +1,203 @@
+"""`load_flux3_transformer`: a FLUX.3 Image Klein DiT from a BFL file, a diffusers folder, or a cached model id.
+
+The steps of the other families' loaders with FLUX.3's key table (`flux3_layout`): the layout is read from the
+keys, the shape from the tensors (plus `config.json` for the RoPE axes when there is one), base or flow map
+from the presence of the target-timestep embedder; the model is built on the meta device and each tensor is
+streamed to the target device, in the model dtype except the QK-norm weights, which stay fp32 as diffusers'
+`from_pretrained` keeps them. Missing, unexpected and misshapen keys are named; BFL's training-only
+`repa_projectors.*` are skipped by name. `load_transformer` dispatches here when the keys are FLUX.3's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from flux_runtime.models.dit import PRESETS, DiTConfig
+from flux_runtime.models.dit.flux3 import Flux3Transformer
+from flux_runtime.registry import builtin
+from flux_runtime.weights import flux3_layout
+from flux_runtime.weights.checkpoint import (
+    TransformerCheckpoint,
+    check_config,
+    check_keys,
+    check_part_shapes,
+    config_errors,
+    fill_model,
+    finish_builtin,
+    identity_rules,
+    open_transformer,
+    take_only,
+)
+from flux_runtime.weights.checks import check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.flux1_layout import BFL_PREFIXES
+from flux_runtime.weights.fp8 import Fp8Source
+from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
+from flux_runtime.weights.random_init import init_random
+
+log = logging.getLogger(__name__)
+
+# The stored names of the weights kept in fp32 (BFL, diffusers).
+_FP32_KEYS = (".norm.query_norm.scale", ".norm.key_norm.scale", ".attn.norm_q.weight", ".attn.norm_k.weight")
+
+
+class _Fp32Norms:
+    """A tensor reader that reads the QK-norm weights in fp32 and every other tensor in the asked dtype."""
+
+    def __init__(self, reader: KeyView | object) -> None:
+        self.reader = reader
+
+    def get(self, key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.reader.get(key, device, torch.float32 if key.endswith(_FP32_KEYS) else dtype)  # type: ignore[attr-defined]
+
+    def path_of(self, key: str) -> Path:
+        return self.reader.path_of(key)  # type: ignore[attr-defined]
+
+
+def infer_config(
+    shape_of,
+    depths: tuple[int, int, bool],
+    folder_config: dict | None,
+    where: Path | str = "checkpoint",
+    rope: tuple[tuple[int, ...], int] | None = None,
+) -> DiTConfig:
+    """Widths, heads and channels from the checkpoint itself, through BFL key names (`where` names it in errors).
+
+    `depths` is (blocks per mode, joint blocks, flow map); RoPE axes and theta come from `rope` (a caller's,
+    when it fits the head width), a diffusers `config.json`, else the FLUX.3 preset of this head width.
+    """
+    depth, depth_single, flow_map = depths
+    if not depth and not depth_single:
+        raise WeightsError("FLUX.3 checkpoint has no transformer blocks")
+    block = "txt_mode_blocks.0" if depth else "single_blocks.0"
+    hidden, in_ch = need_shape(shape_of, "emb_in.image.weight", "hidden size", 2)
+    head_dim = need_shape(shape_of, f"{block}.norm.query_norm.scale", "head dim", 1)[0]
+    mlp_hidden = need_shape(shape_of, f"{block}.mlp_out.weight", "MLP width", 2)[1]
+    if hidden % head_dim:
+        raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
+    axes_dim, theta = rope if rope and sum(rope[0]) == head_dim else _rope(head_dim, folder_config)
+    with config_errors(where):
+        cfg = DiTConfig(
+            family="flux3",
+            in_channels=in_ch,
+            out_channels=need_shape(shape_of, "final_layer.image.linear.weight", "output channels", 2)[0],
+            cond_in_channels=need_shape(shape_of, "emb_in.image_cond.weight", "reference width", 2)[1],
+            vec_in_dim=0,
+            context_in_dim=need_shape(shape_of, "txt_in.weight", "text width", 2)[1],
+            hidden_size=hidden,
+            mlp_ratio=mlp_hidden / hidden,
+            num_heads=hidden // head_dim,
+            depth=depth,
+            depth_single_blocks=depth_single,
+            axes_dim=axes_dim,
+            theta=theta,
+            qkv_bias=False,
+            guidance_embed=False,
+            flow_map=flow_map,
+        )
+    if cfg.mlp_hidden_dim != mlp_hidden:
+        raise WeightsError(
+            f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"
+        )
+    return cfg
+
+
+def _rope(head_dim: int, folder_config: dict | None) -> tuple[tuple[int, ...], int]:
+    if folder_config and "axes_dims_rope" in folder_config:
+        return tuple(folder_config["axes_dims_rope"]), int(folder_config.get("rope_theta", 10_000))
+    for preset in PRESETS.values():
+        if preset.family == "flux3" and preset.head_dim == head_dim:
+            return preset.axes_dim, preset.theta
+    raise WeightsError(f"cannot tell the RoPE axes for head dim {head_dim}; pass config= with axes_dim")
+
+
+def random_flux3(cfg: DiTConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Flux3Transformer:
+    """A seeded random FLUX.3 model (built-in names, benchmarks): drawn in fp32, cast with fp32 QK norms."""
+    with torch.device("meta"):
+        model = Flux3Transformer(cfg)
+    model = init_random(model, seed, device, torch.float32).cast_to(dtype)
+    return finish_builtin(model, dtype, fp8=False)
+
+
+def load_flux3_transformer(
+    path_or_id: str | Path | TransformerCheckpoint,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    config: DiTConfig | None = None,
+    fp8: bool = False,
+) -> Flux3Transformer:
+    """Load a FLUX.3 Image Klein transformer (base or flow map), ready for inference (eval mode, no grads).
+
+    `path_or_id`: a BFL single file (optionally `model.diffusion_model.` prefixed), a diffusers `transformer/`
+    folder or pipeline root (sharded or not), a Hugging Face model id in the local cache, or the built-in random
+    `tiny-flux3-random`. `config` is optional; when given it must agree with the checkpoint (its `axes_dim` and
+    `theta` are then used). The QK-norm weights load in fp32 whatever `dtype`. FP8 is not available for FLUX.3
+    yet: `fp8=True` and e4m3 checkpoints are refused.
+    """
+    device = check_device(device)
+    dtype = check_load_dtype(dtype)
+    if fp8:
+        raise WeightsError("fp8=True: FP8 is not available for FLUX.3 yet; load the model without fp8")
+    spec = None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
+    if spec is not None and spec.family == "flux3":
+        assert spec.preset is not None  # every built-in model has an architecture
+        return random_flux3(config or PRESETS[spec.preset], spec.seed, device, dtype)
+
+    ckpt = path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)
+    files, src = ckpt.files, ckpt.source
+    if ckpt.family != "flux3":
+        raise WeightsError(f"{files[0]}: not a FLUX.3 transformer (no per-mode modulation weights)")
+    layout = flux3_layout.detect_layout(src.keys())
+    reader = KeyView(src, BFL_PREFIXES) if layout == "bfl" else src
+    if Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent)) is not None:
+        raise WeightsError(f"{files[0]}: an FP8 FLUX.3 checkpoint; FP8 is not available for FLUX.3 yet")
+    skipped = sorted(k for k in reader.keys() if flux3_layout.training_only(k))
+    if skipped:
+        log.info("%s: skipping %d training-only tensors (%s, ...)", files[0], len(skipped), skipped[0])
+    keys = set(reader.keys()) - set(skipped)
+    if layout == "bfl":
+        depths = flux3_layout.bfl_depths(keys)
+        shape_of = reader.shape
+    else:
+        depths = flux3_layout.diffusers_depths(keys)
+        table = list(flux3_layout.rules(*depths))
+        used = {d for r in table for d in r.diffusers}
+        raise_key_errors(sorted(used - keys), sorted(keys - used))
+        by_bfl = {r.bfl: r.diffusers[0] for r in table}  # every FLUX.3 rule is one tensor
+
+        def shape_of(key: str) -> tuple[int, ...]:
+            return src.shape(by_bfl[key])
+
+    given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux3" else None
+    inferred = infer_config(shape_of, depths, ckpt.folder_config, files[0], given_rope)
+    if config is not None:
+        check_config(inferred, config)
+        inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
+    kind = "flow-map" if inferred.flow_map else "base"
+    log.info(
+        "loading %s-layout FLUX.3 %s transformer from %s (%d files)",
+        layout,
+        kind,
+        files[0].parent,
+        len(files),
+    )
+
+    with torch.device("meta"):
+        model = Flux3Transformer(inferred)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if layout == "bfl":
+        check_keys(keys, expected, shape_of)
+        check_weight_dtypes(reader, expected)
+        table, assemble = identity_rules(expected), take_only
+    else:
+        assemble = flux3_layout.diffusers_to_bfl
+        check_part_shapes(table, expected, src.shape, flux3_layout.bfl_to_diffusers)
+        check_weight_dtypes(src, sorted(used))
+    return fill_model(
+        model, table, _Fp32Norms(reader), assemble, device=device, dtype=dtype, fp8_src=None, fp8=False
+    )

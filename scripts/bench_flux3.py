@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""FLUX.3 Image Klein transformer speed and parity on one GPU, against diffusers and the library floor in one run.
+
+For each model (`--models`, default `base flow-map`) and each case (`--cases`, default `t2i ref`: text to image,
+and with one 1024² reference image): build the full-size `Flux3Transformer2DModel` in diffusers with random
+weights directly on the GPU in bf16 (QK-norm weights perturbed and held in fp32, as `from_pretrained` keeps
+them), hand its tensors to our `Flux3Transformer` through weights/flux3_layout.py (shared, not copied), run one
+bf16 step at 1024² (4096 image tokens, 480 text tokens, a 4096-token reference in `ref`) through both and
+require `torch.equal`, then print per-step ms for the library floor (the step's GEMMs, per-token modulation
+included, and SDPA calls timed alone), diffusers eager, ours eager with reference ops and with the lossless
+fused kernels, and ours lossless + CUDA graph (median of >= 10 after warm-up). Exit status 1 if any step differs.
+Writes every number to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import cuda_time  # scripts/bench.py, beside this file
+
+from flux_runtime.models.dit import FLUX3_KLEIN, FLUX3_KLEIN_BASE, DiTConfig
+from flux_runtime.models.dit.flux3 import Flux3Transformer
+from flux_runtime.sampling.flux3 import flux3_image_ids
+from flux_runtime.text.flux3 import text_ids
+from flux_runtime.weights import flux3_layout
+
+DEV = torch.device("cuda")
+RESULTS: dict[str, object] = {}
+MODELS: dict[str, DiTConfig] = {"base": FLUX3_KLEIN_BASE, "flow-map": FLUX3_KLEIN}
+N_IMG, N_TXT = 4096, 480  # 1024² (64 x 64 tokens); a prompt of up to 480 Qwen3-VL tokens (6 windows of 80)
+
+
+def library_floor(cfg: DiTConfig, n_ref: int) -> tuple[float, float]:
+    """Sum of the step's cuBLAS GEMMs (F.linear, no bias, real shapes) and SDPA calls, each timed alone."""
+    d, mlp = cfg.hidden_size, cfg.mlp_hidden_dim
+    streams = [n for n in (N_TXT, N_IMG, n_ref) if n]
+    joint = sum(streams)
+    gemms: Counter[tuple[int, int, int]] = Counter()  # (M, K, N) -> calls per step
+
+    def block(m: int, count: int) -> None:  # q, k, v, out, SwiGLU in (2 * mlp), out
+        gemms[(m, d, d)] += 4 * count
+        gemms[(m, d, 2 * mlp)] += count
+        gemms[(m, mlp, d)] += count
+
+    for m in streams:
+        block(m, cfg.depth)
+        gemms[(m, d, 3 * d)] += 2  # per-token modulation: early and single
+    block(joint, cfg.depth_single_blocks)
+    embedders = 2 + cfg.flow_map  # t, t = 0 (+ target)
+    gemms[(1, 256, d)] += embedders
+    gemms[(1, d, d)] += embedders
+    gemms[(N_IMG, cfg.in_channels, d)] += 1
+    if n_ref:
+        gemms[(n_ref, cfg.cond_in_channels, d)] += 1
+    gemms[(N_TXT, cfg.context_in_dim, d)] += 1
+    gemms[(N_IMG, d, 2 * d)] += 1  # final adaLN, per token
+    gemms[(N_IMG, d, cfg.out_channels)] += 1
+    gemm_ms = 0.0
+    for (m, k, n), count in gemms.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+        gemm_ms += count * cuda_time(lambda x=x, w=w: F.linear(x, w), iters=20)
+        del x, w
+    attn_ms = 0.0
+    for length, count in [*((m, cfg.depth) for m in streams), (joint, cfg.depth_single_blocks)]:
+        q, k, v = (
+            torch.randn(1, cfg.num_heads, length, cfg.head_dim, device=DEV, dtype=torch.bfloat16)
+            for _ in range(3)
+        )
+        attn_ms += count * cuda_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v), iters=20)
+    return gemm_ms, attn_ms
+
+
+def build_pair(cfg: DiTConfig, **diffusers_kw: object):
+    """Full-size FLUX.3 in diffusers (random bf16 init on the GPU, fp32 QK norms) and ours on the same tensors
+    (`diffusers_kw` shrinks the diffusers model to match a smaller `cfg`)."""
+    from diffusers import Flux3Transformer2DModel
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEV):
+            ref = Flux3Transformer2DModel(flow_map=cfg.flow_map, **diffusers_kw).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.ndim == 1:  # QK-norm weights start at 1; make them matter, then keep them fp32
+                p.add_(0.1 * torch.randn_like(p))
+                if ".norm_q." in name or ".norm_k." in name:
+                    p.data = p.data.float()
+    sd = ref.state_dict()
+    table = flux3_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.flow_map)
+    ours_sd = {r.bfl: flux3_layout.diffusers_to_bfl(r, sd.__getitem__) for r in table}
+    with torch.device("meta"):
+        ours = Flux3Transformer(cfg)
+    ours.load_state_dict(ours_sd, strict=True, assign=True)  # assign: share, do not copy
+    return ref, ours.eval()
+
+
+def step_inputs(cfg: DiTConfig, n_ref: int):
+    """What the pipeline feeds one step: packed latents, text states, float ids, t/1000 (and target) in bf16."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    bf = torch.bfloat16
+    img = torch.randn(1, N_IMG, cfg.in_channels, device=DEV, generator=g).to(bf)
+    txt = torch.randn(1, N_TXT, cfg.context_in_dim, device=DEV, generator=g).to(bf)
+    side = int(N_IMG**0.5)
+    img_ids, txt_ids = flux3_image_ids(side, side, device=DEV), text_ids(N_TXT, DEV)
+    ref = ref_ids = None
+    if n_ref:
+        ref = torch.randn(1, n_ref, cfg.cond_in_channels, device=DEV, generator=g).to(bf)
+        rside = int(n_ref**0.5)
+        ref_ids = flux3_image_ids(rside, rside, -1, device=DEV)
+    t = (torch.tensor(988.0, device=DEV) / 1000).expand(1).to(bf)
+    target = (torch.tensor(953.0, device=DEV) / 1000).expand(1).to(bf) if cfg.flow_map else None
+    return img, img_ids, txt, txt_ids, t, ref, ref_ids, target
+
+
+@torch.no_grad()
+def bench_case(name: str, case: str, ref, ours, iters: int) -> bool:
+    from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
+    from flux_runtime.pipeline.graphs import GraphedDenoiser
+
+    cfg = ours.config
+    n_ref = N_IMG if case == "ref" else 0
+    label_case = f"{name}, {'one 1024² reference' if n_ref else 'text to image'}"
+    res: dict[str, object] = {}
+    RESULTS[f"{name}/{case}"] = res
+    gemm_ms, attn_ms = library_floor(cfg, n_ref)
+    floor = gemm_ms + attn_ms
+    res["floor_ms"] = {"gemm": gemm_ms, "attention": attn_ms, "total": floor}
+    print(f"[{label_case}] library floor: {floor:.1f} ms/step (GEMMs {gemm_ms:.1f}, attention {attn_ms:.1f})")
+    img, img_ids, txt, txt_ids, t, rf, rf_ids, target = step_inputs(cfg, n_ref)
+
+    def run_ref():
+        return ref(
+            hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids,
+            image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=target, return_dict=False,
+        )[0]  # fmt: skip
+
+    pe = ours.rope(txt_ids, img_ids, rf_ids)
+
+    def step(tier: str, x, tt, tg):
+        with use_fused(tier):
+            return ours(x, img_ids, txt, txt_ids, tt, ref=rf, ref_ids=rf_ids, target_timesteps=tg, pe=pe)
+
+    graphed = GraphedDenoiser(lambda x, tt, tg: step("lossless", x, tt, tg))
+    variants = {
+        "ours eager, reference ops": lambda: step("off", img, t, target),
+        "ours eager, lossless fused kernels": lambda: step("lossless", img, t, target),
+        "ours lossless + CUDA graph": lambda: graphed(img, t, target),
+    }
+    reset_fused_ops_report()
+    expected = run_ref()
+    times: dict[str, float] = {}
+    equal: dict[str, bool] = {}
+    for label, fn in [("diffusers eager", run_ref), *variants.items()]:
+        out = fn()
+        out = fn()  # graphs: the first call runs eagerly, the second captures and replays
+        equal[label] = torch.equal(out, expected)
+        diff = (
+            ""
+            if equal[label]
+            else f" (max abs diff {(out.float() - expected.float()).abs().max().item():.3g})"
+        )
+        print(
+            f"[{label_case}] one bf16 step, {label} vs diffusers: torch.equal = {equal[label]}{diff}",
+            flush=True,
+        )
+        del out
+        times[label] = cuda_time(fn, iters=iters)
+    print(fused_ops_report(), flush=True)
+    res["step_ms"], res["equal_to_diffusers"] = times, equal
+    ref_ms = times["diffusers eager"]
+    print()
+    print(
+        f"| FLUX.3 Klein {label_case}, 1024², bf16, B=1, per step | ms | / floor | / diffusers | torch.equal |"
+    )
+    print("|---|---|---|---|---|")
+    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} | |")
+    for label, ms in times.items():
+        print(f"| {label} | {ms:.1f} | {ms / floor:.2f} | {ms / ref_ms:.2f} | {equal[label]} |")
+    print(flush=True)
+    return all(equal.values())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=["base", "flow-map"])
+    ap.add_argument("--cases", nargs="+", choices=["t2i", "ref"], default=["t2i", "ref"])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_flux3.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    t0 = time.perf_counter()
+    ok = []
+    for name in args.models:
+        ref, ours = build_pair(MODELS[name])
+        print(f"[{name}] {sum(p.numel() for p in ours.parameters()):,} parameters", flush=True)
+        for case in args.cases:
+            ok.append(bench_case(name, case, ref, ours, args.iters))
+        del ref, ours
+        gc.collect()
+        torch.cuda.empty_cache()
+    RESULTS["wall_s"] = time.perf_counter() - t0
+    print(f"total {RESULTS['wall_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(RESULTS, indent=2))
+    if not all(ok):
+        print("PARITY FAILED: ours is not bit-identical to diffusers", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""flux-gen on the built-in tiny FLUX.3 model: the file, its provenance, replay, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from flux_runtime.cli.gen import MODEL_CHOICES, main
+from flux_runtime.pipeline import Pipeline
+
+BASE = ["--model", "tiny-flux3-random", "--steps", "2", "--height", "32", "--width", "48", "--quiet"]
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, [*BASE, *args], catch_exceptions=False)
+
+
+def _pixels(path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def test_generates_replays_and_matches_the_library(tmp_path) -> None:
+    assert {"tiny-flux3-random", "flux3-klein", "flux3-klein-base"} <= set(MODEL_CHOICES)
+    out = tmp_path / "fox.png"
+    res = _run("--prompt", "a red fox", "--seed", "5", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    with Image.open(out) as im:
+        info = json.loads(im.text["flux_runtime"])
+        assert im.size == (48, 32)
+    assert info["model"] == "tiny-flux3-random" and info["guidance"] == 3.5 and info["num_steps"] == 2
+    pipe = Pipeline.from_pretrained("tiny-flux3-random", device="cpu", dtype=torch.float32)
+    want = pipe("a red fox", seed=5, height=32, width=48, num_steps=2, output_type="np").images[0]
+    assert np.array_equal(_pixels(out), want)
+    again = tmp_path / "again.png"
+    res = CliRunner().invoke(
+        main, ["--replay", str(out), "--out", str(again), "--quiet"], catch_exceptions=False
+    )
+    assert res.exit_code == 0, res.output
+    assert np.array_equal(_pixels(again), _pixels(out))
+
+
+def test_options_of_other_families_are_refused(tmp_path) -> None:
+    res = _run("--prompt", "a", "--negative-prompt", "b", "--out", str(tmp_path / "x.png"))
+    assert (
+        res.exit_code != 0
+        and "--negative-prompt need a FLUX.1 model; tiny-flux3-random is FLUX.3" in res.output
+    )
+    image = tmp_path / "in.png"
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(image)
+    res = _run("--prompt", "a", "--image", str(image), "--out", str(tmp_path / "y.png"))
+    assert res.exit_code != 0 and "reference images for FLUX.3 are not supported yet" in res.output
