@@ -371,7 +371,9 @@ class Recipe:
             return latents, self.latent_output(latents, start), use_graphs, kernels
         z = self.decoder_input(latents, start)
         call.report("decode", 0, 1)
-        tile = self.vae_tile if self.vae_tile is not None else VAE_TILE if self.memory_plan.vae_tiled else None
+        tile = (
+            self.vae_tile if self.vae_tile is not None else VAE_TILE if self.memory_plan.vae_tiled else None
+        )
         decoded = self.vae.decode(z, tile=tile)
         check_finite(decoded, "decoded images")
         call.report("decode", 1, 1)

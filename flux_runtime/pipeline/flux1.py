@@ -20,6 +20,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.vae import Flux1VAE, Flux2VAE
+from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_device,
     check_guidance,
@@ -40,7 +41,6 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
-from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, find_sources, schedule_config

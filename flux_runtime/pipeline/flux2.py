@@ -36,6 +36,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -55,7 +56,6 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
-from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser
@@ -374,9 +374,11 @@ class Flux2Pipe(Recipe):
             key = ("flux2", prompts if isinstance(prompts, str) else tuple(prompts), max_len, n)
             return self.cached_encode(
                 key,
-                lambda: te.encode(
-                    prompts, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device
-                ).prompt_embeds,
+                lambda: (
+                    te.encode(
+                        prompts, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device
+                    ).prompt_embeds
+                ),
             )
 
         with self.using("text", enter=False):

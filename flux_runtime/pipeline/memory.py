@@ -218,9 +218,7 @@ def _try(name: PlanName, fp: Footprint, usable: int) -> Plan | None:
     return None
 
 
-def _fit_layers(
-    part: Part, room: int, *, force_stream: bool = False
-) -> tuple[tuple[int, ...], int] | None:
+def _fit_layers(part: Part, room: int, *, force_stream: bool = False) -> tuple[tuple[int, ...], int] | None:
     """(layers to stream, the stage's bytes) streaming as few layers as fit `room`, or None.
 
     Zero streamed layers (the whole model on the GPU for its stage) is tried first unless `force_stream`.
@@ -283,7 +281,9 @@ def decode_activations(height: int, width: int, batch: int, itemsize: int, tile_
     return maps + out
 
 
-def encode_activations(tokens: int, hidden: int, layers: int, intermediate: int, vocab: int, itemsize: int) -> int:
+def encode_activations(
+    tokens: int, hidden: int, layers: int, intermediate: int, vocab: int, itemsize: int
+) -> int:
     """A generous bound on a text encoder's activations for one batch of `tokens` (all hidden states
     kept, one MLP intermediate, logits over the vocabulary where the model computes them), bytes."""
     states = (layers + 1) * tokens * hidden * itemsize

@@ -179,7 +179,10 @@ def apply_plan(pipe: Any, plan: Plan, device: torch.device, fp: Footprint | None
     placement: Placement = pipe.placement
     placement.plan = plan
     pipe._graphed.clear()
-    for name, mode, streamed in (("text", plan.text, plan.streamed_text), ("dit", plan.dit, plan.streamed_dit)):
+    for name, mode, streamed in (
+        ("text", plan.text, plan.streamed_text),
+        ("dit", plan.dit, plan.streamed_dit),
+    ):
         placement.models[name].set_mode(mode, streamed, plan.slots)
     pipe.vae.to(device)
     placement.weights_at_denoise = _weights_at_denoise(fp, plan)
@@ -230,7 +233,9 @@ def checkpoint_bytes(ckpt: Any, dtype: torch.dtype, fp8: bool) -> int:
     return total
 
 
-def transformer_device(budget: int | None, ckpt: Any, dtype: torch.dtype, fp8: bool, device: torch.device) -> torch.device:
+def transformer_device(
+    budget: int | None, ckpt: Any, dtype: torch.dtype, fp8: bool, device: torch.device
+) -> torch.device:
     """The device itself when there is no budget or the transformer fits it with room to spare; else host
     memory (the plan moves it in as it says, so a transformer larger than the GPU still loads)."""
     if budget is None or checkpoint_bytes(ckpt, dtype, fp8) <= 0.8 * budget:

@@ -22,6 +22,7 @@ one model and `Placement` to a pipeline, stage by stage.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from flux_runtime.pipeline.memory import Mode, Part, Plan
+from flux_runtime.pipeline.memory import Mode, Part
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def _gather(roots: Sequence[nn.Module], skip: set[int]) -> dict[int, _Entry]:
     found: dict[int, _Entry] = {}
     for root in roots:
         for module in root.modules():
-            for name, p in module._parameters.items():
+            for p in module._parameters.values():
                 if p is not None and id(p) not in skip and id(p) not in found:
                     found[id(p)] = _Entry(0, 0, p.dtype, p.shape, p, [], p.data)
             for name, b in module._buffers.items():
@@ -150,16 +151,8 @@ class HostBuffer:
                 self.data.numel() >> 20,
             )
 
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self.pinned = False
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may already be gone
-            pass
+        if self.pinned:  # unlocked when the buffer goes, before its memory is freed
+            weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, self.data.data_ptr())
 
 
 def split_units(name: str, roots: Sequence[nn.Module], layers: Sequence[nn.Module]) -> list[Unit]:
@@ -192,7 +185,9 @@ class BlockRing:
     ) -> None:  # fmt: skip
         self.units, self.device, self.stream = units, device, stream
         self.k = min(slots, len(units))
-        self.slots = [torch.empty(max(u.nbytes for u in units), dtype=torch.uint8, device=device) for _ in range(self.k)]
+        self.slots = [
+            torch.empty(max(u.nbytes for u in units), dtype=torch.uint8, device=device) for _ in range(self.k)
+        ]
         for j, unit in enumerate(units):
             unit.bind(self.slots[j % self.k])
         self.hooks = []

@@ -55,7 +55,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def quantize_text_layers(layers: list[nn.Module], dtype: torch.dtype) -> int:
     """Swap every `nn.Linear` in `layers` for an FP8 one (in place, one layer at a time); returns how many."""
     if dtype != torch.bfloat16:
-        raise WeightsError(f"FP8 text encoders compute in bf16 between their FP8 GEMMs; load them in bf16, not {dtype}")
+        raise WeightsError(
+            f"FP8 text encoders compute in bf16 between their FP8 GEMMs; load them in bf16, not {dtype}"
+        )
     count = 0
     for layer in layers:
         for name, module in list(layer.named_modules()):
@@ -67,7 +69,11 @@ def quantize_text_layers(layers: list[nn.Module], dtype: torch.dtype) -> int:
             t = quantize_weight(module.weight)
             with torch.device("meta"):
                 fp8 = Fp8Linear(
-                    module.in_features, module.out_features, module.bias is not None, per_channel=True, dtype=dtype
+                    module.in_features,
+                    module.out_features,
+                    module.bias is not None,
+                    per_channel=True,
+                    dtype=dtype,
                 )
             fp8.weight, fp8.weight_scale = t.weight, t.weight_scale
             if module.bias is not None:
