@@ -272,11 +272,14 @@ def denoise_activations(
     return 2 * batch * length * per_token * itemsize
 
 
-def decode_activations(height: int, width: int, batch: int, itemsize: int, tile_px: int | None = None) -> int:
-    """A generous bound on the VAE decoder's live activations, bytes: about a dozen 128-channel maps at
-    the output size (or at one tile's size, plus the output, when tiled)."""
+def decode_activations(
+    height: int, width: int, batch: int, itemsize: int, channels: int = 128, tile_px: int | None = None
+) -> int:
+    """A generous bound on the VAE decoder's live activations, bytes: about a dozen maps of its
+    full-resolution width (`channels`, 128 for FLUX) at the output size (or one tile's, plus the output,
+    when tiled)."""
     h, w = (height, width) if tile_px is None else (min(height, tile_px), min(width, tile_px))
-    maps = 12 * batch * h * w * 128 * max(itemsize, 2)
+    maps = 12 * batch * h * w * channels * max(itemsize, 2)
     out = batch * 3 * height * width * 4 * 2
     return maps + out
 

@@ -117,7 +117,7 @@ def _denoise(pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: 
 
 def _decode(pipe: Any, height: int, width: int, batch: int, *, tiled: bool) -> int:
     tile_px = VAE_TILE * pipe.vae.config.spatial_factor if tiled else None
-    return decode_activations(height, width, batch, _itemsize(pipe), tile_px)
+    return decode_activations(height, width, batch, _itemsize(pipe), pipe.vae.config.ch, tile_px)
 
 
 def _encode(pipe: Any, roots: list[nn.Module], max_len: int, batch: int) -> int:
