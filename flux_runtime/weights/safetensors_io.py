@@ -162,9 +162,10 @@ class TensorSource:
         self._dtypes: dict[str, str] = {}
         self._spans: dict[str, tuple[int, int]] = {}  # absolute byte range in its file
         for path in files:
+            header = read_header(path)  # checked first: an empty or damaged file fails in our words
             with open(path, "rb") as f:
                 data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-            for key, info in read_header(path).items():
+            for key, info in header.items():
                 if key in self._where:
                     raise WeightsError(f"key {key!r} appears in both {self._where[key]} and {path}")
                 self._where[key] = path
