@@ -220,7 +220,19 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     help="Quantize the transformer's block projections to FP8 at load (bf16; FP8 checkpoints need no flag).",
 )
 @click.option(
-    "--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU except while encoding."
+    "--fp8-text",
+    is_flag=True,
+    help="Quantize the text encoders' layers (T5, Qwen3, Mistral) to FP8 at load (bf16; --fp8 includes this).",
+)
+@click.option(
+    "--memory",
+    default="auto",
+    show_default=True,
+    help="GPU memory budget (e.g. 24GB, 16GB): the fastest plan that fits (resident, offload-text, swap, "
+    "stream); 'auto' is the GPU's free memory. Plans move weights, never change the pixels.",
+)
+@click.option(
+    "--offload-text-encoders", is_flag=True, help="Keep the text encoders off the GPU except while encoding."
 )
 @click.option(
     "--vae-tile",
@@ -297,6 +309,7 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         max_sequence_length=rec["max_sequence_length"],
         dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
         fp8=bool(rec.get("fp8_at_load", False)),
+        fp8_text=bool(rec.get("fp8_text", False)),
         image=_replay_images(opts["replay"], rec.get("reference_images") or []),
         negative_prompt=rec.get("negative_prompt"),
         true_cfg=rec.get("true_cfg_scale", 1.0),
@@ -420,7 +433,9 @@ def _generate(opts: dict[str, Any]) -> None:
     replaying = opts["replay"] is not None
     n = 1 if replaying else opts["num_images"]
     paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"])
-    dtype_name = opts["dtype"] or ("bf16" if device.type == "cuda" or opts["fp8"] else "fp32")
+    dtype_name = opts["dtype"] or (
+        "bf16" if device.type == "cuda" or opts["fp8"] or opts["fp8_text"] else "fp32"
+    )
     progress = _Progress(not opts["quiet"] and sys.stderr.isatty())
     images_in = [_open_image(p.resolve()) for p in opts["image"]]
     flux1_inputs = {
@@ -440,7 +455,12 @@ def _generate(opts: dict[str, Any]) -> None:
         cuda_graphs=not opts["no_cuda_graphs"],
         offload_text_encoders=opts["offload_text_encoders"],
         fp8=opts["fp8"],
+        # --fp8 covers the text encoders; a replay takes exactly what the record says
+        fp8_text=opts["fp8_text"] if replaying else opts["fp8"] or opts["fp8_text"],
+        memory=opts["memory"],
     )
+    if not opts["quiet"]:
+        click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
     pipe.vae_tile = opts["vae_tile"]
     for path, scale in loras:
         pipe.load_lora(path, scale=scale)

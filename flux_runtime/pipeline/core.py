@@ -12,7 +12,8 @@ Klein, which also fills in `rope_tables` and `sample`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,6 +26,7 @@ from flux_runtime.pipeline import loras as fused_loras
 from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
+from flux_runtime.pipeline.memory import VAE_TILE, Plan, gib
 from flux_runtime.pipeline.provenance import provenance
 from flux_runtime.pipeline.tiers import RunTier, Tier, resolve_tier
 from flux_runtime.sampling import ScheduleConfig, denoise, get_schedule, to_pil_images, to_uint8_images
@@ -38,6 +40,7 @@ OutputType = Literal["pil", "pt", "np", "latent"]
 Progress = Callable[[str, int, int], None]
 """`progress(stage, done, total)` with stage "encode", "denoise" or "decode"."""
 RoPE = tuple[Tensor, Tensor]
+PROMPT_CACHE = 8  # encoded prompts kept per pipeline
 
 
 @dataclass
@@ -155,10 +158,54 @@ class Recipe:
         self.vae_tile: int | None = None
         self._graphed: dict[tuple, GraphedDenoiser] = {}
         self._rope: dict[tuple, tuple[Tensor, Tensor, RoPE]] = {}
+        # where the weights live between and during stages (`set_memory`); None: all on the device
+        self.placement: Any = None
+        self.memory_plan = Plan("resident", None)
+        self.fp8_text = False
+        self._prompts: dict[tuple, Any] = {}  # encoded prompts, newest last (`cached_encode`)
+        if offload_text_encoders:
+            self.set_memory(None, offload_text_encoders=True)
 
     @property
     def device(self) -> torch.device:
+        if self.placement is not None:
+            return self.placement.device
         return self.transformer.img_in.weight.device
+
+    # ------------------------------------------------------------------ memory
+    def set_memory(
+        self, memory: str | int | None = "auto", *, offload_text_encoders: bool = False,
+        device: torch.device | None = None,
+    ) -> Plan:  # fmt: skip
+        """Choose and apply a memory plan: `memory` is "auto" (the GPU's free memory), a size ("24GB",
+        "512MB", bytes) or None (no budget: everything on the device). `offload_text_encoders` starts the
+        search at the `offload-text` plan. Weights move, bits do not change. Returns the plan (also in
+        `memory_plan` and each output's provenance)."""
+        from flux_runtime.pipeline import placement
+
+        return placement.apply(self, memory, offload_text_encoders, device or self.device)
+
+    @contextmanager
+    def using(self, model: str, *, enter: bool = True) -> Iterator[None]:
+        """Run a stage of `model` ("text" or "dit") with its weights on the device as the plan says
+        (`enter=False`: hold the text encoders across several encodes, see `Placement.using`)."""
+        with self.placement.using(model, enter=enter) if self.placement is not None else nullcontext():
+            yield
+
+    def cached_encode(self, key: tuple, encode: Callable[[], Any]) -> Any:
+        """`encode()` (under `using("text")`), or its earlier result for the same prompt settings `key`.
+
+        Prompt embeddings are a pure function of the prompt, the settings and the encoder weights, so a
+        repeated prompt skips the text encoder (and, on a tight budget, the weights moving for it)."""
+        if key in self._prompts:
+            self._prompts[key] = self._prompts.pop(key)  # most recently used last
+            return self._prompts[key]
+        with self.using("text"):
+            out = encode()
+        self._prompts[key] = out
+        while len(self._prompts) > PROMPT_CACHE:
+            self._prompts.pop(next(iter(self._prompts)))
+        return out
 
     @property
     def dtype(self) -> torch.dtype:
@@ -239,14 +286,21 @@ class Recipe:
         if call.seed is None and call.generator is None:
             call.seed = 0
         tier = resolve_tier(call.quality, self.device, self.dtype)
+        if self.placement is not None:
+            self.placement.check_call(self, call)
         try:
             latents, images, graphs, kernels, decode_kernels = self._generate(call, tier)
         except torch.cuda.OutOfMemoryError:
+            if self.placement is not None:
+                self.placement.reset()
+            self._graphed.clear()
             torch.cuda.empty_cache()
+            plan = self.memory_plan
+            budget = "no memory budget" if plan.budget is None else f"a {gib(plan.budget)} budget"
             raise FluxError(
-                f"out of GPU memory generating {call.num_images_per_prompt} image(s) of {call.width}x{call.height}: "
-                f"try a smaller size or batch, {self.oom_hint}offload the text encoders "
-                "(offload_text_encoders=True / --offload-text-encoders)"
+                f"out of GPU memory generating {call.num_images_per_prompt} image(s) of {call.width}x{call.height} "
+                f"under the {plan.name} plan with {budget}: try a smaller size or batch, {self.oom_hint}"
+                "a smaller memory budget than the GPU's (memory='20GB' / --memory 20GB) or --fp8"
             ) from None
         info = {
             **provenance(
@@ -256,6 +310,8 @@ class Recipe:
                 device=self.device, precision=getattr(self.transformer, "precision", "bf16"),
                 fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
             ),
+            "memory_plan": self.memory_plan.describe(),
+            "fp8_text": self.fp8_text,
             **self.record_inputs(call),
             **fused_loras.provenance_fields(self),  # each fused LoRA: file, sha256, scale
             # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
@@ -272,6 +328,12 @@ class Recipe:
         cond = self.encode(call)
         start = self.prepare(call, cond)
         call.report("encode", 1, 1)
+        with self.using("dit"):
+            return self._denoise_decode(call, tier, cond, start)
+
+    def _denoise_decode(
+        self, call: Call, tier: RunTier, cond: Conditioning, start: Start
+    ) -> tuple[Tensor, Any, bool, str]:
         batch, steps = cond.batch, call.steps
         g = self.guidance_tensor(call, batch)
 
@@ -296,7 +358,9 @@ class Recipe:
         def branch(
             name: str, txt: Tensor, vec: Tensor | None
         ) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
-            table = self.modulation_table(call, start, vec, g) if tier.batched_modulation else None
+            # the batched table reads every block's weights at once: not while the blocks stream
+            batched = tier.batched_modulation and not self.memory_plan.streams_dit
+            table = self.modulation_table(call, start, vec, g) if batched else None
             step = iter(range(steps))
 
             def mods() -> Tensor | None:
@@ -360,11 +424,12 @@ class Recipe:
         kernels without converting each activation to NHWC and back, and the fused GroupNorm keeps the
         layout (aten's GroupNorm is slow on it, which is why the lossless decode stays NCHW).
         """
+        tile = self.vae_tile if self.vae_tile is not None else VAE_TILE if self.memory_plan.vae_tiled else None
         if tier.kernels != "high":
-            return self.vae.decode(z, tile=self.vae_tile), "off"
+            return self.vae.decode(z, tile=tile), "off"
         reset_fused_ops_report()
         with tier.mounted():
-            decoded = self.vae.decode(z.contiguous(memory_format=torch.channels_last), tile=self.vae_tile)
+            decoded = self.vae.decode(z.contiguous(memory_format=torch.channels_last), tile=tile)
         return decoded, fused_ops_report().tier_used
 
     def _schedule(self, steps: int, image_seq_len: int, strength: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -375,8 +440,9 @@ class Recipe:
         return sched.sigmas[begin:], sched.timesteps[begin:]
 
     def _graphs_enabled(self) -> bool:
-        """CUDA graphs run where they can: asked for, and the model on a CUDA device."""
-        return self.cuda_graphs and self.device.type == "cuda"
+        """CUDA graphs run where they can: asked for, the model on a CUDA device, its blocks not streaming
+        (a ring's copies and waits are issued from Python between blocks)."""
+        return self.cuda_graphs and self.device.type == "cuda" and not self.memory_plan.streams_dit
 
     def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
         return GraphedDenoiser(fn)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.vae import Flux1VAE, Flux2VAE
+from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_device,
     check_guidance,
@@ -121,6 +122,8 @@ class Pipeline(Recipe):
         is_distilled: bool | None = None,
         fp8: bool = False,
         variant: Variant | None = None,
+        memory: str | int | None = "auto",
+        fp8_text: bool = False,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
         keys are theirs.
@@ -139,6 +142,12 @@ class Pipeline(Recipe):
         load as FP8 without it). Precision is the model's, orthogonal to `quality`; the provenance records it.
         `variant` (FLUX.1): `kontext` for a Kontext checkpoint that is neither a diffusers folder saying so
         (model_index.json) nor a registry name; Fill and Depth/Canny are told by the transformer's width.
+        `memory`: the GPU memory budget, "auto" (the GPU's free memory; off a GPU: no plan), a size ("24GB",
+        "512MB", bytes) or None (everything on the device, as before plans). The plan it picks (resident,
+        offload-text, swap, stream; see `flux_runtime.pipeline.memory`) is logged once and recorded in the
+        provenance; it moves weights, never changes bits. `offload_text_encoders` asks for at least the
+        offload-text plan. `fp8_text`: quantize the text encoders' layers (T5 / Qwen3 / Mistral) to FP8 at
+        load (bf16 only), as `fp8` does the transformer's.
         """
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
@@ -147,10 +156,12 @@ class Pipeline(Recipe):
                 f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32"
             )
         device = check_device(device)
-        if fp8 and dtype != torch.bfloat16:
-            raise FluxError(
-                f"fp8=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
-            )
+        for flag, on in (("fp8", fp8), ("fp8_text", fp8_text)):
+            if on and dtype != torch.bfloat16:
+                raise FluxError(
+                    f"{flag}=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
+                )
+        budget = placement.budget_for(memory, device, offload_text_encoders)
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         spec = MODELS.get(src.name) if src.name in MODELS and MODELS[src.name].builtin else None
         # the checkpoint is opened once: its headers tell the family and feed the loader
@@ -164,7 +175,7 @@ class Pipeline(Recipe):
             return Flux2Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
-                is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt,
+                is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt, budget=budget, fp8_text=fp8_text,
             )  # fmt: skip
         if family == "flux3":
             from flux_runtime.pipeline.flux3 import Flux3Pipe
@@ -180,7 +191,10 @@ class Pipeline(Recipe):
             )  # fmt: skip
         if is_distilled is not None:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")
-        transformer = load_transformer(ckpt or src.transformer, device=device, dtype=dtype, fp8=fp8)
+        # with a budget the transformer loads to host memory unless it fits the device, the text encoders
+        # to host memory always: the plan then puts on the device what it keeps there
+        dit_device = placement.transformer_device(budget, ckpt, dtype, fp8, device)
+        transformer = load_transformer(ckpt or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux1Transformer)  # told by the keys
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
         if vae_model.config.family != "flux1":
@@ -197,9 +211,10 @@ class Pipeline(Recipe):
             src.name,
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
-        text_device = "cpu" if offload_text_encoders else device
-        text = _open_text(src, text_device, dtype)
-        return cls(
+        text = _open_text(src, placement.text_device(budget, device), dtype)
+        if fp8_text:
+            text.quantize_fp8()
+        pipe = cls(
             transformer,
             vae_model,
             text,
@@ -208,9 +223,11 @@ class Pipeline(Recipe):
             weights_id=weights_id(src),
             quality=quality,
             cuda_graphs=cuda_graphs,
-            offload_text_encoders=offload_text_encoders,
             variant=named,
         )
+        pipe.fp8_text = fp8_text
+        placement.place(pipe, budget, offload_text_encoders, device)
+        return pipe
 
     @property
     def is_distilled(self) -> bool:
@@ -360,19 +377,18 @@ class Pipeline(Recipe):
         self, prompts: list[str | list[str]], max_len: int, n: int
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
         """(embeds, pooled) of the first prompt and of the second (the negative) when there is one, the
-        encoders on the device only meanwhile when offloading."""
+        encoders on the device only meanwhile when the memory plan moves them; repeated prompts from the cache."""
         te = self.text_encoder
-        if self.offload_text_encoders:
-            te.to(self.device)
-        try:
+
+        def run() -> list[tuple[Tensor, Tensor]]:
             outs = [
                 te.encode(p, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device)
                 for p in prompts
             ]
-        finally:
-            if self.offload_text_encoders:
-                te.offload()
-        pairs = [(o.prompt_embeds, o.pooled_prompt_embeds) for o in outs]
+            return [(o.prompt_embeds, o.pooled_prompt_embeds) for o in outs]
+
+        key = ("flux1", tuple(p if isinstance(p, str) else tuple(p) for p in prompts), max_len, n)
+        pairs = self.cached_encode(key, run)
         return pairs[0], (pairs[1] if len(pairs) > 1 else None)
 
     def encode(self, call: Call) -> Conditioning:

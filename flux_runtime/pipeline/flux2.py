@@ -36,6 +36,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -175,6 +176,8 @@ class Flux2Pipe(Recipe):
         is_distilled: bool | None = None,
         fp8: bool = False,
         checkpoint: TransformerCheckpoint | None = None,
+        budget: int | None = None,
+        fp8_text: bool = False,
     ) -> Flux2Pipe:
         """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`;
         `checkpoint`: the transformer already opened there, so its headers are not read again).
@@ -186,20 +189,22 @@ class Flux2Pipe(Recipe):
         """
         if text_encoder_2 is not None:
             raise FluxError("FLUX.2 has one text encoder: pass text_encoder=, not text_encoder_2=")
-        transformer = load_transformer(checkpoint or src.transformer, device=device, dtype=dtype, fp8=fp8)
+        dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
+        transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
-        text_device = torch.device("cpu") if offload_text_encoders else device
-        text = _open_text(src, text_encoder, transformer, text_device, dtype)
+        text = _open_text(src, text_encoder, transformer, placement.text_device(budget, device), dtype)
+        if fp8_text:
+            text.quantize_fp8()
         distilled = (
             (src.model_index or {}).get("is_distilled", False) if is_distilled is None else is_distilled
         )
         if not isinstance(distilled, bool):
             raise WeightsError(f"model_index.json: is_distilled must be true or false, got {distilled!r}")
-        return cls(
+        pipe = cls(
             transformer,
             vae,
             text,
@@ -209,8 +214,10 @@ class Flux2Pipe(Recipe):
             weights_id=weights_id(src),
             quality=quality,
             cuda_graphs=cuda_graphs,
-            offload_text_encoders=offload_text_encoders,
         )
+        pipe.fp8_text = fp8_text
+        placement.place(pipe, budget, offload_text_encoders, device)
+        return pipe
 
     @property
     def is_dev(self) -> bool:
@@ -360,35 +367,32 @@ class Flux2Pipe(Recipe):
         self, prompt: str | list[str] | None, prompt_embeds: Tensor | None, cfg: bool, max_len: int, n: int
     ) -> tuple[Tensor, Tensor | None]:
         """Positive embeddings (B * n, L, D) and, with CFG, the negative `""` ones, the encoder on the device
-        only meanwhile when offloading."""
+        only meanwhile when the memory plan moves it; repeated prompts from the cache."""
         te = self.text_encoder
-        need_encoder = prompt_embeds is None or cfg
-        if self.offload_text_encoders and need_encoder:
-            te.to(self.device)
-        try:
+
+        def encode(prompts: str | list[str]) -> Tensor:
+            key = ("flux2", prompts if isinstance(prompts, str) else tuple(prompts), max_len, n)
+            return self.cached_encode(
+                key,
+                lambda: (
+                    te.encode(
+                        prompts, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device
+                    ).prompt_embeds
+                ),
+            )
+
+        with self.using("text", enter=False):
             if prompt_embeds is None:
                 assert prompt is not None  # checked
-                embeds = te.encode(
-                    prompt, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device
-                ).prompt_embeds
+                embeds = encode(prompt)
                 batch = 1 if isinstance(prompt, str) else len(prompt)
             else:
                 # diffusers' encode_prompt: repeat(1, n, 1).view(B * n, L, D), i.e. each row n times in a row
                 embeds = prompt_embeds.to(self.device).repeat_interleave(n, dim=0)
                 batch = prompt_embeds.shape[0]
-            negative = None
-            if cfg:
-                # Flux2KleinPipeline.__call__: "" once per prompt, encoded with the same settings
-                # (KleinTextEncoder.encode_negative; written out so any FLUX.2 encoder can serve)
-                negative = te.encode(
-                    [NEGATIVE_PROMPT] * batch,
-                    max_sequence_length=max_len,
-                    num_images_per_prompt=n,
-                    device=self.device,
-                ).prompt_embeds
-        finally:
-            if self.offload_text_encoders and need_encoder:
-                te.offload()
+            # Flux2KleinPipeline.__call__: "" once per prompt, encoded with the same settings
+            # (KleinTextEncoder.encode_negative; written out so any FLUX.2 encoder can serve)
+            negative = encode([NEGATIVE_PROMPT] * batch) if cfg else None
         return embeds, negative
 
     def encode(self, call: Call) -> Conditioning:

@@ -98,6 +98,8 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
     "num_images": _int_at_least(1),
     "precision": STR,
     "fp8_at_load": BOOL,
+    "fp8_text": BOOL,
+    "memory_plan": STR,  # where the weights lived (moves no bits)
     # FLUX.1 variants: true CFG, img2img / inpainting strength, the input images by role
     "negative_prompt": PROMPT,
     "true_cfg_scale": NUMBER,

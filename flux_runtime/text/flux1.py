@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import CLIPTextModel, PreTrainedModel, PreTrainedTokenizerBase, T5EncoderModel
 
 from flux_runtime.registry import CLIP_L_ID, T5_XXL_ID
+from flux_runtime.text.fp8 import quantize_text_layers
 from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.text.tiny import init_random, tiny_clip_config, tiny_t5_config
 from flux_runtime.text.tokenizers import (
@@ -180,6 +181,14 @@ class Flux1TextEncoder:
         self.clip.to(device)
         self.t5.to(device)
         return self
+
+    def parts(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """(the models, their repeated layers): what a memory plan moves or streams (CLIP whole, T5's blocks)."""
+        return [self.clip, self.t5], list(self.t5.encoder.block)
+
+    def quantize_fp8(self) -> int:
+        """T5's projections to FP8 (`flux_runtime.text.fp8`); CLIP is small and stays. Returns how many."""
+        return quantize_text_layers(list(self.t5.encoder.block), self.t5.dtype)
 
     def offload(self) -> Flux1TextEncoder:
         """Move both encoders to the CPU and release cached GPU memory, e.g. once prompts are encoded."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import (
     Mistral3Config,
     Mistral3ForConditionalGeneration,
@@ -37,6 +37,7 @@ from transformers import (
 from flux_runtime.registry import MISTRAL_PROCESSOR_ID, MISTRAL_SMALL_ID
 from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer, tokenize_chats
 from flux_runtime.text.flux1 import _prompt_list
+from flux_runtime.text.fp8 import decoder_layers, quantize_text_layers
 from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.text.tiny import TINY_WIDTH, init_random
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
@@ -114,6 +115,14 @@ class _StackedStatesEncoder:
         """Move the model to `device` (its dtype stays) and return self."""
         self.model.to(device)
         return self
+
+    def parts(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """(the model, its decoder layers): what a memory plan moves or streams."""
+        return [self.model], decoder_layers(self.model)
+
+    def quantize_fp8(self) -> int:
+        """The decoder layers' projections to FP8 (`flux_runtime.text.fp8`). Returns how many."""
+        return quantize_text_layers(decoder_layers(self.model), self.dtype)
 
     def offload(self: _Encoder) -> _Encoder:
         """Move the model to the CPU and release cached GPU memory, e.g. once prompts are encoded."""

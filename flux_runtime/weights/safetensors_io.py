@@ -44,6 +44,27 @@ ITEMSIZE = {
 }
 
 
+# safetensors dtype names as torch dtypes (all FLUX checkpoints use; anything else goes through safetensors)
+_TORCH_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I16": torch.int16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "F64": torch.float64,
+}
+
+
+def _cast(dtype: torch.dtype | None, kind: str) -> torch.dtype | None:
+    return dtype if kind.startswith(("F", "BF")) else None
+
+
 def read_header(path: Path) -> dict[str, dict]:
     """Parse and check a safetensors header: key → {dtype, shape, data_offsets} (`__metadata__` dropped).
 
@@ -139,13 +160,19 @@ class TensorSource:
         self._where: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, str] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # absolute byte range in its file
         for path in files:
-            for key, info in read_header(path).items():
+            header = read_header(path)  # checked first: an empty or damaged file fails in our words
+            with open(path, "rb") as f:
+                data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+            for key, info in header.items():
                 if key in self._where:
                     raise WeightsError(f"key {key!r} appears in both {self._where[key]} and {path}")
                 self._where[key] = path
                 self._shapes[key] = tuple(info["shape"])
                 self._dtypes[key] = info["dtype"]
+                begin, end = info["data_offsets"]
+                self._spans[key] = (data_start + begin, data_start + end)
         self._handles: dict[Path, Any] = {}
 
     def keys(self) -> list[str]:
@@ -168,16 +195,33 @@ class TensorSource:
     def get(
         self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Read one tensor and move it to `device`/`dtype` (host memory holds one tensor at a time)."""
+        """Read one tensor and move it to `device`/`dtype` (host memory holds one tensor at a time).
+
+        The bytes are read with plain file reads into a fresh tensor, not through a memory map: mapped
+        file pages would count in this process's resident memory for as long as the file stays open,
+        nearly doubling the host memory a load takes.
+        """
+        path = self._where[key]
+        torch_dtype = _TORCH_DTYPES.get(self._dtypes[key])
+        if torch_dtype is None:  # a dtype torch reads only through safetensors (none FLUX uses)
+            return self._get_mapped(key).to(device=device, dtype=_cast(dtype, self._dtypes[key]))
+        begin, end = self._spans[key]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = open(path, "rb")  # noqa: SIM115 - kept open across reads
+        handle.seek(begin)
+        if handle.readinto(memoryview(raw.numpy())) != end - begin:
+            raise WeightsError(f"{path}: cannot read {key!r} (the file is shorter than its header says)")
+        t = raw.view(torch_dtype).reshape(self._shapes[key])
+        return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+
+    def _get_mapped(self, key: str) -> torch.Tensor:
         path = self._where[key]
         try:
-            handle = self._handles.get(path)
-            if handle is None:
-                handle = self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            t = handle.get_tensor(key)
+            return safe_open(str(path), framework="pt", device="cpu").get_tensor(key)
         except SafetensorError as e:
             raise WeightsError(f"{path}: cannot read {key!r} ({e})") from None
-        return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
     def items(
         self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None

@@ -255,10 +255,14 @@ def test_offloaded_text_encoder_moves_once_per_call(folders, monkeypatch) -> Non
     pipe = Pipeline.from_pretrained(
         folders["klein"], device="cpu", dtype=torch.float32, offload_text_encoders=True
     )
-    calls: list[str] = []
-    monkeypatch.setattr(pipe.text_encoder, "offload", lambda: calls.append("offload"))
+    # the memory plan (offload-text) moves it: in once, out once, for the positive and the negative prompts
+    assert pipe.memory_plan.name == "offload-text"
+    text, moves = pipe.placement.models["text"], []
+    enter, leave = text.enter, text.leave
+    monkeypatch.setattr(text, "enter", lambda: (moves.append("in"), enter())[1])
+    monkeypatch.setattr(text, "leave", lambda: (moves.append("out"), leave())[1])
     out = pipe(PROMPTS, seed=1, num_steps=1, output_type="latent", **KW)  # CFG: positive and negative prompts
-    assert calls == ["offload"]
+    assert moves == ["in", "out"] and not text.on_device
     ref = Pipeline.from_pretrained(folders["klein"], device="cpu", dtype=torch.float32)
     assert torch.equal(out.latents, ref(PROMPTS, seed=1, num_steps=1, output_type="latent", **KW).latents)
 

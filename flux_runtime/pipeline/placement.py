@@ -1,0 +1,249 @@
+"""A pipeline's models placed by its memory plan: sizes measured, the plan chosen, stages run in it.
+
+`apply` measures the loaded models (bytes outside their layers and per layer), estimates the activations
+of a default call, asks `memory.plan_memory` for the plan and puts each model in its mode
+(`streaming.ModelPlacement`). `Placement.using(model)` brackets each stage; `check_call` refuses, before
+any model runs, a call whose activations the plan has no room for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from flux_runtime.pipeline.memory import (
+    HEADROOM,
+    VAE_TILE,
+    Footprint,
+    MemoryBudgetError,
+    Plan,
+    decode_activations,
+    denoise_activations,
+    encode_activations,
+    gib,
+    plan_memory,
+    resolve_budget,
+)
+from flux_runtime.pipeline.streaming import ModelPlacement, part_of
+
+log = logging.getLogger(__name__)
+
+UNLIMITED = 1 << 62  # the budget of a forced plan without one (offload_text_encoders on a CPU)
+DEFAULT_GUIDANCE = 4.0  # FLUX.2's default: whether a default call runs CFG
+
+
+class Placement:
+    """The text encoders and the transformer under one plan, moved stage by stage (the VAE stays)."""
+
+    def __init__(self, device: torch.device, models: dict[str, ModelPlacement], graphs: dict) -> None:
+        self.device, self.models, self.graphs = device, models, graphs
+        self.plan = Plan("resident", None)
+        self.weights_at_denoise = 0  # bytes on the device while the transformer runs
+        self._depth: dict[str, int] = {}
+
+    @contextmanager
+    def using(self, name: str, *, enter: bool = True) -> Iterator[None]:
+        """`name`'s weights on the device for one stage; with `together=False` whatever else is on the device
+        leaves first. The text encoders leave when the outermost `using("text")` ends, so `enter=False`
+        around several encodes (positive and negative prompt) holds them in between without bringing them
+        in for prompts that the cache answers."""
+        model = self.models[name]
+        depth = self._depth.get(name, 0)
+        if enter and not model.on_device:
+            if not self.plan.together:
+                for other_name, other in self.models.items():
+                    if other_name != name:
+                        other.leave()
+            model.enter()
+            if name == "dit":
+                self.graphs.clear()  # captured graphs hold the old weight addresses
+        self._depth[name] = depth + 1
+        try:
+            yield
+        finally:
+            self._depth[name] = depth
+            if depth == 0 and name == "text":
+                model.leave()
+
+    def reset(self) -> None:
+        """After an error: every model that is not resident off the device, nothing in flight."""
+        for model in self.models.values():
+            model.leave()
+
+    def check_call(self, pipe: Any, call: Any) -> None:
+        """A FluxError before any model runs when this call's activations cannot fit the plan's room."""
+        plan = self.plan
+        if plan.budget is None:
+            return
+        cfg = call.true_cfg_scale > 1
+        batch = _batch(call)
+        act = _denoise(pipe, call.height, call.width, call.max_sequence_length, batch, cfg)
+        dec = _decode(pipe, call.height, call.width, batch, tiled=plan.vae_tiled or pipe.vae_tile is not None)
+        need = self.weights_at_denoise + max(act, dec)
+        if need > plan.budget * (1 - HEADROOM):
+            raise MemoryBudgetError(
+                f"{call.width}x{call.height} x {batch} image(s) needs about {gib(int(need / (1 - HEADROOM)))} under "
+                f"the {plan.name} plan, more than the {gib(plan.budget)} budget: make fewer or smaller images, or "
+                "give a larger budget"
+            )
+
+
+def _batch(call: Any) -> int:
+    prompts = 1 if call.prompt is None or isinstance(call.prompt, str) else len(call.prompt)
+    if call.prompt_embeds is not None:
+        prompts = call.prompt_embeds.shape[0]
+    return prompts * call.num_images_per_prompt
+
+
+def _itemsize(pipe: Any) -> int:
+    return torch.empty((), dtype=pipe.dtype).element_size()
+
+
+def _denoise(pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: bool) -> int:
+    cfg_dit = pipe.transformer.config
+    tokens = (height // 16) * (width // 16)
+    act = denoise_activations(
+        tokens, max_len, cfg_dit.hidden_size, cfg_dit.mlp_hidden_dim, cfg_dit.family == "flux2", batch,
+        _itemsize(pipe),
+    )  # fmt: skip
+    return 2 * act if cfg else act  # one CUDA-graph pool per branch
+
+
+def _decode(pipe: Any, height: int, width: int, batch: int, *, tiled: bool) -> int:
+    tile_px = VAE_TILE * pipe.vae.config.spatial_factor if tiled else None
+    return decode_activations(height, width, batch, _itemsize(pipe), pipe.vae.config.ch, tile_px)
+
+
+def _encode(pipe: Any, roots: list[nn.Module], max_len: int, batch: int) -> int:
+    total = 0
+    for root in roots:
+        config = getattr(root, "config", None)
+        if config is None:
+            continue
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        hidden = getattr(c, "hidden_size", None) or getattr(c, "d_model", 0)
+        layers = getattr(c, "num_hidden_layers", None) or getattr(c, "num_layers", 0)
+        inter = getattr(c, "intermediate_size", None) or getattr(c, "d_ff", 0)
+        total += encode_activations(batch * max_len, hidden, layers, inter, getattr(c, "vocab_size", 0), 4)
+    return total
+
+
+def footprint(pipe: Any) -> Footprint:
+    """Weights of the loaded models and the activations of a default call (default size, one image, the
+    model's default text length; FLUX.2 [klein] base: with CFG)."""
+    text_roots, text_layers = pipe.text_encoder.parts()
+    t = pipe.transformer
+    size, max_len = pipe.default_size, pipe.default_max_sequence_length
+    uses_cfg = getattr(pipe, "uses_cfg", None)
+    cfg = bool(uses_cfg(DEFAULT_GUIDANCE)) if uses_cfg is not None else False
+    return Footprint(
+        text=part_of(text_roots, text_layers),
+        dit=part_of([t], [*t.double_blocks, *t.single_blocks]),
+        vae=part_of([pipe.vae], []).rest,
+        act_encode=_encode(pipe, text_roots, max_len, 2 if cfg else 1),
+        act_denoise=_denoise(pipe, size, size, max_len, 1, cfg),
+        act_decode=_decode(pipe, size, size, 1, tiled=False),
+        act_decode_tiled=_decode(pipe, size, size, 1, tiled=True),
+    )
+
+
+def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, device: torch.device) -> Plan:
+    """Choose `pipe`'s plan for `memory` on `device` and place its models by it (see `Recipe.set_memory`)."""
+    budget = budget_for(memory, device, offload_text_encoders)
+    fp = footprint(pipe)
+    plan = plan_memory(fp, budget, force="offload-text" if offload_text_encoders else None)
+    apply_plan(pipe, plan, device, fp)
+    log.info("%s", plan.describe())
+    return plan
+
+
+def apply_plan(pipe: Any, plan: Plan, device: torch.device, fp: Footprint | None = None) -> None:
+    """Place `pipe`'s models by `plan` (any plan: the tests and benchmarks name one outright)."""
+    fp = fp or footprint(pipe)
+    if not plan.layers:
+        plan = replace(plan, layers={"text": len(fp.text.layers), "dit": len(fp.dit.layers)})
+    if pipe.placement is None:
+        text_roots, text_layers = pipe.text_encoder.parts()
+        t = pipe.transformer
+        models = {
+            "text": ModelPlacement("text encoder", text_roots, text_layers, device),
+            "dit": ModelPlacement("transformer", [t], [*t.double_blocks, *t.single_blocks], device),
+        }
+        pipe.placement = Placement(device, models, pipe._graphed)
+    placement: Placement = pipe.placement
+    placement.plan = plan
+    pipe._graphed.clear()
+    for name, mode, streamed in (
+        ("text", plan.text, plan.streamed_text),
+        ("dit", plan.dit, plan.streamed_dit),
+    ):
+        placement.models[name].set_mode(mode, streamed, plan.slots)
+    pipe.vae.to(device)
+    placement.weights_at_denoise = _weights_at_denoise(fp, plan)
+    pipe.memory_plan = plan
+
+
+def _weights_at_denoise(fp: Footprint, plan: Plan) -> int:
+    """Bytes of weights on the device while the transformer runs under `plan`."""
+    dit = fp.dit.total
+    if plan.dit == "streamed":
+        streamed = [fp.dit.layers[i] for i in plan.streamed_dit]
+        dit = dit - sum(streamed) + min(plan.slots, len(streamed)) * max(streamed, default=0)
+    text = fp.text.total if plan.text == "resident" else 0
+    return dit + fp.vae + text
+
+
+# ------------------------------------------------------------------------------------------- at load time
+
+
+def budget_for(memory: str | int | None, device: torch.device, offload_text_encoders: bool) -> int | None:
+    """The budget a load plans for, resolved once before anything loads ("auto": free memory now)."""
+    budget = resolve_budget(memory, device)
+    return UNLIMITED if budget is None and offload_text_encoders else budget
+
+
+def text_device(budget: int | None, device: torch.device) -> torch.device:
+    """Where the text encoders load: host memory when a plan will place them, else the device."""
+    return torch.device("cpu") if budget is not None else device
+
+
+def checkpoint_bytes(ckpt: Any, dtype: torch.dtype, fp8: bool) -> int:
+    """The transformer's bytes once loaded, from the checkpoint's headers (`None`: a built-in model, 0)."""
+    if ckpt is None:
+        return 0
+    from flux_runtime.weights.fp8 import may_run_fp8
+    from flux_runtime.weights.safetensors_io import ITEMSIZE
+
+    src, size = ckpt.source, torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for key in src.keys():
+        kind, n = src.dtype(key), 1
+        for d in src.shape(key):
+            n *= d
+        if kind == "F8_E4M3" or (fp8 and key.endswith(".weight") and may_run_fp8(key.rsplit(".", 1)[0])):
+            total += n
+        else:
+            total += n * (size if kind in ("BF16", "F16", "F32", "F64") else ITEMSIZE[kind])
+    return total
+
+
+def transformer_device(
+    budget: int | None, ckpt: Any, dtype: torch.dtype, fp8: bool, device: torch.device
+) -> torch.device:
+    """The device itself when there is no budget or the transformer fits it with room to spare; else host
+    memory (the plan moves it in as it says, so a transformer larger than the GPU still loads)."""
+    if budget is None or checkpoint_bytes(ckpt, dtype, fp8) <= 0.8 * budget:
+        return device
+    return torch.device("cpu")
+
+
+def place(pipe: Any, budget: int | None, offload_text_encoders: bool, device: torch.device) -> None:
+    """Apply the plan for `budget` to a freshly loaded pipeline (no plan without a budget)."""
+    if budget is not None:
+        pipe.set_memory(budget, offload_text_encoders=offload_text_encoders, device=device)

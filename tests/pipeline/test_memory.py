@@ -1,0 +1,322 @@
+"""Memory plans: the planner's choices, bits unchanged under every plan, the prompt cache, FP8 text encoders,
+budgets that cannot fit, and the host memory a load takes.
+
+CPU tests run the real placement code with plain copies (host and device are both the CPU); the `gpu` tests
+run the side-stream copies, pinned host memory and the block ring on CUDA.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from flux_runtime.cli.gen import main
+from flux_runtime.pipeline import FluxError, Pipeline
+from flux_runtime.pipeline.memory import (
+    Footprint,
+    GiB,
+    MemoryBudgetError,
+    Part,
+    Plan,
+    parse_memory,
+    plan_memory,
+    spread,
+)
+from flux_runtime.pipeline.placement import apply_plan, footprint
+from flux_runtime.text.flux1 import Flux1TextEncoder
+from flux_runtime.text.flux2 import Flux2TextEncoder, KleinTextEncoder
+from flux_runtime.text.fp8 import Fp8TextLinear, embedding_error
+
+KW = dict(num_steps=1, output_type="latent", seed=3, height=64, width=64)
+
+
+# ---- the planner ----------------------------------------------------------------------------------------------
+
+
+def test_parse_memory() -> None:
+    assert parse_memory("24GB") == 24 * GiB and parse_memory("16 GiB") == 16 * GiB
+    assert (
+        parse_memory("512MB") == 512 << 20 and parse_memory(1000) == 1000 and parse_memory("auto") == "auto"
+    )
+    for bad in ("24 parsecs", "-3GB", "0GB", "", True, 0, float("nan")):
+        with pytest.raises(FluxError, match="memory"):
+            parse_memory(bad)  # type: ignore[arg-type]
+
+
+def _fp(text_layers: int = 40, dit_layers: int = 56) -> Footprint:
+    """FLUX.2-dev-like sizes in GiB-ish units: a 24 GB text encoder, a 32 GB transformer (FP8)."""
+    return Footprint(
+        text=Part(1 * GiB, (GiB * 23 // text_layers,) * text_layers),
+        dit=Part(2 * GiB, (GiB * 30 // dit_layers,) * dit_layers),
+        vae=GiB // 4,
+        act_encode=GiB // 2,
+        act_denoise=2 * GiB,
+        act_decode=3 * GiB,
+        act_decode_tiled=3 * GiB // 2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("budget", "name"),
+    [(100, "resident"), (60, "offload-text"), (48, "swap"), (30, "stream"), (12, "stream")],
+)
+def test_the_fastest_plan_that_fits(budget: int, name: str) -> None:
+    plan = plan_memory(_fp(), budget * GiB)
+    assert plan.name == name and plan.peak <= budget * GiB
+    assert plan.together == (name in ("resident", "offload-text"))
+    if name == "stream":
+        # as few blocks streamed as fit, spread over the forward; the text encoder streams only when it must
+        assert 0 < len(plan.streamed_dit) < 56 or budget == 12
+        assert plan.text == ("streamed" if budget < 26 else "offloaded")
+    assert plan.describe().startswith(f"memory plan: {name}")
+
+
+def test_a_budget_below_one_block_fails_in_one_line() -> None:
+    with pytest.raises(MemoryBudgetError, match=r"budget of 3\.0 GB cannot hold this model even streamed"):
+        plan_memory(_fp(), 3 * GiB)
+
+
+def test_forced_offload_and_no_budget() -> None:
+    assert plan_memory(_fp(), 1000 * GiB, force="offload-text").name == "offload-text"
+    assert plan_memory(_fp(), None).name == "resident"
+
+
+def test_streamed_blocks_are_spread() -> None:
+    assert spread(10, 5) == (1, 3, 5, 7, 9) and spread(4, 4) == (0, 1, 2, 3) and spread(7, 0) == ()
+
+
+# ---- bits under every plan ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-flux2"])
+def pipes(request: pytest.FixtureRequest) -> tuple[Pipeline, Pipeline]:
+    """(a pipeline that stays resident, one that the tests re-plan) of the same built-in model."""
+    return Pipeline.from_pretrained(request.param, device="cpu"), Pipeline.from_pretrained(
+        request.param, device="cpu"
+    )
+
+
+def _plans(fp: Footprint) -> list[Plan]:
+    nt, nd = len(fp.text.layers), len(fp.dit.layers)
+    big = 1 << 40
+    return [
+        Plan("offload-text", big, text="offloaded"),
+        Plan("swap", big, text="offloaded", dit="offloaded", together=False),
+        Plan(
+            "stream", big, text="offloaded", dit="streamed", streamed_dit=spread(nd, nd // 2), together=False
+        ),
+        Plan(
+            "stream",
+            big,
+            text="streamed",
+            dit="streamed",
+            streamed_text=spread(nt, nt),
+            streamed_dit=spread(nd, nd),
+            together=False,
+        ),
+        # one slot, an odd number of streamed blocks: the ring's wrap-around without overlap
+        Plan(
+            "stream",
+            big,
+            text="streamed",
+            dit="streamed",
+            streamed_text=(0,),
+            streamed_dit=(0, 2, 3),
+            slots=1,
+            together=False,
+        ),
+        Plan("resident", big),
+    ]
+
+
+def test_every_plan_gives_the_same_bits(pipes: tuple[Pipeline, Pipeline]) -> None:
+    ref, pipe = pipes
+    prompts = ["a red fox in the snow", "a lighthouse"]
+    want = ref(prompts, **KW).latents
+    cfg = (
+        dict(negative_prompt="blurry", true_cfg_scale=2.0)
+        if pipe.transformer.config.family == "flux1"
+        else {}
+    )
+    want_cfg = ref("a cat", **KW, **cfg).latents
+    for plan in _plans(footprint(pipe))[:-1]:  # (the last, resident, is `ref`)
+        apply_plan(pipe, plan, torch.device("cpu"))
+        pipe._prompts.clear()
+        for _ in range(2):  # the second call: prompts from the cache, the ring wrapped around
+            out = pipe(prompts, **KW)
+            assert torch.equal(out.latents, want), plan.describe()
+        assert out.info["memory_plan"] == pipe.memory_plan.describe()
+        assert not pipe.placement.models["text"].on_device  # left after encoding
+    # CFG (two branches, a negative prompt encoded beside the positive) under the leanest plan
+    assert torch.equal(pipe("a cat", **KW, **cfg).latents, want_cfg), plan.describe()
+    apply_plan(pipe, Plan("resident", None), torch.device("cpu"))
+    assert torch.equal(pipe(prompts, **KW).latents, want)
+
+
+def test_budgets_pick_plans_end_to_end(pipes: tuple[Pipeline, Pipeline]) -> None:
+    """From a budget to a plan to the same bits: from_pretrained(memory=...) on the measured sizes."""
+    ref, _ = pipes
+    fp = footprint(ref)
+    name = ref.model_name
+    want = ref("a red fox", **KW).latents
+    seen = []
+    for budget in (2 * (fp.text.total + fp.dit.total + fp.vae + fp.act_decode), _stream_budget(fp)):
+        pipe = Pipeline.from_pretrained(name, device="cpu", memory=budget)
+        assert torch.equal(pipe("a red fox", **KW).latents, want)
+        seen.append(pipe.memory_plan.name)
+    assert seen == ["resident", "stream"]
+    with pytest.raises(MemoryBudgetError, match="cannot hold this model"):
+        Pipeline.from_pretrained(name, device="cpu", memory=fp.vae)
+
+
+def _stream_budget(fp: Footprint) -> int:
+    """A budget that holds the transformer's rest, two slots and half its other blocks beside the VAE and
+    the activations."""
+    act = max(fp.act_denoise, fp.act_decode)
+    lean = fp.dit.rest + 2 * max(fp.dit.layers)
+    return int((fp.vae + act + lean + 0.5 * (fp.dit.total - lean)) / 0.95)
+
+
+def test_a_call_too_large_for_the_plan_fails_before_any_model_runs(pipes: tuple[Pipeline, Pipeline]) -> None:
+    ref, _ = pipes
+    fp = footprint(ref)
+    pipe = Pipeline.from_pretrained(ref.model_name, device="cpu", memory=_stream_budget(fp))
+    pipe.text_encoder = None  # an encode would fail: the check must come first
+    with pytest.raises(MemoryBudgetError, match="2048x2048 x 4 image"):
+        pipe(["a"] * 4, **{**KW, "width": 2048, "height": 2048})
+
+
+def test_prompt_embeddings_are_cached(
+    pipes: tuple[Pipeline, Pipeline], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref, _ = pipes
+    ref._prompts.clear()
+    first = ref("a harbour at dawn", **KW)
+    calls = []
+    encode = ref.text_encoder.encode
+    monkeypatch.setattr(ref.text_encoder, "encode", lambda *a, **k: (calls.append(a), encode(*a, **k))[1])
+    again = ref("a harbour at dawn", **KW)
+    assert calls == [] and torch.equal(first.latents, again.latents)
+    ref("another prompt", **KW)
+    assert len(calls) == 1
+
+
+# ---- FP8 text encoders ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [Flux1TextEncoder, KleinTextEncoder, Flux2TextEncoder])
+def test_fp8_text_encoders_stay_close_to_bf16(cls: type) -> None:
+    te = cls.tiny(dtype=torch.bfloat16)
+    prompt = "a red fox in the snow"
+    want = te.encode(prompt, max_sequence_length=96)[0]
+    assert te.quantize_fp8() > 0
+    layers = te.parts()[1]
+    assert any(isinstance(m, Fp8TextLinear) for m in layers[0].modules())
+    assert not any(isinstance(m, torch.nn.Linear) for layer in layers for m in layer.modules())
+    err = embedding_error(want, te.encode(prompt, max_sequence_length=96)[0])
+    assert 0.98 < err.cosine <= 1 and 0 < err.rel_error < 0.2
+
+
+def test_fp8_text_in_the_pipeline_and_its_record() -> None:
+    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.bfloat16, fp8_text=True)
+    out = pipe("a red fox", **KW)
+    assert out.info["fp8_text"] is True and torch.isfinite(out.latents).all()
+    with pytest.raises(FluxError, match="fp8_text=True computes in bf16"):
+        Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32, fp8_text=True)
+
+
+def test_flux_gen_memory(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["--model", "tiny", "--prompt", "a fox", "--steps", "1", "--device", "cpu"]
+    ok = runner.invoke(main, [*args, "--memory", "4GB", "--out", str(tmp_path / "a.png")])
+    assert ok.exit_code == 0, ok.output
+    assert "memory plan: resident" in ok.output
+    bad = runner.invoke(main, [*args, "--memory", "lots", "--out", str(tmp_path / "b.png")])
+    assert bad.exit_code == 1 and "memory 'lots' is not a budget" in bad.output
+    small = runner.invoke(main, [*args, "--memory", "1MB", "--out", str(tmp_path / "c.png")])
+    assert small.exit_code == 1 and "cannot hold this model even streamed" in small.output
+    assert len(small.output.strip().splitlines()) == 1
+
+
+# ---- host memory ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_loading_streams_tensor_by_tensor(tmp_path: Path) -> None:
+    """A 660 MB checkpoint loads to host memory with its peak resident memory near the model's size (plus
+    one tensor and the interpreter), not the model plus the file mapped beside it."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from dataclasses import replace
+        from safetensors.torch import save_file
+        from flux_runtime import load_transformer
+        from flux_runtime.models.dit import TINY, Flux1Transformer
+        from flux_runtime.weights.random_init import init_random
+        cfg = replace(TINY, hidden_size=1024, num_heads=32, depth=4, depth_single_blocks=12)
+        with torch.device("meta"):
+            model = Flux1Transformer(cfg)
+        sd = {{k: torch.full(v.shape, 0.01, dtype=torch.bfloat16) for k, v in model.state_dict().items()}}
+        save_file(sd, "{tmp_path}/t.safetensors")
+        size = sum(v.numel() * 2 for v in sd.values())
+        del sd, model
+        import gc; gc.collect()
+        def kb(field):
+            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))
+        before = kb("VmRSS")
+        # the peak from here on: reset the high-water mark
+        open("/proc/self/clear_refs", "w").write("5")
+        m = load_transformer("{tmp_path}/t.safetensors", dtype=torch.bfloat16)
+        print(size, (kb("VmHWM") - before) * 1024)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    size, peak = map(int, out.stdout.split())
+    assert size > 600 << 20
+    assert peak < 1.4 * size, f"loading {size >> 20} MB took {peak >> 20} MB of host memory"
+
+
+# ---- CUDA: side streams, pinned memory, the ring ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux2"])
+def test_every_plan_gives_the_same_bits_on_cuda(name: str) -> None:
+    ref = Pipeline.from_pretrained(name, device="cuda", memory=None)
+    pipe = Pipeline.from_pretrained(name, device="cuda", memory=None)
+    want = ref(["a red fox", "a lighthouse"], **KW).latents
+    for plan in _plans(footprint(pipe)):
+        apply_plan(pipe, plan, torch.device("cuda"))
+        pipe._prompts.clear()
+        for _ in range(3):
+            assert torch.equal(pipe(["a red fox", "a lighthouse"], **KW).latents, want), plan.describe()
+        if plan.name != "resident" and plan.text != "resident":
+            assert pipe.placement.models["text"].host.pinned
+
+
+@pytest.mark.gpu
+def test_streaming_lowers_the_peak_on_cuda() -> None:
+    """A streamed transformer's peak GPU memory is below the resident one's by about the streamed blocks."""
+    pipe = Pipeline.from_pretrained("tiny-flux2", device="cuda", memory=None)
+    fp = footprint(pipe)
+    nd = len(fp.dit.layers)
+    peaks = []
+    for plan in (
+        Plan("resident", 1 << 40),
+        Plan(
+            "stream", 1 << 40, text="offloaded", dit="streamed", streamed_dit=spread(nd, nd), together=False
+        ),
+    ):
+        apply_plan(pipe, plan, torch.device("cuda"))
+        pipe._prompts.clear()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        pipe("a red fox", **KW)
+        peaks.append(torch.cuda.max_memory_allocated())
+    assert peaks[1] < peaks[0] - (sum(fp.dit.layers) - 2 * max(fp.dit.layers)) // 2
