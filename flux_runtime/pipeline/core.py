@@ -424,7 +424,9 @@ class Recipe:
         kernels without converting each activation to NHWC and back, and the fused GroupNorm keeps the
         layout (aten's GroupNorm is slow on it, which is why the lossless decode stays NCHW).
         """
-        tile = self.vae_tile if self.vae_tile is not None else VAE_TILE if self.memory_plan.vae_tiled else None
+        tile = (
+            self.vae_tile if self.vae_tile is not None else VAE_TILE if self.memory_plan.vae_tiled else None
+        )
         if tier.kernels != "high":
             return self.vae.decode(z, tile=tile), "off"
         reset_fused_ops_report()
