@@ -40,7 +40,9 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
+from flux_runtime.parallel import ParallelConfig, SequenceParallel, as_config, join
 from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, find_sources, schedule_config
 from flux_runtime.pipeline.tiers import Tier
@@ -83,7 +85,7 @@ class Pipeline(Recipe):
         self,
         transformer: Flux1Transformer,
         vae: Flux1VAE,
-        text_encoder: Flux1TextEncoder,
+        text_encoder: Flux1TextEncoder | None,
         *,
         schedule: Any,
         model_name: str = "custom",
@@ -97,7 +99,8 @@ class Pipeline(Recipe):
 
         self.variant: Variant = flux1_variants.variant_of(transformer, vae, variant, model_name)
         check_latent_widths(transformer, vae, model_name, self.variant)
-        _check_text_widths(transformer, text_encoder, model_name)
+        if text_encoder is not None:  # None on the ranks of a parallel run other than rank 0
+            _check_text_widths(transformer, text_encoder, model_name)
         self._setup(
             transformer, vae, text_encoder, schedule=schedule, model_name=model_name, weights_id=weights_id,
             quality=quality, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
@@ -120,6 +123,7 @@ class Pipeline(Recipe):
         is_distilled: bool | None = None,
         fp8: bool = False,
         variant: Variant | None = None,
+        parallel: ParallelConfig | int | None = None,
     ) -> Pipeline | Flux2Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) when the transformer's keys are FLUX.2's.
 
@@ -137,6 +141,10 @@ class Pipeline(Recipe):
         load as FP8 without it). Precision is the model's, orthogonal to `quality`; the provenance records it.
         `variant` (FLUX.1): `kontext` for a Kontext checkpoint that is neither a diffusers folder saying so
         (model_index.json) nor a registry name; Fill and Depth/Canny are told by the transformer's width.
+        `parallel`: spread each image over this many processes (an int, or a `ParallelConfig`), one per
+        GPU, started together by `torchrun` or `flux-gen --gpus N`: the sequence split over the ranks
+        (Ulysses) and, with CFG, the two branches on two halves of them. Every rank loads the transformer
+        and the VAE; rank 0 alone loads the text encoders, and returns the images (the others: None).
         """
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
@@ -145,6 +153,9 @@ class Pipeline(Recipe):
                 f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32"
             )
         device = check_device(device)
+        world = None
+        if parallel is not None:
+            world, device = join(as_config(parallel), device)
         if fp8 and dtype != torch.bfloat16:
             raise FluxError(
                 f"fp8=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
@@ -162,12 +173,13 @@ class Pipeline(Recipe):
             return Flux2Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
-                is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt,
+                is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt, parallel=world,
             )  # fmt: skip
         if is_distilled is not None:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")
         transformer = load_transformer(ckpt or src.transformer, device=device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux1Transformer)  # told by the keys
+        sharded = None if world is None else SequenceParallel(transformer, world)  # heads checked first
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
         if vae_model.config.family != "flux1":
             raise FluxError(
@@ -184,8 +196,8 @@ class Pipeline(Recipe):
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
         text_device = "cpu" if offload_text_encoders else device
-        text = _open_text(src, text_device, dtype)
-        return cls(
+        text = _open_text(src, text_device, dtype) if world is None or world.is_main else None
+        pipe = cls(
             transformer,
             vae_model,
             text,
@@ -197,6 +209,10 @@ class Pipeline(Recipe):
             offload_text_encoders=offload_text_encoders,
             variant=named,
         )
+        if world is not None:
+            assert sharded is not None
+            attach(pipe, world, sharded)
+        return pipe
 
     @property
     def is_distilled(self) -> bool:

@@ -55,9 +55,11 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
+from flux_runtime.parallel import SequenceParallel, World
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
 from flux_runtime.pipeline.tiers import Tier
@@ -126,7 +128,7 @@ class Flux2Pipe(Recipe):
         self,
         transformer: Flux2Transformer,
         vae: Flux2VAE,
-        text_encoder: TextEncoder,
+        text_encoder: TextEncoder | None,
         *,
         schedule: Any,
         is_distilled: bool = False,
@@ -144,7 +146,7 @@ class Flux2Pipe(Recipe):
             raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, model_name)
         width = transformer.config.context_in_dim
-        if text_encoder.output_dim != width:
+        if text_encoder is not None and text_encoder.output_dim != width:  # None: not rank 0 of a parallel run
             raise FluxError(
                 f"{model_name}: the {text_encoder.family} text encoder gives {text_encoder.output_dim}-wide embeddings but the "
                 f"transformer reads {width} (FLUX.2 [dev] takes Mistral Small, [klein] 4B Qwen3-4B, 9B Qwen3-8B)"
@@ -175,6 +177,7 @@ class Flux2Pipe(Recipe):
         is_distilled: bool | None = None,
         fp8: bool = False,
         checkpoint: TransformerCheckpoint | None = None,
+        parallel: World | None = None,
     ) -> Flux2Pipe:
         """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`;
         `checkpoint`: the transformer already opened there, so its headers are not read again).
@@ -183,23 +186,26 @@ class Flux2Pipe(Recipe):
         config.json); else `text_encoder` (a diffusers FLUX.2 folder or a model folder / cached id); else, for a
         BFL file set, BFL's choice for this transformer: Mistral Small 3.2 with Mistral Small 3.1's processor
         ([dev]), Qwen3-4B or Qwen3-8B by the transformer's text width ([klein]).
+        `parallel`: this process's rank of a parallel run (the text encoder loads on rank 0 only).
         """
         if text_encoder_2 is not None:
             raise FluxError("FLUX.2 has one text encoder: pass text_encoder=, not text_encoder_2=")
         transformer = load_transformer(checkpoint or src.transformer, device=device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys
+        sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
         text_device = torch.device("cpu") if offload_text_encoders else device
-        text = _open_text(src, text_encoder, transformer, text_device, dtype)
+        main = parallel is None or parallel.is_main
+        text = _open_text(src, text_encoder, transformer, text_device, dtype) if main else None
         distilled = (
             (src.model_index or {}).get("is_distilled", False) if is_distilled is None else is_distilled
         )
         if not isinstance(distilled, bool):
             raise WeightsError(f"model_index.json: is_distilled must be true or false, got {distilled!r}")
-        return cls(
+        pipe = cls(
             transformer,
             vae,
             text,
@@ -211,6 +217,10 @@ class Flux2Pipe(Recipe):
             cuda_graphs=cuda_graphs,
             offload_text_encoders=offload_text_encoders,
         )
+        if parallel is not None:
+            assert sharded is not None
+            attach(pipe, parallel, sharded)
+        return pipe
 
     @property
     def is_dev(self) -> bool:
