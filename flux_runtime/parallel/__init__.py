@@ -7,36 +7,6 @@
 - `cfg`: the conditional and unconditional passes on two halves of the ranks, swapped once per step.
 - `launch`: `flux-gen --gpus N` starting N ranks and ending them all, with one message, when one fails.
 
-Import direction: pipeline → parallel → models → kernels.
+Import direction: pipeline → parallel → models → kernels. This file imports nothing, so that `flux-gen
+--gpus N` starts its ranks without loading torch itself.
 """
-
-from __future__ import annotations
-
-from flux_runtime.parallel.cfg import ModelFn, cfg_branches
-from flux_runtime.parallel.group import (
-    Group,
-    ParallelConfig,
-    ParallelError,
-    Plan,
-    World,
-    as_config,
-    join,
-    launched_world_size,
-)
-from flux_runtime.parallel.ulysses import SequenceParallel, Shards, split_sizes
-
-__all__ = [
-    "Group",
-    "ModelFn",
-    "ParallelConfig",
-    "ParallelError",
-    "Plan",
-    "SequenceParallel",
-    "Shards",
-    "World",
-    "as_config",
-    "cfg_branches",
-    "join",
-    "launched_world_size",
-    "split_sizes",
-]

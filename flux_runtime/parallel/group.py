@@ -24,19 +24,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flux_runtime.parallel.launch import NO_MULTICAST_ENV
+
 log = logging.getLogger(__name__)
 
-# NVLink multicast (NVLS) stays off: on shared hosts a program using it can take the GPUs out of service.
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class ParallelError(RuntimeError):
-    """A parallel run cannot start or cannot go on (a rank died or stopped answering), said in one line."""
+    """A parallel run cannot start (setup, a split the model cannot take) or go on, said in one line."""
+
+
+class LostRank(ParallelError):
+    """A collective failed: another rank died or did not answer within the timeout."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +119,11 @@ class World:
 
     def record(self, plan: Plan) -> dict[str, int | bool]:
         """What the provenance says of a call's split."""
-        return {"world_size": self.size, "sequence_parallel": plan.seq.size, "cfg_parallel": plan.branch is not None}
+        return {
+            "world_size": self.size,
+            "sequence_parallel": plan.seq.size,
+            "cfg_parallel": plan.branch is not None,
+        }
 
     @contextmanager
     def running(self, plan: Plan) -> Iterator[Plan]:
@@ -165,12 +169,12 @@ class Plan:
 
 @contextmanager
 def collective(rank: int, what: str) -> Iterator[None]:
-    """Turn a failed collective (a rank died, or none answered within the timeout) into one ParallelError."""
+    """Turn a failed collective (a rank died, or none answered within the timeout) into one `LostRank`."""
     try:
         yield
     except (RuntimeError, dist.DistError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ParallelError(
+        raise LostRank(
             f"rank {rank}: another rank of the parallel run stopped answering during {what} "
             f"(it died, or took longer than the timeout); the run is stopped ({first[:200]})"
         ) from e
@@ -218,7 +222,9 @@ def join(config: ParallelConfig, device: torch.device) -> tuple[World, torch.dev
             torch.cuda.set_device(device)
             for key, value in NO_MULTICAST_ENV.items():
                 if os.environ.get(key, value) != value:
-                    log.warning("%s=%s overridden to %s: NVLink multicast stays off", key, os.environ[key], value)
+                    log.warning(
+                        "%s=%s overridden to %s: NVLink multicast stays off", key, os.environ[key], value
+                    )
                 os.environ[key] = value
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=config.timeout_s)

@@ -65,6 +65,15 @@ class Shards:
         return max(start - self.n_txt, 0), max(stop - self.n_txt, 0)
 
 
+def check_heads(heads: int, world_size: int) -> None:
+    """Ulysses splits the heads evenly over the ranks that share a sequence: all of them, or (CFG) half."""
+    if heads % world_size:
+        raise ParallelError(
+            f"the transformer has {heads} attention heads, which {world_size} ranks cannot share evenly "
+            f"(sequence parallelism splits the heads); use a number of GPUs that divides {heads}"
+        )
+
+
 class SequenceParallel:
     """A FLUX transformer (FLUX.1 or FLUX.2) whose forward splits the tokens over the ranks of a group.
 
@@ -75,13 +84,7 @@ class SequenceParallel:
     """
 
     def __init__(self, model: Any, world: World) -> None:
-        heads = model.config.num_heads
-        for size in {world.size, *(() if world.halves is None else (world.halves[0].size,))}:
-            if heads % size:
-                raise ParallelError(
-                    f"the transformer has {heads} attention heads, which {size} ranks cannot share: "
-                    f"sequence parallelism splits the heads evenly; use a number of GPUs that divides {heads}"
-                )
+        check_heads(model.config.num_heads, world.size)
         self.model, self.world = model, world
         for block in [*model.double_blocks, *model.single_blocks]:
             block.attend = self._attend
@@ -121,7 +124,12 @@ class SequenceParallel:
         return self._pe[1]
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None = None, quant: kernels.Fp8Quant | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor | None = None,
+        quant: kernels.Fp8Quant | None = None,
     ) -> Tensor:
         """Joint attention of this rank's tokens (B, L_r, H, D): all-to-all to (B, L, H/n, D), whole-head
         attention, all-to-all back; (B, L_r, H*D), into `out` as `layers.attention` writes it."""
@@ -168,4 +176,3 @@ def _to_tokens(o: Tensor, shards: Shards, group: Group) -> Tensor:
     with collective(dist.get_rank(), "the attention all-to-all"):
         dist.all_to_all_single(recv, send, [rows] * n, list(shards.lengths), group=group.pg)
     return recv.view(n, rows, b, hn, d).permute(2, 1, 0, 3, 4)
-

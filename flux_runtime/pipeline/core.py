@@ -241,7 +241,7 @@ class Recipe:
             cond = par.share_conditioning(world, self.encode(call) if world.is_main else None)
         start = self.prepare(call, cond)
         plan = None
-        if world is not None:  # every rank starts from rank 0's latents; with CFG the halves split the branches
+        if world is not None:  # all start from rank 0's latents; with CFG the halves split the branches
             par.share_start(world, start)
             plan = world.plan(cfg=cond.negative_txt is not None)
             call.prepared["parallel"] = world.record(plan)

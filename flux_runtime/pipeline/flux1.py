@@ -20,6 +20,8 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.vae import Flux1VAE, Flux2VAE
+from flux_runtime.parallel.group import ParallelConfig, as_config, join
+from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline.checks import (
     check_device,
     check_guidance,
@@ -40,7 +42,6 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
-from flux_runtime.parallel import ParallelConfig, SequenceParallel, as_config, join
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id

@@ -36,6 +36,8 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.parallel.group import World
+from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -55,7 +57,6 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
-from flux_runtime.parallel import SequenceParallel, World
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser
@@ -146,7 +147,9 @@ class Flux2Pipe(Recipe):
             raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, model_name)
         width = transformer.config.context_in_dim
-        if text_encoder is not None and text_encoder.output_dim != width:  # None: not rank 0 of a parallel run
+        if (
+            text_encoder is not None and text_encoder.output_dim != width
+        ):  # None: not rank 0 of a parallel run
             raise FluxError(
                 f"{model_name}: the {text_encoder.family} text encoder gives {text_encoder.output_dim}-wide embeddings but the "
                 f"transformer reads {width} (FLUX.2 [dev] takes Mistral Small, [klein] 4B Qwen3-4B, 9B Qwen3-8B)"

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from flux_runtime.parallel import ModelFn, Plan, SequenceParallel, World, cfg_branches
+from flux_runtime.parallel.cfg import ModelFn, cfg_branches
+from flux_runtime.parallel.group import Plan, World
+from flux_runtime.parallel.ulysses import SequenceParallel
 
 if TYPE_CHECKING:
     from flux_runtime.pipeline.core import Conditioning, Start
@@ -46,7 +48,11 @@ def share_conditioning(world: World, cond: Conditioning | None) -> Conditioning:
         if shapes[f] is None:
             tensors[f] = None
             continue
-        t = getattr(cond, f) if world.is_main else torch.empty(*shapes[f][0], dtype=shapes[f][1], device=world.device)
+        t = (
+            getattr(cond, f)
+            if world.is_main
+            else torch.empty(*shapes[f][0], dtype=shapes[f][1], device=world.device)
+        )
         tensors[f] = world.broadcast(t.contiguous(), "sharing the encoded prompt")
     return Conditioning(**tensors)
 

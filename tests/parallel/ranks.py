@@ -20,7 +20,11 @@ def free_port() -> int:
 
 def _entry(rank: int, n: int, port: int, target: Callable[..., Any], args: tuple, results: Any) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(n),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     import torch
 

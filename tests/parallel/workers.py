@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from flux_runtime.models.dit import TINY, TINY_FLUX2, Flux1Transformer, Flux2Transformer
-from flux_runtime.parallel import ParallelConfig, SequenceParallel, join
+from flux_runtime.parallel.group import ParallelConfig, join
+from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.sampling import flux2_image_ids, flux2_text_ids, image_ids
 
 CPU = torch.device("cpu")
@@ -52,13 +53,22 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of `a` against `ref`."""
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
 def transformer_parity(rank: int, n: int, cases: list[tuple]) -> list[dict[str, Any]]:
-    """For each case (family, heads, dtype, batch, h, w, txt_len): the sharded forward against this process's
+    """For each case (family, heads, dtype, batch, h, w, txt_len, fp8): the sharded forward against this process's
     own unsharded forward (torch.equal, max |diff|) and both against a float64 forward."""
     world, _ = join(ParallelConfig(world_size=n, cfg=False), CPU)
     out = []
-    for family, heads, dtype, batch, h, w, txt_len in cases:
+    for family, heads, dtype, batch, h, w, txt_len, fp8 in cases:
         model = random_model(family, heads, dtype)
+        if fp8:  # e4m3 block projections, activations quantized per token row
+            from flux_runtime.weights.fp8 import quantize_model
+
+            quantize_model(model, dtype)
         args, kwargs = inputs(model, batch, h, w, txt_len)
         with torch.no_grad():
             one = model(*args, **kwargs)
@@ -70,11 +80,11 @@ def transformer_parity(rank: int, n: int, cases: list[tuple]) -> list[dict[str, 
                 many = sharded(*args, **kwargs)
         out.append(
             {
-                "case": (family, heads, str(dtype), batch, h, w, txt_len),
+                "case": (family, heads, str(dtype), batch, h, w, txt_len, fp8),
                 "equal": torch.equal(one, many),
                 "max_diff": _err(one, many),
-                "err_one": _err(one, ref64),
-                "err_many": _err(many, ref64),
+                "err_one": _rel(one, ref64),
+                "err_many": _rel(many, ref64),
                 "spans": [sharded_spans(txt_len, h * w, n, r) for r in range(n)],
             }
         )
@@ -82,7 +92,7 @@ def transformer_parity(rank: int, n: int, cases: list[tuple]) -> list[dict[str, 
 
 
 def sharded_spans(n_txt: int, n_img: int, n: int, rank: int) -> tuple:
-    from flux_runtime.parallel import Shards
+    from flux_runtime.parallel.ulysses import Shards
 
     s = Shards(n_txt, n_img, n)
     return s.txt_span(rank), s.img_span(rank)
