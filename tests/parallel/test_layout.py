@@ -55,7 +55,7 @@ def test_config_checks():
 def test_join_without_a_launcher_says_how_to_start(monkeypatch):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ParallelError, match="torchrun --nproc-per-node 2.*flux-gen --gpus 2"):
+    with pytest.raises(ParallelError, match=r"torchrun --nproc-per-node 2.*flux-gen --gpus 2"):
         join(ParallelConfig(world_size=2), torch.device("cpu"))
 
 

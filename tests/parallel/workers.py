@@ -173,3 +173,21 @@ def stalls(rank: int, n: int, timeout_s: float) -> dict[str, Any]:
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
     return {"error": None}
+
+
+def gpu_pipeline(rank: int, n: int, model: str, size: int) -> dict[str, Any]:
+    """On n GPUs (NCCL): the bf16 lossless parallel image against one GPU's (rank 0), and the kernels that ran."""
+    from flux_runtime.pipeline import Pipeline
+
+    pipe = Pipeline.from_pretrained(model, device="cuda", dtype=torch.bfloat16, parallel=n)
+    many = pipe("a red circle on the left", width=size, height=size, num_steps=4, output_type="pt")
+    out: dict[str, Any] = {"kernels": many.info["kernels"], "parallel": many.info["parallel"]}
+    if rank == 0:
+        one = Pipeline.from_pretrained(model, device=pipe.device, dtype=torch.bfloat16, cuda_graphs=False)
+        ref = one("a red circle on the left", width=size, height=size, num_steps=4, output_type="pt")
+        out.update(
+            equal=torch.equal(ref.latents, many.latents),
+            max_diff=_err(ref.latents, many.latents),
+            image_diff=_err(ref.images, many.images),
+        )
+    return out
