@@ -4,8 +4,9 @@ Each rank is a child process running the command again with the rendezvous varia
 (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` on a free local port), NVLink multicast
 off, and `FLUX_PARALLEL_SUPERVISED=1`. A rank that only lost contact with another one exits with
 `LOST_PEER` and says nothing (the supervisor names the cause); a rank that failed for its own reason
-prints its one line. When any rank fails, the supervisor stops the others at once (SIGTERM, then SIGKILL)
-and, when the failing rank could not say why (it was killed, or crashed), says it in one line.
+prints its one line. When any rank fails, the supervisor stops the others (at once for a rank that was killed;
+after up to 10 s for one that exited, so that rank 0 can print the error every rank met) with SIGTERM, then
+SIGKILL, and, when the failing rank could not say why (killed, or crashed), says it in one line.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def supervise(
                 if status not in (None, 0) and r not in stopped and all(r != f for f, _ in failed):
                     failed.append((r, status))
             if failed:
-                _stop([p for r, p in enumerate(procs) if p.poll() is None], stopped, procs)
+                if failed[0][1] >= 0:  # it exited: the others may be about to report the same error
+                    _wait_all(procs, _GRACE_S)
+                _stop([p for p in procs if p.poll() is None], stopped, procs)
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:
@@ -99,6 +102,12 @@ def supervise(
     if status < 0 or status != 1:  # status 1: the rank printed its own error line
         say(f"rank {rank} of {world_size} {_describe(status)}; the other ranks were stopped")
     return 1
+
+
+def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
 
 
 def _stop(alive: list[subprocess.Popen], stopped: set[int], procs: list[subprocess.Popen]) -> None:

@@ -1,8 +1,8 @@
 """On a host with two or more GPUs (NCCL): the parallel pipeline runs its fused kernels on the shards.
 
-Skipped without two GPUs. Checks that every fused op ran verified (`kernels == "lossless"`, no reference
-fallback, also on a rank whose text stream is empty) and that the image stays within bf16 noise of one
-GPU's; whether it is `torch.equal` depends on cuBLAS choosing the same GEMM kernels for the shorter
+Skipped without two GPUs. Checks that the fused ops run verified on the shards (no failed verification, no
+reference fallback that one GPU does not have, also on a rank whose text stream is empty) and that the
+image stays within bf16 noise of one GPU's; whether it is `torch.equal` depends on cuBLAS choosing the same GEMM kernels for the shorter
 shards, so the test prints it (and `scripts/bench_parallel.py` measures it at full size).
 """
 
@@ -25,8 +25,10 @@ pytestmark = [
 @pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
 def test_two_gpus_run_fused_kernels_on_shards(model):
     results = run_ranks(2, gpu_pipeline, model, 256, timeout=600)
-    for r in results:
-        assert r["kernels"] == "lossless", r
     main = results[0]
+    for r in results:
+        assert r["fused"] > 0 and not r["mismatches"], r
+        # the shards (rank 1 holds no text rows) fall back for no reason one GPU does not
+        assert set(map(tuple, r["fallbacks"])) <= set(map(tuple, main["one_fallbacks"])), r
     print(f"{model}: latents torch.equal to one GPU: {main['equal']} (max |diff| {main['max_diff']:.3g})")
     assert main["image_diff"] < 0.05

@@ -176,16 +176,26 @@ def stalls(rank: int, n: int, timeout_s: float) -> dict[str, Any]:
 
 
 def gpu_pipeline(rank: int, n: int, model: str, size: int) -> dict[str, Any]:
-    """On n GPUs (NCCL): the bf16 lossless parallel image against one GPU's (rank 0), and the kernels that ran."""
+    """On n GPUs (NCCL): the bf16 lossless parallel image against one GPU's (rank 0), and what the fused-op
+    record says of each run (reference fallbacks by op and reason, failed verifications)."""
+    from flux_runtime.kernels import fused_ops_report
     from flux_runtime.pipeline import Pipeline
 
+    prompt = dict(prompt="a red circle on the left", width=size, height=size, num_steps=4, output_type="pt")
     pipe = Pipeline.from_pretrained(model, device="cuda", dtype=torch.bfloat16, parallel=n)
-    many = pipe("a red circle on the left", width=size, height=size, num_steps=4, output_type="pt")
-    out: dict[str, Any] = {"kernels": many.info["kernels"], "parallel": many.info["parallel"]}
+    many = pipe(**prompt)
+    report = fused_ops_report()
+    out: dict[str, Any] = {
+        "parallel": many.info["parallel"],
+        "fallbacks": sorted(report.fallbacks),
+        "mismatches": list(report.mismatches),
+        "fused": sum(report.fused_calls.values()),
+    }
     if rank == 0:
         one = Pipeline.from_pretrained(model, device=pipe.device, dtype=torch.bfloat16, cuda_graphs=False)
-        ref = one("a red circle on the left", width=size, height=size, num_steps=4, output_type="pt")
+        ref = one(**prompt)
         out.update(
+            one_fallbacks=sorted(fused_ops_report().fallbacks),
             equal=torch.equal(ref.latents, many.latents),
             max_diff=_err(ref.latents, many.latents),
             image_diff=_err(ref.images, many.images),
