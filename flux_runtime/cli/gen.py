@@ -262,7 +262,8 @@ def main(**opts: Any) -> None:
             raise click.UsageError("--prompt is required (or --replay an image)")
         if rank is None and (opts["gpus"] or 1) > 1:
             _spawn_ranks(opts)
-        _generate(opts, rank)
+        opts["_rank"] = rank
+        _generate(opts)
 
 
 def _launched_rank(opts: dict[str, Any]) -> int | None:
@@ -421,8 +422,9 @@ def _check_early(opts: dict[str, Any]) -> None:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
 
 
-def _generate(opts: dict[str, Any], rank: int | None = None) -> None:
-    """Load, generate, save; as rank `rank` of a parallel run, only rank 0 shows progress and saves."""
+def _generate(opts: dict[str, Any]) -> None:
+    """Load, generate, save; as one rank of a parallel run (`opts["_rank"]`), only rank 0 shows progress
+    and saves."""
     import torch
 
     from flux_runtime.pipeline import Pipeline
@@ -434,6 +436,7 @@ def _generate(opts: dict[str, Any], rank: int | None = None) -> None:
     device = check_device(opts["device"])
     replaying = opts["replay"] is not None
     n = 1 if replaying else opts["num_images"]
+    rank = opts.get("_rank")
     main_rank = rank in (None, 0)
     paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"]) if main_rank else []
     dtype_name = opts["dtype"] or ("bf16" if device.type == "cuda" or opts["fp8"] else "fp32")

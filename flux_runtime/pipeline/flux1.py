@@ -20,7 +20,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.vae import Flux1VAE, Flux2VAE
-from flux_runtime.parallel.group import ParallelConfig, as_config, join
+from flux_runtime.parallel.group import ParallelConfig, as_config, join, launched_world_size
 from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline.checks import (
     check_device,
@@ -155,8 +155,9 @@ class Pipeline(Recipe):
             )
         device = check_device(device)
         world = None
-        if parallel is not None:
-            world, device = join(as_config(parallel), device)
+        config = None if parallel is None else as_config(parallel)
+        if config is not None and (config.world_size > 1 or launched_world_size() is not None):
+            world, device = join(config, device)
         if fp8 and dtype != torch.bfloat16:
             raise FluxError(
                 f"fp8=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
