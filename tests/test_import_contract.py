@@ -1,4 +1,4 @@
-"""Imports point one way: {cli, serve} → pipeline → {weights, sampling, text} → models → kernels (STYLE.md).
+"""Imports point one way: {cli, serve} → pipeline → {parallel, weights, sampling, text} → models → kernels.
 
 Read from the source with `ast`, so a violation fails here whatever happens to be imported at run time.
 """
@@ -14,12 +14,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flux_runtime"
 
 # subpackage -> subpackages it must never import
 # (`serve`, the HTTP server, sits beside `cli` at the top: it may import the pipeline, nothing imports it)
+# (`parallel`, the multi-GPU layer, sits between the pipeline and the models)
 FORBIDDEN = {
-    "kernels": {"models", "weights", "sampling", "text", "pipeline", "cli", "serve"},
-    "models": {"weights", "sampling", "text", "pipeline", "cli", "serve"},
-    "sampling": {"models", "weights", "text", "pipeline", "cli", "serve"},
-    "weights": {"sampling", "text", "pipeline", "cli", "serve"},
-    "text": {"sampling", "pipeline", "cli", "serve"},
+    "kernels": {"models", "weights", "sampling", "text", "pipeline", "cli", "serve", "parallel"},
+    "models": {"weights", "sampling", "text", "pipeline", "cli", "serve", "parallel"},
+    "sampling": {"models", "weights", "text", "pipeline", "cli", "serve", "parallel"},
+    "weights": {"sampling", "text", "pipeline", "cli", "serve", "parallel"},
+    "text": {"sampling", "pipeline", "cli", "serve", "parallel"},
+    "parallel": {"weights", "sampling", "text", "pipeline", "cli", "serve"},
     "pipeline": {"cli", "serve"},
     "cli": {"serve"},
     "serve": {"cli"},

@@ -16,7 +16,11 @@ import click
 # Our error types, by module. An exception of one of them can only exist once its module is loaded, so
 # they are looked up in `sys.modules` rather than imported here (which would import torch, too early to
 # catch a Ctrl-C while it loads).
-_OUR_ERRORS = (("flux_runtime.pipeline.errors", "FluxError"), ("flux_runtime.weights.errors", "WeightsError"))
+_OUR_ERRORS = (
+    ("flux_runtime.pipeline.errors", "FluxError"),
+    ("flux_runtime.weights.errors", "WeightsError"),
+    ("flux_runtime.parallel.group", "ParallelError"),
+)
 INTERRUPTED_EXIT = 130
 
 
@@ -25,7 +29,7 @@ class Interrupted(click.ClickException):
 
 
 def is_foreseen(e: BaseException) -> bool:
-    """Ours (FluxError, WeightsError), the file system's (OSError), or out of memory (host or GPU)."""
+    """Ours (FluxError, WeightsError, ParallelError), the file system's (OSError), or out of memory."""
     if isinstance(e, (OSError, MemoryError)):
         return True
     torch = sys.modules.get("torch")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +246,13 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
 @click.option(
     "--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs."
 )
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Spread the image over N GPUs (sequence parallelism; with CFG, the two passes on two halves): starts "
+    "N ranks itself, or is one rank under torchrun. With --device cpu: N CPU processes (gloo).",
+)
 @click.option("--vae", type=str, default=None, help="Autoencoder file/folder for a BFL transformer file.")
 @click.option(
     "--text-encoder",
@@ -265,12 +274,68 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
 def main(**opts: Any) -> None:
     """Generate images with FLUX, offline, from local weights."""
     logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
-    with one_line_errors(opts["debug"]):
+    rank = _launched_rank(opts)
+    with one_line_errors(opts["debug"]), _rank_errors(rank, opts["debug"]):
         if opts["replay"] is not None:
             _apply_replay(opts, click.get_current_context())
         if not opts["prompt"]:
             raise click.UsageError("--prompt is required (or --replay an image)")
+        if rank is None and (opts["gpus"] or 1) > 1:
+            _spawn_ranks(opts)
+        opts["_rank"] = rank
         _generate(opts)
+
+
+def _launched_rank(opts: dict[str, Any]) -> int | None:
+    """This process's rank when it is one of a parallel run (torchrun, or `--gpus` starting it), else None."""
+    import os
+
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if opts["gpus"] is None:
+        opts["gpus"] = world
+    elif opts["gpus"] != world:
+        raise click.ClickException(f"--gpus {opts['gpus']}, but this run was started with {world} ranks")
+    return int(os.environ["RANK"]) if world > 1 else None
+
+
+def _spawn_ranks(opts: dict[str, Any]) -> None:
+    """Check what needs no model, then run this command as --gpus ranks and exit with the run's status."""
+    from flux_runtime.parallel.launch import relaunch_command, supervise
+
+    _check_early(opts)
+    _output_paths(
+        opts["out"], 1 if opts["replay"] is not None else opts["num_images"], opts["seed"], opts["overwrite"]
+    )
+    status = supervise(relaunch_command(), opts["gpus"], say=lambda m: click.echo(f"flux-gen: {m}", err=True))
+    sys.exit(status)
+
+
+@contextmanager
+def _rank_errors(rank: int | None, debug: bool) -> Iterator[None]:
+    """One message per failed run, not one per rank: rank 0 alone reports the errors every rank meets (bad
+    input, files); a rank that only lost its peers leaves the report to the `--gpus` supervisor (exit
+    LOST_PEER); any other error is reported by the rank it happened on, naming it."""
+    if rank is None or debug:
+        yield
+        return
+    from flux_runtime.cli.errors import is_foreseen, one_line
+    from flux_runtime.parallel.launch import LOST_PEER, is_supervised
+
+    try:
+        yield
+    except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, KeyboardInterrupt):
+        if rank == 0:
+            raise
+        sys.exit(1)
+    except Exception as e:
+        lost = type(e).__name__ == "LostRank"
+        if lost and is_supervised():
+            sys.exit(LOST_PEER)
+        if rank != 0 and (is_foreseen(e) or lost):
+            sys.exit(1)
+        raise click.ClickException(one_line(e) if rank == 0 else f"rank {rank}: {one_line(e)}") from None
 
 
 def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
@@ -412,6 +477,8 @@ def _check_early(opts: dict[str, Any]) -> None:
 
 
 def _generate(opts: dict[str, Any]) -> None:
+    """Load, generate, save; as one rank of a parallel run (`opts["_rank"]`), only rank 0 shows progress
+    and saves."""
     import torch
 
     from flux_runtime.pipeline import Pipeline
@@ -432,11 +499,13 @@ def _generate(opts: dict[str, Any]) -> None:
     device = check_device(opts["device"])
     replaying = opts["replay"] is not None
     n = 1 if replaying else opts["num_images"]
-    paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"])
+    rank = opts.get("_rank")
+    main_rank = rank in (None, 0)
+    paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"]) if main_rank else []
     dtype_name = opts["dtype"] or (
         "bf16" if device.type == "cuda" or opts["fp8"] or opts["fp8_text"] else "fp32"
     )
-    progress = _Progress(not opts["quiet"] and sys.stderr.isatty())
+    progress = _Progress(main_rank and not opts["quiet"] and sys.stderr.isatty())
     images_in = [_open_image(p.resolve()) for p in opts["image"]]
     flux1_inputs = {
         name: _open_image(opts[opt].resolve())
@@ -457,14 +526,16 @@ def _generate(opts: dict[str, Any]) -> None:
         fp8=opts["fp8"],
         # --fp8 covers the text encoders; a replay takes exactly what the record says
         fp8_text=opts["fp8_text"] if replaying else opts["fp8"] or opts["fp8_text"],
-        memory=opts["memory"],
+        # a parallel run keeps every model resident (memory plans are for one GPU)
+        memory=opts["memory"] if rank is None else "auto",
+        parallel=None if rank is None else opts["gpus"],
     )
-    if not opts["quiet"]:
+    if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
     pipe.vae_tile = opts["vae_tile"]
     for path, scale in loras:
         pipe.load_lora(path, scale=scale)
-    if replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
+    if main_rank and replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
         click.echo(
             f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
             "the image will differ",
@@ -514,6 +585,8 @@ def _generate(opts: dict[str, Any]) -> None:
             **common,
         )
     progress.close()
+    if not main_rank:  # rank 0 writes the image
+        return
     images = out.images[-1:] if replaying else out.images
     for i, (image, path) in enumerate(zip(images, paths, strict=True)):
         info = {**out.info, "index": opts["_replay_index"] if replaying else i, "num_images": num_per_prompt}
@@ -541,3 +614,7 @@ def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:
         "--negative-prompt": opts["negative_prompt"] is not None,
         "--true-cfg": opts["true_cfg"] != 1.0,
     }
+
+
+if __name__ == "__main__":  # how `--gpus N` runs each rank (and `torchrun -m flux_runtime.cli.gen`)
+    main()

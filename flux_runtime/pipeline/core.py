@@ -23,6 +23,7 @@ from torch import Tensor
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
 from flux_runtime.pipeline import loras as fused_loras
+from flux_runtime.pipeline import parallel as par
 from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
@@ -133,6 +134,7 @@ class Recipe:
     text_encoder: Any
     schedule: ScheduleConfig
     oom_hint = ""  # extra advice in the out-of-memory message
+    parallel: Any = None  # this process's `flux_runtime.parallel.World` in a parallel run (`parallel.attach`)
 
     def _setup(
         self,
@@ -314,6 +316,7 @@ class Recipe:
             "fp8_text": self.fp8_text,
             **self.record_inputs(call),
             **fused_loras.provenance_fields(self),  # each fused LoRA: file, sha256, scale
+            **({"parallel": call.prepared["parallel"]} if "parallel" in call.prepared else {}),
             # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
             "kernels": kernels,
             # the decode's: "off" (the reference ops), or the high tier's fused GroupNorm + SiLU
@@ -325,8 +328,17 @@ class Recipe:
         """(packed latents, images as `output_type` asks, CUDA graphs used, kernels that ran, and the
         decode's kernels (None: no decode))."""
         call.report("encode", 0, 1)
-        cond = self.encode(call)
+        world = self.parallel
+        if world is None:
+            cond = self.encode(call)
+        else:  # rank 0 holds the text encoders
+            cond = par.share_conditioning(world, self.encode(call) if world.is_main else None)
         start = self.prepare(call, cond)
+        plan = None
+        if world is not None:  # all start from rank 0's latents; with CFG the halves split the branches
+            par.share_start(world, start)
+            plan = world.plan(cfg=cond.negative_txt is not None)
+            call.prepared["parallel"] = world.record(plan)
         call.report("encode", 1, 1)
         with self.using("dit"):
             return self._denoise_decode(call, tier, cond, start)
@@ -383,24 +395,33 @@ class Recipe:
             watch(i, x)
             call.report("denoise", i + 1, steps)
 
-        negative = None
-        if cond.negative_txt is not None:
-            negative = branch("uncond", cond.negative_txt, cond.negative_vec)
-        latents = self.sample(
-            branch("cond", cond.txt, cond.vec),
-            start.latents,
-            start.sigmas,
-            start.timesteps,
-            guidance=g,
-            negative_model_fn=negative,
-            true_cfg_scale=call.true_cfg_scale,
-            reference_tokens=start.reference_tokens,
-            callback=after_step,
-            after_step=start.blend,
-        )
+        def uncond() -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+            assert cond.negative_txt is not None
+            return branch("uncond", cond.negative_txt, cond.negative_vec)
+
+        # in a parallel run with CFG, each half of the ranks builds and runs one branch
+        model_fn, negative = par.branches(
+            world, plan, lambda: branch("cond", cond.txt, cond.vec),
+            None if cond.negative_txt is None else uncond,
+        )  # fmt: skip
+        with par.running(world, plan):
+            latents = self.sample(
+                model_fn,
+                start.latents,
+                start.sigmas,
+                start.timesteps,
+                guidance=g,
+                negative_model_fn=negative,
+                true_cfg_scale=call.true_cfg_scale,
+                reference_tokens=start.reference_tokens,
+                callback=after_step,
+                after_step=start.blend,
+            )
         watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
         kernels = kernels_used(self._graphed.get((start.rope_key, tier, "cond")) if use_graphs else None)
 
+        if world is not None and not world.is_main and call.output_type != "latent":
+            return latents, None, use_graphs, kernels  # rank 0 decodes
         if call.output_type == "latent":
             return latents, self.latent_output(latents, start), use_graphs, kernels, None
         z = self.decoder_input(latents, start)
@@ -443,8 +464,14 @@ class Recipe:
 
     def _graphs_enabled(self) -> bool:
         """CUDA graphs run where they can: asked for, the model on a CUDA device, its blocks not streaming
-        (a ring's copies and waits are issued from Python between blocks)."""
-        return self.cuda_graphs and self.device.type == "cuda" and not self.memory_plan.streams_dit
+        (a ring's copies and waits are issued from Python between blocks), and one process (the collectives
+        of a parallel run are not captured)."""
+        return (
+            self.cuda_graphs
+            and self.device.type == "cuda"
+            and not self.memory_plan.streams_dit
+            and self.parallel is None
+        )
 
     def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
         return GraphedDenoiser(fn)

@@ -20,6 +20,8 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.vae import Flux1VAE, Flux2VAE
+from flux_runtime.parallel.group import ParallelConfig, as_config, join, launched_world_size
+from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_device,
@@ -42,6 +44,7 @@ from flux_runtime.pipeline.core import (
     Start,
 )
 from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, find_sources, schedule_config
 from flux_runtime.pipeline.tiers import Tier
@@ -85,7 +88,7 @@ class Pipeline(Recipe):
         self,
         transformer: Flux1Transformer,
         vae: Flux1VAE,
-        text_encoder: Flux1TextEncoder,
+        text_encoder: Flux1TextEncoder | None,
         *,
         schedule: Any,
         model_name: str = "custom",
@@ -99,7 +102,8 @@ class Pipeline(Recipe):
 
         self.variant: Variant = flux1_variants.variant_of(transformer, vae, variant, model_name)
         check_latent_widths(transformer, vae, model_name, self.variant)
-        _check_text_widths(transformer, text_encoder, model_name)
+        if text_encoder is not None:  # None on the ranks of a parallel run other than rank 0
+            _check_text_widths(transformer, text_encoder, model_name)
         self._setup(
             transformer, vae, text_encoder, schedule=schedule, model_name=model_name, weights_id=weights_id,
             quality=quality, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
@@ -124,6 +128,7 @@ class Pipeline(Recipe):
         variant: Variant | None = None,
         memory: str | int | None = "auto",
         fp8_text: bool = False,
+        parallel: ParallelConfig | int | None = None,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
         keys are theirs.
@@ -148,6 +153,11 @@ class Pipeline(Recipe):
         provenance; it moves weights, never changes bits. `offload_text_encoders` asks for at least the
         offload-text plan. `fp8_text`: quantize the text encoders' layers (T5 / Qwen3 / Mistral) to FP8 at
         load (bf16 only), as `fp8` does the transformer's.
+        `parallel`: spread each image over this many processes (an int, or a `ParallelConfig`), one per
+        GPU, started together by `torchrun` or `flux-gen --gpus N`: the sequence split over the ranks
+        (Ulysses) and, with CFG, the two branches on two halves of them. Every rank loads the transformer
+        and the VAE; rank 0 alone loads the text encoders, and returns the images (the others: None).
+        Memory plans are for one GPU: a parallel run keeps every model resident.
         """
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
@@ -161,7 +171,16 @@ class Pipeline(Recipe):
                 raise FluxError(
                     f"{flag}=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
                 )
-        budget = placement.budget_for(memory, device, offload_text_encoders)
+        if parallel is not None and (offload_text_encoders or memory not in ("auto", None)):
+            raise FluxError(
+                "memory budgets and text-encoder offload plan one GPU; a parallel run keeps every model resident: "
+                "drop memory= / offload_text_encoders, or parallel="
+            )
+        world = None
+        config = None if parallel is None else as_config(parallel)
+        if config is not None and (config.world_size > 1 or launched_world_size() is not None):
+            world, device = join(config, device)
+        budget = placement.budget_for(memory, device, offload_text_encoders) if world is None else None
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         spec = MODELS.get(src.name) if src.name in MODELS and MODELS[src.name].builtin else None
         # the checkpoint is opened once: its headers tell the family and feed the loader
@@ -176,6 +195,7 @@ class Pipeline(Recipe):
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
                 is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt, budget=budget, fp8_text=fp8_text,
+                parallel=world,
             )  # fmt: skip
         if family == "flux3":
             from flux_runtime.pipeline.flux3 import Flux3Pipe
@@ -184,6 +204,10 @@ class Pipeline(Recipe):
                 raise FluxError(
                     "variant, is_distilled, fp8 and text_encoder_2 are not FLUX.3 settings (a FLUX.3 checkpoint says "
                     "itself whether it is the flow map)"
+                )
+            if fp8_text or parallel is not None or memory not in ("auto", None):
+                raise FluxError(
+                    "fp8_text, memory budgets and parallel are not available for FLUX.3 yet: drop them"
                 )
             return Flux3Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
@@ -196,6 +220,7 @@ class Pipeline(Recipe):
         dit_device = placement.transformer_device(budget, ckpt, dtype, fp8, device)
         transformer = load_transformer(ckpt or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux1Transformer)  # told by the keys
+        sharded = None if world is None else SequenceParallel(transformer, world)  # heads checked first
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
         if vae_model.config.family != "flux1":
             raise FluxError(
@@ -211,8 +236,9 @@ class Pipeline(Recipe):
             src.name,
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
-        text = _open_text(src, placement.text_device(budget, device), dtype)
-        if fp8_text:
+        main = world is None or world.is_main  # only rank 0 encodes
+        text = _open_text(src, placement.text_device(budget, device), dtype) if main else None
+        if fp8_text and text is not None:
             text.quantize_fp8()
         pipe = cls(
             transformer,
@@ -227,6 +253,9 @@ class Pipeline(Recipe):
         )
         pipe.fp8_text = fp8_text
         placement.place(pipe, budget, offload_text_encoders, device)
+        if world is not None:
+            assert sharded is not None
+            attach(pipe, world, sharded)
         return pipe
 
     @property

@@ -36,6 +36,8 @@ from torch import Tensor
 
 from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.parallel.group import World
+from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_guidance,
@@ -59,6 +61,7 @@ from flux_runtime.pipeline.core import (
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
 from flux_runtime.pipeline.tiers import Tier
@@ -127,7 +130,7 @@ class Flux2Pipe(Recipe):
         self,
         transformer: Flux2Transformer,
         vae: Flux2VAE,
-        text_encoder: TextEncoder,
+        text_encoder: TextEncoder | None,
         *,
         schedule: Any,
         is_distilled: bool = False,
@@ -145,7 +148,9 @@ class Flux2Pipe(Recipe):
             raise FluxError(f"the autoencoder is a {vae.config.family} one; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, model_name)
         width = transformer.config.context_in_dim
-        if text_encoder.output_dim != width:
+        if (
+            text_encoder is not None and text_encoder.output_dim != width
+        ):  # None: not rank 0 of a parallel run
             raise FluxError(
                 f"{model_name}: the {text_encoder.family} text encoder gives {text_encoder.output_dim}-wide embeddings but the "
                 f"transformer reads {width} (FLUX.2 [dev] takes Mistral Small, [klein] 4B Qwen3-4B, 9B Qwen3-8B)"
@@ -178,6 +183,7 @@ class Flux2Pipe(Recipe):
         checkpoint: TransformerCheckpoint | None = None,
         budget: int | None = None,
         fp8_text: bool = False,
+        parallel: World | None = None,
     ) -> Flux2Pipe:
         """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`;
         `checkpoint`: the transformer already opened there, so its headers are not read again).
@@ -186,18 +192,22 @@ class Flux2Pipe(Recipe):
         config.json); else `text_encoder` (a diffusers FLUX.2 folder or a model folder / cached id); else, for a
         BFL file set, BFL's choice for this transformer: Mistral Small 3.2 with Mistral Small 3.1's processor
         ([dev]), Qwen3-4B or Qwen3-8B by the transformer's text width ([klein]).
+        `parallel`: this process's rank of a parallel run (the text encoder loads on rank 0 only).
         """
         if text_encoder_2 is not None:
             raise FluxError("FLUX.2 has one text encoder: pass text_encoder=, not text_encoder_2=")
         dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
         transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys
+        sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
-        text = _open_text(src, text_encoder, transformer, placement.text_device(budget, device), dtype)
-        if fp8_text:
+        main = parallel is None or parallel.is_main  # only rank 0 encodes
+        text_device = placement.text_device(budget, device)
+        text = _open_text(src, text_encoder, transformer, text_device, dtype) if main else None
+        if fp8_text and text is not None:
             text.quantize_fp8()
         distilled = (
             (src.model_index or {}).get("is_distilled", False) if is_distilled is None else is_distilled
@@ -217,6 +227,9 @@ class Flux2Pipe(Recipe):
         )
         pipe.fp8_text = fp8_text
         placement.place(pipe, budget, offload_text_encoders, device)
+        if parallel is not None:
+            assert sharded is not None
+            attach(pipe, parallel, sharded)
         return pipe
 
     @property

@@ -16,6 +16,7 @@ from flux_runtime import kernels
 from flux_runtime.models.dit.config import DiTConfig
 from flux_runtime.models.dit.layers import (
     EPS,
+    Attend,
     Linear,
     MLPEmbedder,
     ModulationOut,
@@ -95,6 +96,8 @@ class MLP(nn.Sequential):
 class DoubleStreamBlock(nn.Module):
     """Separate image and text weights, one joint attention over `[txt | img]`."""
 
+    attend: Attend = staticmethod(attention)  # full attention; replaced per block in a sequence-parallel run
+
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
@@ -111,6 +114,8 @@ class DoubleStreamBlock(nn.Module):
 
 class SingleStreamBlock(nn.Module):
     """Parallel attention and MLP on the joint stream: `linear1` → [q|k|v|mlp], `linear2` ← [attn|mlp]."""
+
+    attend: Attend = staticmethod(attention)
 
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
@@ -135,7 +140,7 @@ class SingleStreamBlock(nn.Module):
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
-        attention(q, k, v, out=h[..., :d], quant=quant)
+        self.attend(q, k, v, out=h[..., :d], quant=quant)
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 
 

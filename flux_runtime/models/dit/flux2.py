@@ -27,6 +27,7 @@ from flux_runtime.kernels.swiglu import swiglu
 from flux_runtime.models.dit.config import DiTConfig
 from flux_runtime.models.dit.layers import (
     EPS,
+    Attend,
     Linear,
     MLPEmbedder,
     ModulationOut,
@@ -78,6 +79,8 @@ class MLP(nn.Sequential):
 class DoubleStreamBlock(nn.Module):
     """Separate image and text weights, one joint attention over `[txt | img]`, modulation from outside."""
 
+    attend: Attend = staticmethod(attention)  # full attention; replaced per block in a sequence-parallel run
+
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
@@ -99,6 +102,8 @@ class DoubleStreamBlock(nn.Module):
 
 class SingleStreamBlock(nn.Module):
     """Parallel attention and SwiGLU MLP: `linear1` → [q|k|v|gate|up], `linear2` ← [attn|mlp]."""
+
+    attend: Attend = staticmethod(attention)
 
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
@@ -123,7 +128,7 @@ class SingleStreamBlock(nn.Module):
             kernels.swiglu_fp8(mlp, *quant, out=h[..., d:])
         else:
             swiglu(mlp, out=h[..., d:])
-        attention(q, k, v, out=h[..., :d], quant=quant)
+        self.attend(q, k, v, out=h[..., :d], quant=quant)
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 
 

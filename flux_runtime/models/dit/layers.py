@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -299,16 +300,33 @@ def attention(
     buffer) the heads are written there directly: the same values as diffusers' flatten and concat.
     An e4m3 `out` (with the consumer's static `quant`) receives the heads quantized instead.
     """
+    return write_heads(sdpa(q, k, v), out, quant)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Attention of every head of (B, L, H, D) inputs, (B, L, H, D) in q's dtype (a strided view)."""
     o = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
-    o = o.permute(0, 2, 1, 3).to(q.dtype)
+    return o.permute(0, 2, 1, 3).to(q.dtype)
+
+
+def write_heads(o: Tensor, out: Tensor | None = None, quant: kernels.Fp8Quant | None = None) -> Tensor:
+    """Attention heads (B, L, H, D) (or (B, L, groups, H/groups, D)) as (B, L, H*D): flattened, or written
+    into `out` as `attention` says."""
     if out is None:
-        return o.flatten(2, 3)
+        return o.flatten(2)
     if out.dtype == kernels.fp8.E4M3:
         assert quant is not None and quant.static
         kernels.quantize(o.reshape(*o.shape[:2], -1), *quant, out=out)
         return out
     out.unflatten(-1, o.shape[2:]).copy_(o)
     return out
+
+
+Attend = Callable[..., Tensor]
+"""`attend(q, k, v, out=None, quant=None)` with `attention`'s contract: what a block's joint attention calls.
+
+Blocks hold it as `attend` (full attention); a sequence-parallel run sets it per block to an attention that
+exchanges token shards for head shards around `sdpa` (`flux_runtime.parallel.ulysses`)."""
 
 
 class SelfAttention(nn.Module):
@@ -345,7 +363,7 @@ def double_stream(
 ) -> tuple[Stream, Stream]:
     """The double-stream block of both FLUX generations: image and text weights apart, one joint attention.
 
-    `block` holds `img_attn`, `txt_attn` (SelfAttention) and `img_mlp`, `txt_mlp`; the two
+    `block` holds `img_attn`, `txt_attn` (SelfAttention), `img_mlp`, `txt_mlp` and `attend`; the two
     modulation pairs come from the block (FLUX.1) or are shared by all blocks (FLUX.2).
     """
     (img_mod1, img_mod2), (txt_mod1, txt_mod2) = img_mods, txt_mods
@@ -365,7 +383,7 @@ def double_stream(
     v = txt_v.new_empty(txt_v.shape[0], n_txt + n_img, *txt_v.shape[2:])
     v[:, :n_txt].copy_(txt_v)
     v[:, n_txt:].copy_(img_v)
-    txt_attn, img_attn = attention(q, k, v).split_with_sizes([n_txt, n_img], dim=1)
+    txt_attn, img_attn = block.attend(q, k, v).split_with_sizes([n_txt, n_img], dim=1)
 
     # image stream: attention residual, then MLP residual (both left pending)
     img = Pending(img, img_mod1.gate, block.img_attn.proj.from_view(img_attn))
