@@ -341,11 +341,12 @@ class Recipe:
             call.prepared["parallel"] = world.record(plan)
         call.report("encode", 1, 1)
         with self.using("dit"):
-            return self._denoise_decode(call, tier, cond, start)
+            return self._denoise_decode(call, tier, cond, start, world, plan)
 
     def _denoise_decode(
-        self, call: Call, tier: RunTier, cond: Conditioning, start: Start
-    ) -> tuple[Tensor, Any, bool, str]:
+        self, call: Call, tier: RunTier, cond: Conditioning, start: Start, world: Any, plan: Any
+    ) -> tuple[Tensor, Any, bool, str, str | None]:
+        """`_generate` after the encode: `world` / `plan` the parallel run's group and split (None: one process)."""
         batch, steps = cond.batch, call.steps
         g = self.guidance_tensor(call, batch)
 
@@ -421,7 +422,7 @@ class Recipe:
         kernels = kernels_used(self._graphed.get((start.rope_key, tier, "cond")) if use_graphs else None)
 
         if world is not None and not world.is_main and call.output_type != "latent":
-            return latents, None, use_graphs, kernels  # rank 0 decodes
+            return latents, None, use_graphs, kernels, None  # rank 0 decodes
         if call.output_type == "latent":
             return latents, self.latent_output(latents, start), use_graphs, kernels, None
         z = self.decoder_input(latents, start)
