@@ -7,6 +7,8 @@
 #   bash scripts/gpu_check.sh final     all GPU tests and the FP8 bench
 #   bash scripts/gpu_check.sh high      all GPU tests, the decode bench
 #   bash scripts/gpu_check.sh mid       new GPU tests (LoRA, high decode), the decode, variant, LoRA and FLUX.1 step benches
+#   bash scripts/gpu_check.sh all3      all GPU tests, FLUX.3 flow-map step bench
+#   bash scripts/gpu_check.sh memory    the memory-plan bench (FLUX.1-dev), the memory GPU tests
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
@@ -55,6 +57,13 @@ case "$phase" in
     timeout 200 python3 scripts/bench.py --variants --json "$OUT/bench_variants.json" 2>&1 | tee "$OUT/bench_variants.txt" | tail -30 || status=1
     timeout 150 python3 scripts/bench.py --dit --json "$OUT/bench_dit.json" 2>&1 | tee "$OUT/bench_dit.txt" | tail -14 || status=1
     timeout 150 python3 scripts/bench_lora.py 2>&1 | tee "$OUT/bench_lora.txt" | tail -5 || status=1
+    ;;
+  all3)
+    timeout 380 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
+    timeout 180 python3 scripts/bench_flux3.py --models flow-map --json "$OUT/bench_flux3.json" 2>&1 | tee "$OUT/bench_flux3.txt" | tail -30 || status=1
+    ;;
+  memory)
+    timeout 300 python3 scripts/bench_memory.py --model "${2:-flux1}" --json "$OUT/bench_memory.json" 2>&1 | tee "$OUT/bench_memory.txt" | tail -30 || status=1
     ;;
   vae)
     timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
