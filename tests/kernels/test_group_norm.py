@@ -99,7 +99,7 @@ def test_group_norm_gpu_attention_view():
 @gpu
 def test_group_norm_dispatch_by_tier():
     """lossless runs the eager op (its bits); high runs the kernel and the report says so."""
-    norm = torch.nn.GroupNorm(GROUPS, 256, eps=EPS).to("cuda", torch.bfloat16)
+    norm = torch.nn.GroupNorm(GROUPS, 256, eps=EPS).to("cuda", torch.bfloat16).requires_grad_(False)
     x, _, _ = inputs((1, 256, 64, 64), torch.bfloat16, "cuda")
     reset_fused_ops_report()
     with use_fused("lossless"):
