@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import cuda_time  # scripts/bench.py, beside this file
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.models.vae import FLUX1_VAE, FLUX2_VAE
@@ -31,21 +32,6 @@ from flux_runtime.weights.vae import _random_stats, build_vae
 
 DEV = torch.device("cuda")
 RESULTS: dict[str, object] = {}
-
-
-def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median ms of `fn()` over `iters` runs after `warmup`, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
