@@ -1,7 +1,7 @@
 """`flux-gen`: one click command: parse, call `Pipeline`, save PNGs with their provenance.
 
-FLUX.1 and FLUX.2 alike (`Pipeline.from_pretrained` picks by the checkpoint); FLUX.2 also edits with
-`--image` reference images, whose paths and pixel fingerprints go into the provenance so `--replay` can
+FLUX.1, FLUX.2 and FLUX.3 alike (`Pipeline.from_pretrained` picks by the checkpoint); FLUX.2 and FLUX.3 also
+edit with `--image` reference images, whose paths and pixel fingerprints go into the provenance so `--replay` can
 refuse a reference that has gone or changed. Library errors become one line and exit 1 here, and only
 here (`--debug` shows the traceback instead). Nothing heavy is imported at module level, so that even a
 Ctrl-C while torch loads ends in one line. Every check that needs no model (output folder, device, prompt,
@@ -153,8 +153,8 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     "-i",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     multiple=True,
-    help="FLUX.2: a reference image to edit or draw from (repeatable). FLUX.1: the image for img2img or, "
-    "with --mask, inpainting (once).",
+    help="FLUX.2 / FLUX.3: a reference image to edit or draw from (repeatable; FLUX.3 up to 10). FLUX.1: the "
+    "image for img2img or, with --mask, inpainting (once).",
 )
 @click.option(
     "--mask",
@@ -302,6 +302,8 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         true_cfg=rec.get("true_cfg_scale", 1.0),
         strength=rec.get("strength"),
     )
+    if rec.get("reference_crop"):  # FLUX.3 cropped back to its reference: the size comes from it again
+        opts.update(width=None, height=None)
     if rec.get("variant") == "kontext":  # the recorded size is the rescaled one: keep it as the area
         opts.update(max_area=rec["width"] * rec["height"], no_auto_resize=rec.get("auto_resize") is False)
     inputs = rec.get("input_images") or {}
@@ -463,9 +465,7 @@ def _generate(opts: dict[str, Any]) -> None:
     )
     if isinstance(pipe, Flux3Pipe):
         _refuse_flux1_options(opts, "FLUX.3")
-        if images_in:
-            raise click.ClickException("--image: reference images for FLUX.3 are not supported yet")
-        out = pipe(opts["prompt"], **common)
+        out = pipe(opts["prompt"], image=images_in or None, **common)
     elif isinstance(pipe, Flux2Pipe):
         _refuse_flux1_options(opts, "FLUX.2")
         out = pipe(opts["prompt"], image=images_in or None, **common)

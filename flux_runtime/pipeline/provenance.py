@@ -94,6 +94,11 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
         "a list of {path, width, height, sha256} objects",
         lambda v: isinstance(v, list) and all(_is_reference(r) for r in v),
     ),
+    # FLUX.3: the (left, top, right, bottom) box of a single reference that the output was cropped back to
+    "reference_crop": Kind(
+        "a list of 4 integers >= 0",
+        lambda v: isinstance(v, list) and len(v) == 4 and all(_int_at_least(0).ok(x) for x in v),
+    ),
     "index": _int_at_least(0),
     "num_images": _int_at_least(1),
     "precision": STR,
