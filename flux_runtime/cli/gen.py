@@ -45,6 +45,9 @@ REPLAYED = (
     "max_area",
     "no_auto_resize",
     "lora",
+    "no_upsample",
+    "prompt_upsampler",
+    "upsampler_prompts",
 )
 
 
@@ -193,6 +196,24 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     help="FLUX.1 true CFG scale; with --negative-prompt and > 1 each step runs twice.",
 )
 @click.option(
+    "--no-upsample",
+    is_flag=True,
+    help="FLUX.3: encode the prompt as given, without the prompt upsampler (on by default where the model has one).",
+)
+@click.option(
+    "--prompt-upsampler",
+    type=str,
+    default=None,
+    help="FLUX.3: the prompt upsampler's folder or cached id [default: black-forest-labs/flux-3-image-klein-pup "
+    "for flux3-klein*; none for tiny-flux3-random].",
+)
+@click.option(
+    "--upsampler-prompts",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="FLUX.3: the upsampler's system prompts (JSON) [default: system_prompts.json in its folder].",
+)
+@click.option(
     "--lora",
     "loras",
     multiple=True,
@@ -311,6 +332,9 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         if role in inputs:
             (path,) = _replay_images(opts["replay"], [inputs[role]])
             opts[opt] = (path,) if opt == "image" else path
+    if "upsample" in rec:  # FLUX.3: the caption that was encoded, never the upsampler again
+        opts["_upsampled_prompt"] = rec.get("upsampled_prompt")
+        opts["no_upsample"] = rec.get("upsampled_prompt") is None
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
@@ -465,11 +489,22 @@ def _generate(opts: dict[str, Any]) -> None:
     )
     if isinstance(pipe, Flux3Pipe):
         _refuse_flux1_options(opts, "FLUX.3")
-        out = pipe(opts["prompt"], image=images_in or None, **common)
+        if opts["prompt_upsampler"] is not None or opts["upsampler_prompts"] is not None:
+            source = opts["prompt_upsampler"] or pipe.prompt_upsampler.source
+            pipe.set_prompt_upsampler(source, prompts=opts["upsampler_prompts"])
+        out = pipe(
+            opts["prompt"],
+            image=images_in or None,
+            upsample=False if opts["no_upsample"] else None,
+            upsampled_prompt=opts.get("_upsampled_prompt"),
+            **common,
+        )
     elif isinstance(pipe, Flux2Pipe):
         _refuse_flux1_options(opts, "FLUX.2")
+        _refuse_flux3_options(opts, "FLUX.2")
         out = pipe(opts["prompt"], image=images_in or None, **common)
     else:
+        _refuse_flux3_options(opts, "FLUX.1")
         if images_in and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
             # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
             raise click.ClickException(
@@ -521,3 +556,18 @@ def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:
         "--negative-prompt": opts["negative_prompt"] is not None,
         "--true-cfg": opts["true_cfg"] != 1.0,
     }
+
+
+def _refuse_flux3_options(opts: dict[str, Any], family: str) -> None:
+    """One error naming the FLUX.3-only (prompt upsampler) options given for a model of another family."""
+    given = [
+        flag
+        for flag, name in (
+            ("--no-upsample", "no_upsample"),
+            ("--prompt-upsampler", "prompt_upsampler"),
+            ("--upsampler-prompts", "upsampler_prompts"),
+        )
+        if opts[name]
+    ]
+    if given:
+        raise click.ClickException(f"{', '.join(given)} need a FLUX.3 model; {opts['model']} is {family}")

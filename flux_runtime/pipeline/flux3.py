@@ -34,6 +34,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit.flux3 import Flux3RoPE, Flux3Transformer
 from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.pipeline import flux3_upsample
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -110,6 +111,7 @@ class Flux3Pipe(Recipe):
         quality: Tier = "lossless",
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
+        prompt_upsampler: str | Path | None = None,
     ) -> None:
         if transformer.config.family != "flux3":
             raise FluxError(
@@ -125,6 +127,7 @@ class Flux3Pipe(Recipe):
                 f"reads {width} (FLUX.3 Image Klein takes Qwen3-VL-4B)"
             )
         self.default_guidance = guidance
+        self.prompt_upsampler = flux3_upsample.UpsamplerSetting(prompt_upsampler)
         self._setup(
             transformer, vae, text_encoder, schedule=schedule, model_name=model_name, weights_id=weights_id,
             quality=quality, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
@@ -152,6 +155,14 @@ class Flux3Pipe(Recipe):
         """1024, or the registry's side for a built-in model (fast on a CPU)."""
         spec = spec_for(self.model_name)
         return spec.default_size if spec is not None and spec.default_size else DEFAULT_SIZE
+
+    def set_prompt_upsampler(
+        self, path_or_id: str | Path | None, *, prompts: str | Path | None = None
+    ) -> None:
+        """Use the prompt upsampler in `path_or_id` (a folder or cached id; None: no upsampler), with its system
+        prompts from `prompts` (a JSON file; default: `system_prompts.json` in the upsampler's folder). Opened on the
+        first call that upsamples."""
+        self.prompt_upsampler = flux3_upsample.UpsamplerSetting(path_or_id, prompts)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -183,6 +194,7 @@ class Flux3Pipe(Recipe):
             transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
             guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,
             cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+            prompt_upsampler=_upsampler_source(src),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ generation
@@ -204,6 +216,8 @@ class Flux3Pipe(Recipe):
         prompt_embeds: Tensor | None = None,
         quality: Tier | None = None,
         progress: Progress | None = None,
+        upsample: bool | None = None,
+        upsampled_prompt: str | None = None,
     ) -> PipelineOutput:
         """Generate `num_images_per_prompt` images of one prompt (FLUX.3 takes one per call, as diffusers does).
 
@@ -215,13 +229,19 @@ class Flux3Pipe(Recipe):
         `guidance` the base model's CFG scale (default 3.5; 1 runs no CFG), ignored by a flow map (a warning when
         given). `max_sequence_length` caps the text window (default 8192). Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (1, L, context_in_dim) may
         replace `prompt` (the CFG negative is still encoded). `latents` is the final packed (B, L, 128).
+
+        `upsample`: run the prompt upsampler first (with the references, in its edit mode) and encode its caption;
+        None (default) does when the pipeline has one (`flux3-klein*`: black-forest-labs/flux-3-image-klein-pup,
+        which must be in the local cache), False never. `upsampled_prompt`: an earlier run's caption
+        (`info["upsampled_prompt"]`), encoded as is without running the upsampler. The record's `upsample` says
+        which ran ("on", "given", "off", "unavailable").
         """
         if max_sequence_length is None:
             max_sequence_length = MAX_SEQUENCE_LENGTH
         call = Call(
             prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
             num_images_per_prompt, output_type, quality or self.quality, progress, prompt_embeds,
-            inputs={"image": image},
+            inputs={"image": image, "upsample": upsample, "upsampled_prompt": upsampled_prompt},
         )  # fmt: skip
         return self._run(call)
 
@@ -280,6 +300,7 @@ class Flux3Pipe(Recipe):
         # diffusers' guider: CFG unless the scale is 1
         cfg = call.guidance_used is not None and not math.isclose(call.guidance_used, 1.0)
         call.true_cfg_scale = call.guidance_used if cfg and call.guidance_used is not None else 1.0
+        flux3_upsample.plan(self, call)  # last: the prompt and the references are checked
 
     def _check_images(self, image: ReferenceImages | None) -> PreparedReferences | None:
         """The prepared reference images, or None without any; a FluxError for bad ones."""
@@ -291,6 +312,8 @@ class Flux3Pipe(Recipe):
             raise FluxError(str(e)) from None
 
     def encode(self, call: Call) -> Conditioning:
+        """The upsampler's caption (or the prompt) and, with CFG, the empty negative, through Qwen3-VL."""
+        caption = flux3_upsample.caption(self, call)
         te, n = self.text_encoder, call.num_images_per_prompt
         cfg = call.true_cfg_scale != 1.0
         need = call.prompt_embeds is None or cfg
@@ -300,7 +323,7 @@ class Flux3Pipe(Recipe):
             if call.prompt_embeds is None:
                 assert isinstance(call.prompt, str)  # checked
                 embeds = te.encode(
-                    call.prompt, max_sequence_length=call.max_sequence_length, num_images_per_prompt=n,
+                    caption or call.prompt, max_sequence_length=call.max_sequence_length, num_images_per_prompt=n,
                     device=self.device,
                 ).prompt_embeds  # fmt: skip
             else:
@@ -396,12 +419,14 @@ class Flux3Pipe(Recipe):
     def record_inputs(self, call: Call) -> dict[str, Any]:
         """`reference_images`: per image its file (or None), size and fingerprint, so a replay can tell a changed
         one; `reference_crop`: the box the output was cropped back to (a single reference, no size given)."""
+        upsampling = flux3_upsample.record(self, call)
         image = call.inputs["image"]
         if image is None:
-            return {}
+            return upsampling
         given = [image] if isinstance(image, Image.Image) else list(image)
         crop = call.prepared.get("crop")
         return {
+            **upsampling,
             "reference_images": [image_record(im) for im in given],
             **({} if crop is None else {"reference_crop": list(crop)}),
         }
@@ -415,6 +440,15 @@ class Flux3Pipe(Recipe):
 
     def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
         return GraphedDenoiser(fn)
+
+
+def _upsampler_source(src: Sources) -> str | Path | None:
+    """The prompt upsampler paired with these sources: a folder's `prompt_upsampler/`, else the registry's."""
+    root = Path(src.transformer)
+    if root.is_dir() and (root / "prompt_upsampler").is_dir():
+        return root / "prompt_upsampler"
+    spec = spec_for(src.name)
+    return None if spec is None else spec.upsampler
 
 
 def _split_ids(ids: Tensor, n_img: int) -> tuple[Tensor, Tensor | None]:
