@@ -78,3 +78,30 @@ def test_bad_references_fail_before_any_model_work(folders):  # noqa: F811
         pipe(PROMPT, image=[])
     with pytest.raises(FluxError, match="with several references each side must be at least 4 px"):
         pipe(PROMPT, image=[ONE[0], _image(3, 40, seed=0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["base", "flow-map"])
+def test_references_on_cuda_equal_diffusers_and_graph_replays_take_new_references(folders, name):  # noqa: F811
+    """bf16 on the GPU, lossless with CUDA graphs: each call equals diffusers' on CUDA, the second (a replay of
+    the captured graph) with other references of the same sizes, so the graph must read the new ones."""
+    flow_map = name == "flow-map"
+    ref = _diffusers(folders[name], flow_map, torch.bfloat16).to("cuda")
+    ours = Pipeline.from_pretrained(folders[name], device="cuda", dtype=torch.bfloat16)
+    for refs in (TWO, [_image(36, 30, seed=8), _image(20, 44, seed=9)], ONE):
+        state = ref(
+            prompt=PROMPT, image=refs if len(refs) > 1 else refs[0], num_inference_steps=STEPS,
+            generator=torch.Generator("cuda").manual_seed(7),
+        )  # fmt: skip
+        out = ours(
+            PROMPT,
+            image=refs,
+            num_steps=STEPS,
+            generator=torch.Generator("cuda").manual_seed(7),
+            output_type="np",
+        )
+        want = state.get("latents")
+        assert out.info["cuda_graphs"] and out.info["quality"] == "lossless"
+        assert torch.equal(flux2_unpack(out.latents, 2 * want.shape[-2], 2 * want.shape[-1]), want)
+        want_images = np.stack([np.asarray(im) for im in state.get("images")])
+        assert np.array_equal(out.images, want_images)

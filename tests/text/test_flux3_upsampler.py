@@ -141,3 +141,13 @@ def test_own_prompts_reach_the_model(tmp_path, folder):
     other = ours.upsample("a red fox in the snow")
     default = PromptUpsampler.from_pretrained(folder, dtype=torch.float32).upsample("a red fox in the snow")
     assert other != default  # the system prompt is part of the input
+
+
+@pytest.mark.gpu
+def test_caption_on_cuda_equals_diffusers(folder):
+    from diffusers.modular_pipelines.flux3.prompt_upsampler import upsample_prompt
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    ours = PromptUpsampler.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).to("cuda")
+    assert ours.upsample(REQUESTS[0]) == upsample_prompt(model, text_only_processor(folder), REQUESTS[0])
