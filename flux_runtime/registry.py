@@ -48,6 +48,9 @@ class ModelSpec:
     dit_file: str | None = None  # ... and the BFL transformer file in it (beside `ae.safetensors`)
     default_size: int | None = None  # None: the family's native size
     max_sequence_length: int | None = None  # None: the family's (512); a trained tiny model's own length
+    upsampler: str | None = (
+        None  # FLUX.3: the prompt upsampler BFL pairs with it (a hub id); None: it has none
+    )
 
     @property
     def builtin(self) -> bool:
@@ -153,7 +156,7 @@ MODELS: dict[str, ModelSpec] = {
             text_encoders=(QWEN3_8B_ID,),
         ),
         ModelSpec(
-            name="tiny-flux3-random",
+            name="tiny-flux3-random",  # random weights: no prompt upsampler (its record says "unavailable")
             family="flux3",
             preset="tiny-flux3",
             vae_preset="tiny-flux2",
@@ -164,12 +167,14 @@ MODELS: dict[str, ModelSpec] = {
             family="flux3",
             hub_id="black-forest-labs/flux-3-image-klein",
             text_encoders=(QWEN3_VL_4B_ID,),
+            upsampler=FLUX3_UPSAMPLER_ID,
         ),
         ModelSpec(
             name="flux3-klein-base",  # 50 steps with CFG
             family="flux3",
             hub_id="black-forest-labs/flux-3-image-klein-base",
             text_encoders=(QWEN3_VL_4B_ID,),
+            upsampler=FLUX3_UPSAMPLER_ID,
         ),
     )
 }

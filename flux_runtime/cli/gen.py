@@ -1,7 +1,7 @@
 """`flux-gen`: one click command: parse, call `Pipeline`, save PNGs with their provenance.
 
-FLUX.1 and FLUX.2 alike (`Pipeline.from_pretrained` picks by the checkpoint); FLUX.2 also edits with
-`--image` reference images, whose paths and pixel fingerprints go into the provenance so `--replay` can
+FLUX.1, FLUX.2 and FLUX.3 alike (`Pipeline.from_pretrained` picks by the checkpoint); FLUX.2 and FLUX.3 also
+edit with `--image` reference images, whose paths and pixel fingerprints go into the provenance so `--replay` can
 refuse a reference that has gone or changed. Library errors become one line and exit 1 here, and only
 here (`--debug` shows the traceback instead). Nothing heavy is imported at module level, so that even a
 Ctrl-C while torch loads ends in one line. Every check that needs no model (output folder, device, prompt,
@@ -47,6 +47,9 @@ REPLAYED = (
     "max_area",
     "no_auto_resize",
     "lora",
+    "no_upsample",
+    "prompt_upsampler",
+    "upsampler_prompts",
 )
 
 
@@ -155,8 +158,8 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     "-i",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     multiple=True,
-    help="FLUX.2: a reference image to edit or draw from (repeatable). FLUX.1: the image for img2img or, "
-    "with --mask, inpainting (once).",
+    help="FLUX.2 / FLUX.3: a reference image to edit or draw from (repeatable; FLUX.3 up to 10). FLUX.1: the "
+    "image for img2img or, with --mask, inpainting (once).",
 )
 @click.option(
     "--mask",
@@ -193,6 +196,24 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     type=click.FloatRange(min=1),
     default=1.0,
     help="FLUX.1 true CFG scale; with --negative-prompt and > 1 each step runs twice.",
+)
+@click.option(
+    "--no-upsample",
+    is_flag=True,
+    help="FLUX.3: encode the prompt as given, without the prompt upsampler (on by default where the model has one).",
+)
+@click.option(
+    "--prompt-upsampler",
+    type=str,
+    default=None,
+    help="FLUX.3: the prompt upsampler's folder or cached id [default: black-forest-labs/flux-3-image-klein-pup "
+    "for flux3-klein*; none for tiny-flux3-random].",
+)
+@click.option(
+    "--upsampler-prompts",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="FLUX.3: the upsampler's system prompts (JSON) [default: system_prompts.json in its folder].",
 )
 @click.option(
     "--lora",
@@ -380,6 +401,8 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         true_cfg=rec.get("true_cfg_scale", 1.0),
         strength=rec.get("strength"),
     )
+    if rec.get("reference_crop"):  # FLUX.3 cropped back to its reference: the size comes from it again
+        opts.update(width=None, height=None)
     if rec.get("variant") == "kontext":  # the recorded size is the rescaled one: keep it as the area
         opts.update(max_area=rec["width"] * rec["height"], no_auto_resize=rec.get("auto_resize") is False)
     inputs = rec.get("input_images") or {}
@@ -387,6 +410,9 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         if role in inputs:
             (path,) = _replay_images(opts["replay"], [inputs[role]])
             opts[opt] = (path,) if opt == "image" else path
+    if "upsample" in rec:  # FLUX.3: the caption that was encoded, never the upsampler again
+        opts["_upsampled_prompt"] = rec.get("upsampled_prompt")
+        opts["no_upsample"] = rec.get("upsampled_prompt") is None
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
@@ -554,13 +580,22 @@ def _generate(opts: dict[str, Any]) -> None:
     )
     if isinstance(pipe, Flux3Pipe):
         _refuse_flux1_options(opts, "FLUX.3")
-        if images_in:
-            raise click.ClickException("--image: reference images for FLUX.3 are not supported yet")
-        out = pipe(opts["prompt"], **common)
+        if opts["prompt_upsampler"] is not None or opts["upsampler_prompts"] is not None:
+            source = opts["prompt_upsampler"] or pipe.prompt_upsampler.source
+            pipe.set_prompt_upsampler(source, prompts=opts["upsampler_prompts"])
+        out = pipe(
+            opts["prompt"],
+            image=images_in or None,
+            upsample=False if opts["no_upsample"] else None,
+            upsampled_prompt=opts.get("_upsampled_prompt"),
+            **common,
+        )
     elif isinstance(pipe, Flux2Pipe):
         _refuse_flux1_options(opts, "FLUX.2")
+        _refuse_flux3_options(opts, "FLUX.2")
         out = pipe(opts["prompt"], image=images_in or None, **common)
     else:
+        _refuse_flux3_options(opts, "FLUX.1")
         if images_in and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
             # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
             raise click.ClickException(
@@ -614,6 +649,21 @@ def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:
         "--negative-prompt": opts["negative_prompt"] is not None,
         "--true-cfg": opts["true_cfg"] != 1.0,
     }
+
+
+def _refuse_flux3_options(opts: dict[str, Any], family: str) -> None:
+    """One error naming the FLUX.3-only (prompt upsampler) options given for a model of another family."""
+    given = [
+        flag
+        for flag, name in (
+            ("--no-upsample", "no_upsample"),
+            ("--prompt-upsampler", "prompt_upsampler"),
+            ("--upsampler-prompts", "upsampler_prompts"),
+        )
+        if opts[name]
+    ]
+    if given:
+        raise click.ClickException(f"{', '.join(given)} need a FLUX.3 model; {opts['model']} is {family}")
 
 
 if __name__ == "__main__":  # how `--gpus N` runs each rank (and `torchrun -m flux_runtime.cli.gen`)

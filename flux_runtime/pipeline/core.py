@@ -118,8 +118,9 @@ class Start:
     txt_ids: Tensor
     rope_key: tuple
     reference_tokens: Tensor | None = None  # appended after the latents (FLUX.2 references, Kontext)
-    channel_cond: Tensor | None = None  # concatenated on the channels (Fill, Depth/Canny)
+    channel_cond: Tensor | None = None  # every step's extra input: `conditioned_velocity` says how it joins
     blend: Callable[[int, Tensor], Tensor] | None = None  # after step i (inpainting keeps the unmasked part)
+    crop: tuple[int, int, int, int] | None = None  # (left, top, right, bottom) of the decoded image to keep
 
 
 class Recipe:
@@ -230,6 +231,14 @@ class Recipe:
         ids: tuple[Tensor, Tensor], pe: RoPE,
     ) -> Tensor:  # fmt: skip
         raise NotImplementedError
+
+    def conditioned_velocity(
+        self, x: Tensor, cond: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None,
+        mods: Tensor | None, ids: tuple[Tensor, Tensor], pe: RoPE,
+    ) -> Tensor:  # fmt: skip
+        """`velocity` with `Start.channel_cond`: concatenated on the channels (Fill, Depth/Canny); FLUX.3 reads it
+        as its own reference-token stream instead."""
+        return self.velocity(torch.cat([x, cond], dim=2), t, g, txt, vec, mods, ids, pe)
 
     def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
         """What the transformer's guidance embedder is fed (B,) fp32, or None for a model without one."""
@@ -362,8 +371,8 @@ class Recipe:
             cc: Tensor | None,
         ) -> Tensor:  # fmt: skip
             with tier.mounted():
-                if cc is not None:  # Fill / Control: the conditioning latents beside the noisy ones
-                    x = torch.cat([x, cc], dim=2)
+                if cc is not None:  # Fill / Control latents, FLUX.3 references
+                    return self.conditioned_velocity(x, cc, t, gd, txt, vec, mods, ids, pe)
                 return self.velocity(x, t, gd, txt, vec, mods, ids, pe)
 
         use_graphs = self._graphs_enabled()
@@ -428,6 +437,9 @@ class Recipe:
         z = self.decoder_input(latents, start)
         call.report("decode", 0, 1)
         decoded, decode_kernels = self._decode(z, tier)
+        if start.crop is not None:  # FLUX.3: back to a single reference's box on its canvas
+            left, top, right, bottom = start.crop
+            decoded = decoded[..., top:bottom, left:right]
         check_finite(decoded, "decoded images")
         call.report("decode", 1, 1)
         if call.output_type == "pil":

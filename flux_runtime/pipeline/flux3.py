@@ -3,8 +3,11 @@
 Open it with `Pipeline.from_pretrained` (which returns this class when the transformer's keys are FLUX.3's).
 Order of work, as diffusers 0.42.1's `Flux3AutoBlocks` / `Flux3DistilledAutoBlocks` run it (the prompt
 upsampler left out): encode the one prompt with Qwen3-VL (the base model with CFG: also the empty negative
-prompt, its own text length), draw 128-channel noise in float32 and cast it, build the static-shift schedule,
-integrate (`sampling.flux3`), unpack, BatchNorm-denormalise, unpatchify, decode, postprocess.
+prompt, its own text length), prepare and VAE-encode the reference images if any (`sampling.flux3_references`:
+one kept whole on a reflect-padded canvas, several centre-cropped), draw 128-channel noise in float32 and cast
+it, build the static-shift schedule, integrate (`sampling.flux3`; the references as their own token stream at
+every step), unpack, BatchNorm-denormalise, unpatchify, decode, crop back to a single reference's box (when no
+size was given), postprocess.
 
 Base or flow map is the checkpoint's (`config.flow_map`, told by its target-timestep embedder):
 - base (`flux3-klein-base`): 50 steps, CFG at `guidance` (default 3.5, or the folder's guider config), the
@@ -26,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from flux_runtime.models.dit.flux3 import Flux3RoPE, Flux3Transformer
 from flux_runtime.models.vae import Flux2VAE
+from flux_runtime.pipeline import flux3_upsample
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -41,6 +46,7 @@ from flux_runtime.pipeline.checks import (
 from flux_runtime.pipeline.core import Call, Conditioning, OutputType, PipelineOutput, Progress, Recipe, Start
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import check_latent_widths
+from flux_runtime.pipeline.flux2 import ReferenceImages, image_record
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources
@@ -55,6 +61,11 @@ from flux_runtime.sampling import (
     unpatchify,
 )
 from flux_runtime.sampling.flux3 import FLUX3_SCHEDULE, flux3_denoise, flux3_image_ids, flux3_prepare_noise
+from flux_runtime.sampling.flux3_references import (
+    PreparedReferences,
+    encode_flux3_references,
+    prepare_flux3_references,
+)
 from flux_runtime.sampling.schedule import ScheduleConfig
 from flux_runtime.text.flux3 import MAX_SEQUENCE_LENGTH, Flux3TextEncoder, text_ids
 from flux_runtime.weights import load_transformer
@@ -76,7 +87,10 @@ DEFAULT_SIZE = 1024
 
 @dataclass
 class Flux3Start(Start):
-    """`Start` plus the text lengths of the branches (conditional first): each has its own RoPE tables."""
+    """`Start` plus the text lengths of the branches (conditional first): each has its own RoPE tables.
+
+    With references, `img_ids` holds the generated image's ids then the references' (l = -1, -2, ...), and
+    `channel_cond` the reference tokens (B, L_ref, 128), their own stream in the transformer."""
 
     txt_lengths: tuple[int, ...] = ()
 
@@ -97,6 +111,7 @@ class Flux3Pipe(Recipe):
         quality: Tier = "lossless",
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
+        prompt_upsampler: str | Path | None = None,
     ) -> None:
         if transformer.config.family != "flux3":
             raise FluxError(
@@ -112,6 +127,7 @@ class Flux3Pipe(Recipe):
                 f"reads {width} (FLUX.3 Image Klein takes Qwen3-VL-4B)"
             )
         self.default_guidance = guidance
+        self.prompt_upsampler = flux3_upsample.UpsamplerSetting(prompt_upsampler)
         self._setup(
             transformer, vae, text_encoder, schedule=schedule, model_name=model_name, weights_id=weights_id,
             quality=quality, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
@@ -139,6 +155,14 @@ class Flux3Pipe(Recipe):
         """1024, or the registry's side for a built-in model (fast on a CPU)."""
         spec = spec_for(self.model_name)
         return spec.default_size if spec is not None and spec.default_size else DEFAULT_SIZE
+
+    def set_prompt_upsampler(
+        self, path_or_id: str | Path | None, *, prompts: str | Path | None = None
+    ) -> None:
+        """Use the prompt upsampler in `path_or_id` (a folder or cached id; None: no upsampler), with its system
+        prompts from `prompts` (a JSON file; default: `system_prompts.json` in the upsampler's folder). Opened on the
+        first call that upsamples."""
+        self.prompt_upsampler = flux3_upsample.UpsamplerSetting(path_or_id, prompts)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -170,6 +194,7 @@ class Flux3Pipe(Recipe):
             transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
             guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,
             cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+            prompt_upsampler=_upsampler_source(src),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ generation
@@ -178,6 +203,7 @@ class Flux3Pipe(Recipe):
         self,
         prompt: str | None = None,
         *,
+        image: ReferenceImages | None = None,
         height: int | None = None,
         width: int | None = None,
         num_steps: int | None = None,
@@ -190,25 +216,46 @@ class Flux3Pipe(Recipe):
         prompt_embeds: Tensor | None = None,
         quality: Tier | None = None,
         progress: Progress | None = None,
+        upsample: bool | None = None,
+        upsampled_prompt: str | None = None,
     ) -> PipelineOutput:
         """Generate `num_images_per_prompt` images of one prompt (FLUX.3 takes one per call, as diffusers does).
 
+        `image`: 1 to 10 reference PIL images. One is kept whole: shrunk to fit a 4 MP canvas (sides rounded up to
+        16 px, 64..4096), reflect-padded to it; without `height`/`width` the image is generated at that canvas and
+        cropped back to the reference (the output has the reference's shrunk size). Several are each shrunk to
+        ≤ 1 MP and centre-cropped to multiples of 16; the size then defaults to the first one's.
         `height`/`width` default to `default_size` (multiples of 16); `num_steps` 50 (base) or 16 (flow map);
         `guidance` the base model's CFG scale (default 3.5; 1 runs no CFG), ignored by a flow map (a warning when
         given). `max_sequence_length` caps the text window (default 8192). Exactly one of `seed` / `generator` (neither: seed 0). `prompt_embeds` (1, L, context_in_dim) may
         replace `prompt` (the CFG negative is still encoded). `latents` is the final packed (B, L, 128).
+
+        `upsample`: run the prompt upsampler first (with the references, in its edit mode) and encode its caption;
+        None (default) does when the pipeline has one (`flux3-klein*`: black-forest-labs/flux-3-image-klein-pup,
+        which must be in the local cache), False never. `upsampled_prompt`: an earlier run's caption
+        (`info["upsampled_prompt"]`), encoded as is without running the upsampler. The record's `upsample` says
+        which ran ("on", "given", "off", "unavailable").
         """
         if max_sequence_length is None:
             max_sequence_length = MAX_SEQUENCE_LENGTH
         call = Call(
             prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
             num_images_per_prompt, output_type, quality or self.quality, progress, prompt_embeds,
+            inputs={"image": image, "upsample": upsample, "upsampled_prompt": upsampled_prompt},
         )  # fmt: skip
         return self._run(call)
 
     # ------------------------------------------------------------------ the recipe
     def check(self, call: Call) -> None:
         """Defaults filled in, or one FluxError naming the problem; no model runs."""
+        refs = self._check_images(call.inputs["image"])
+        call.prepared["refs"] = refs
+        if refs is not None:
+            # a given size is used as is and turns the crop-back off; a missing one is the first reference's
+            call.prepared["crop"] = refs.crop if call.height is None and call.width is None else None
+            ref_h, ref_w = refs.size
+            call.height = ref_h if call.height is None else call.height
+            call.width = ref_w if call.width is None else call.width
         if call.prompt_embeds is None:
             if isinstance(call.prompt, list) and len(call.prompt) == 1:
                 call.prompt = call.prompt[0]
@@ -253,8 +300,20 @@ class Flux3Pipe(Recipe):
         # diffusers' guider: CFG unless the scale is 1
         cfg = call.guidance_used is not None and not math.isclose(call.guidance_used, 1.0)
         call.true_cfg_scale = call.guidance_used if cfg and call.guidance_used is not None else 1.0
+        flux3_upsample.plan(self, call)  # last: the prompt and the references are checked
+
+    def _check_images(self, image: ReferenceImages | None) -> PreparedReferences | None:
+        """The prepared reference images, or None without any; a FluxError for bad ones."""
+        if image is None:
+            return None
+        try:
+            return prepare_flux3_references(image, multiple=2 * self.vae.config.spatial_factor)
+        except ValueError as e:
+            raise FluxError(str(e)) from None
 
     def encode(self, call: Call) -> Conditioning:
+        """The upsampler's caption (or the prompt) and, with CFG, the empty negative, through Qwen3-VL."""
+        caption = flux3_upsample.caption(self, call)
         te, n = self.text_encoder, call.num_images_per_prompt
         cfg = call.true_cfg_scale != 1.0
         need = call.prompt_embeds is None or cfg
@@ -264,7 +323,7 @@ class Flux3Pipe(Recipe):
             if call.prompt_embeds is None:
                 assert isinstance(call.prompt, str)  # checked
                 embeds = te.encode(
-                    call.prompt, max_sequence_length=call.max_sequence_length, num_images_per_prompt=n,
+                    caption or call.prompt, max_sequence_length=call.max_sequence_length, num_images_per_prompt=n,
                     device=self.device,
                 ).prompt_embeds  # fmt: skip
             else:
@@ -291,15 +350,31 @@ class Flux3Pipe(Recipe):
         latents = flux2_pack(noise)  # (B, L, 128)
         sigmas, timesteps = self._schedule(call.steps, latents.shape[1])
         lengths = (cond.txt.shape[1],) + (() if cond.negative_txt is None else (cond.negative_txt.shape[1],))
+        img_ids = flux3_image_ids(h // 2, w // 2, device=self.device)
+        refs: PreparedReferences | None = call.prepared["refs"]
+        ref_tokens = None
+        if refs is not None:
+            vae = self.vae
+            mean, std = latent_bn_stats(vae.bn.running_mean, vae.bn.running_var, vae.config.batch_norm_eps)
+            ref_tokens, ref_ids = encode_flux3_references(
+                refs.pixels, vae.encode, mean, std, batch=cond.batch, vae_dtype=vae.encoder.conv_in.weight.dtype,
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+            img_ids = torch.cat([img_ids, ref_ids])  # (L + L_ref, 4): the references after the image
+        layout = () if refs is None else tuple(tuple(p.shape[-2:]) for p in refs.pixels)
         return Flux3Start(
-            latents, (h, w), sigmas, timesteps, img_ids=flux3_image_ids(h // 2, w // 2, device=self.device),
-            txt_ids=text_ids(lengths[0], self.device), rope_key=(h, w, lengths, self.device), txt_lengths=lengths,
+            latents, (h, w), sigmas, timesteps, img_ids=img_ids, txt_ids=text_ids(lengths[0], self.device),
+            rope_key=(h, w, lengths, layout, self.device), channel_cond=ref_tokens, crop=call.prepared.get("crop"),
+            txt_lengths=lengths,
         )  # fmt: skip
 
     def rope_tables(self, start: Start) -> dict[int, Flux3RoPE]:
         """One set of tables per text length (the CFG branches' prompts have their own windows)."""
         assert isinstance(start, Flux3Start)
-        return {n: self.transformer.rope(text_ids(n, self.device), start.img_ids) for n in start.txt_lengths}
+        img_ids, ref_ids = _split_ids(start.img_ids, start.latents.shape[1])
+        return {
+            n: self.transformer.rope(text_ids(n, self.device), img_ids, ref_ids) for n in start.txt_lengths
+        }
 
     def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
         return None  # FLUX.3 embeds no guidance; the sampler fills this slot with a flow map's target time
@@ -322,6 +397,40 @@ class Flux3Pipe(Recipe):
         # latents.to(transformer.dtype); g: the flow map's target time (None for the base model)
         return self.transformer(x.to(self.dtype), img_ids, txt, txt_ids, t, target_timesteps=g, pe=tables)
 
+    def conditioned_velocity(
+        self, x: Tensor, cond: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None,
+        mods: Tensor | None, ids: tuple[Tensor, Tensor], pe: Any,
+    ) -> Tensor:  # fmt: skip
+        """The velocity with the reference tokens `cond` (B, L_ref, 128) as the transformer's `image_cond` stream."""
+        tables: Flux3RoPE = pe[txt.shape[1]]
+        img_ids, ref_ids = _split_ids(ids[0], x.shape[1])
+        return self.transformer(
+            x.to(self.dtype),
+            img_ids,
+            txt,
+            ids[1],
+            t,
+            ref=cond,
+            ref_ids=ref_ids,
+            target_timesteps=g,
+            pe=tables,
+        )
+
+    def record_inputs(self, call: Call) -> dict[str, Any]:
+        """`reference_images`: per image its file (or None), size and fingerprint, so a replay can tell a changed
+        one; `reference_crop`: the box the output was cropped back to (a single reference, no size given)."""
+        upsampling = flux3_upsample.record(self, call)
+        image = call.inputs["image"]
+        if image is None:
+            return upsampling
+        given = [image] if isinstance(image, Image.Image) else list(image)
+        crop = call.prepared.get("crop")
+        return {
+            **upsampling,
+            "reference_images": [image_record(im) for im in given],
+            **({} if crop is None else {"reference_crop": list(crop)}),
+        }
+
     def decoder_input(self, latents: Tensor, start: Start) -> Tensor:
         """Unpack, BatchNorm-denormalise and unpatchify in the latents' dtype: (B, 32, h, w)."""
         vae = self.vae
@@ -331,6 +440,20 @@ class Flux3Pipe(Recipe):
 
     def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
         return GraphedDenoiser(fn)
+
+
+def _upsampler_source(src: Sources) -> str | Path | None:
+    """The prompt upsampler paired with these sources: a folder's `prompt_upsampler/`, else the registry's."""
+    root = Path(src.transformer)
+    if root.is_dir() and (root / "prompt_upsampler").is_dir():
+        return root / "prompt_upsampler"
+    spec = spec_for(src.name)
+    return None if spec is None else spec.upsampler
+
+
+def _split_ids(ids: Tensor, n_img: int) -> tuple[Tensor, Tensor | None]:
+    """(the generated image's ids, the references' or None) from `Flux3Start.img_ids`."""
+    return ids[:n_img], (ids[n_img:] if ids.shape[0] > n_img else None)
 
 
 def _schedule_config(scheduler: dict | None) -> ScheduleConfig:

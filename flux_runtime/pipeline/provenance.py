@@ -94,6 +94,21 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
         "a list of {path, width, height, sha256} objects",
         lambda v: isinstance(v, list) and all(_is_reference(r) for r in v),
     ),
+    # FLUX.3: the (left, top, right, bottom) box of a single reference that the output was cropped back to
+    "reference_crop": Kind(
+        "a list of 4 integers >= 0",
+        lambda v: isinstance(v, list) and len(v) == 4 and all(_int_at_least(0).ok(x) for x in v),
+    ),
+    # FLUX.3's prompt upsampler: whether it ran, the caption that was encoded, which upsampler wrote it
+    "upsample": _one_of("on", "given", "off", "unavailable"),
+    "upsampled_prompt": STR,
+    "prompt_upsampler": Kind(
+        "a {model, weights, system_prompt} object of strings",
+        lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(v.get(k), str) for k in ("model", "weights", "system_prompt"))
+        ),
+    ),
     "index": _int_at_least(0),
     "num_images": _int_at_least(1),
     "precision": STR,

@@ -50,7 +50,3 @@ def test_options_of_other_families_are_refused(tmp_path) -> None:
         res.exit_code != 0
         and "--negative-prompt need a FLUX.1 model; tiny-flux3-random is FLUX.3" in res.output
     )
-    image = tmp_path / "in.png"
-    Image.new("RGB", (32, 32), (200, 10, 10)).save(image)
-    res = _run("--prompt", "a", "--image", str(image), "--out", str(tmp_path / "y.png"))
-    assert res.exit_code != 0 and "reference images for FLUX.3 are not supported yet" in res.output

@@ -1,0 +1,97 @@
+"""flux-gen with FLUX.3's prompt upsampler (a tiny random Qwen3.5 folder): the caption in the PNG, a replay that
+needs no upsampler, --no-upsample, and the options refused where they do not apply."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from flux_runtime.cli.gen import main
+from flux_runtime.pipeline import Pipeline
+from tests.flux3_upsampler_fixtures import make_tiny_upsampler
+
+BASE = ["--model", "tiny-flux3-random", "--steps", "2", "--height", "32", "--width", "48", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def upsampler(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_upsampler(tmp_path_factory.mktemp("pup"), seed=3)
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def _info_and_pixels(path):
+    with Image.open(path) as im:
+        return json.loads(im.text["flux_runtime"]), np.asarray(im.convert("RGB"))
+
+
+def test_upsampled_caption_is_recorded_and_replayed_without_the_upsampler(upsampler, tmp_path) -> None:
+    local = shutil.copytree(upsampler, tmp_path / "pup")
+    out = tmp_path / "fox.png"
+    res = _run(*BASE, "--prompt", "a red fox", "--prompt-upsampler", str(local), "--out", str(out))
+    assert res.exit_code == 0, res.output
+    info, pixels = _info_and_pixels(out)
+    assert info["prompt"] == "a red fox" and info["upsample"] == "on" and info["upsampled_prompt"]
+    assert info["prompt_upsampler"]["model"] == str(local)
+    pipe = Pipeline.from_pretrained("tiny-flux3-random", device="cpu", dtype=torch.float32)
+    pipe.set_prompt_upsampler(local)
+    want = pipe("a red fox", seed=0, height=32, width=48, num_steps=2, output_type="np")
+    assert want.info["upsampled_prompt"] == info["upsampled_prompt"] and np.array_equal(
+        pixels, want.images[0]
+    )
+
+    shutil.rmtree(local)  # the replay encodes the recorded caption: no upsampler needed
+    again = tmp_path / "again.png"
+    res = _run("--replay", str(out), "--out", str(again), "--quiet")
+    assert res.exit_code == 0, res.output
+    info2, pixels2 = _info_and_pixels(again)
+    assert np.array_equal(pixels2, pixels) and info2["upsample"] == "given"
+    assert info2["upsampled_prompt"] == info["upsampled_prompt"] and info2["prompt"] == "a red fox"
+
+    res = _run("--replay", str(out), "--no-upsample", "--out", str(tmp_path / "x.png"), "--quiet")
+    assert res.exit_code != 0 and "--replay takes --no-upsample from the image" in res.output
+
+
+def test_no_upsample_and_refusals(upsampler, tmp_path) -> None:
+    out = tmp_path / "plain.png"
+    res = _run(
+        *BASE,
+        "--prompt",
+        "a red fox",
+        "--prompt-upsampler",
+        str(upsampler),
+        "--no-upsample",
+        "--out",
+        str(out),
+    )
+    assert res.exit_code == 0, res.output
+    info, _ = _info_and_pixels(out)
+    assert info["upsample"] == "off" and "upsampled_prompt" not in info
+    res = _run(
+        *BASE,
+        "--prompt",
+        "a",
+        "--prompt-upsampler",
+        str(tmp_path / "nothing"),
+        "--out",
+        str(tmp_path / "y.png"),
+    )
+    assert (
+        res.exit_code == 1 and "is neither a local folder nor in the local Hugging Face cache" in res.output
+    )
+    assert "--no-upsample" in res.output and len(res.output.strip().splitlines()) == 1
+    res = _run(
+        "--model", "tiny-flux2-random", "--prompt", "a", "--no-upsample", "--steps", "1", "--quiet",
+        "--out", str(tmp_path / "z.png"),
+    )  # fmt: skip
+    assert (
+        res.exit_code == 1 and "--no-upsample need a FLUX.3 model; tiny-flux2-random is FLUX.2" in res.output
+    )

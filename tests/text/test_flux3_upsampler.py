@@ -1,0 +1,153 @@
+"""FLUX.3's prompt upsampler writes diffusers' caption (a tiny random Qwen3.5, greedy generate), prepares reference
+images as diffusers' upsampler step does, and refuses bad system-prompt files in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flux_runtime.text.flux3_upsampler import (
+    PromptUpsampler,
+    UpsamplerPrompts,
+    prepare_upsampler_references,
+    upsampler_reference_size,
+)
+from flux_runtime.weights import WeightsError
+from tests.flux3_upsampler_fixtures import make_tiny_upsampler, text_only_processor
+
+REQUESTS = ["a red fox in the snow", 'Ein Leuchtturm bei Nacht, "TEXT" auf dem Schild']
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_upsampler(tmp_path_factory.mktemp("pup"), seed=3)
+
+
+def _diffusers_caption(folder, request: str, dtype: torch.dtype) -> str:
+    from diffusers.modular_pipelines.flux3.prompt_upsampler import upsample_prompt
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    return upsample_prompt(model, text_only_processor(folder), request)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "request_"),
+    [(torch.float32, REQUESTS[0]), (torch.float32, REQUESTS[1]), (torch.bfloat16, REQUESTS[0])],
+)
+def test_caption_equals_diffusers(folder, dtype, request_):
+    ours = PromptUpsampler.from_pretrained(folder, dtype=dtype)
+    caption = ours.upsample(request_)
+    assert caption == _diffusers_caption(folder, request_, dtype)
+    assert len(caption) > 3 and caption != request_
+    messages = ours.messages(request_)
+    assert (
+        messages[0]["content"][0]["text"] == ours.prompts.t2i
+        and messages[1]["content"][0]["text"] == request_
+    )
+
+
+def _img(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    channels = 4 if mode in ("RGBA", "P") else 3
+    image = Image.fromarray(rng.integers(0, 256, (h, w, channels), dtype=np.uint8))
+    if mode == "P":
+        image = image.convert("RGB").quantize(16)
+        image.info["transparency"] = 3
+    return image.convert(mode) if mode not in ("RGB", "P") else image
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_reference_preparation_equals_diffusers(count):
+    from diffusers.modular_pipelines.flux3.prompt_upsampler import prepare_references
+
+    pool = [
+        _img(1500, 1100, seed=1),
+        _img(300, 77, "RGBA", seed=2),
+        _img(64, 640, "P", seed=3),
+        _img(33, 33, "LA"),
+    ]
+    rotated = _img(120, 80, seed=4)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° on display
+    rotated.info["exif"] = exif.tobytes()
+    rotated = Image.open(_png_with_exif(rotated, exif))
+    images = [rotated, *pool][:count] if count < 3 else pool[:3]
+    got, want = prepare_upsampler_references(images), prepare_references(images)
+    assert [g.size for g in got] == [w.size for w in want]
+    assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want, strict=True))
+
+
+def _png_with_exif(image: Image.Image, exif: Image.Exif):
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", exif=exif)
+    buffer.seek(0)
+    return buffer
+
+
+def test_reference_sizes():
+    assert upsampler_reference_size(1000, 1000, 1) == (992, 992)  # rounded to 32
+    assert upsampler_reference_size(4000, 3000, 1) == (1152, 864)  # over 1 MP: scaled and floored
+    assert (
+        upsampler_reference_size(4000, 3000, 3)[0] * upsampler_reference_size(4000, 3000, 3)[1] <= 512 * 512
+    )
+    with pytest.raises(ValueError, match="aspect ratio over 200:1"):
+        upsampler_reference_size(4010, 20, 1)
+    with pytest.raises(ValueError, match="at most 10"):
+        prepare_upsampler_references([_img(32, 32)] * 11)
+
+
+def test_prompt_files_are_checked(tmp_path):
+    path = tmp_path / "prompts.json"
+    with pytest.raises(WeightsError, match=r"no prompt-upsampler system prompts at .*--upsampler-prompts"):
+        UpsamplerPrompts.read(path)
+    for content, match in [
+        ("{", "not a readable JSON file"),
+        ("[]", "expected a JSON object"),
+        ('{"i2i": "x"}', "no 't2i' system prompt"),
+        ('{"t2i": 3}', "'t2i' must be a non-empty string"),
+        ('{"t2i": "a", "i2i_scaffold": "{request}"}', "must hold \\{instruction\\} and no other braces"),
+        ('{"t2i": "a", "i2i_scaffold": "no slot"}', "has no \\{instruction\\} slot"),
+    ]:
+        path.write_text(content)
+        with pytest.raises(WeightsError, match=match):
+            UpsamplerPrompts.read(path)
+    path.write_text(json.dumps({"t2i": "Write a caption.", "other": 1}))
+    prompts = UpsamplerPrompts.read(path)
+    prompts.check_mode("t2i")
+    with pytest.raises(WeightsError, match=r"no 'i2i' and no 'i2i_scaffold'.*--no-upsample"):
+        prompts.check_mode("i2i")
+
+
+def test_own_prompts_reach_the_model(tmp_path, folder):
+    path = tmp_path / "mine.json"
+    path.write_text(
+        json.dumps({"t2i": "Describe it.", "i2i": "Edit it.", "i2i_scaffold": "Do: {instruction}"})
+    )
+    ours = PromptUpsampler.from_pretrained(folder, prompts=path, dtype=torch.float32)
+    image = _img(64, 64)
+    messages = ours.messages("make it blue", [image])
+    assert messages[0]["content"][0]["text"] == "Edit it."
+    assert messages[1]["content"] == [
+        {"type": "image", "image": image},
+        {"type": "text", "text": "Do: make it blue"},
+    ]
+    other = ours.upsample("a red fox in the snow")
+    default = PromptUpsampler.from_pretrained(folder, dtype=torch.float32).upsample("a red fox in the snow")
+    assert other != default  # the system prompt is part of the input
+
+
+@pytest.mark.gpu
+def test_caption_on_cuda_equals_diffusers(folder):
+    from diffusers.modular_pipelines.flux3.prompt_upsampler import upsample_prompt
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    ours = PromptUpsampler.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).to("cuda")
+    assert ours.upsample(REQUESTS[0]) == upsample_prompt(model, text_only_processor(folder), REQUESTS[0])
