@@ -139,21 +139,20 @@ def _quantize_and_compare(te: Any, fp8: bool) -> Any:
 
 def build(model: str, fp8: bool) -> tuple[Any, Any]:
     t0 = time.perf_counter()
-    if model == "flux2":
-        with torch.device("meta"):
+    # the transformer first, quantized before the text encoder is built: a bf16 FLUX.2-dev (64 GB) beside a
+    # bf16 Mistral (48 GB) and the quantization's temporaries do not fit one H200
+    with torch.device("meta"):
+        if model == "flux2":
             dit, vae = Flux2Transformer(FLUX2_DEV), Flux2VAE(FLUX2_VAE)
-        text, err = mistral_text(fp8)
-        cls: Any = Flux2Pipe
-    else:
-        with torch.device("meta"):
+        else:
             dit, vae = Flux1Transformer(FLUX1_DEV), Flux1VAE(FLUX1_VAE)
-        text, err = t5_text(fp8)
-        cls = Pipeline
     fill_random(dit, 1)
     fill_random(vae, 2)
     if fp8:
         dit.precision = quantize_model(dit, BF)
         torch.cuda.empty_cache()
+    text, err = mistral_text(fp8) if model == "flux2" else t5_text(fp8)
+    cls: Any = Flux2Pipe if model == "flux2" else Pipeline
     pipe = cls(dit, vae, text, schedule=FLUX2_SCHEDULE if model == "flux2" else _flux1_schedule(),
                model_name=f"{model}-dev (random)")  # fmt: skip
     pipe.fp8_text = fp8
