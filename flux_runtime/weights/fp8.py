@@ -318,9 +318,10 @@ def quantize_model(model: nn.Module, dtype: torch.dtype) -> str:
     if reason is not None:
         raise WeightsError(f"fp8=True: {reason}; load the model without fp8")
     done: dict[str, Fp8Tensors] = {}
-    for name, module in list(model.named_modules()):
-        if not (isinstance(module, Linear) and may_run_fp8(name)):
-            continue
+    # names only: a list of the modules themselves would keep every bf16 weight alive to the end
+    names = [n for n, m in model.named_modules() if isinstance(m, Linear) and may_run_fp8(n)]
+    for name in names:
+        module = model.get_submodule(name)
         t = quantize_weight(module.weight)
         sd: dict[str, Tensor] = {}
         _install(model, {name: t}, sd, dtype)  # the bf16 module is dropped here
