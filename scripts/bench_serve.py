@@ -212,12 +212,10 @@ class Server:
                 raise SystemExit(f"bench_serve: the server exited {self.proc.returncode}:\n{self.tail()}")
             try:
                 health = httpx.get(self.url + "/health", timeout=2)
-                if health.status_code == 200 and self.proc.poll() is None:
-                    if health.json().get("model") != model:  # another process holds the port
-                        self.stop()
-                        raise SystemExit(
-                            f"bench_serve: {self.url} answers for {health.json().get('model')!r}"
-                        )
+                if health.status_code == 200:
+                    if health.json().get("pid") != self.proc.pid or health.json().get("model") != model:
+                        self.stop()  # another process took the port first
+                        raise SystemExit(f"bench_serve: {self.url} is not the server started: {health.text}")
                     break
             except httpx.TransportError:
                 pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 import re
 import secrets
 import time
@@ -292,7 +293,9 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model, "queue_depth": worker.depth}
+        # the pid tells a client that started this server that it talks to its own process, not to another
+        # that took the same port first
+        return {"status": "ok", "model": model, "queue_depth": worker.depth, "pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
