@@ -10,6 +10,8 @@
 #   bash scripts/gpu_check.sh all3      all GPU tests, FLUX.3 flow-map step bench
 #   bash scripts/gpu_check.sh memory    the memory-plan bench (FLUX.1-dev), the memory GPU tests
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
+#   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
+#   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
 phase=${1:-kernels}
@@ -69,6 +71,17 @@ case "$phase" in
     timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
     python3 -c "import torch; print('quantized sdpa op:', hasattr(torch.ops.aten, '_scaled_dot_product_attention_quantized'), 'cudnn', torch.backends.cudnn.version())"
     timeout 240 python3 scripts/bench_vae.py --compile --profile --json "$OUT/bench_vae.json" 2>&1 | tee "$OUT/bench_vae.txt" || status=1
+    ;;
+  serve)
+    # flux-serve's GPU tests and its load bench on the tiny model (.whl/serve: scripts/fetch_serve_wheels.sh)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
+    timeout 200 python3 -m pytest -q -m gpu tests/serve -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_serve.txt" | tail -8 || status=1
+    timeout 300 python3 scripts/bench_serve.py --json "$OUT/bench_serve_tiny.json" 2>&1 | tail -8 || status=1
+    ;;
+  serve-flux1)
+    # flux-serve's load bench on full-size FLUX.1-dev with random weights, 1024², 28 steps, batching on and off
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
+    timeout 560 python3 scripts/bench_serve.py --model flux1-dev --random-weights --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

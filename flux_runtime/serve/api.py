@@ -1,8 +1,8 @@
 """The request models (pydantic) and errors shaped as OpenAI's: `{"error": {message, type, param, code}}`.
 
 Field names follow OpenAI's Images API (`prompt`, `n`, `size`, `response_format`, `model`, `user`); the
-FLUX controls (`seed`, `steps`, `guidance`, `quality`, `negative_prompt`, `true_cfg_scale`, `strength`,
-`timeout`) are extra fields, sent by the openai client through `extra_body`.
+FLUX controls (`seed`, `steps`, `guidance`, `quality`, `negative_prompt`, `true_cfg_scale`, `timeout`; for
+edits `strength`, `max_area`, `auto_resize`) are extra fields, sent by the openai client through `extra_body`.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class EditRequest(GenerationRequest):
     read beside these)."""
 
     strength: float | None = Field(None, gt=0, le=1)  # FLUX.1 img2img / inpainting
+    max_area: int | None = Field(None, ge=1)  # FLUX.1 Kontext: output pixels (default: native area)
+    auto_resize: bool | None = None  # FLUX.1 Kontext: the reference to its preferred resolution (default on)
 
 
 def parse_size(size: str | None, max_side: int) -> tuple[int, int] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 import re
 import secrets
 import time
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,6 +69,39 @@ class ImageStore:
         return self.folder / name
 
 
+EditKind = Literal["flux2", "text2img", "kontext", "fill", "control"]
+"""What an edit does on the served checkpoint: FLUX.2 references, or the FLUX.1 variant (`text2img`: img2img
+and inpainting)."""
+
+
+def check_edit(req: EditRequest, n_images: int, has_mask: bool, kind: EditKind, model: str) -> None:
+    """The edit's fields fit the served checkpoint, or an APIError naming the one that does not (before any
+    upload is decoded)."""
+    if kind == "control":
+        raise APIError(
+            400, f"image: {model} is a Depth / Canny checkpoint; flux-serve does not serve control images",
+            param="image",
+        )  # fmt: skip
+    if n_images == 0:
+        raise APIError(400, "image: an edit needs at least one image file", param="image")
+    if kind != "flux2" and n_images > 1:
+        raise APIError(400, f"image: {model} (FLUX.1) takes one image, got {n_images}", param="image")
+    refused = {
+        "flux2": ("mask", "strength", "max_area", "auto_resize"),
+        "kontext": ("mask", "strength"),
+        "fill": ("max_area", "auto_resize"),
+        "text2img": ("max_area", "auto_resize"),
+    }[kind]
+    given = {"mask": has_mask, "strength": req.strength is not None, "max_area": req.max_area is not None,
+             "auto_resize": req.auto_resize is not None}  # fmt: skip
+    for field in refused:
+        if given[field]:
+            what = {"flux2": "is FLUX.2", "kontext": "is a Kontext checkpoint"}.get(kind, "is not Kontext")
+            raise APIError(400, f"{field} is not a setting of {model}: it {what}", param=field)
+    if kind == "fill" and not has_mask:
+        raise APIError(400, f"mask: {model} is a Fill checkpoint; give a mask (white = fill)", param="mask")
+
+
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -104,6 +138,7 @@ def create_app(
     from flux_runtime.pipeline.flux2 import Flux2Pipe
 
     flux2 = isinstance(pipe, Flux2Pipe)
+    kind: EditKind = "flux2" if flux2 else getattr(pipe, "variant", "text2img")
     metrics = Metrics(pipe.device)
     worker = Worker(pipe, metrics, max_queue=max_queue, max_batch=max_batch, batching=batching, flux2=flux2)
 
@@ -212,8 +247,8 @@ def create_app(
 
     @app.post("/v1/images/edits")
     async def edits(request: Request) -> Response:
-        """FLUX.2: draw from reference images (`image`, repeatable); FLUX.1: img2img, or inpainting with
-        `mask` (white = repaint)."""
+        """FLUX.2: draw from reference images (`image`, repeatable); FLUX.1: img2img, inpainting with `mask`
+        (white = repaint), a Kontext edit, or a Fill inpainting, as the served checkpoint is."""
         try:
             form = await request.form(max_files=16, max_fields=64)
         except Exception as e:  # starlette's MultiPartException, a body that is not a form
@@ -224,23 +259,20 @@ def create_app(
             req = EditRequest.model_validate(fields)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if not files:
-            raise APIError(400, "image: an edit needs at least one image file", param="image")
-        if not flux2 and len(files) > 1:
-            raise APIError(400, f"image: {model} (FLUX.1) takes one image, got {len(files)}", param="image")
-        images = [await _read_image(f, "image", limits.max_upload_bytes) for f in files]
         mask_file = form.get("mask")
-        mask = None
-        if isinstance(mask_file, UploadFile):
-            if flux2:
-                raise APIError(400, f"mask needs a FLUX.1 model; {model} is FLUX.2", param="mask")
-            mask = await _read_image(mask_file, "mask", limits.max_upload_bytes)
-        if flux2 and req.strength is not None:
-            raise APIError(400, f"strength needs a FLUX.1 model; {model} is FLUX.2", param="strength")
-        job = new_job(req, images=images, mask=mask, strength=req.strength)
+        has_mask = isinstance(mask_file, UploadFile)
+        check_edit(req, len(files), has_mask, kind, model)
+        images = [await _read_image(f, "image", limits.max_upload_bytes) for f in files]
+        mask = await _read_image(mask_file, "mask", limits.max_upload_bytes) if has_mask else None
+        job = new_job(
+            req, images=images, mask=mask, strength=req.strength, max_area=req.max_area,
+            auto_resize=req.auto_resize,
+        )  # fmt: skip
         w, h = images[0].size
-        if job.width is None and not (w % SIZE_MULTIPLE or h % SIZE_MULTIPLE):
-            job.width, job.height = w, h  # as OpenAI: an edit is the size of its (first) image by default
+        if not flux2 and job.width is None and not (w % SIZE_MULTIPLE or h % SIZE_MULTIPLE):
+            # as OpenAI: a FLUX.1 edit is the size of its image by default (Kontext: its aspect ratio at
+            # max_area); FLUX.2 takes its first reference's size as the pipeline shrinks and crops it
+            job.width, job.height = w, h
         return await answer(request, job, req.response_format)
 
     @app.get("/v1/images/files/{name}")
@@ -261,7 +293,9 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model, "queue_depth": worker.depth}
+        # the pid tells a client that started this server that it talks to its own process, not to another
+        # that took the same port first
+        return {"status": "ok", "model": model, "queue_depth": worker.depth, "pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

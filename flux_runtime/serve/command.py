@@ -54,22 +54,20 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 @click.option("--debug", is_flag=True, help="Log each batch; show the traceback of a failed load.")
 def main(**opts: Any) -> None:
     """Serve FLUX over an OpenAI-compatible HTTP API (/v1/images/generations, /v1/images/edits)."""
-    logging.basicConfig(
-        level=logging.DEBUG if opts["debug"] else logging.WARNING, format="flux-serve: %(message)s"
-    )
-    import torch
-    import uvicorn
+    serve(load_pipeline(opts), opts)
 
+
+def load_pipeline(opts: dict[str, Any]) -> Any:
+    """The pipeline `--model` names, on `--device` in `--dtype`; a load error is one line (unless `--debug`)."""
     from flux_runtime.pipeline import FluxError, Pipeline
     from flux_runtime.pipeline.checks import check_device
-    from flux_runtime.serve.app import ImageStore, Limits, create_app
     from flux_runtime.weights.errors import WeightsError
 
+    _configure_logging(opts)
     try:
         device = check_device(opts["device"])
-        dtype_name = opts["dtype"] or ("bf16" if device.type == "cuda" or opts["fp8"] else "fp32")
         pipe = Pipeline.from_pretrained(
-            opts["model"], device=device, dtype=getattr(torch, DTYPES[dtype_name]), quality=opts["quality"],
+            opts["model"], device=device, dtype=dtype_of(opts, device), quality=opts["quality"],
             cuda_graphs=not opts["no_cuda_graphs"], offload_text_encoders=opts["offload_text_encoders"],
             fp8=opts["fp8"],
         )  # fmt: skip
@@ -77,6 +75,28 @@ def main(**opts: Any) -> None:
         if opts["debug"]:
             raise
         raise click.ClickException(str(e).strip().splitlines()[0]) from None
+    return pipe
+
+
+def dtype_of(opts: dict[str, Any], device: Any) -> Any:
+    """`--dtype`, else bf16 on a GPU or with `--fp8`, fp32 on the CPU."""
+    import torch
+
+    name = opts["dtype"] or ("bf16" if device.type == "cuda" or opts["fp8"] else "fp32")
+    return getattr(torch, DTYPES[name])
+
+
+def serve(pipe: Any, opts: dict[str, Any]) -> None:
+    """Serve `pipe` under the name `--model` with `flux-serve`'s options until a signal.
+
+    `opts` are `main`'s parameters; a caller that builds its own pipeline (scripts/bench_serve.py, with random
+    full-size weights) gets them from `main.make_context("flux-serve", args).params`.
+    """
+    import uvicorn
+
+    from flux_runtime.serve.app import ImageStore, Limits, create_app
+
+    _configure_logging(opts)
     store_dir = opts["store_dir"] or Path(tempfile.mkdtemp(prefix="flux-serve-"))
     app = create_app(
         pipe,
@@ -92,8 +112,16 @@ def main(**opts: Any) -> None:
         max_batch=opts["max_batch"],
         batching=not opts["no_batching"],
     )
-    click.echo(f"flux-serve: {opts['model']} on {device}, http://{opts['host']}:{opts['port']}", err=True)
+    click.echo(
+        f"flux-serve: {opts['model']} on {pipe.device}, http://{opts['host']}:{opts['port']}", err=True
+    )
     uvicorn.run(
         app, host=opts["host"], port=opts["port"], log_level="warning", access_log=False,
         timeout_graceful_shutdown=opts["shutdown_timeout"],
     )  # fmt: skip
+
+
+def _configure_logging(opts: dict[str, Any]) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if opts["debug"] else logging.WARNING, format="flux-serve: %(message)s"
+    )

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from PIL import Image
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class Job:
     images: list[Image.Image] = field(default_factory=list)  # edits: references / the image to redraw
     mask: Image.Image | None = None
     strength: float | None = None
+    max_area: int | None = None  # FLUX.1 Kontext
+    auto_resize: bool | None = None  # FLUX.1 Kontext; None: the pipeline's default
     deadline: float = float("inf")  # time.monotonic() after which nobody waits for the answer
     enqueued: float = field(default_factory=time.monotonic)
     future: Future[Generated] = field(default_factory=Future)
@@ -74,11 +76,21 @@ class Job:
 
 
 class Metrics:
-    """The server's Prometheus metrics, in a registry of its own (one per app, so tests may build several)."""
+    """The server's Prometheus metrics, in a registry of its own (one per app, so tests may build several).
+
+    The names, types and labels are the README's table (section flux-serve); every label value is made at
+    start, so each series exists, at 0, before its first event. Counters and histograms carry no `_created`
+    series: the switch is process-wide, and the server's process holds no other Prometheus metrics. The GPU
+    memory gauges read the caching allocator's counters (no CUDA call, so a scrape never touches a stream
+    the worker is capturing into a CUDA graph) and the device's total, read once.
+    """
 
     STAGES = ("queue", "encode", "denoise", "decode", "total")
+    DROP_REASONS = ("queue_full", "disconnected", "timeout", "abandoned")
+    RATE_WINDOW = 60.0  # seconds of flux_serve_images_per_second
 
     def __init__(self, device: torch.device) -> None:
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_depth = Gauge("flux_serve_queue_depth", "Jobs waiting for the GPU worker", registry=r)
@@ -100,28 +112,42 @@ class Metrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=r,
         )
+        for stage in self.STAGES:
+            self.stage.labels(stage)
+        for reason in self.DROP_REASONS:
+            self.dropped.labels(reason)
         self.batch = Histogram(
             "flux_serve_batch_images", "Images per pipeline call", buckets=(1, 2, 4, 8, 16), registry=r
         )
+        self._started = time.monotonic()
         self._done: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
-        rate = Gauge("flux_serve_images_per_second", "Images per second over the last minute", registry=r)
+        rate = Gauge(
+            "flux_serve_images_per_second",
+            f"Images per second over the last {self.RATE_WINDOW:.0f} s (or since start, if sooner)",
+            registry=r,
+        )
         rate.set_function(self.images_per_second)
         if device.type == "cuda":
-            mem = Gauge("flux_serve_gpu_memory_bytes", "GPU memory", ["kind"], registry=r)
+            mem = Gauge(
+                "flux_serve_gpu_memory_bytes", "GPU memory of the server's device", ["kind"], registry=r
+            )
             mem.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
             mem.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
             mem.labels("max_allocated").set_function(lambda: torch.cuda.max_memory_allocated(device))
+            mem.labels("total").set(torch.cuda.get_device_properties(device).total_memory)
 
     def generated(self, count: int) -> None:
         self.images.inc(count)
         with self._lock:
             self._done.append((time.monotonic(), count))
 
-    def images_per_second(self, window: float = 60.0) -> float:
+    def images_per_second(self) -> float:
+        """Images finished in the last RATE_WINDOW seconds over that window (over the uptime before that)."""
         now = time.monotonic()
+        window = min(self.RATE_WINDOW, max(now - self._started, 1e-3))
         with self._lock:
-            while self._done and self._done[0][0] < now - window:
+            while self._done and self._done[0][0] < now - self.RATE_WINDOW:
                 self._done.popleft()
             return sum(c for _, c in self._done) / window
 
@@ -297,6 +323,9 @@ class Worker:
             kwargs["true_cfg_scale"] = first.true_cfg_scale
             if first.images:
                 kwargs.update(image=first.images[0], mask_image=first.mask, strength=first.strength)
+                kwargs["max_area"] = first.max_area
+                if first.auto_resize is not None:
+                    kwargs["auto_resize"] = first.auto_resize
         began = time.perf_counter()
         out = self.pipe(prompts, **kwargs)
         log.debug("ran %d image(s) in %.2fs", len(units), time.perf_counter() - began)

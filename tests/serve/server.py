@@ -45,7 +45,10 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"flux-serve exited {self.proc.returncode}: {self.proc.stdout.read()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=1)
+                if health.status_code == 200:
+                    # the process started here, not another that took the same port first
+                    assert health.json()["pid"] == self.proc.pid, f"{self.url} is another server"
                     return
             except httpx.TransportError:
                 time.sleep(0.2)

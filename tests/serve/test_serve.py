@@ -9,14 +9,17 @@ import base64
 import concurrent.futures
 import io
 import json
+import re
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from flux_runtime.pipeline import Pipeline
 from tests.serve.server import Server
@@ -33,6 +36,11 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def pipe():
+    return Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+
+
 def _png(b64: str) -> tuple[Image.Image, dict]:
     image = Image.open(io.BytesIO(base64.b64decode(b64)))
     image.load()
@@ -43,14 +51,13 @@ def _post(server: Server, body: dict, path: str = GEN) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=120)
 
 
-def test_generation_is_the_pipelines_image_with_its_provenance(server):
+def test_generation_is_the_pipelines_image_with_its_provenance(server, pipe):
     r = _post(server, {"prompt": "a red circle", "seed": 7, **SMALL})
     assert r.status_code == 200, r.text
     (item,) = r.json()["data"]
     image, info = _png(item["b64_json"])
     assert image.size == (64, 64)
     assert (info["prompt"], info["seed"], info["num_steps"], info["model"]) == ("a red circle", 7, 2, "tiny")
-    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
     direct = pipe("a red circle", seed=7, width=64, height=64, num_steps=2).images[0]
     assert image.convert("RGB").tobytes() == direct.tobytes()
 
@@ -95,23 +102,38 @@ def _image_bytes(color: str, size: int = 64) -> bytes:
     return buf.getvalue()
 
 
-def test_edits_img2img_and_inpainting(server):
-    files = {"image": ("in.png", _image_bytes("red"), "image/png")}
+def _decoded(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def test_img2img_and_inpainting_are_the_pipelines_images(server, pipe):
+    upload = _image_bytes("red")
+    files = {"image": ("in.png", upload, "image/png")}
     r = httpx.post(server.url + "/v1/images/edits", files=files, data={"prompt": "a cat", "steps": "2", "seed": "1", "strength": "0.5"}, timeout=120)  # fmt: skip
     assert r.status_code == 200, r.text
     image, info = _png(r.json()["data"][0]["b64_json"])
     assert image.size == (64, 64) and info["strength"] == 0.5 and "image" in info["input_images"]
+    # the size an edit defaults to is its image's (the pipeline's own default is the model's size)
+    direct = pipe(
+        "a cat", image=_decoded(upload), strength=0.5, seed=1, num_steps=2, width=64, height=64
+    ).images[0]
+    assert image.convert("RGB").tobytes() == direct.tobytes()
     mask = Image.new("L", (64, 64), 0)
     mask.paste(255, (0, 0, 32, 64))
     buf = io.BytesIO()
     mask.save(buf, format="PNG")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     out = client.images.edit(
-        image=("in.png", _image_bytes("red"), "image/png"), mask=("m.png", buf.getvalue(), "image/png"),
+        image=("in.png", upload, "image/png"), mask=("m.png", buf.getvalue(), "image/png"),
         prompt="a cat", response_format="b64_json", extra_body={"steps": 2, "seed": 1},
     )  # fmt: skip
-    _, info = _png(out.data[0].b64_json)
-    assert "mask_image" in info["input_images"]
+    image, info = _png(out.data[0].b64_json)
+    assert set(info["input_images"]) == {"image", "mask_image"}
+    direct = pipe("a cat", image=_decoded(upload), mask_image=_decoded(buf.getvalue()), seed=1, num_steps=2,
+                  width=64, height=64)  # fmt: skip
+    assert image.convert("RGB").tobytes() == direct.images[0].tobytes()
 
 
 @pytest.mark.parametrize(
@@ -164,16 +186,48 @@ def test_a_failing_request_leaves_the_server_up(server):
     assert _post(server, {"prompt": "still here", **SMALL}).status_code == 200
 
 
-def test_health_models_metrics(server):
+def test_health_and_models(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny"
-    text = httpx.get(server.url + "/metrics").text
-    for name in (
-        "flux_serve_queue_depth",
-        "flux_serve_images_per_second",
-        'flux_serve_stage_seconds_count{stage="denoise"}',
-    ):
-        assert name in text
+
+
+def readme_metrics() -> dict[str, tuple[str, tuple[str, ...], bool]]:
+    """The README's table of /metrics: series name → (type, label names, CUDA only)."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = re.findall(
+        r"^\| `(flux_serve_\w+)` \| (gauge|counter|histogram) \| ([^|]*) \| ([^|]*) \|$", text, re.M
+    )
+    assert len(rows) >= 8, "the README's flux-serve metrics table is gone"
+    return {name: (kind, tuple(re.findall(r"`(\w+)`", labels)), "CUDA only" in what)
+            for name, kind, labels, what in rows}  # fmt: skip
+
+
+def test_metrics_parse_and_are_the_readmes(server):
+    assert _post(server, {"prompt": "count me", "seed": 1, **SMALL}).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    samples = [s for f in families.values() for s in f.samples]
+    assert not [s.name for s in samples if s.name.endswith("_created")]  # no stray _created series
+    exposed = {}
+    for f in families.values():
+        name = f.name + "_total" if f.type == "counter" else f.name
+        labels = {k for s in f.samples for k in s.labels if k != "le"}
+        exposed[name] = (f.type, tuple(sorted(labels)))
+    documented = {
+        n: (k, tuple(sorted(labels))) for n, (k, labels, cuda) in readme_metrics().items() if not cuda
+    }
+    assert exposed == documented  # the CPU server: every series but the GPU memory gauges
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}
+    assert value[("flux_serve_requests_total", (("route", "/health"), ("status", "200")))] >= 1
+    assert value[("flux_serve_requests_total", (("route", GEN), ("status", "200")))] >= 1
+    assert value[("flux_serve_images_total", ())] >= 1 and value[("flux_serve_images_per_second", ())] > 0
+    for stage in ("queue", "encode", "denoise", "decode", "total"):
+        assert value[("flux_serve_stage_seconds_count", (("stage", stage),))] >= 1
+    for reason in ("queue_full", "disconnected", "timeout", "abandoned"):  # made at start, before any drop
+        assert ("flux_serve_dropped_total", (("reason", reason),)) in value
+    assert value[("flux_serve_batch_images_sum", ())] >= value[("flux_serve_batch_images_count", ())] >= 1
 
 
 def test_load_8_clients_every_request_answered_once(server):
