@@ -21,10 +21,10 @@ Row `b * n + j` belongs to prompt `b` (`n = num_images_per_prompt`), as diffuser
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import (
     Mistral3Config,
     Mistral3ForConditionalGeneration,
@@ -37,7 +37,7 @@ from transformers import (
 from flux_runtime.registry import MISTRAL_PROCESSOR_ID, MISTRAL_SMALL_ID
 from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer, tokenize_chats
 from flux_runtime.text.flux1 import _prompt_list
-from flux_runtime.text.fp8 import decoder_layers, quantize_text_layers
+from flux_runtime.text.llm import StackedLLM
 from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.text.tiny import TINY_WIDTH, init_random
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
@@ -72,64 +72,14 @@ class Flux2TextEmbeddings(NamedTuple):
     text_ids: Tensor  # (B * n, L, 4) int64, (0, 0, 0, l)
 
 
-_Encoder = TypeVar("_Encoder", bound="_StackedStatesEncoder")
-
-
-class _StackedStatesEncoder:
-    """A chat LLM read at three depths: what both FLUX.2 encoders share past tokenization.
+class _StackedStatesEncoder(StackedLLM):
+    """The FLUX.2 reading of a chat LLM at three depths, shared by Mistral Small and Qwen3.
 
     Subclasses name the `layers` read and the model family, and `render` prompts in their chat template.
     Inference only: the model is put in eval mode and runs under `torch.no_grad`.
     """
 
-    layers: ClassVar[tuple[int, ...]]
-    family: ClassVar[str]  # the encoder, for messages
-    model_type: ClassVar[str]  # config.json's model_type of the checkpoint we read
-
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-        depth = model.config.get_text_config().num_hidden_layers
-        if depth < max(self.layers):
-            layers = ", ".join(map(str, self.layers))
-            raise ValueError(
-                f"the {self.family} model has {depth} layers; FLUX.2 reads hidden states {layers}"
-            )
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model runs (and, unless `encode` is told otherwise, where its outputs go)."""
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The model's dtype, which is also `prompt_embeds`' dtype."""
-        return self.model.dtype
-
-    @property
-    def output_dim(self) -> int:
-        """Width of `prompt_embeds` (3 x hidden size): the DiT's `context_in_dim` must equal it."""
-        return len(self.layers) * self.model.config.get_text_config().hidden_size
-
-    def to(self: _Encoder, device: torch.device | str) -> _Encoder:
-        """Move the model to `device` (its dtype stays) and return self."""
-        self.model.to(device)
-        return self
-
-    def parts(self) -> tuple[list[nn.Module], list[nn.Module]]:
-        """(the model, its decoder layers): what a memory plan moves or streams."""
-        return [self.model], decoder_layers(self.model)
-
-    def quantize_fp8(self) -> int:
-        """The decoder layers' projections to FP8 (`flux_runtime.text.fp8`). Returns how many."""
-        return quantize_text_layers(decoder_layers(self.model), self.dtype)
-
-    def offload(self: _Encoder) -> _Encoder:
-        """Move the model to the CPU and release cached GPU memory, e.g. once prompts are encoded."""
-        self.to("cpu")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return self
+    generation = "FLUX.2"
 
     @torch.no_grad()
     def encode(

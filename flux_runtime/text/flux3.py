@@ -36,6 +36,7 @@ from transformers import (
 
 from flux_runtime.registry import QWEN3_VL_4B_ID
 from flux_runtime.text.flux2 import _check_model_folder, _load_model, _pipeline_root
+from flux_runtime.text.llm import StackedLLM
 from flux_runtime.text.tiny import TINY_WIDTH, init_random
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
 from flux_runtime.weights.errors import WeightsError
@@ -68,52 +69,21 @@ class Flux3TextEmbeddings(NamedTuple):
     text_ids: Tensor  # (L, 4) float32, (0, 0, 0, l)
 
 
-class Flux3TextEncoder:
+class Flux3TextEncoder(StackedLLM):
     """Qwen3-VL read at eight depths. Open one with `from_pretrained` (a diffusers FLUX.3 folder or cached id),
     `from_components` (Qwen3-VL's own folder or cached id) or `tiny` (random, for tests and the demo).
     Inference only: the model is put in eval mode and runs under `torch.no_grad`."""
 
     family = "Qwen3-VL"
+    generation = "FLUX.3"
     model_type = "qwen3_vl"
     layers = LAYERS
 
     def __init__(
         self, model: Qwen3VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, chat_template: str
     ) -> None:
-        depth = model.config.get_text_config().num_hidden_layers
-        if depth < max(self.layers):
-            raise ValueError(
-                f"the Qwen3-VL model has {depth} layers; FLUX.3 reads hidden states {self.layers}"
-            )
-        self.model = model.eval()
-        self.tokenizer = tokenizer
+        super().__init__(model, tokenizer)
         self.chat_template = chat_template
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The model's dtype, which is also `prompt_embeds`' dtype."""
-        return self.model.dtype
-
-    @property
-    def output_dim(self) -> int:
-        """Width of `prompt_embeds` (8 x hidden size): the DiT's `context_in_dim` must equal it."""
-        return len(self.layers) * self.model.config.get_text_config().hidden_size
-
-    def to(self, device: torch.device | str) -> Flux3TextEncoder:
-        """Move the model to `device` (its dtype stays) and return self."""
-        self.model.to(device)
-        return self
-
-    def offload(self) -> Flux3TextEncoder:
-        """Move the model to the CPU and release cached GPU memory, e.g. once prompts are encoded."""
-        self.to("cpu")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return self
 
     @classmethod
     def from_pretrained(
