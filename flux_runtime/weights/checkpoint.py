@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from flux_runtime.models.dit import DiTConfig
+from flux_runtime.models.dit import PRESETS, DiTConfig
 from flux_runtime.registry import builtin
 from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
@@ -206,3 +206,16 @@ def check_keys(keys: set[str], expected: dict[str, tuple[int, ...]], shape_of) -
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def rope_axes(
+    head_dim: int, folder_config: dict | None, family: str, default_theta: int
+) -> tuple[tuple[int, ...], int]:
+    """(RoPE axes, theta) of a transformer whose keys cannot say them: a diffusers config.json's
+    `axes_dims_rope` / `rope_theta` (theta defaulting to the family's), else the family's preset of this head width."""
+    if folder_config and "axes_dims_rope" in folder_config:
+        return tuple(folder_config["axes_dims_rope"]), int(folder_config.get("rope_theta", default_theta))
+    for preset in PRESETS.values():
+        if preset.family == family and preset.head_dim == head_dim:
+            return preset.axes_dim, preset.theta
+    raise WeightsError(f"cannot tell the RoPE axes for head dim {head_dim}; pass config= with axes_dim")

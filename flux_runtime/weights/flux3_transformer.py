@@ -30,6 +30,7 @@ from flux_runtime.weights.checkpoint import (
     finish_builtin,
     identity_rules,
     open_transformer,
+    rope_axes,
     take_only,
 )
 from flux_runtime.weights.checks import check_device, check_load_dtype, check_weight_dtypes
@@ -79,7 +80,9 @@ def infer_config(
     mlp_hidden = need_shape(shape_of, f"{block}.mlp_out.weight", "MLP width", 2)[1]
     if hidden % head_dim:
         raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes_dim, theta = rope if rope and sum(rope[0]) == head_dim else _rope(head_dim, folder_config)
+    axes_dim, theta = (
+        rope if rope and sum(rope[0]) == head_dim else rope_axes(head_dim, folder_config, "flux3", 10_000)
+    )
     with config_errors(where):
         cfg = DiTConfig(
             family="flux3",
@@ -104,15 +107,6 @@ def infer_config(
             f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"
         )
     return cfg
-
-
-def _rope(head_dim: int, folder_config: dict | None) -> tuple[tuple[int, ...], int]:
-    if folder_config and "axes_dims_rope" in folder_config:
-        return tuple(folder_config["axes_dims_rope"]), int(folder_config.get("rope_theta", 10_000))
-    for preset in PRESETS.values():
-        if preset.family == "flux3" and preset.head_dim == head_dim:
-            return preset.axes_dim, preset.theta
-    raise WeightsError(f"cannot tell the RoPE axes for head dim {head_dim}; pass config= with axes_dim")
 
 
 def random_flux3(cfg: DiTConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Flux3Transformer:
