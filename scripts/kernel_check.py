@@ -220,7 +220,7 @@ def _activation_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
             "gelu_tanh", label, dtype, gelu_in, {"": gelu_tanh_triton}, gelu_tanh_reference, 2 * numel * s
         )
 
-    # FLUX.1 single block (F11): the MLP columns of the packed linear1 output in, a fresh tensor or
+    # FLUX.1 single block: the MLP columns of the packed linear1 output in, a fresh tensor or
     # the right column slice of the (B, L, D + M) `[attn | mlp]` buffer out
     d = 3072
     for name, n in IMAGES.items():

@@ -1,4 +1,4 @@
-"""Gated residual `residual + gate * update` (fusion F3).
+"""Gated residual `residual + gate * update`.
 
 Eager runs two bf16 ops: the gated product (rounded), then the sum (rounded). The fused kernel keeps
 both roundings (lossless), reading residual and update once and writing the sum once.

@@ -1,4 +1,4 @@
-"""tanh-approximated GELU over the feed-forward intermediate (fusion F10's activation).
+"""tanh-approximated GELU over the feed-forward intermediate.
 
 aten's CUDA functor, which the fused kernel copies expression for expression (nvcc contracts only
 `x + kKappa * x_cube` into an FMA; `tanhf` is libdevice's accurate `__nv_tanhf`)::

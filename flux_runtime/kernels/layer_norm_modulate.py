@@ -1,4 +1,4 @@
-"""LayerNorm (no affine) followed by adaLN modulate (fusion F2), and its deferred-residual form (F4).
+"""LayerNorm (no affine) followed by adaLN modulate, and its deferred-residual form.
 
 `residual_layer_norm_modulate` first materialises a pending gated residual `r + g * u` and then
 normalises the result: one pass over the row in a fused kernel, two eager chains in the reference.
@@ -9,7 +9,7 @@ The fused kernel is lossless because it replays aten's `vectorized_layer_norm_ke
 Welford in order (`mean = fma(delta, 1/count, mean)`, `m2 = fma(delta, x - mean, m2)`, correctly
 rounded reciprocals); lanes fold by shuffle-down 16…1, warps by (0,2),(1,3) then (0,1), each step
 `cuWelfordCombine(self = lower, other = upper)` with nvcc's two FMAs; `var = m2 / D` (div.rn),
-`rstd = rsqrtf(var + eps)`, `y = r(rstd * (x - mean))`; then modulate's three roundings (F1).
+`rstd = rsqrtf(var + eps)`, `y = r(rstd * (x - mean))`; then modulate's three roundings.
 The 128 lanes are a tensor dimension here and the fold is reshape/permute/split, so the tree is
 fixed by construction, whatever layout Triton picks.
 """

@@ -1,4 +1,4 @@
-"""Merged row-block GEMMs (F8): not a Triton kernel, a different cuBLAS call for the same math.
+"""Merged row-block GEMMs: not a Triton kernel, a different cuBLAS call for the same math.
 
 - `split_linear`: BFL stores q, k, v (and the single block's MLP input) as one weight; diffusers runs
   one GEMM per block. One GEMM over the merged rows has better wave quantisation, and cuBLAS usually
@@ -6,7 +6,7 @@
   So it is a `lossless` kernel like the others: verified `torch.equal` against the per-block GEMMs on
   the first call of each signature, and the per-block GEMMs stay for any signature that differs.
 
-cuBLASLt's GELU_BIAS epilogue (F10 option A, `torch._addmm_activation`) was tried for the `high` tier
+cuBLASLt's GELU_BIAS epilogue (`torch._addmm_activation`) was tried for the `high` tier
 and measured slower on the H200 (FLUX.1-dev step 134.5 ms eager against 126.7 ms lossless, 2026-11-29):
 cuBLAS picks a slower kernel for the epilogue variant, so it is not mounted.
 """

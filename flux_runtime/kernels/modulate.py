@@ -1,4 +1,4 @@
-"""adaLN modulate `y * (1 + scale) + shift` (fusion F1).
+"""adaLN modulate `y * (1 + scale) + shift`.
 
 Eager runs three bf16 ops, each rounding once: `1 + scale`, the product, the sum. The fused kernel
 does the same three roundings in one pass over `y` (lossless: one rounding per eager op, Python scalars do not widen, no FMA across ops).

@@ -1,4 +1,4 @@
-"""QK RMSNorm + rotary embedding over the joint text/image sequence (fusion F7).
+"""QK RMSNorm + rotary embedding over the joint text/image sequence.
 
 diffusers normalises each stream's heads with its own `torch.nn.RMSNorm` weight, concatenates
 text before image along the sequence, then applies RoPE in fp32: `x * cos + rot(x) * sin`

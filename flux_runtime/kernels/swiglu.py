@@ -1,4 +1,4 @@
-"""SwiGLU over FLUX.2's fused feed-forward intermediate: `silu(gate) * up` (fusion F12).
+"""SwiGLU over FLUX.2's fused feed-forward intermediate: `silu(gate) * up`.
 
 FLUX.2 projects to `[gate | up]` (2 * M wide) in one GEMM (`img_mlp.0`, the MLP part of `linear1`)
 and halves it here. Eager runs two ops on views of that GEMM output, each rounding once in the
@@ -9,7 +9,7 @@ both halves once and writes the product once, keeping both roundings (lossless):
     out = r(s * up)
 
 The input may be a strided view (the single blocks' `[gate | up]` is a column slice of the packed
-`linear1` output, row stride 3D + 2M); `out=` writes into a preallocated view instead (F11: the right
+`linear1` output, row stride 3D + 2M); `out=` writes into a preallocated view instead (the right
 column slice of the `[attn | mlp]` buffer). A unary function of a 16-bit input can be checked
 exhaustively: the first verification per signature also compares the fused SiLU with aten's on all
 65,536 inputs of the dtype on the same device.

@@ -9,6 +9,7 @@ any model runs, a call whose activations the plan has no room for.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -218,18 +219,16 @@ def checkpoint_bytes(ckpt: Any, dtype: torch.dtype, fp8: bool) -> int:
     if ckpt is None:
         return 0
     from flux_runtime.weights.fp8 import may_run_fp8
-    from flux_runtime.weights.safetensors_io import ITEMSIZE
+    from flux_runtime.weights.safetensors_io import CAST_KINDS, ITEMSIZE
 
     src, size = ckpt.source, torch.empty((), dtype=dtype).element_size()
     total = 0
     for key in src.keys():
-        kind, n = src.dtype(key), 1
-        for d in src.shape(key):
-            n *= d
+        kind, n = src.dtype(key), math.prod(src.shape(key))
         if kind == "F8_E4M3" or (fp8 and key.endswith(".weight") and may_run_fp8(key.rsplit(".", 1)[0])):
             total += n
         else:
-            total += n * (size if kind in ("BF16", "F16", "F32", "F64") else ITEMSIZE[kind])
+            total += n * (size if kind in CAST_KINDS else ITEMSIZE[kind])
     return total
 
 

@@ -42,6 +42,8 @@ ITEMSIZE = {
     "U64": 8,
     "F64": 8,
 }
+# The floating-point kinds a load casts to the model's dtype (FP8 weights keep their own bytes).
+CAST_KINDS = frozenset(k for k in ITEMSIZE if k.startswith(("F", "BF")) and not k.startswith("F8"))
 
 
 # safetensors dtype names as torch dtypes (all FLUX checkpoints use; anything else goes through safetensors)

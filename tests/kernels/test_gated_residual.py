@@ -1,4 +1,4 @@
-"""Fused gated residual (F3) against its reference: bit-exact on the GPU and in the interpreter."""
+"""Fused gated residual against its reference: bit-exact on the GPU and in the interpreter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fused tanh-GELU (F10 activation): exhaustive over all 65,536 inputs of each 16-bit dtype.
+"""Fused tanh-GELU: exhaustive over all 65,536 inputs of each 16-bit dtype.
 
 On the GPU the kernel calls libdevice's `__nv_tanhf`, the function nvcc links into aten's GELU, and
 must be bit-exact for every input. The interpreter emulates `__nv_tanhf` with exact `exp2` and
@@ -62,7 +62,7 @@ def test_gelu_interpreter_any_shape_is_the_elementwise_map() -> None:
 
 @interpreter
 def test_gelu_interpreter_strided_input_into_out_slice() -> None:
-    """FLUX.1 single block (F11): the MLP columns of the packed linear1 output in, the right columns
+    """FLUX.1 single block: the MLP columns of the packed linear1 output in, the right columns
     of the (B, L, D + M) `[attn | mlp]` buffer out; the left columns are untouched."""
     table = gelu_tanh_triton(all_half_values(torch.bfloat16, "cpu"), block=8192)
     d, m = 64, 1001

@@ -1,4 +1,4 @@
-"""Fused LayerNorm + modulate (F2) and deferred residual + LayerNorm + modulate (F4).
+"""Fused LayerNorm + modulate and deferred residual + LayerNorm + modulate.
 
 On the GPU the kernels must equal the eager chain (`torch.equal`). On the CPU, aten's own LayerNorm
 reduces in another order than its CUDA kernel, so the interpreter is checked bit-exactly against

@@ -1,4 +1,4 @@
-"""Fused adaLN modulate (F1) against its reference: bit-exact on the GPU and in the interpreter."""
+"""Fused adaLN modulate against its reference: bit-exact on the GPU and in the interpreter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fused QK RMSNorm + RoPE + joint text/image layout (F7).
+"""Fused QK RMSNorm + RoPE + joint text/image layout.
 
 On the GPU the kernel must equal the eager chain (`torch.equal`). On the CPU, aten's RMSNorm reduces
 differently from its CUDA kernel, so the interpreter is checked bit-exactly against `rms_norm_replay`

@@ -1,4 +1,4 @@
-"""Fused SwiGLU (F12) over FLUX.2's `[gate | up]` projections, plain or into an `out=` slice (F11).
+"""Fused SwiGLU over FLUX.2's `[gate | up]` projections, plain or into an `out=` slice.
 
 On the GPU the kernel calls libdevice's `__nv_expf` and an IEEE division, as aten's SiLU functor, and
 must be bit-exact for all 65,536 inputs of each dtype and at every FLUX.2 shape. The interpreter
@@ -88,7 +88,7 @@ def test_swiglu_interpreter_contiguous_and_packed_views(dtype: torch.dtype) -> N
 
 @interpreter
 def test_swiglu_interpreter_writes_only_the_out_slice() -> None:
-    """F11: into the right column slice of a (B, L, D + M) buffer; the left columns are untouched."""
+    """Into the right column slice of a (B, L, D + M) buffer; the left columns are untouched."""
     table = silu_table(torch.bfloat16)
     d, m = 64, 300
     x = single_block_mlp(2, 3, d, m, torch.bfloat16, "cpu")

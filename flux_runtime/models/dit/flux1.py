@@ -264,7 +264,7 @@ class Flux1Transformer(nn.Module):
         """All adaLN projections of `vec_act` (M, D) side by side: (M, total), one GEMM per projection.
 
         With M = steps x batch this reads each modulation weight once per generation instead of once per
-        step (fusion F13). Slicing row i gives `forward(..., mods=...)` the same values up to cuBLAS's
+        step. Slicing row i gives `forward(..., mods=...)` the same values up to cuBLAS's
         rounding for that M, which is why the pipeline uses it only in the `high` tier.
         """
         return torch.cat([lin(vec_act) for lin in self._mod_linears], dim=1)
