@@ -240,6 +240,16 @@ class Recipe:
         as its own reference-token stream instead."""
         return self.velocity(torch.cat([x, cond], dim=2), t, g, txt, vec, mods, ids, pe)
 
+    def fixed_conditioning(
+        self, txt: Tensor, cond: Tensor | None, ids: tuple[Tensor, Tensor], pe: Any
+    ) -> tuple[Any, Tensor | None]:
+        """What every step of one branch reads as its text (`velocity`'s `txt`) and its `conditioned_velocity`
+        input, computed once per generation: by default the embeddings and `Start.channel_cond` as they are.
+        A model whose text and reference streams do not depend on the step (FLUX.3's base model) returns them
+        already run through their own blocks (a tuple of tensors; `cond` None when folded into it), which is
+        lossless: the same ops on the same inputs, once instead of once per step."""
+        return txt, cond
+
     def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
         """What the transformer's guidance embedder is fed (B,) fp32, or None for a model without one."""
         raise NotImplementedError
@@ -367,7 +377,7 @@ class Recipe:
         channel_cond = start.channel_cond
 
         def velocity(
-            x: Tensor, t: Tensor, gd: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+            x: Tensor, t: Tensor, gd: Tensor | None, txt: Any, vec: Tensor | None, mods: Tensor | None,
             cc: Tensor | None,
         ) -> Tensor:  # fmt: skip
             with tier.mounted():
@@ -384,18 +394,20 @@ class Recipe:
             batched = tier.batched_modulation and not self.memory_plan.streams_dit
             table = self.modulation_table(call, start, vec, g) if batched else None
             step = iter(range(steps))
+            with tier.mounted():  # the branch's step-invariant streams, once per generation
+                text, cc = self.fixed_conditioning(txt, channel_cond, ids, pe)
 
             def mods() -> Tensor | None:
                 return None if table is None else table[next(step)]
 
             if not use_graphs:
-                return lambda x, t, gd: velocity(x, t, gd, txt, vec, mods(), channel_cond)
+                return lambda x, t, gd: velocity(x, t, gd, text, vec, mods(), cc)
             # one graph per branch: a replay overwrites its static output, and CFG needs both at once
             key = (start.rope_key, tier, name)
             if key not in self._graphed:
                 self._graphed[key] = self._new_graph(velocity)
             graphed = self._graphed[key]
-            return lambda x, t, gd: graphed(x, t, gd, txt, vec, mods(), channel_cond)
+            return lambda x, t, gd: graphed(x, t, gd, text, vec, mods(), cc)
 
         call.report("denoise", 0, steps)
         reset_fused_ops_report()

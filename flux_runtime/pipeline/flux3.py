@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from flux_runtime.models.dit.flux3 import Flux3RoPE, Flux3Transformer
+from flux_runtime.models.dit.flux3 import Flux3Fixed, Flux3RoPE, Flux3Transformer
 from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.pipeline import flux3_upsample
 from flux_runtime.pipeline.checks import (
@@ -388,12 +388,35 @@ class Flux3Pipe(Recipe):
             reference_tokens=kw["reference_tokens"], callback=kw["callback"], after_step=kw["after_step"],
         )  # fmt: skip
 
-    def velocity(
-        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
-        ids: tuple[Tensor, Tensor], pe: Any,
-    ) -> Tensor:  # fmt: skip
+    def fixed_conditioning(
+        self, txt: Tensor, cond: Tensor | None, ids: tuple[Tensor, Tensor], pe: Any
+    ) -> tuple[Any, Tensor | None]:
+        """The base model's text and reference streams through their per-mode blocks, once per generation and
+        CFG branch (they see t = 0 at every step); a flow map's embed each step's target time, so it keeps them."""
+        if self.is_flow_map:
+            return txt, cond
         tables: Flux3RoPE = pe[txt.shape[1]]
+        img_ids, txt_ids = ids
+        ref_ids = None
+        if cond is not None:
+            img_ids, ref_ids = _split_ids(img_ids, img_ids.shape[0] - cond.shape[1])
+        fixed = self.transformer.fixed_streams(txt, txt_ids, img_ids, ref=cond, ref_ids=ref_ids, pe=tables)
+        return fixed, None
+
+    def velocity(
+        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor | Flux3Fixed, vec: Tensor | None,
+        mods: Tensor | None, ids: tuple[Tensor, Tensor], pe: Any,
+    ) -> Tensor:  # fmt: skip
+        """The velocity from the embeddings `txt`, or from a base model's `Flux3Fixed` streams (which hold the
+        references too)."""
         img_ids, txt_ids = ids  # the tables already hold the positions
+        if isinstance(txt, Flux3Fixed):
+            tables: Flux3RoPE = pe[txt.txt.shape[1]]
+            img_ids, ref_ids = _split_ids(img_ids, x.shape[1])
+            return self.transformer(
+                x.to(self.dtype), img_ids, None, txt_ids, t, ref_ids=ref_ids, pe=tables, fixed=txt
+            )
+        tables = pe[txt.shape[1]]
         # latents.to(transformer.dtype); g: the flow map's target time (None for the base model)
         return self.transformer(x.to(self.dtype), img_ids, txt, txt_ids, t, target_timesteps=g, pe=tables)
 

@@ -2,17 +2,20 @@
 
 A step's hundreds of small launches become one graph launch. The first call of a signature runs
 eagerly (it warms up cuBLAS handles and compiles Triton kernels, and its result is the real step's);
-the second captures and replays; later calls replay. Inputs are copied into static buffers each call;
-the output is a static buffer, valid until the next call (the Euler loop consumes it at once).
+the second captures and replays; later calls replay. Inputs (tensors, None, or tuples of them such as
+FLUX.3's fixed text streams) are copied into static buffers each call; the output is a static buffer, valid
+until the next call (the Euler loop consumes it at once).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from flux_runtime.kernels import fused_ops_report
 
@@ -20,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class GraphedDenoiser:
-    """Wrap `fn(*tensors)`; eager on first use of a signature, captured on the second, replayed after."""
+    """Wrap `fn(*inputs)`; eager on first use of a signature, captured on the second, replayed after."""
 
     def __init__(self, fn: Callable[..., Tensor]) -> None:
         self.fn = fn
@@ -31,11 +34,13 @@ class GraphedDenoiser:
         self.tier_used: str | None = None
 
     @staticmethod
-    def signature(xs: tuple[Tensor | None, ...]) -> tuple:
-        return tuple(None if x is None else (tuple(x.shape), x.stride(), x.dtype, x.device) for x in xs)
+    def signature(leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
+        shapes = tuple(None if x is None else (tuple(x.shape), x.stride(), x.dtype, x.device) for x in leaves)
+        return (str(spec), shapes)
 
-    def __call__(self, *xs: Tensor | None) -> Tensor:
-        key = self.signature(xs)
+    def __call__(self, *xs: Any) -> Tensor:
+        leaves, spec = pytree.tree_flatten(xs)
+        key = self.signature(leaves, spec)
         entry = self.graphs.get(key)
         if entry is None:
             if key not in self.seen:
@@ -43,27 +48,27 @@ class GraphedDenoiser:
                 out = self.fn(*xs)
                 self.tier_used = fused_ops_report().tier_used
                 return out
-            entry = self.graphs[key] = self._capture(xs)
+            entry = self.graphs[key] = self._capture(leaves, spec)
             self.tier_used = fused_ops_report().tier_used
         graph, static_in, static_out = entry
-        for buf, x in zip(static_in, xs, strict=True):
+        for buf, x in zip(static_in, leaves, strict=True):
             if buf is not None:
                 buf.copy_(x)
         graph.replay()
         return static_out
 
-    def _capture(self, xs: tuple[Tensor | None, ...]):
+    def _capture(self, leaves: list[Any], spec: pytree.TreeSpec):
         log.info(
             "capturing a CUDA graph of the denoiser for %s",
-            [None if x is None else tuple(x.shape) for x in xs],
+            [None if x is None else tuple(x.shape) for x in leaves],
         )
-        static_in = [None if x is None else x.clone() for x in xs]
+        static_in = [None if x is None else x.clone() for x in leaves]
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.fn(*static_in)
+            static_out = self.fn(*pytree.tree_unflatten(static_in, spec))
         return graph, static_in, static_out
 
 

@@ -181,3 +181,25 @@ def test_full_size_one_step_at_1024_equals_diffusers_on_gpu(flow_map):
                 with use_fused(tier):
                     got = ours(img, img_ids, txt, txt_ids, t, ref=rf, ref_ids=rf_ids, target_timesteps=target)
                 assert torch.equal(got, want), f"reference={with_ref} tier={tier}: {(got - want).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fixed_streams_equal_the_full_forward_and_are_refused_by_a_flow_map(dtype):
+    """`fixed_streams` + `forward(fixed=...)` is the forward with its text and reference work done beforehand."""
+    base = _ours_from(make_diffusers_flux3(False, seed=0), dtype)
+    gen = torch.Generator().manual_seed(0)
+    img = torch.randn(2, 12, 128, generator=gen).to(dtype)
+    txt = torch.randn(2, 7, base.config.context_in_dim, generator=gen).to(dtype)
+    ref = torch.randn(2, 6, 128, generator=gen).to(dtype)
+    img_ids, txt_ids, ref_ids = (torch.rand(n, 4, generator=gen) for n in (12, 7, 6))
+    t = torch.tensor([0.7, 0.2]).to(dtype)
+    want = base(img, img_ids, txt, txt_ids, t, ref=ref, ref_ids=ref_ids)
+    fixed = base.fixed_streams(txt, txt_ids, img_ids, ref=ref, ref_ids=ref_ids)
+    assert torch.equal(base(img, img_ids, None, txt_ids, t, ref_ids=ref_ids, fixed=fixed), want)
+    assert torch.equal(base(img, img_ids, None, txt_ids, t, fixed=base.fixed_streams(txt, txt_ids, img_ids)),
+                       base(img, img_ids, txt, txt_ids, t))  # fmt: skip
+    with pytest.raises(ValueError, match="in place of txt and ref"):
+        base(img, img_ids, txt, txt_ids, t, fixed=fixed)
+    flow = _ours_from(make_diffusers_flux3(True, seed=3), dtype)
+    with pytest.raises(ValueError, match="no fixed streams"):
+        flow.fixed_streams(txt, txt_ids, img_ids)

@@ -138,3 +138,33 @@ def test_bad_calls_fail_before_any_model_work():
         pipe(PROMPT, max_sequence_length=9000)
     with pytest.raises(FluxError, match=r"not FLUX\.3 settings"):
         Pipeline.from_pretrained("tiny-flux3-random", device="cpu", is_distilled=True)
+
+
+@pytest.mark.parametrize("name", ["base", "flow-map"])
+def test_base_model_runs_its_text_and_reference_streams_once_per_generation(folders, name):
+    """The base model's text and reference tokens see t = 0 at every step: their per-mode blocks run once per
+    CFG branch and generation (the images above equal diffusers', which recomputes them every step). A flow
+    map embeds each step's target time into them, so it runs them every step."""
+    from PIL import Image
+
+    ours = Pipeline.from_pretrained(folders[name], device="cpu", dtype=torch.float32)
+    t = ours.transformer
+    calls = {"txt": 0, "ref": 0, "image": 0}
+    hooks = [
+        t.txt_mode_blocks[0].register_forward_hook(lambda *_: calls.__setitem__("txt", calls["txt"] + 1)),
+        t.content_mode_blocks["image_cond"][0].register_forward_hook(
+            lambda *_: calls.__setitem__("ref", calls["ref"] + 1)
+        ),
+        t.content_mode_blocks["image"][0].register_forward_hook(
+            lambda *_: calls.__setitem__("image", calls["image"] + 1)
+        ),
+    ]
+    steps = 3
+    ref = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 48, 3), dtype=np.uint8))
+    ours(PROMPT, image=[ref], num_steps=steps, seed=1, output_type="latent", **KW)
+    for h in hooks:
+        h.remove()
+    branches = 1 if name == "flow-map" else 2  # the base model's CFG: conditional and unconditional
+    assert calls["image"] == steps * branches
+    per_step = steps * branches if name == "flow-map" else branches
+    assert calls["txt"] == per_step and calls["ref"] == per_step

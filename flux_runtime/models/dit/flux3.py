@@ -54,6 +54,21 @@ class Flux3RoPE(NamedTuple):
     joint: RoPE  # [txt | image | image_cond]
 
 
+class Flux3Fixed(NamedTuple):
+    """The text and reference streams of a base model after their per-mode blocks, with the modulation the
+    joint blocks give them: what `Flux3Transformer.fixed_streams` returns and `forward(fixed=...)` reads.
+
+    These tokens are embedded at t = 0 whatever the step, so for a base model (no target time) they are the
+    same at every step of a generation: computing them once and passing them to each step's forward runs the
+    same ops on the same inputs as recomputing them, so the result is bit-identical.
+    """
+
+    txt: Tensor  # (B, L_txt, D)
+    mod_txt: Tensor  # (B, L_txt, 3D): the joint blocks' shift, scale and gate of the text tokens
+    ref: Tensor | None  # (B, L_ref, D) reference tokens, or None
+    mod_ref: Tensor | None  # (B, L_ref, 3D)
+
+
 class Modulation(nn.Module):
     """`lin(silu(temb))` → (B, L, 3D) per-token (shift, scale, gate), BFL's `*_stream_modulations.<mode>`."""
 
@@ -185,7 +200,7 @@ class Flux3Transformer(nn.Module):
         self,
         img: Tensor,
         img_ids: Tensor,
-        txt: Tensor,
+        txt: Tensor | None,
         txt_ids: Tensor,
         timesteps: Tensor,
         *,
@@ -193,16 +208,18 @@ class Flux3Transformer(nn.Module):
         ref_ids: Tensor | None = None,
         target_timesteps: Tensor | None = None,
         pe: Flux3RoPE | None = None,
+        fixed: Flux3Fixed | None = None,
     ) -> Tensor:
         """Predict the flow velocity of the image tokens.
 
         img (B, L_img, in_channels) packed noisy latents; txt (B, L_txt, context_in_dim) stacked text-encoder
         states, padding included (no mask); timesteps (B,) in [0, 1]; ref (B, L_ref, cond_in_channels) the
         reference-image tokens with their ids; target_timesteps (B,) the time a flow-map step jumps to;
-        pe optional precomputed `rope(txt_ids, img_ids, ref_ids)`. Returns (B, L_img, out_channels) in the
-        dtype of `img`.
+        pe optional precomputed `rope(txt_ids, img_ids, ref_ids)`; fixed (base model only) the text and
+        reference streams from `fixed_streams`, in place of `txt` and `ref` (pass None for both). Returns
+        (B, L_img, out_channels) in the dtype of `img`.
         """
-        self._check_inputs(img, txt, timesteps, ref, ref_ids, target_timesteps)
+        self._check_inputs(img, txt, timesteps, ref, ref_ids, target_timesteps, fixed)
         if pe is None:
             pe = self.rope(txt_ids, img_ids, ref_ids)
         b, n_img = img.shape[:2]
@@ -211,11 +228,72 @@ class Flux3Transformer(nn.Module):
         # per-token timestep embeddings, rounded as diffusers: t*1000 in the model dtype, the sinusoid cast
         # to it; the text and reference tokens at t = 0; a flow map adds the target time's embedding to both
         temb = self._embed(self.time_in, timesteps.to(dtype) * 1000, dtype)  # (B, 1, D)
-        zero = self._embed(self.time_in, torch.zeros(b, device=img.device, dtype=dtype), dtype)
+        target = None
         if target_timesteps is not None:
             target = self._embed(self.ref_time_in, target_timesteps.to(dtype) * 1000, dtype)
-            temb, zero = temb + target, zero + target
+            temb = temb + target
+        if fixed is None:
+            assert txt is not None  # checked
+            fixed = self._fixed(txt, ref, pe, target, dtype)
         temb = temb.expand(b, n_img, -1)  # (B, L_img, D)
+
+        # image tokens and their per-mode blocks
+        temb_act = F.silu(temb)
+        mod_img = self.early_stream_modulations["image"](temb_act)
+        mod_content = self.single_stream_modulations["image"](temb_act)
+        x = self.emb_in["image"](img)
+        for block in self.content_mode_blocks["image"]:
+            x = block(x, mod_img, pe.image)
+        if fixed.ref is not None:
+            assert fixed.mod_ref is not None
+            # content = [image | image_cond]: (B, L_img + L_ref, D)
+            x = torch.cat([x, fixed.ref], dim=1)
+            mod_content = torch.cat([mod_content, fixed.mod_ref], dim=1)
+
+        # joint single blocks over [txt | image | image_cond]
+        txt_stream = fixed.txt
+        for block in self.single_blocks:
+            txt_stream, x = block.joint(txt_stream, x, fixed.mod_txt, mod_content, pe.joint)
+
+        # only the image tokens (first in the content) reach the output
+        return self.final_layer["image"](x[:, :n_img], temb)
+
+    def fixed_streams(
+        self,
+        txt: Tensor,
+        txt_ids: Tensor,
+        img_ids: Tensor,
+        *,
+        ref: Tensor | None = None,
+        ref_ids: Tensor | None = None,
+        pe: Flux3RoPE | None = None,
+    ) -> Flux3Fixed:
+        """A base model's text (and reference) streams through their per-mode blocks, for every step of a
+        generation: `forward(img, img_ids, None, txt_ids, t, fixed=...)` then equals `forward(img, img_ids,
+        txt, txt_ids, t, ref=ref, ref_ids=ref_ids)` bit for bit. A flow map embeds its target time into these
+        streams, so it has none to fix."""
+        if self.config.flow_map:
+            raise ValueError("a flow map's text stream changes with the target time: it has no fixed streams")
+        b = txt.shape[0]
+        if txt.ndim != 3 or txt.shape[-1] != self.config.context_in_dim:
+            raise ValueError(f"txt must be (B, L, {self.config.context_in_dim}), got {tuple(txt.shape)}")
+        if (ref is None) != (ref_ids is None):
+            raise ValueError("pass ref and ref_ids together (the reference tokens and their positions)")
+        if ref is not None and (ref.ndim != 3 or ref.shape[0] != b):
+            raise ValueError(f"ref must be ({b}, L, {self.config.cond_in_channels}), got {tuple(ref.shape)}")
+        if pe is None:
+            pe = self.rope(txt_ids, img_ids, ref_ids)
+        return self._fixed(txt, ref, pe, None, txt.dtype)
+
+    def _fixed(
+        self, txt: Tensor, ref: Tensor | None, pe: Flux3RoPE, target: Tensor | None, dtype: torch.dtype
+    ) -> Flux3Fixed:
+        """The text and reference streams at t = 0 (plus a flow map's `target` embedding (B, 1, D)), the
+        time embedding rounded to `dtype` (the model's)."""
+        b = txt.shape[0]
+        zero = self._embed(self.time_in, torch.zeros(b, device=txt.device, dtype=dtype), dtype)
+        if target is not None:
+            zero = zero + target
         zero_act = F.silu(zero)
 
         # text: both modulation sets, then its per-mode blocks
@@ -223,38 +301,19 @@ class Flux3Transformer(nn.Module):
         mod_txt = self.early_stream_modulations["txt"](txt_act)
         mod_txt_single = self.single_stream_modulations["txt"](txt_act)
         txt = self.txt_in(txt)
-
-        # image tokens
-        temb_act = F.silu(temb)
-        mod_img = self.early_stream_modulations["image"](temb_act)
-        mod_content = self.single_stream_modulations["image"](temb_act)
-        x = self.emb_in["image"](img)
-
-        if ref is not None:
-            ref_act = zero_act.expand(b, ref.shape[1], -1)
-            mod_ref = self.early_stream_modulations["image_cond"](ref_act)
-            mod_ref_single = self.single_stream_modulations["image_cond"](ref_act)
-            ref = self.emb_in["image_cond"](ref)
-
-        # per-mode blocks: each mode attends within itself
         for block in self.txt_mode_blocks:
             txt = block(txt, mod_txt, pe.txt)
-        for block in self.content_mode_blocks["image"]:
-            x = block(x, mod_img, pe.image)
-        if ref is not None:
-            assert pe.image_cond is not None  # built with ref_ids, checked above
-            for block in self.content_mode_blocks["image_cond"]:
-                ref = block(ref, mod_ref, pe.image_cond)
-            # content = [image | image_cond]: (B, L_img + L_ref, D)
-            x = torch.cat([x, ref], dim=1)
-            mod_content = torch.cat([mod_content, mod_ref_single], dim=1)
+        if ref is None:
+            return Flux3Fixed(txt, mod_txt_single, None, None)
 
-        # joint single blocks over [txt | image | image_cond]
-        for block in self.single_blocks:
-            txt, x = block.joint(txt, x, mod_txt_single, mod_content, pe.joint)
-
-        # only the image tokens (first in the content) reach the output
-        return self.final_layer["image"](x[:, :n_img], temb)
+        ref_act = zero_act.expand(b, ref.shape[1], -1)
+        mod_ref = self.early_stream_modulations["image_cond"](ref_act)
+        mod_ref_single = self.single_stream_modulations["image_cond"](ref_act)
+        ref = self.emb_in["image_cond"](ref)
+        assert pe.image_cond is not None  # built with ref_ids, checked
+        for block in self.content_mode_blocks["image_cond"]:
+            ref = block(ref, mod_ref, pe.image_cond)
+        return Flux3Fixed(txt, mod_txt_single, ref, mod_ref_single)
 
     @staticmethod
     def _embed(embedder: nn.Module, t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -264,22 +323,34 @@ class Flux3Transformer(nn.Module):
     def _check_inputs(
         self,
         img: Tensor,
-        txt: Tensor,
+        txt: Tensor | None,
         timesteps: Tensor,
         ref: Tensor | None,
         ref_ids: Tensor | None,
         target_timesteps: Tensor | None,
+        fixed: Flux3Fixed | None,
     ) -> None:
         cfg = self.config
         if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
             raise ValueError(f"img must be (B, L, {cfg.in_channels}), got {tuple(img.shape)}")
         b = img.shape[0]
-        if txt.ndim != 3 or txt.shape[0] != b or txt.shape[-1] != cfg.context_in_dim:
+        if fixed is not None:
+            if txt is not None or ref is not None:
+                raise ValueError("pass fixed= in place of txt and ref (txt=None, ref=None), not beside them")
+            if cfg.flow_map:
+                raise ValueError("a flow map has no fixed streams: pass txt (and ref)")
+            if fixed.txt.shape[0] != b:
+                raise ValueError(f"fixed streams of batch {fixed.txt.shape[0]} for an image batch of {b}")
+        elif txt is None:
+            raise ValueError("pass txt (B, L, context_in_dim), or fixed= from fixed_streams")
+        elif txt.ndim != 3 or txt.shape[0] != b or txt.shape[-1] != cfg.context_in_dim:
             raise ValueError(f"txt must be ({b}, L, {cfg.context_in_dim}), got {tuple(txt.shape)}")
         if timesteps.shape != (b,):
             raise ValueError(f"timesteps must be ({b},), got {tuple(timesteps.shape)}")
-        if (ref is None) != (ref_ids is None):
+        if fixed is None and (ref is None) != (ref_ids is None):
             raise ValueError("pass ref and ref_ids together (the reference tokens and their positions)")
+        if fixed is not None and (fixed.ref is None) != (ref_ids is None):
+            raise ValueError("fixed streams with references need ref_ids (their positions), and only they")
         if ref is not None and (ref.ndim != 3 or ref.shape[0] != b or ref.shape[-1] != cfg.cond_in_channels):
             raise ValueError(f"ref must be ({b}, L, {cfg.cond_in_channels}), got {tuple(ref.shape)}")
         if cfg.flow_map:
