@@ -9,7 +9,13 @@ bf16 step at 1024² (4096 image tokens, 480 text tokens, a 4096-token reference 
 require `torch.equal`, then print per-step ms for the library floor (the step's GEMMs, per-token modulation
 included, and SDPA calls timed alone), diffusers eager, ours eager with reference ops and with the lossless
 fused kernels, and ours lossless + CUDA graph (median of >= 10 after warm-up). Exit status 1 if any step differs.
-Writes every number to --json.
+
+`--per-image` adds, for the base model, the whole denoising of one image (`--image-steps`, default 50, with CFG
+3.5: a conditional and an unconditional forward per step, the empty negative prompt's 80 text tokens), through
+the same Euler loop for all: diffusers eager; ours lossless + CUDA graph recomputing the text and reference
+streams every step; and ours as the pipeline runs it, those streams run once per generation
+(`Flux3Transformer.fixed_streams`). The final latents must be `torch.equal` to diffusers'. The text encoder and
+the VAE are not in it (the same work for every runtime). Writes every number to --json.
 """
 
 from __future__ import annotations
@@ -196,11 +202,103 @@ def bench_case(name: str, case: str, ref, ours, iters: int) -> bool:
     return all(equal.values())
 
 
+@torch.no_grad()
+def bench_image(case: str, ref, ours, steps: int) -> bool:
+    """One base-model image's denoising with CFG: diffusers vs ours with and without the fixed streams."""
+    from flux_runtime.kernels.dispatch import use_fused
+    from flux_runtime.pipeline.graphs import GraphedDenoiser
+    from flux_runtime.sampling.flux3 import FLUX3_SCHEDULE, flux3_denoise
+    from flux_runtime.sampling.schedule import get_schedule
+
+    cfg = ours.config
+    n_ref = N_IMG if case == "ref" else 0
+    label_case = f"base, {steps} steps CFG 3.5, {'one 1024² reference' if n_ref else 'text to image'}"
+    img, img_ids, txt, txt_ids, _, rf, rf_ids, _ = step_inputs(cfg, n_ref)
+    n_neg = 80  # the empty negative prompt fills one 80-token window
+    neg = torch.randn(1, n_neg, cfg.context_in_dim, device=DEV, generator=torch.Generator(DEV).manual_seed(2))
+    neg = neg.to(torch.bfloat16)
+    neg_ids = text_ids(n_neg, DEV)
+    sched = get_schedule(steps, N_IMG, config=FLUX3_SCHEDULE, device=DEV)
+    pe = {n: ours.rope(text_ids(n, DEV), img_ids, rf_ids) for n in (N_TXT, n_neg)}
+
+    def diffusers_fn(text, ids):
+        return lambda x, tt, _g: ref(
+            hidden_states=x, encoder_hidden_states=text, timestep=tt, img_ids=img_ids, txt_ids=ids,
+            image_cond_hidden_states=rf, image_cond_ids=rf_ids, return_dict=False,
+        )[0]  # fmt: skip
+
+    def ours_fn(text, ids, fixed: bool):
+        n = text.shape[1]
+        if fixed:
+            with use_fused("lossless"):
+                streams = ours.fixed_streams(text, ids, img_ids, ref=rf, ref_ids=rf_ids, pe=pe[n])
+
+            def step(x, tt, s):
+                with use_fused("lossless"):
+                    return ours(x, img_ids, None, ids, tt, ref_ids=rf_ids, pe=pe[n], fixed=s)
+
+            graphed = GraphedDenoiser(step)
+            return lambda x, tt, _g: graphed(x, tt, streams)
+
+        def step_full(x, tt):
+            with use_fused("lossless"):
+                return ours(x, img_ids, text, ids, tt, ref=rf, ref_ids=rf_ids, pe=pe[n])
+
+        graphed = GraphedDenoiser(step_full)
+        return lambda x, tt, _g: graphed(x, tt)
+
+    variants = {
+        "diffusers eager": lambda: (diffusers_fn(txt, txt_ids), diffusers_fn(neg, neg_ids)),
+        "ours lossless + CUDA graph, streams every step": lambda: (
+            ours_fn(txt, txt_ids, False),
+            ours_fn(neg, neg_ids, False),
+        ),
+        "ours lossless + CUDA graph, streams once (the pipeline)": lambda: (
+            ours_fn(txt, txt_ids, True),
+            ours_fn(neg, neg_ids, True),
+        ),
+    }
+    times: dict[str, float] = {}
+    equal: dict[str, bool] = {}
+    expected = None
+    for label, make in variants.items():
+
+        def image(make=make):
+            cond, uncond = make()  # the fixed streams are built here: inside the timed image
+            return flux3_denoise(
+                cond, img, sched.sigmas, sched.timesteps, flow_map=False, negative_model_fn=uncond,
+                guidance_scale=3.5,
+            )  # fmt: skip
+
+        out = image()  # warm-up: graphs run eagerly once and are captured on the second step
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = image()
+        end.record()
+        torch.cuda.synchronize()
+        times[label] = start.elapsed_time(end) / 1000
+        expected = out if expected is None else expected
+        equal[label] = torch.equal(out, expected)
+        print(f"[{label_case}] {label}: {times[label]:.2f} s, torch.equal = {equal[label]}", flush=True)
+    RESULTS[f"base/{case}/image"] = {"steps": steps, "seconds": times, "equal_to_diffusers": equal}
+    ref_s = times["diffusers eager"]
+    print()
+    print(f"| FLUX.3 Klein {label_case}, 1024², bf16, denoising | s / image | / diffusers | torch.equal |")
+    print("|---|---|---|---|")
+    for label, sec in times.items():
+        print(f"| {label} | {sec:.2f} | {sec / ref_s:.2f} | {equal[label]} |")
+    print(flush=True)
+    return all(equal.values())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=["base", "flow-map"])
     ap.add_argument("--cases", nargs="+", choices=["t2i", "ref"], default=["t2i", "ref"])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--per-image", action="store_true", help="also time a whole base-model image (CFG)")
+    ap.add_argument("--image-steps", type=int, default=50)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -214,6 +312,8 @@ def main() -> int:
         print(f"[{name}] {sum(p.numel() for p in ours.parameters()):,} parameters", flush=True)
         for case in args.cases:
             ok.append(bench_case(name, case, ref, ours, args.iters))
+            if args.per_image and name == "base":
+                ok.append(bench_image(case, ref, ours, args.image_steps))
         del ref, ours
         gc.collect()
         torch.cuda.empty_cache()

@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh high      all GPU tests, the decode bench
 #   bash scripts/gpu_check.sh mid       new GPU tests (LoRA, high decode), the decode, variant, LoRA and FLUX.1 step benches
 #   bash scripts/gpu_check.sh all3      all GPU tests, FLUX.3 flow-map step bench
+#   bash scripts/gpu_check.sh flux3     FLUX.3 GPU tests, step benches (base, flow map; with and without a reference),
+#                                       the base model's whole-image denoising (50 steps, CFG) vs diffusers
 #   bash scripts/gpu_check.sh memory    the memory-plan bench (FLUX.1-dev), the memory GPU tests
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
@@ -63,6 +65,11 @@ case "$phase" in
   all3)
     timeout 380 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
     timeout 180 python3 scripts/bench_flux3.py --models flow-map --json "$OUT/bench_flux3.json" 2>&1 | tee "$OUT/bench_flux3.txt" | tail -30 || status=1
+    ;;
+  flux3)
+    # the FLUX.3 GPU tests, every step bench and the base model's whole-image denoising (50 steps, CFG)
+    timeout 200 python3 -m pytest -q -m gpu tests/models/test_flux3_dit.py tests/pipeline/test_flux3_reference_images.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_flux3.txt" | tail -8 || status=1
+    timeout 400 python3 scripts/bench_flux3.py --per-image --json "$OUT/bench_flux3.json" 2>&1 | tee "$OUT/bench_flux3.txt" | grep "^|" || status=1
     ;;
   memory)
     timeout 300 python3 scripts/bench_memory.py --model "${2:-flux1}" --json "$OUT/bench_memory.json" 2>&1 | tee "$OUT/bench_memory.txt" | tail -30 || status=1
