@@ -151,6 +151,11 @@ class Flux3Pipe(Recipe):
         return FLOW_MAP_STEPS if self.is_flow_map else BASE_STEPS
 
     @property
+    def default_max_sequence_length(self) -> int:
+        """The longest text window a call reads by default (Qwen3-VL tokens)."""
+        return MAX_SEQUENCE_LENGTH
+
+    @property
     def default_size(self) -> int:
         """1024, or the registry's side for a built-in model (fast on a CPU)."""
         spec = spec_for(self.model_name)

@@ -30,6 +30,7 @@ from starlette.datastructures import UploadFile
 
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.provenance import png_bytes
+from flux_runtime.sampling.flux3_references import MAX_REFERENCES as MAX_FLUX3_REFERENCES
 from flux_runtime.serve.api import SIZE_MULTIPLE, APIError, EditRequest, GenerationRequest, parse_size
 from flux_runtime.serve.worker import Abandoned, Generated, Job, Metrics, QueueFull, Worker
 
@@ -69,9 +70,9 @@ class ImageStore:
         return self.folder / name
 
 
-EditKind = Literal["flux2", "text2img", "kontext", "fill", "control"]
-"""What an edit does on the served checkpoint: FLUX.2 references, or the FLUX.1 variant (`text2img`: img2img
-and inpainting)."""
+EditKind = Literal["flux2", "flux3", "text2img", "kontext", "fill", "control"]
+"""What an edit does on the served checkpoint: FLUX.2 or FLUX.3 references, or the FLUX.1 variant (`text2img`:
+img2img and inpainting)."""
 
 
 def check_edit(req: EditRequest, n_images: int, has_mask: bool, kind: EditKind, model: str) -> None:
@@ -84,10 +85,18 @@ def check_edit(req: EditRequest, n_images: int, has_mask: bool, kind: EditKind, 
         )  # fmt: skip
     if n_images == 0:
         raise APIError(400, "image: an edit needs at least one image file", param="image")
-    if kind != "flux2" and n_images > 1:
+    references = kind in ("flux2", "flux3")
+    if not references and n_images > 1:
         raise APIError(400, f"image: {model} (FLUX.1) takes one image, got {n_images}", param="image")
+    if kind == "flux3" and n_images > MAX_FLUX3_REFERENCES:
+        raise APIError(
+            400,
+            f"image: {model} (FLUX.3) takes 1 to {MAX_FLUX3_REFERENCES} images, got {n_images}",
+            param="image",
+        )
     refused = {
         "flux2": ("mask", "strength", "max_area", "auto_resize"),
+        "flux3": ("mask", "strength", "max_area", "auto_resize"),
         "kontext": ("mask", "strength"),
         "fill": ("max_area", "auto_resize"),
         "text2img": ("max_area", "auto_resize"),
@@ -96,7 +105,9 @@ def check_edit(req: EditRequest, n_images: int, has_mask: bool, kind: EditKind, 
              "auto_resize": req.auto_resize is not None}  # fmt: skip
     for field in refused:
         if given[field]:
-            what = {"flux2": "is FLUX.2", "kontext": "is a Kontext checkpoint"}.get(kind, "is not Kontext")
+            what = {"flux2": "is FLUX.2", "flux3": "is FLUX.3", "kontext": "is a Kontext checkpoint"}.get(
+                kind, "is not Kontext"
+            )
             raise APIError(400, f"{field} is not a setting of {model}: it {what}", param=field)
     if kind == "fill" and not has_mask:
         raise APIError(400, f"mask: {model} is a Fill checkpoint; give a mask (white = fill)", param="mask")
@@ -116,10 +127,12 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
 
 def prompt_tokens(pipe: Any, prompt: str) -> int:
     """How many tokens the pipeline's sequence encoder makes of `prompt` (T5 for FLUX.1, the LLM's chat
-    text for FLUX.2), to refuse a prompt the pipeline would cut short."""
+    text for FLUX.2 and FLUX.3), to refuse a prompt the pipeline would cut short."""
     te = pipe.text_encoder
     if hasattr(te, "t5_tokenizer"):
         return len(te.t5_tokenizer(prompt)["input_ids"])
+    if pipe.transformer.config.family == "flux3":  # Qwen3-VL's chat text of one prompt
+        return len(te.tokenizer(te.render(prompt))["input_ids"])
     return len(te.tokenizer(te.render([prompt])[0])["input_ids"])
 
 
@@ -135,12 +148,11 @@ def create_app(
     drain: bool = True,
 ) -> FastAPI:
     """The server over the loaded `pipe`, served under the name `model`."""
-    from flux_runtime.pipeline.flux2 import Flux2Pipe
-
-    flux2 = isinstance(pipe, Flux2Pipe)
-    kind: EditKind = "flux2" if flux2 else getattr(pipe, "variant", "text2img")
+    family = pipe.transformer.config.family
+    references = family in ("flux2", "flux3")  # edits draw from reference images
+    kind: EditKind = family if references else getattr(pipe, "variant", "text2img")
     metrics = Metrics(pipe.device)
-    worker = Worker(pipe, metrics, max_queue=max_queue, max_batch=max_batch, batching=batching, flux2=flux2)
+    worker = Worker(pipe, metrics, max_queue=max_queue, max_batch=max_batch, batching=batching, family=family)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -187,9 +199,10 @@ def create_app(
                     raise APIError(
                         400, f"{name} is {tokens} tokens; {model} reads at most {limit}", param=name
                     )
-        if flux2 and (req.negative_prompt is not None or req.true_cfg_scale != 1.0):
+        if family != "flux1" and (req.negative_prompt is not None or req.true_cfg_scale != 1.0):
             field = "negative_prompt" if req.negative_prompt is not None else "true_cfg_scale"
-            raise APIError(400, f"{field} needs a FLUX.1 model; {model} is FLUX.2", param=field)
+            name = "FLUX.2" if family == "flux2" else "FLUX.3"
+            raise APIError(400, f"{field} needs a FLUX.1 model; {model} is {name}", param=field)
         return size
 
     def new_job(req: GenerationRequest, **extra: Any) -> Job:
@@ -269,9 +282,9 @@ def create_app(
             auto_resize=req.auto_resize,
         )  # fmt: skip
         w, h = images[0].size
-        if not flux2 and job.width is None and not (w % SIZE_MULTIPLE or h % SIZE_MULTIPLE):
+        if not references and job.width is None and not (w % SIZE_MULTIPLE or h % SIZE_MULTIPLE):
             # as OpenAI: a FLUX.1 edit is the size of its image by default (Kontext: its aspect ratio at
-            # max_area); FLUX.2 takes its first reference's size as the pipeline shrinks and crops it
+            # max_area); FLUX.2 and FLUX.3 take their first reference's size as the pipeline prepares it
             job.width, job.height = w, h
         return await answer(request, job, req.response_format)
 

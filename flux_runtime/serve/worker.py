@@ -179,10 +179,13 @@ class Worker:
         max_queue: int,
         max_batch: int,
         batching: bool,
-        flux2: bool,
+        family: str,
     ) -> None:
+        """`family` ("flux1", "flux2", "flux3") says how a call is made: FLUX.3 takes one prompt per call, so
+        its jobs never share a batch (a job's images still run as one call)."""
         self.pipe, self.metrics = pipe, metrics
-        self.max_queue, self.max_batch, self.batching, self.flux2 = max_queue, max_batch, batching, flux2
+        self.max_queue, self.max_batch, self.family = max_queue, max_batch, family
+        self.batching = batching and family != "flux3"
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -314,7 +317,7 @@ class Worker:
             generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
             progress=_StageTimer(self.metrics, jobs), **size,
         )  # fmt: skip
-        if self.flux2:
+        if self.family in ("flux2", "flux3"):
             if first.images:
                 kwargs["image"] = first.images
         else:
@@ -327,7 +330,10 @@ class Worker:
                 if first.auto_resize is not None:
                     kwargs["auto_resize"] = first.auto_resize
         began = time.perf_counter()
-        out = self.pipe(prompts, **kwargs)
+        if self.family == "flux3":  # one prompt a call: the job's images as num_images_per_prompt
+            out = self.pipe(first.prompt, num_images_per_prompt=len(units), **kwargs)
+        else:
+            out = self.pipe(prompts, **kwargs)
         log.debug("ran %d image(s) in %.2fs", len(units), time.perf_counter() - began)
         self.metrics.batch.observe(len(units))
         self.metrics.generated(len(units))

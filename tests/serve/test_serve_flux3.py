@@ -1,0 +1,118 @@
+"""`flux-serve` over HTTP on the built-in tiny FLUX.3 model: text to image (a request's n images as one call with
+one seed each) and edits from one or several reference images give the same bits as the same `Flux3Pipe` call;
+the fields FLUX.3 does not take are refused by name.
+
+One server process for the module; every image is 64x64 with 2 steps.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flux_runtime.pipeline import Pipeline
+from tests.serve.server import Server
+
+EDITS = "/v1/images/edits"
+MODEL = "tiny-flux3-random"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server("--model", MODEL, "--max-n", "2", store=tmp_path_factory.mktemp("store"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return Pipeline.from_pretrained(MODEL, device="cpu", dtype=torch.float32)
+
+
+def _png_bytes(w: int, h: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _decoded(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def _answers(r: httpx.Response) -> list[tuple[Image.Image, dict]]:
+    assert r.status_code == 200, r.text
+    out = []
+    for item in r.json()["data"]:
+        image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+        image.load()
+        out.append((image, json.loads(image.text["flux_runtime"])))
+    return out
+
+
+def _same_bits(served: Image.Image, direct: Image.Image) -> None:
+    assert served.size == direct.size
+    assert served.convert("RGB").tobytes() == direct.tobytes()
+
+
+def test_text_to_image_n_images_are_one_call_with_a_seed_each(server, pipe):
+    r = httpx.post(
+        server.url + "/v1/images/generations",
+        json={"prompt": "a green triangle", "seed": 2, "size": "64x64", "steps": 2, "n": 2}, timeout=120,
+    )  # fmt: skip
+    served = _answers(r)
+    gens = [torch.Generator("cpu").manual_seed(s) for s in (2, 3)]
+    direct = pipe(
+        "a green triangle", generator=gens, num_images_per_prompt=2, width=64, height=64, num_steps=2
+    )
+    assert len(served) == 2
+    for (image, info), want, seed in zip(served, direct.images, (2, 3), strict=True):
+        _same_bits(image, want)
+        assert (info["model"], info["seed"], info["num_steps"]) == (MODEL, seed, 2)
+
+
+@pytest.mark.parametrize("sizes", [[(64, 64)], [(64, 64), (80, 64)]], ids=["one", "two"])
+def test_reference_edit_is_the_pipelines_image(server, pipe, sizes):
+    uploads = [_png_bytes(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    files = [("image", (f"ref{i}.png", data, "image/png")) for i, data in enumerate(uploads)]
+    form = {"prompt": "a red circle", "seed": "5", "steps": "2"}
+    ((image, info),) = _answers(httpx.post(server.url + EDITS, files=files, data=form, timeout=120))
+    refs = [_decoded(d) for d in uploads]
+    direct = pipe("a red circle", image=refs, generator=[torch.Generator().manual_seed(5)], num_steps=2)
+    _same_bits(image, direct.images[0])
+    assert len(info["reference_images"]) == len(sizes)
+    assert [r["sha256"] for r in info["reference_images"]] == [
+        r["sha256"] for r in direct.info["reference_images"]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"data": {"strength": "0.5"}}, "strength"),
+        ({"data": {"max_area": "4096"}}, "max_area"),
+        ({"files": [("mask", ("m.png", _png_bytes(64, 64, 1), "image/png"))]}, "mask"),
+        ({"data": {"negative_prompt": "blurry"}}, "negative_prompt"),
+        ({"data": {"true_cfg_scale": "2"}}, "true_cfg_scale"),
+        (
+            {"files": [("image", (f"{i}.png", _png_bytes(64, 64, i), "image/png")) for i in range(10)]},
+            "image",
+        ),
+    ],
+)
+def test_fields_flux3_does_not_take_are_refused_by_name(server, extra, param):
+    files = [("image", ("r.png", _png_bytes(64, 64, 0), "image/png")), *extra.get("files", [])]
+    data = {"prompt": "x", "steps": "1", **extra.get("data", {})}
+    r = httpx.post(server.url + EDITS, files=files, data=data, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert "FLUX.3" in r.json()["error"]["message"]
