@@ -5,7 +5,6 @@ One server process for the module (batching on); every request is 64x64 with 1-2
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import io
 import json
@@ -22,6 +21,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from flux_runtime.pipeline import Pipeline
+from tests.serve.images import decoded as _decoded
+from tests.serve.images import png_with_info as _png
 from tests.serve.server import Server
 
 GEN = "/v1/images/generations"
@@ -39,12 +40,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipe():
     return Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
-
-
-def _png(b64: str) -> tuple[Image.Image, dict]:
-    image = Image.open(io.BytesIO(base64.b64decode(b64)))
-    image.load()
-    return image, json.loads(image.text["flux_runtime"])
 
 
 def _post(server: Server, body: dict, path: str = GEN) -> httpx.Response:
@@ -100,12 +95,6 @@ def _image_bytes(color: str, size: int = 64) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (size, size), color).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def _decoded(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
 
 
 def test_img2img_and_inpainting_are_the_pipelines_images(server, pipe):

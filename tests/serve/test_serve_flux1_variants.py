@@ -9,17 +9,14 @@ folders (their model_index.json names the variant), one server process each; ima
 
 from __future__ import annotations
 
-import base64
-import io
-import json
-
 import httpx
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from flux_runtime.pipeline import Pipeline
+from tests.serve.images import decoded as _decoded
+from tests.serve.images import first_rgb as _served
+from tests.serve.images import random_png as _png
 from tests.serve.server import Server
 
 EDITS = "/v1/images/edits"
@@ -56,30 +53,8 @@ def fill(folders, tmp_path_factory):
     srv.stop()
 
 
-def _png(w: int, h: int, seed: int, mode: str = "RGB") -> bytes:
-    rng = np.random.default_rng(seed)
-    array = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
-    image = Image.fromarray(array) if mode == "RGB" else Image.fromarray(array[..., 0], "L")
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _decoded(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
-
-
 def _edit(server: Server, files: list, **fields: str) -> httpx.Response:
     return httpx.post(server.url + EDITS, files=files, data={"steps": "2", **fields}, timeout=120)
-
-
-def _served(r: httpx.Response) -> tuple[Image.Image, dict]:
-    assert r.status_code == 200, r.text
-    image = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
-    image.load()
-    return image.convert("RGB"), json.loads(image.text["flux_runtime"])
 
 
 def test_kontext_edit_is_the_pipelines_image(kontext):

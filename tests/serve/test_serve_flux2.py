@@ -7,18 +7,16 @@ One server process for the module; every image is 64x64 or 80x64 with 2 steps.
 
 from __future__ import annotations
 
-import base64
-import io
-import json
-
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
-from PIL import Image
 
 from flux_runtime.pipeline import Pipeline
+from tests.serve.images import decoded as _decoded
+from tests.serve.images import png_with_info
+from tests.serve.images import random_png as _png_bytes
+from tests.serve.images import same_bits as _same_bits
 from tests.serve.server import Server
 
 EDITS = "/v1/images/edits"
@@ -36,31 +34,6 @@ def pipe():
     return Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
 
 
-def _png_bytes(w: int, h: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _decoded(data: bytes) -> Image.Image:
-    """The upload as the server reads it."""
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
-
-
-def _answer(item: dict) -> tuple[Image.Image, dict]:
-    image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
-    image.load()
-    return image, json.loads(image.text["flux_runtime"])
-
-
-def _same_bits(served: Image.Image, direct: Image.Image) -> None:
-    assert served.size == direct.size
-    assert served.convert("RGB").tobytes() == direct.tobytes()
-
-
 @pytest.mark.parametrize("sizes", [[(64, 64)], [(64, 64), (80, 64)]], ids=["one", "two"])
 def test_reference_edit_is_the_pipelines_image(server, pipe, sizes):
     uploads = [_png_bytes(w, h, seed) for seed, (w, h) in enumerate(sizes)]
@@ -69,7 +42,7 @@ def test_reference_edit_is_the_pipelines_image(server, pipe, sizes):
     r = httpx.post(server.url + EDITS, files=files, data=form, timeout=120)
     assert r.status_code == 200, r.text
     (item,) = r.json()["data"]
-    image, info = _answer(item)
+    image, info = png_with_info(item["b64_json"])
     refs = [_decoded(d) for d in uploads]
     direct = pipe("a red circle", image=refs, seed=5, num_steps=2, guidance=3.0)
     _same_bits(image, direct.images[0])
@@ -89,7 +62,7 @@ def test_openai_client_sends_a_list_of_references(server, pipe):
     )  # fmt: skip
     refs = [_decoded(d) for d in uploads]
     for i, item in enumerate(out.data):  # image i is seed 3 + i, each one single pipeline call
-        image, info = _answer(item.model_dump())
+        image, info = png_with_info(item.b64_json)
         direct = pipe("a blue square", image=refs, seed=3 + i, num_steps=2, width=64, height=80)
         _same_bits(image, direct.images[0])
         assert info["seed"] == 3 + i and len(info["reference_images"]) == 2
@@ -101,7 +74,7 @@ def test_text_to_image_is_the_pipelines_image(server, pipe):
         json={"prompt": "a green triangle", "seed": 2, "size": "64x64", "steps": 2}, timeout=120,
     )  # fmt: skip
     assert r.status_code == 200, r.text
-    image, _ = _answer(r.json()["data"][0])
+    image, _ = png_with_info(r.json()["data"][0]["b64_json"])
     _same_bits(image, pipe("a green triangle", seed=2, width=64, height=64, num_steps=2).images[0])
 
 

@@ -7,17 +7,15 @@ One server process for the module; every image is 64x64 with 2 steps.
 
 from __future__ import annotations
 
-import base64
-import io
-import json
-
 import httpx
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from flux_runtime.pipeline import Pipeline
+from tests.serve.images import decoded as _decoded
+from tests.serve.images import random_png as _png_bytes
+from tests.serve.images import same_bits as _same_bits
+from tests.serve.images import served as _answers
 from tests.serve.server import Server
 
 EDITS = "/v1/images/edits"
@@ -34,34 +32,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipe():
     return Pipeline.from_pretrained(MODEL, device="cpu", dtype=torch.float32)
-
-
-def _png_bytes(w: int, h: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _decoded(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
-
-
-def _answers(r: httpx.Response) -> list[tuple[Image.Image, dict]]:
-    assert r.status_code == 200, r.text
-    out = []
-    for item in r.json()["data"]:
-        image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
-        image.load()
-        out.append((image, json.loads(image.text["flux_runtime"])))
-    return out
-
-
-def _same_bits(served: Image.Image, direct: Image.Image) -> None:
-    assert served.size == direct.size
-    assert served.convert("RGB").tobytes() == direct.tobytes()
 
 
 def test_text_to_image_n_images_are_one_call_with_a_seed_each(server, pipe):

@@ -4,35 +4,20 @@ Needs no openai client, so it runs on the device with the wheels of scripts/fetc
 
 from __future__ import annotations
 
-import base64
 import io
-import json
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from flux_runtime.pipeline import Pipeline
+from tests.serve.images import first_rgb as _served
+from tests.serve.images import random_png as _png
 from tests.serve.server import Server
 
 pytestmark = pytest.mark.gpu
-
-
-def _served(r: httpx.Response) -> tuple[Image.Image, dict]:
-    assert r.status_code == 200, r.text
-    image = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
-    image.load()
-    return image.convert("RGB"), json.loads(image.text["flux_runtime"])
-
-
-def _png(w: int, h: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_served_on_cuda_is_the_pipelines_image_and_metrics_report_the_gpu(tmp_path):
