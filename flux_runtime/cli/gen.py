@@ -512,6 +512,7 @@ def _generate(opts: dict[str, Any]) -> None:
     from flux_runtime.pipeline.flux2 import Flux2Pipe
     from flux_runtime.pipeline.flux3 import Flux3Pipe
     from flux_runtime.pipeline.provenance import save_png
+    from flux_runtime.pipeline.sources import model_family
 
     _check_early(opts)
     from flux_runtime.weights.hub import resolve
@@ -538,6 +539,19 @@ def _generate(opts: dict[str, Any]) -> None:
         for name, opt in (("mask_image", "mask"), ("control_image", "control_image"))
         if opts[opt] is not None
     }
+
+    # options of another family fail now, before anything loads
+    family = model_family(
+        opts["model"],
+        vae=opts["vae"],
+        text_encoder=opts["text_encoder"],
+        text_encoder_2=opts["text_encoder_2"],
+    )
+    name = {"flux1": "FLUX.1", "flux2": "FLUX.2", "flux3": "FLUX.3"}[family]
+    if family != "flux1":
+        _refuse_flux1_options(opts, name)
+    if family != "flux3":
+        _refuse_flux3_options(opts, name)
 
     pipe = Pipeline.from_pretrained(
         opts["model"],
@@ -579,7 +593,6 @@ def _generate(opts: dict[str, Any]) -> None:
         progress=progress,
     )
     if isinstance(pipe, Flux3Pipe):
-        _refuse_flux1_options(opts, "FLUX.3")
         if opts["prompt_upsampler"] is not None or opts["upsampler_prompts"] is not None:
             source = opts["prompt_upsampler"] or pipe.prompt_upsampler.source
             pipe.set_prompt_upsampler(source, prompts=opts["upsampler_prompts"])
@@ -591,11 +604,8 @@ def _generate(opts: dict[str, Any]) -> None:
             **common,
         )
     elif isinstance(pipe, Flux2Pipe):
-        _refuse_flux1_options(opts, "FLUX.2")
-        _refuse_flux3_options(opts, "FLUX.2")
         out = pipe(opts["prompt"], image=images_in or None, **common)
     else:
-        _refuse_flux3_options(opts, "FLUX.1")
         if images_in and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
             # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
             raise click.ClickException(
@@ -634,7 +644,8 @@ def _refuse_flux1_options(opts: dict[str, Any], family: str) -> None:
     flux1_only = [f for f, v in _flux1_options(opts).items() if v]
     if flux1_only:
         raise click.ClickException(
-            f"{', '.join(flux1_only)} need a FLUX.1 model; {opts['model']} is {family}"
+            f"{', '.join(flux1_only)} {'needs' if len(flux1_only) == 1 else 'need'} a FLUX.1 model; "
+            f"{opts['model']} is {family}"
         )
 
 
@@ -663,7 +674,8 @@ def _refuse_flux3_options(opts: dict[str, Any], family: str) -> None:
         if opts[name]
     ]
     if given:
-        raise click.ClickException(f"{', '.join(given)} need a FLUX.3 model; {opts['model']} is {family}")
+        verb = "needs" if len(given) == 1 else "need"
+        raise click.ClickException(f"{', '.join(given)} {verb} a FLUX.3 model; {opts['model']} is {family}")
 
 
 if __name__ == "__main__":  # how `--gpus N` runs each rank (and `torchrun -m flux_runtime.cli.gen`)

@@ -46,9 +46,9 @@ from flux_runtime.pipeline.core import (
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
-from flux_runtime.pipeline.sources import Sources, find_sources, schedule_config
+from flux_runtime.pipeline.sources import Sources, find_sources, open_family, schedule_config
 from flux_runtime.pipeline.tiers import Tier
-from flux_runtime.registry import MODEL_IDS, MODELS, Variant, spec_for
+from flux_runtime.registry import MODEL_IDS, Variant, spec_for
 from flux_runtime.sampling import (
     denormalize_latents,
     draw_noise,
@@ -60,7 +60,6 @@ from flux_runtime.sampling import (
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin
-from flux_runtime.weights.checkpoint import open_transformer
 from flux_runtime.weights.vae import load_vae
 
 if TYPE_CHECKING:
@@ -182,10 +181,8 @@ class Pipeline(Recipe):
             world, device = join(config, device)
         budget = placement.budget_for(memory, device, offload_text_encoders) if world is None else None
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
-        spec = MODELS.get(src.name) if src.name in MODELS and MODELS[src.name].builtin else None
         # the checkpoint is opened once: its headers tell the family and feed the loader
-        ckpt = None if spec is not None else open_transformer(src.transformer)
-        family = spec.family if spec is not None else ckpt.family  # type: ignore[union-attr]
+        family, ckpt = open_family(src)
         if family == "flux2":
             from flux_runtime.pipeline.flux2 import Flux2Pipe
 

@@ -1,7 +1,7 @@
 """Where a pipeline's parts come from: a preset name, a diffusers folder or cached id, or a BFL file set.
 
-The same for FLUX.1 and FLUX.2: the family is told by the transformer's keys afterwards
-(`Pipeline.from_pretrained`), not by the name.
+The same for every family: the family is told by the registry (built-in models) or the transformer's keys
+(`open_family`), not by the name.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flux_runtime.registry import CLIP_L_ID, MODEL_IDS, MODELS, T5_XXL_ID
 from flux_runtime.sampling import FLUX1_DEV_SCHEDULE, FLUX1_SCHNELL_SCHEDULE, FLUX2_SCHEDULE, ScheduleConfig
-from flux_runtime.weights.checkpoint import find_transformer_files
+from flux_runtime.weights.checkpoint import TransformerCheckpoint, find_transformer_files, open_transformer
 from flux_runtime.weights.config_files import (
     BOOL,
     INT,
@@ -68,6 +68,29 @@ class Sources:
     t5: str | Path | None
     scheduler_config: dict | None
     model_index: dict | None = None  # a diffusers root's model_index.json (FLUX.2 [klein]: `is_distilled`)
+
+
+def open_family(src: Sources) -> tuple[str, TransformerCheckpoint | None]:
+    """The family of `src`'s transformer ("flux1", "flux2", "flux3") and its opened checkpoint (None for a
+    built-in model): from the registry or the checkpoint's headers, no tensor read."""
+    spec = MODELS.get(src.name)
+    if spec is not None and spec.builtin:
+        return spec.family, None
+    ckpt = open_transformer(src.transformer)
+    return ckpt.family, ckpt
+
+
+def model_family(
+    path_or_id: str | Path,
+    *,
+    vae: str | Path | None = None,
+    text_encoder: str | Path | None = None,
+    text_encoder_2: str | Path | None = None,
+) -> str:
+    """The family of a model name, folder or file, read before anything loads: what a caller checks its
+    options against (a FLUX.1-only option on a FLUX.2 model fails at once, not after the load)."""
+    src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
+    return open_family(src)[0]
 
 
 def find_sources(

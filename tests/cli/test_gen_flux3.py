@@ -48,5 +48,21 @@ def test_options_of_other_families_are_refused(tmp_path) -> None:
     res = _run("--prompt", "a", "--negative-prompt", "b", "--out", str(tmp_path / "x.png"))
     assert (
         res.exit_code != 0
-        and "--negative-prompt need a FLUX.1 model; tiny-flux3-random is FLUX.3" in res.output
+        and "--negative-prompt needs a FLUX.1 model; tiny-flux3-random is FLUX.3" in res.output
     )
+
+
+def test_options_of_other_families_fail_before_the_model_loads(tmp_path, monkeypatch) -> None:
+    from flux_runtime.pipeline import Pipeline
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before the options were checked")
+
+    monkeypatch.setattr(Pipeline, "from_pretrained", never)
+    for extra, message in (
+        (["--negative-prompt", "b"], "--negative-prompt needs a FLUX.1 model"),
+        (["--negative-prompt", "b", "--true-cfg", "2"], " need a FLUX.1 model"),
+    ):
+        res = _run("--prompt", "a", *extra, "--out", str(tmp_path / "x.png"))
+        assert res.exit_code == 1 and message in res.output, res.output
+        assert len(res.output.strip().splitlines()) == 1

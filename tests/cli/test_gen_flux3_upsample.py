@@ -93,5 +93,5 @@ def test_no_upsample_and_refusals(upsampler, tmp_path) -> None:
         "--out", str(tmp_path / "z.png"),
     )  # fmt: skip
     assert (
-        res.exit_code == 1 and "--no-upsample need a FLUX.3 model; tiny-flux2-random is FLUX.2" in res.output
+        res.exit_code == 1 and "--no-upsample needs a FLUX.3 model; tiny-flux2-random is FLUX.2" in res.output
     )
