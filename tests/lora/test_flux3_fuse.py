@@ -268,3 +268,40 @@ def test_flux3_lora_on_flux1_and_flux2_is_refused(base, tmp_path, family):
             LoraError, match=rf"{path.name} is a FLUX.3 LoRA \(keys like .*\); this pipeline runs {mine}"
         ):
             convert(sd, meta, table, None, path.name)
+
+
+def test_fp8_layers_are_requantized_and_restored(base, tmp_path):
+    """FLUX.3's FP8 projections (no biases): dequantized to bf16, every LoRA's update added in load order (the
+    final adaLN's in its swapped rows), quantized again; unfused: the very e4m3 tensors and scales."""
+    from flux_runtime.models.dit.layers import Fp8Linear
+    from flux_runtime.weights.fp8 import Fp8Tensors, _install, dequantize, quantize_weight
+    from flux_runtime.weights.lora import lora_delta
+
+    folder, shapes, _ = base
+    fp8 = ("single_blocks.1.q_proj", "final_layer.image.adaLN_modulation.1")
+    model = load_transformer(folder, device="cpu", dtype=torch.bfloat16)
+    sd = {}
+    _install(model, {n: quantize_weight(model.get_submodule(n).weight.data) for n in fp8}, sd, torch.bfloat16)
+    model.load_state_dict(sd, strict=False, assign=True)
+    orig = {n: (model.get_submodule(n).weight, model.get_submodule(n).weight_scale) for n in fp8}
+    a = lf.bfl_file(tmp_path / "a.safetensors", shapes, [*fp8, "txt_mode_blocks.0.k_proj"], seed=7)
+    b = lf.kohya_file(tmp_path / "b.safetensors", shapes, [fp8[1]], alpha=4.0, seed=8)
+    state = FusedState()
+    runs = [(_fuse(model, a, 0.5, state), 0.5), (_fuse(model, b, 1.0, state), 1.0)]
+    assert set(state.fp8_pieces) == set(fp8)
+
+    w = dequantize(Fp8Tensors(*orig[fp8[1]], None), torch.bfloat16)
+    for weights, scale in runs:
+        delta = lora_delta(weights.transformer["norm_out.linear"], scale, w)[0]
+        w += torch.cat(delta.chunk(2, dim=0)[::-1])  # diffusers' (scale, shift) rows into ours
+    want, got = quantize_weight(w), model.get_submodule(fp8[1])
+    assert isinstance(got, Fp8Linear) and torch.equal(
+        got.weight.view(torch.uint8), want.weight.view(torch.uint8)
+    )
+    assert torch.equal(got.weight_scale, want.weight_scale)
+
+    unfuse(model, None, state)
+    for n in fp8:
+        assert (
+            model.get_submodule(n).weight is orig[n][0] and model.get_submodule(n).weight_scale is orig[n][1]
+        )
