@@ -142,8 +142,8 @@ _FLUX1_MARKS = re.compile(
     r"|proj_mlp|ff(_context)?[._]net[._]|processor\."
 )
 _FLUX3_MARKS = re.compile(
-    r"stream_modulations[._]|mode_blocks[._]|emb_in[._]|x_embedders[._]|(^|[._])(attn_out|mlp_in|mlp_out)([._]|$)"
-    r"|single_transformer_blocks[._]\d+[._]ff[._]"
+    r"stream_modulations[._]|mode_blocks[._]|emb_in[._]|x_embedders[._]|single_transformer_blocks[._]\d+[._]ff[._]"
+    r"|blocks[._]\d+[._]([qkv]_proj|attn_out|mlp_in|mlp_out)([._]|$)"
 )
 _FLUX2_ONLY_MARKS = re.compile(r"stream_modulation[._]|to_qkv_mlp_proj|time_guidance_embed|ff_context")
 # FLUX.1 and FLUX.2 alike (double blocks, one image embedder), none of it FLUX.3
