@@ -305,3 +305,30 @@ def test_fp8_layers_are_requantized_and_restored(base, tmp_path):
         assert (
             model.get_submodule(n).weight is orig[n][0] and model.get_submodule(n).weight_scale is orig[n][1]
         )
+
+
+def test_bfl_names_map_as_diffusers_converter_at_full_size():
+    """At FLUX.3 Klein's real depth: every BFL-named block projection lands on the diffusers layer that diffusers'
+    own FLUX.3 converter names, and the layers it leaves unnamed (so drops) are exactly those outside the blocks."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_flux3_lora_to_diffusers
+
+    from flux_runtime.models.dit import FLUX3_KLEIN, Flux3Transformer
+
+    with torch.device("meta"):
+        model = Flux3Transformer(FLUX3_KLEIN)
+    table = LayerTable.of(model)
+    sd = {}
+    for name, layer in table.layers.items():
+        sd[f"diffusion_model.{name}.lora_A.weight"] = torch.ones(1, layer.in_features)
+        sd[f"diffusion_model.{name}.lora_B.weight"] = torch.ones(layer.out_features, 1)
+    theirs = list(_convert_non_diffusers_flux3_lora_to_diffusers({k: sd[k] for k in sd if "lora_A" in k}))
+    weights = convert(sd, None, table, None, "full.safetensors")
+    assert weights.format == "bfl" and len(weights.transformer) == len(table.layers) == 258 + 15
+    dropped = []
+    for name, key in zip(table.layers, theirs, strict=True):
+        module = key.removeprefix("transformer.").removesuffix(".lora_A.weight")
+        if module in table.parts:
+            assert table.parts[module].layer.name == name and module in weights.transformer
+        else:
+            dropped.append(name)
+    assert dropped == [n for n in table.layers if "blocks." not in n] and set(GLOBALS) < set(dropped)

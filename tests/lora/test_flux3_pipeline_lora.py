@@ -122,18 +122,18 @@ def test_gen_with_a_flux3_lora_records_and_replays(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_is_recaptured_after_a_lora(folders, tmp_path):
     """A graph captured before the LoRA would replay the old weights: the LoRA's image must equal that of a
     pipeline that fused the LoRA before its first call, and unloading must give the plain image back."""
     peft, bfl = _loras(folders["base"], tmp_path, seed=51)
-    kw = dict(num_steps=STEPS, seed=7, output_type="latent", **KW)
+    kw = dict(num_steps=3, seed=7, output_type="latent", **KW)  # per call: eager, captured, replayed
     pipe = Pipeline.from_pretrained(folders["base"], device="cuda", dtype=torch.bfloat16, cuda_graphs=True)
     plain = pipe(PROMPT, **kw).latents
-    assert pipe._graphed, "the first call captured no CUDA graph"
+    assert any(g.graphs for g in pipe._graphed.values()), "the first call captured no CUDA graph"
     pipe.load_lora(peft, scale=0.9)
     pipe.load_lora(bfl, scale=1.1)
     fused = pipe(PROMPT, **kw).latents
+    assert any(g.graphs for g in pipe._graphed.values())
     fresh = Pipeline.from_pretrained(folders["base"], device="cuda", dtype=torch.bfloat16, cuda_graphs=True)
     fresh.load_lora(peft, scale=0.9)
     fresh.load_lora(bfl, scale=1.1)
