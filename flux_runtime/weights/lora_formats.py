@@ -343,7 +343,8 @@ def _kohya(
             module = clip_names.get(lora.split("_", 2)[2] if lora.startswith("lora_te1_") else lora[8:])
             if clip is None:
                 raise LoraError(
-                    f"{name} holds CLIP text-encoder LoRA weights ({lora}); this pipeline has no CLIP encoder"
+                    f"{name} holds text-encoder LoRA weights ({lora}); only FLUX.1's CLIP-L takes LoRAs and this "
+                    "pipeline has none: use a LoRA of the transformer alone"
                 )
             if module is None:
                 unmatched.append(lora)
@@ -545,7 +546,8 @@ def _diffusers(
     if groups["text_encoder"] and clip is None:
         first = next(iter(groups["text_encoder"]))
         raise LoraError(
-            f"{name} holds CLIP text-encoder LoRA weights ({first}); this pipeline has no CLIP encoder"
+            f"{name} holds text-encoder LoRA weights ({first}); only FLUX.1's CLIP-L takes LoRAs and this "
+            "pipeline has none: use a LoRA of the transformer alone"
         )
     for owner, known in (("transformer", set(table.parts)), ("text_encoder", clip or set())):
         config = _adapter_config(metadata, owner, name)

@@ -232,7 +232,7 @@ BAD = [
     ),
     (
         _pair("model.layers.0.self_attn.q_proj", (2, 8), (8, 2), prefix="text_encoder."),
-        r"holds CLIP text-encoder LoRA weights \(model.layers.0.self_attn.q_proj\); this pipeline has no CLIP",
+        r"holds text-encoder LoRA weights \(model.layers.0.self_attn.q_proj\); only FLUX.1's CLIP-L takes LoRAs",
     ),
 ]  # fmt: skip
 
