@@ -166,7 +166,13 @@ def test_layouts_are_told_from_the_module_names(base, tmp_path):
         (lf.peft_file(tmp_path / "c.safetensors", dshapes, ["txt_mode_blocks.0.attn.to_q"]), "diffusers"),
         (lf.peft_file(tmp_path / "d.safetensors", dshapes, ["txt_mode_blocks.0.ff.linear_in"], prefix=""), "diffusers"),
         (lf.kohya_file(tmp_path / "e.safetensors", shapes, ["txt_mode_blocks.0.v_proj"]), "kohya"),
+        (lf.kohya_file(tmp_path / "f.safetensors", shapes, ["txt_mode_blocks.1.k_proj"], comfy=True), "kohya"),
     ]  # fmt: skip
+    # kohya's spelling of diffusers' names
+    down, up = lf.factors(dshapes["txt_mode_blocks.1.attn.to_out.0"], 2, torch.Generator().manual_seed(0))
+    g = "lora_transformer_txt_mode_blocks_1_attn_to_out_0"
+    save_file({f"{g}.lora_down.weight": down, f"{g}.lora_up.weight": up}, str(tmp_path / "g.safetensors"))
+    cases.append((tmp_path / "g.safetensors", "kohya"))
     for path, kind in cases:
         sd, meta = read_lora(path.read_bytes(), path.name)
         weights = convert(sd, meta, table, None, path.name)
