@@ -62,7 +62,7 @@ def check_scale(scale: object) -> float:
 
 
 def _clip(pipe: Any) -> nn.Module | None:
-    """CLIP-L of a FLUX.1 pipeline (the text encoder LoRAs train), None for FLUX.2."""
+    """CLIP-L of a FLUX.1 pipeline (the text encoder LoRAs train), None for FLUX.2 and FLUX.3."""
     return getattr(pipe.text_encoder, "clip", None)
 
 

@@ -17,6 +17,14 @@ layer in the rows of one of our (BFL-named) projections. Layouts, each detected 
   merged layer's lora_A is shared by its parts, lora_B split by rows. BFL's FLUX.1 Depth/Canny control
   LoRAs add `lora_B.bias`, full QK-norm scales, and an `img_in` lora_A twice as wide as the model's input.
 
+FLUX.3 (module names in both namings kept apart, q, k, v never merged): diffusers / PEFT names, and BFL names
+(`diffusion_model.<bfl module>.lora_A/B`, as diffusers' FLUX.3 loader converts a `diffusion_model.` file); the
+two are told apart by the module names themselves, since `txt_mode_blocks.N` starts both. diffusers renames
+only the blocks' projections of a BFL file and drops its other layers with a warning; here every BFL name is
+one of our modules, so they are fused where they belong (the final adaLN's halves swapped into diffusers'
+order, as for FLUX.1). kohya names (`lora_unet_<bfl module>`), which diffusers does not read for FLUX.3, mean
+what sd-scripts makes them mean for FLUX.2: alpha / rank baked into the factors.
+
 Only the tensors are trusted, never the file name. Every key must land somewhere: a key that matches no
 layer, a T5 or DoRA weight, an SD/SDXL or other-family LoRA is an error naming it.
 """
@@ -37,7 +45,7 @@ from torch import Tensor
 
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
-from flux_runtime.weights.lora_layers import Layer, LayerTable
+from flux_runtime.weights.lora_layers import FAMILY_NAMES, Layer, LayerTable
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +141,22 @@ _FLUX1_MARKS = re.compile(
     r"(img|txt)_mod[._]lin|single_blocks[._]\d+[._]modulation|vector_in|time_text_embed|norm1[._](linear|context)"
     r"|proj_mlp|ff(_context)?[._]net[._]|processor\."
 )
+_FLUX3_MARKS = re.compile(
+    r"stream_modulations[._]|mode_blocks[._]|emb_in[._]|x_embedders[._]|single_transformer_blocks[._]\d+[._]ff[._]"
+    r"|blocks[._]\d+[._]([qkv]_proj|attn_out|mlp_in|mlp_out)([._]|$)"
+)
+_FLUX2_ONLY_MARKS = re.compile(r"stream_modulation[._]|to_qkv_mlp_proj|time_guidance_embed|ff_context")
+# FLUX.1 and FLUX.2 alike (double blocks, one image embedder), none of it FLUX.3
+_FLUX12_MARKS = re.compile(
+    r"double_blocks|(^|\.|lora_transformer_)transformer_blocks[._]\d|x_embedder[._]|img_in[._]"
+)
+# the keys that tell a LoRA of another family, checked in this order (FLUX.3 first: its diffusers `ff.linear_in`
+# is FLUX.2's name too)
+_OTHER_FAMILIES = {
+    "flux1": ((_FLUX3_MARKS, "FLUX.3"), (_FLUX2_MARKS, "FLUX.2")),
+    "flux2": ((_FLUX3_MARKS, "FLUX.3"), (_FLUX1_MARKS, "FLUX.1")),
+    "flux3": ((_FLUX1_MARKS, "FLUX.1"), (_FLUX2_ONLY_MARKS, "FLUX.2"), (_FLUX12_MARKS, "FLUX.1 / FLUX.2")),
+}
 _UNSUPPORTED = {"dora_scale": "DoRA", "lora_magnitude_vector": "DoRA", "lokr_": "LoKr", "hada_": "LoHa"}
 _BFL_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.")
 _BFL_HEADS = (
@@ -160,7 +184,7 @@ def detect(keys: list[str]) -> str:
 
 
 def check_family(keys: list[str], table: LayerTable, name: str) -> None:
-    """Refuse an SD/SDXL LoRA, and a FLUX.1 LoRA on FLUX.2 or the other way round, naming a telling key."""
+    """Refuse an SD/SDXL LoRA, and a LoRA of another FLUX family (FLUX.1, FLUX.2, FLUX.3), naming a telling key."""
     for k in keys:
         if k.startswith(_SD_MARKS) or k.startswith("lora_te2_text_model"):
             raise LoraError(
@@ -169,11 +193,32 @@ def check_family(keys: list[str], table: LayerTable, name: str) -> None:
         for mark, what in _UNSUPPORTED.items():
             if mark in k:
                 raise LoraError(f"{name} is a {what} adapter ({k}); only plain LoRAs can be fused")
-    marks, other = (_FLUX2_MARKS, "FLUX.2") if table.family == "flux1" else (_FLUX1_MARKS, "FLUX.1")
-    hit = next((k for k in keys if marks.search(k)), None)
-    if hit is not None:
-        mine = "FLUX.1" if table.family == "flux1" else "FLUX.2"
-        raise LoraError(f"{name} is a {other} LoRA (keys like {hit}); this pipeline runs {mine}")
+    for marks, other in _OTHER_FAMILIES[table.family]:
+        hit = next((k for k in keys if marks.search(k)), None)
+        if hit is not None:
+            mine = FAMILY_NAMES[table.family]
+            raise LoraError(f"{name} is a {other} LoRA (keys like {hit}); this pipeline runs {mine}")
+
+
+def _flux3_layout(keys: list[str], table: LayerTable, name: str) -> str:
+    """`bfl` or `diffusers` for a FLUX.3 LoRA of lora_A / lora_B keys, by which naming its modules are in; with
+    neither, diffusers' own rule (a `diffusion_model.` prefix is BFL)."""
+    bfl, diffusers = [], []
+    for k in keys:
+        m = _PEFT_KEY.match(_strip(k, _BFL_PREFIXES))
+        d = _PEFT_KEY.match(_strip(k, ("transformer.", *_BFL_PREFIXES)))
+        if m is not None and m.group(1) in table.layers:
+            bfl.append(k)
+        elif d is not None and d.group(1) in table.parts:
+            diffusers.append(k)
+    if bfl and diffusers:
+        raise LoraError(
+            f"{name} mixes BFL module names ({bfl[0]}) and diffusers ones ({diffusers[0]}); "
+            "a FLUX.3 LoRA names its layers one way"
+        )
+    if bfl or diffusers:
+        return "bfl" if bfl else "diffusers"
+    return "bfl" if any(k.startswith("diffusion_model.") for k in keys) else "diffusers"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,6 +235,8 @@ def convert(
     keys = list(sd)
     check_family(keys, table, name)
     kind = detect(keys)
+    if table.family == "flux3" and kind in ("bfl", "diffusers"):
+        kind = _flux3_layout(keys, table, name)
     unmatched: list[str] = []
     if kind == "kohya" and any(k.startswith("transformer.") for k in keys):
         # a diffusers file written with kohya's down/up names; its other keys are not read
@@ -296,7 +343,8 @@ def _kohya(
             module = clip_names.get(lora.split("_", 2)[2] if lora.startswith("lora_te1_") else lora[8:])
             if clip is None:
                 raise LoraError(
-                    f"{name} holds CLIP text-encoder LoRA weights ({lora}); this pipeline has no CLIP encoder"
+                    f"{name} holds text-encoder LoRA weights ({lora}); only FLUX.1's CLIP-L takes LoRAs and this "
+                    "pipeline has none: use a LoRA of the transformer alone"
                 )
             if module is None:
                 unmatched.append(lora)
@@ -422,9 +470,9 @@ def _bfl(sd: dict[str, Tensor], table: LayerTable, name: str, unmatched: list[st
     """BFL module names with PEFT's lora_A / lora_B: a merged layer's lora_A is shared by its parts and its
     lora_B (and bias) split by rows. FLUX.1's final-adaLN lora_B is swapped into diffusers' half order
     (in a control LoRA lora_A's rows too, as diffusers does); diffusers maps FLUX.2's as it stands, and so
-    does this."""
+    does this; FLUX.3's is swapped as FLUX.1's (diffusers drops it). `alpha` tensors scale by alpha / rank."""
     out = LoraWeights("bfl")
-    control = any("query_norm.scale" in k for k in sd)
+    control = table.family == "flux1" and any("query_norm.scale" in k for k in sd)
     groups: dict[str, dict[str, Tensor]] = {}
     norm_of = {bfl: d for d, bfl in table.norms.items()}
     for key, t in sd.items():
@@ -445,7 +493,7 @@ def _bfl(sd: dict[str, Tensor], table: LayerTable, name: str, unmatched: list[st
         down, up, bias = g["lora_A.weight"], g["lora_B.weight"], g.get("lora_B.bias")
         rank = _pair(down, up, module, name)
         scaling: float | Tensor = 1.0 if "alpha" not in g else g["alpha"] / rank
-        if layer.swap and table.family == "flux1":
+        if layer.swap and table.family in ("flux1", "flux3"):
             up, bias = _swap(up), None if bias is None else _swap(bias)
             if control:  # diffusers' control-LoRA converter swaps lora_A's (rank) row halves as well
                 down = _swap(down)
@@ -498,7 +546,8 @@ def _diffusers(
     if groups["text_encoder"] and clip is None:
         first = next(iter(groups["text_encoder"]))
         raise LoraError(
-            f"{name} holds CLIP text-encoder LoRA weights ({first}); this pipeline has no CLIP encoder"
+            f"{name} holds text-encoder LoRA weights ({first}); only FLUX.1's CLIP-L takes LoRAs and this "
+            "pipeline has none: use a LoRA of the transformer alone"
         )
     for owner, known in (("transformer", set(table.parts)), ("text_encoder", clip or set())):
         config = _adapter_config(metadata, owner, name)

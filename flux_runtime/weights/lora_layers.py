@@ -3,7 +3,9 @@
 Our projections carry BFL's names; diffusers splits some of them: a double block's `qkv` is its
 `to_q`, `to_k`, `to_v` (text stream: `add_q_proj`, ...), FLUX.1's single-block `linear1` is `to_q`,
 `to_k`, `to_v`, `proj_mlp`, and the final adaLN stores its halves swapped (`(scale, shift)` in
-diffusers, `(shift, scale)` here). A LoRA on a diffusers layer is fused into its rows of our layer.
+diffusers, `(shift, scale)` here). FLUX.3 keeps every projection apart in both namings (one diffusers layer
+per layer of ours; only the final adaLN is swapped). A LoRA on a diffusers layer is fused into its rows of
+our layer.
 The table is read from the model itself (its depths and widths), so a model of any size has its own.
 """
 
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from flux_runtime.weights import flux1_layout, flux2_layout
+from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
+
+FAMILY_NAMES = {"flux1": "FLUX.1", "flux2": "FLUX.2", "flux3": "FLUX.3"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class LayerTable:
     """Every projection of one model a LoRA may change, by our name and by diffusers' name.
 
     `norms` maps diffusers' QK-norm weights (`transformer_blocks.0.attn.norm_q.weight`) to ours
-    (`double_blocks.0.img_attn.norm.query_norm.scale`): FLUX.1 control LoRAs replace them outright.
+    (`double_blocks.0.img_attn.norm.query_norm.scale`): FLUX.1 control LoRAs replace them outright. FLUX.3 has
+    none (its LoRAs are low-rank only: diffusers refuses a FLUX.3 file holding any other tensor).
     """
 
     def __init__(
@@ -67,14 +72,19 @@ class LayerTable:
 
     @classmethod
     def of(cls, model: nn.Module) -> LayerTable:
-        """The table of a `Flux1Transformer` / `Flux2Transformer` as it is now (a widened `img_in` included)."""
+        """The table of a FLUX.1 / FLUX.2 / FLUX.3 transformer as it is now (a widened `img_in` included)."""
         cfg = model.config  # type: ignore[attr-defined]
-        layout = flux1_layout if cfg.family == "flux1" else flux2_layout
+        if cfg.family == "flux3":
+            rules = flux3_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.flow_map)
+        else:
+            layout = flux1_layout if cfg.family == "flux1" else flux2_layout
+            rules = layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
         h = cfg.hidden_size
         layers, norms = [], {}
-        for rule in layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed):
+        for rule in rules:
             if not rule.bfl.endswith(".weight"):  # QK-norm scales
-                norms[rule.diffusers[0]] = rule.bfl
+                if cfg.family != "flux3":
+                    norms[rule.diffusers[0]] = rule.bfl
                 continue
             name = rule.bfl.removesuffix(".weight")
             module = model.get_submodule(name)
@@ -85,6 +95,8 @@ class LayerTable:
         return cls(cfg.family, layers, norms, (cfg.depth, cfg.depth_single_blocks))
 
     def describe(self) -> str:
-        """`FLUX.1 (2 double / 2 single blocks)`, for error messages."""
-        name = "FLUX.1" if self.family == "flux1" else "FLUX.2"
+        """`FLUX.1 model (2 double / 2 single blocks)`, for error messages."""
+        name = FAMILY_NAMES[self.family]
+        if self.family == "flux3":
+            return f"{name} model ({self.depths[0]} blocks per mode / {self.depths[1]} single blocks)"
         return f"{name} model ({self.depths[0]} double / {self.depths[1]} single blocks)"

@@ -16,6 +16,14 @@ FLUX1_SINGLE = ("linear1", "linear2", "modulation.lin")
 FLUX2_DOUBLE = ("img_attn.qkv", "img_attn.proj", "img_mlp.0", "img_mlp.2", "txt_attn.qkv", "txt_attn.proj",
                 "txt_mlp.0", "txt_mlp.2")  # fmt: skip
 FLUX2_SINGLE = ("linear1", "linear2")
+FLUX3_BLOCK = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "attn_out",
+    "mlp_in",
+    "mlp_out",
+)  # per-mode and single blocks alike
 
 
 def bfl_shapes(model_sd: dict[str, torch.Tensor], family: str, depth: int, depth_single: int, guidance: bool):
@@ -121,6 +129,18 @@ def blocks(family: str, depth: int, depth_single: int) -> list[str]:
     return [f"double_blocks.{i}.{m}" for i in range(depth) for m in double] + [
         f"single_blocks.{i}.{m}" for i in range(depth_single) for m in single
     ]
+
+
+def flux3_blocks(depth: int, depth_single: int) -> list[str]:
+    """Every block projection of a FLUX.3 model (BFL names): per-mode blocks of each mode, then the single ones."""
+    groups = ["content_mode_blocks.image", "content_mode_blocks.image_cond", "txt_mode_blocks"]
+    per_mode = [f"{g}.{i}.{m}" for g in groups for i in range(depth) for m in FLUX3_BLOCK]
+    return per_mode + [f"single_blocks.{i}.{m}" for i in range(depth_single) for m in FLUX3_BLOCK]
+
+
+def linear_shapes(model) -> dict[str, tuple[int, int]]:
+    """{module: (out, in)} of every projection of one of our models (BFL names)."""
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if hasattr(m, "in_features")}
 
 
 def diffusers_shapes(model_sd: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
