@@ -1,8 +1,8 @@
 """The request models (pydantic) and errors shaped as OpenAI's: `{"error": {message, type, param, code}}`.
 
 Field names follow OpenAI's Images API (`prompt`, `n`, `size`, `response_format`, `model`, `user`); the
-FLUX controls (`seed`, `steps`, `guidance`, `quality`, `negative_prompt`, `true_cfg_scale`, `timeout`; for
-edits `strength`, `max_area`, `auto_resize`) are extra fields, sent by the openai client through `extra_body`.
+FLUX controls (`seed`, `steps`, `guidance`, `quality`, `negative_prompt`, `true_cfg_scale`, `upsample`, `timeout`;
+for edits `strength`, `max_area`, `auto_resize`) are extra fields, sent by the openai client through `extra_body`.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class GenerationRequest(BaseModel):
     quality: Literal["lossless", "high"] | None = None
     negative_prompt: str | None = Field(None, min_length=1, max_length=20_000)
     true_cfg_scale: float = Field(1.0, ge=1)
+    upsample: bool | None = None  # FLUX.3: run the prompt upsampler (None: the model's default)
     timeout: float | None = Field(None, gt=0)  # seconds; at most the server's --timeout
 
 

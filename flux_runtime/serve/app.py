@@ -199,6 +199,8 @@ def create_app(
                     raise APIError(
                         400, f"{name} is {tokens} tokens; {model} reads at most {limit}", param=name
                     )
+        if family != "flux3" and req.upsample is not None:
+            raise APIError(400, f"upsample is FLUX.3's prompt upsampler; {model} has none", param="upsample")
         if family != "flux1" and (req.negative_prompt is not None or req.true_cfg_scale != 1.0):
             field = "negative_prompt" if req.negative_prompt is not None else "true_cfg_scale"
             name = "FLUX.2" if family == "flux2" else "FLUX.3"
@@ -212,7 +214,7 @@ def create_app(
             prompt=req.prompt, n=req.n, seed=secrets.randbelow(2**32) if req.seed is None else req.seed,
             width=size[0] if size else None, height=size[1] if size else None, steps=req.steps,
             guidance=req.guidance, quality=req.quality, negative_prompt=req.negative_prompt,
-            true_cfg_scale=req.true_cfg_scale, deadline=time.monotonic() + timeout, **extra,
+            true_cfg_scale=req.true_cfg_scale, upsample=req.upsample, deadline=time.monotonic() + timeout, **extra,
         )  # fmt: skip
 
     async def answer(request: Request, job: Job, response_format: str) -> Response:

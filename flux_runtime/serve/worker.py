@@ -54,6 +54,7 @@ class Job:
     quality: str | None
     negative_prompt: str | None = None
     true_cfg_scale: float = 1.0
+    upsample: bool | None = None  # FLUX.3's prompt upsampler; None: the pipeline's default
     images: list[Image.Image] = field(default_factory=list)  # edits: references / the image to redraw
     mask: Image.Image | None = None
     strength: float | None = None
@@ -320,6 +321,8 @@ class Worker:
         if self.family in ("flux2", "flux3"):
             if first.images:
                 kwargs["image"] = first.images
+            if self.family == "flux3":
+                kwargs["upsample"] = first.upsample
         else:
             if first.negative_prompt is not None:
                 kwargs["negative_prompt"] = [first.negative_prompt] * len(units)

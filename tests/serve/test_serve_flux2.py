@@ -85,6 +85,7 @@ def test_text_to_image_is_the_pipelines_image(server, pipe):
         ({"data": {"max_area": "4096"}}, "max_area"),
         ({"files": [("mask", ("m.png", _png_bytes(64, 64, 1), "image/png"))]}, "mask"),
         ({"data": {"negative_prompt": "blurry"}}, "negative_prompt"),
+        ({"data": {"upsample": "true"}}, "upsample"),
     ],
 )
 def test_flux1_only_fields_are_refused_by_name(server, extra, param):

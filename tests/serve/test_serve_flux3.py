@@ -86,3 +86,13 @@ def test_fields_flux3_does_not_take_are_refused_by_name(server, extra, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert "FLUX.3" in r.json()["error"]["message"]
+
+
+def test_upsample_is_the_pipelines_switch(server):
+    body = {"prompt": "a red fox", "seed": 1, "size": "64x64", "steps": 1}
+    ((_, info),) = _answers(httpx.post(server.url + "/v1/images/generations", json=body, timeout=120))
+    assert info["upsample"] == "unavailable"  # the built-in tiny FLUX.3 has no upsampler
+    off = httpx.post(server.url + "/v1/images/generations", json={**body, "upsample": False}, timeout=120)
+    assert _answers(off)[0][1]["upsample"] == "off"
+    on = httpx.post(server.url + "/v1/images/generations", json={**body, "upsample": True}, timeout=120)
+    assert on.status_code == 400 and "has no prompt upsampler" in on.json()["error"]["message"], on.text
