@@ -60,6 +60,7 @@ def inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str) ->
 
 def replayed(*args: Tensor | None) -> Tensor:
     x_txt, shift_txt, scale_txt, x, shift, scale = args
+
     def one(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
         return (1 + scale) * layer_norm_replay(x, EPS) + shift
 
