@@ -16,9 +16,10 @@ reproduces diffusers 0.42.1 `Flux3Transformer2DModel` op for op. What differs fr
 - RoPE theta 10000, position ids are floats (image rows and columns scaled by 0.5, references at l = -1, -2, ...).
 
 The per-token chains go through `flux_runtime.kernels` (their references are the eager math above, fused
-kernels run where the tier allows): `token_layer_norm_modulate` (the joint blocks' two streams written
-into one buffer), `qk_norm_rope_fp32` (q and k together), `token_gated_residual` /
-`joint_token_gated_residual` (`x + gate * (attn + mlp)`, the sum rounded first as eager stores it).
+kernels run where the tier allows): `token_layer_norm_modulate` (every block's and the final layer's
+modulation; the joint blocks' two streams written into one buffer), `qk_norm_rope_fp32` (q and k
+together), `token_gated_residual` / `joint_token_gated_residual` (`x + gate * (attn + mlp)`, the sum
+rounded first as eager stores it).
 
 The norm weights (`*.norm.query_norm.scale`, `*.norm.key_norm.scale`) stay fp32 whatever the model
 dtype, as diffusers keeps them (`cast_to` does this for a model built here).
@@ -130,7 +131,8 @@ class LastLayer(nn.Module):
 
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(temb).chunk(2, dim=-1)
-        return self.linear(F.layer_norm(x, (x.shape[-1],), None, None, EPS) * (1 + scale) + shift)
+        # LayerNorm(x) * (1 + scale) + shift: the per-token modulation of the blocks (a product commutes)
+        return self.linear(modulate(x, shift, scale))
 
 
 class Flux3Transformer(nn.Module):
