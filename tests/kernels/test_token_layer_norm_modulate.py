@@ -32,7 +32,7 @@ from tests.kernels.helpers import (
 
 EPS = 1e-6
 # (B, L_txt, L, D): FLUX.3's width with and without a text stream, and an odd width (short aten threads)
-CPU_SHAPES = [(1, 0, 3, FLUX3_WIDTH), (1, 2, 3, FLUX3_WIDTH), (2, 3, 2, 1000)]
+CPU_SHAPES = [(1, 0, 3, FLUX3_WIDTH), (1, 2, 3, FLUX3_WIDTH), (1, 2, 3, 1000)]
 
 
 def token_modulation(
@@ -83,17 +83,16 @@ def test_token_layer_norm_modulate_interpreter_replays_aten(
 
 
 @interpreter
-@pytest.mark.parametrize("rows_per_program", [1, 2])
-def test_token_layer_norm_modulate_default_tiling(rows_per_program: int) -> None:
+def test_token_layer_norm_modulate_default_tiling() -> None:
     args = inputs((2, 3, 2, FLUX3_WIDTH), torch.bfloat16, "cpu")
-    out = token_layer_norm_modulate_triton(*args, EPS, rows_per_program=rows_per_program)
+    out = token_layer_norm_modulate_triton(*args, EPS)
     assert torch.equal(out, replayed(*args))
 
 
 @interpreter
 def test_every_token_uses_its_own_row() -> None:
     """Per-token rows really differ per token: modulating with the first token's row changes the output."""
-    x_txt, sh_t, sc_t, x, shift, scale = inputs((1, 2, 3, FLUX3_WIDTH), torch.bfloat16, "cpu")
+    x_txt, sh_t, sc_t, x, shift, scale = inputs((1, 2, 3, 512), torch.bfloat16, "cpu")
     out = token_layer_norm_modulate_triton(x_txt, sh_t, sc_t, x, shift, scale, EPS)
     first = token_layer_norm_modulate_triton(
         x_txt, sh_t, sc_t, x, shift[:, :1].expand_as(x), scale[:, :1].expand_as(x), EPS
