@@ -8,7 +8,9 @@ them), hand its tensors to our `Flux3Transformer` through weights/flux3_layout.p
 bf16 step at 1024² (4096 image tokens, 480 text tokens, a 4096-token reference in `ref`) through both and
 require `torch.equal`, then print per-step ms for the library floor (the step's GEMMs, per-token modulation
 included, and SDPA calls timed alone), diffusers eager, ours eager with reference ops and with the lossless
-fused kernels, and ours lossless + CUDA graph (median of >= 10 after warm-up). Exit status 1 if any step differs.
+fused kernels, and ours lossless + CUDA graph (median of >= 10 after warm-up), then the fused-ops report (which
+kernels ran, which fell back and why). Exit status 1 if any step differs. Writes every number to --json;
+`--profile` adds a kernel table of one lossless eager step per case.
 
 `--per-image` adds, for the base model, the whole denoising of one image (`--image-steps`, default 50, with CFG
 3.5: a conditional and an unconditional forward per step, the empty negative prompt's 80 text tokens), through
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import cuda_time  # scripts/bench.py, beside this file
+from bench import cuda_time, profile_step  # scripts/bench.py, beside this file
 
 from flux_runtime.models.dit import FLUX3_KLEIN, FLUX3_KLEIN_BASE, DiTConfig
 from flux_runtime.models.dit.flux3 import Flux3Transformer
@@ -135,7 +137,7 @@ def step_inputs(cfg: DiTConfig, n_ref: int):
 
 
 @torch.no_grad()
-def bench_case(name: str, case: str, ref, ours, iters: int) -> bool:
+def bench_case(name: str, case: str, ref, ours, iters: int, profile: bool = False) -> bool:
     from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
     from flux_runtime.pipeline.graphs import GraphedDenoiser
 
@@ -188,6 +190,8 @@ def bench_case(name: str, case: str, ref, ours, iters: int) -> bool:
         del out
         times[label] = cuda_time(fn, iters=iters)
     print(fused_ops_report(), flush=True)
+    if profile:  # where the lossless step's time goes, kernel by kernel
+        profile_step(variants["ours eager, lossless fused kernels"])
     res["step_ms"], res["equal_to_diffusers"] = times, equal
     ref_ms = times["diffusers eager"]
     print()
@@ -300,6 +304,7 @@ def main() -> int:
     ap.add_argument("--per-image", action="store_true", help="also time a whole base-model image (CFG)")
     ap.add_argument("--image-steps", type=int, default=50)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="kernel table of one lossless eager step per case")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_flux3.py needs a CUDA GPU", file=sys.stderr)
@@ -311,7 +316,7 @@ def main() -> int:
         ref, ours = build_pair(MODELS[name])
         print(f"[{name}] {sum(p.numel() for p in ours.parameters()):,} parameters", flush=True)
         for case in args.cases:
-            ok.append(bench_case(name, case, ref, ours, args.iters))
+            ok.append(bench_case(name, case, ref, ours, args.iters, args.profile))
             if args.per_image and name == "base":
                 ok.append(bench_image(case, ref, ours, args.image_steps))
         del ref, ours

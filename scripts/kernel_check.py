@@ -3,8 +3,9 @@
 
 For every op in `flux_runtime.kernels`, every FLUX site shape (hidden 3072 / 6144, 24 / 48 heads of
 128; 512 text tokens and the 512², 1024², 768×1344 images as text, image and joint streams; batch 1
-and 2; one odd size; FLUX.2 SwiGLU widths of [dev] and both [klein]s; the single blocks' `out=` slices)
-and bf16 and fp16:
+and 2; one odd size; FLUX.2 SwiGLU widths of [dev] and both [klein]s; the single blocks' `out=` slices;
+FLUX.3 Klein's per-token ops at 480 text tokens, 512² / 1024² images, 0 or 1 reference, per-mode and
+joint) and bf16 and fp16:
 
 1. fresh random inputs; the memory the fused outputs will land in is filled with NaN first (freed
    NaN blocks of the output sizes, which the caching allocator hands back; `out=` buffers are NaN
@@ -47,7 +48,18 @@ from flux_runtime.kernels.layer_norm_modulate import (
 )
 from flux_runtime.kernels.modulate import modulate_reference, modulate_triton
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
+from flux_runtime.kernels.qk_norm_rope_fp32 import qk_norm_rope_fp32_reference, qk_norm_rope_fp32_triton
 from flux_runtime.kernels.swiglu import swiglu_reference, swiglu_triton
+from flux_runtime.kernels.token_gated_residual import (
+    joint_token_gated_residual_reference,
+    joint_token_gated_residual_triton,
+    token_gated_residual_reference,
+    token_gated_residual_triton,
+)
+from flux_runtime.kernels.token_layer_norm_modulate import (
+    token_layer_norm_modulate_reference,
+    token_layer_norm_modulate_triton,
+)
 
 # the kernel modules (the package re-exports each op under its module's name)
 LN = importlib.import_module("flux_runtime.kernels.layer_norm_modulate")
@@ -293,11 +305,82 @@ def _activation_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
     )  # fmt: skip
 
 
+# FLUX.3 Klein: hidden 3072, 24 heads; 480 text tokens; (name, image tokens, reference tokens)
+FLUX3_D, FLUX3_H, FLUX3_TXT = 3072, 24, 480
+FLUX3_IMAGES = [("512²", 1024, 0), ("1024²", 4096, 0), ("1024²+ref", 4096, 4096)]
+
+
+def _flux3_row_in(dtype: torch.dtype, b: int, n_txt: int, n: int, with_update: bool) -> tuple[Any, ...]:
+    """FLUX.3 inputs: per-token (B, L, 3D) modulation chunks of the content (and the text when n_txt)."""
+    d = FLUX3_D
+    shift, scale, gate = (torch.randn(b, n, 3 * d, device="cuda") * 0.6).to(dtype).chunk(3, dim=-1)
+    x = _act((b, n, d), dtype)
+    txt: tuple[Any, ...] = ()
+    if n_txt:
+        t_shift, t_scale, t_gate = (
+            (torch.randn(b, n_txt, 3 * d, device="cuda") * 0.6).to(dtype).chunk(3, dim=-1)
+        )
+        txt = (
+            (_act((b, n_txt, d), dtype), t_gate)
+            if with_update
+            else (_act((b, n_txt, d), dtype), t_shift, t_scale)
+        )
+    if with_update:  # gated residual: [txt,] x, gate, attn, mlp over the joint sequence
+        a, u = (_act((b, n_txt + n, d), dtype) for _ in range(2))
+        return (*txt, x * 4, gate, a, u)
+    return (*(txt or (None, None, None)), x, shift, scale, EPS)
+
+
+def _flux3_qk_case(label: str, dtype: torch.dtype, b: int, n: int, variants: dict[str, Any]) -> Case:
+    def qk_in() -> tuple[Any, ...]:
+        # separate q/k/v GEMM outputs (B, L, D) viewed as heads; the norm weights fp32
+        q, k = (_act((b, n, FLUX3_D), dtype).unflatten(-1, (FLUX3_H, 128)) for _ in range(2))
+        w_q, w_k = (torch.rand(128, device="cuda") * 2 for _ in range(2))
+        return (q, k, w_q, w_k, *_rope(n), EPS)
+
+    s = torch.empty((), dtype=dtype).element_size()
+    nbytes = 4 * b * n * FLUX3_D * s + 2 * n * 128 * 4
+    return Case("qk_norm_rope_fp32", label, dtype, qk_in, variants, qk_norm_rope_fp32_reference, nbytes)
+
+
+def _flux3_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
+    per_mode = [(f"txt {FLUX3_TXT}", FLUX3_TXT)] + [(f"img {name}", n) for name, n, _ in FLUX3_IMAGES[:2]]
+    joint = [(f"joint {name}", n + r) for name, n, r in FLUX3_IMAGES]
+    for b in BATCHES:
+        for label, n in per_mode:
+            bld = b * n * FLUX3_D * s
+            yield Case(
+                "token_layer_norm_modulate", f"F3 {label} B{b}", dtype,
+                partial(_flux3_row_in, dtype, b, 0, n, False), {"": token_layer_norm_modulate_triton},
+                token_layer_norm_modulate_reference, 4 * bld,
+            )  # fmt: skip
+            yield Case(
+                "token_gated_residual", f"F3 {label} B{b}", dtype,
+                partial(_flux3_row_in, dtype, b, 0, n, True), {"": token_gated_residual_triton},
+                token_gated_residual_reference, 5 * bld,
+            )  # fmt: skip
+            yield _flux3_qk_case(f"F3 {label} B{b}", dtype, b, n, {"": qk_norm_rope_fp32_triton})
+        for label, n in joint:
+            bld = b * (FLUX3_TXT + n) * FLUX3_D * s
+            yield Case(
+                "token_layer_norm_modulate joint", f"F3 {label} B{b}", dtype,
+                partial(_flux3_row_in, dtype, b, FLUX3_TXT, n, False), {"": token_layer_norm_modulate_triton},
+                token_layer_norm_modulate_reference, 4 * bld,
+            )  # fmt: skip
+            yield Case(
+                "joint_token_gated_residual", f"F3 {label} B{b}", dtype,
+                partial(_flux3_row_in, dtype, b, FLUX3_TXT, n, True), {"": joint_token_gated_residual_triton},
+                joint_token_gated_residual_reference, 5 * bld,
+            )  # fmt: skip
+            yield _flux3_qk_case(f"F3 {label} B{b}", dtype, b, FLUX3_TXT + n, {"": qk_norm_rope_fp32_triton})
+
+
 def cases(dtype: torch.dtype) -> Iterator[Case]:
     s = torch.empty((), dtype=dtype).element_size()
     yield from _row_cases(dtype, s)
     yield from _qk_cases(dtype)
     yield from _activation_cases(dtype, s)
+    yield from _flux3_cases(dtype, s)
 
 
 def tune_cases() -> Iterator[Case]:
@@ -332,6 +415,30 @@ def tune_cases() -> Iterator[Case]:
             for k, (t, hb) in tiles.items()
         }
         yield _qk_case(f"single 1024² B1 H{h}", dtype, 1, 0, n, h, variants, "")
+    # FLUX.3 at 1024² + one reference, joint: rows per program, q/k tiles, residual blocks
+    n3 = FLUX3_TXT + 2 * 4096
+    bld3 = n3 * FLUX3_D * s
+    yield Case(
+        "token_layer_norm_modulate joint", "F3 joint 1024²+ref B1", dtype,
+        partial(_flux3_row_in, dtype, 1, FLUX3_TXT, 2 * 4096, False),
+        {f"rows {r}": partial(token_layer_norm_modulate_triton, rows_per_program=r) for r in (1, 2, 4)},
+        token_layer_norm_modulate_reference, 4 * bld3,
+    )  # fmt: skip
+    yield Case(
+        "joint_token_gated_residual", "F3 joint 1024²+ref B1", dtype,
+        partial(_flux3_row_in, dtype, 1, FLUX3_TXT, 2 * 4096, True),
+        {
+            f"{bl}x{bd}": partial(joint_token_gated_residual_triton, block_l=bl, block_d=bd)
+            for bl in (1, 4, 8) for bd in (512, 1024, 2048)
+        },
+        joint_token_gated_residual_reference, 5 * bld3,
+    )  # fmt: skip
+    qk_tiles = {
+        f"{t}x{hb}": partial(qk_norm_rope_fp32_triton, tokens_per_program=t, heads_per_program=hb)
+        for t in (4, 8, 16)
+        for hb in (4, 8, 16)
+    }
+    yield _flux3_qk_case("F3 joint 1024²+ref B1", dtype, 1, n3, qk_tiles)
     for model, (d, m) in SWIGLU.items():
 
         def packed_in(d: int = d, m: int = m) -> tuple[Any, ...]:
@@ -441,7 +548,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-bench", action="store_true", help="check bit-exactness only")
     parser.add_argument("--bench-fp16", action="store_true", help="time fp16 too (bf16 only by default)")
-    parser.add_argument("--tune", action="store_true", help="also sweep the v2 tile sizes at 1024² joint")
+    parser.add_argument(
+        "--tune", action="store_true", help="also sweep the tile sizes at the 1024² joint shapes"
+    )
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
     parser.add_argument("--rep-ms", type=int, default=20, help="do_bench time per measurement (ms)")
     opts = parser.parse_args()
@@ -478,7 +587,7 @@ def main() -> int:
     for dtype in DTYPES:
         failures += run_cases(cases(dtype), opts, bench_dtypes)
     if opts.tune:
-        print("\ntile sweep (v2), bf16:")
+        print("\ntile sweep, bf16:")
         failures += run_cases(tune_cases(), opts, (torch.bfloat16,))
 
     print(f"\n{time.monotonic() - start:.0f} s")

@@ -35,7 +35,10 @@ from flux_runtime.kernels.layer_norm_modulate import (
 from flux_runtime.kernels.linear import split_linear
 from flux_runtime.kernels.modulate import modulate
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
+from flux_runtime.kernels.qk_norm_rope_fp32 import qk_norm_rope_fp32
 from flux_runtime.kernels.swiglu import swiglu
+from flux_runtime.kernels.token_gated_residual import joint_token_gated_residual, token_gated_residual
+from flux_runtime.kernels.token_layer_norm_modulate import token_layer_norm_modulate
 
 __all__ = [
     "Fp8Act",
@@ -47,10 +50,12 @@ __all__ = [
     "gated_residual",
     "gelu_tanh",
     "gelu_tanh_fp8",
+    "joint_token_gated_residual",
     "layer_norm_modulate",
     "layer_norm_modulate_fp8",
     "modulate",
     "qk_norm_rope",
+    "qk_norm_rope_fp32",
     "quantize",
     "quantize_reference",
     "reset_fused_ops_report",
@@ -59,5 +64,7 @@ __all__ = [
     "split_linear",
     "swiglu",
     "swiglu_fp8",
+    "token_gated_residual",
+    "token_layer_norm_modulate",
     "use_fused",
 ]

@@ -93,3 +93,18 @@ def ulp_distance(a: Tensor, b: Tensor) -> Tensor:
         return torch.where(i < 0, -(i & 0x7FFF), i)
 
     return (ordered(a) - ordered(b)).abs()
+
+
+# FLUX.3 Klein: 24 heads of 128 (hidden 3072); image tokens at 512² and 1024², text padded to multiples of
+# 80 (80 ... 480 typical, 512 as a longer prompt), references of the image's size (0 or 1 of them), and
+# the joint [txt | image | image_cond] lengths of the single blocks
+FLUX3_HEADS = 24
+FLUX3_WIDTH = 3072
+FLUX3_TXT_TOKENS = (80, 480)
+FLUX3_IMAGE_TOKENS = (1024, 4096)
+FLUX3_SEQ_LENS = tuple(
+    sorted(
+        {*FLUX3_TXT_TOKENS, *FLUX3_IMAGE_TOKENS}
+        | {t + n * (1 + refs) for t in FLUX3_TXT_TOKENS for n in FLUX3_IMAGE_TOKENS for refs in (0, 1)}
+    )
+)

@@ -63,6 +63,14 @@ def all_op_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
     packed = torch.randn(b, n, 3 * d + 2 * 256, device=device).to(dtype)  # [q | k | v | gate | up]
     h_gelu = torch.zeros(b, n, d + 3 * d, device=device, dtype=dtype)  # [attn | mlp] buffers
     h_swiglu = torch.zeros(b, n, d + 256, device=device, dtype=dtype)
+    # FLUX.3: per-token (B, L, 3D) modulations of a 3-token text stream and the n-token content, fp32 norms
+    t_shift, t_scale, t_gate = torch.randn(b, n, 3 * d, device=device).to(dtype).chunk(3, dim=-1)
+    c_shift, c_scale, c_gate = torch.randn(b, 3, 3 * d, device=device).to(dtype).chunk(3, dim=-1)
+    txt = torch.randn(b, 3, d, device=device).to(dtype)
+    u_joint = torch.randn(b, 3 + n, d, device=device).to(dtype)
+    w32 = torch.rand(128, device=device)
+    q3, k3 = (torch.randn(b, n, h, 128, device=device).to(dtype) for _ in range(2))
+    cos3, sin3 = rope_tables(n, device)
     return {
         "modulate": lambda: kernels.modulate(x, shift, scale),
         "gated_residual": lambda: kernels.gated_residual(x, gate, u),
@@ -75,6 +83,17 @@ def all_op_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
         "gelu_tanh out=": lambda: kernels.gelu_tanh(packed[..., : 3 * d], h_gelu[..., d:]),
         "swiglu": lambda: kernels.swiglu(packed[..., 3 * d :]),
         "swiglu out=": lambda: kernels.swiglu(packed[..., 3 * d :], h_swiglu[..., d:]),
+        "token_layer_norm_modulate": lambda: kernels.token_layer_norm_modulate(
+            None, None, None, x, t_shift, t_scale, 1e-6
+        ),
+        "token_layer_norm_modulate joint": lambda: kernels.token_layer_norm_modulate(
+            txt, c_shift, c_scale, x, t_shift, t_scale, 1e-6
+        ),
+        "qk_norm_rope_fp32": lambda: kernels.qk_norm_rope_fp32(q3, k3, w32, w32, cos3, sin3, 1e-6),
+        "token_gated_residual": lambda: kernels.token_gated_residual(x, t_gate, u, x),
+        "joint_token_gated_residual": lambda: kernels.joint_token_gated_residual(
+            txt, c_gate, x, t_gate, u_joint, u_joint
+        ),
     }
 
 

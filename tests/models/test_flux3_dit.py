@@ -71,6 +71,31 @@ def test_norm_weights_stay_fp32_and_inputs_matter(ref_model):
     assert torch.equal(base, again)
 
 
+FLUX3_OPS = {
+    "token_layer_norm_modulate",
+    "qk_norm_rope_fp32",
+    "token_gated_residual",
+    "joint_token_gated_residual",
+}
+
+
+def test_lossless_tier_routes_the_per_token_chains_through_the_kernels(ref_model):
+    """On the CPU every FLUX.3 op falls back to its reference (recorded by name), so the bits stay put."""
+    from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report, use_fused
+
+    ours = _ours_from(ref_model, torch.bfloat16)
+    x = make_inputs(1, 2, 3, 5, torch.bfloat16, refs=((2, 2),), flow_map=bool(ref_model.config.flow_map))
+    off = our_forward(ours, x)
+    reset_fused_ops_report(forget_signatures=True)
+    with use_fused("lossless"):
+        on = our_forward(ours, x)
+    report = fused_ops_report()
+    reset_fused_ops_report(forget_signatures=True)
+    assert torch.equal(on, off)
+    assert {op for op, _ in report.fallbacks} >= FLUX3_OPS
+    assert report.tier_used == "lossless, partly reference"
+
+
 def test_bad_inputs_name_the_problem():
     with torch.device("meta"):
         base = Flux3Transformer(TINY_FLUX3)
@@ -136,7 +161,7 @@ def test_full_size_one_step_at_1024_equals_diffusers_on_gpu(flow_map):
     1024² with 480 text tokens, without and with one 1024² reference; eager reference ops and the lossless tier."""
     from diffusers import Flux3Transformer2DModel
 
-    from flux_runtime.kernels import use_fused
+    from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report, use_fused
     from flux_runtime.sampling.flux3 import flux3_image_ids
     from flux_runtime.text.flux3 import text_ids
 
@@ -178,9 +203,14 @@ def test_full_size_one_step_at_1024_equals_diffusers_on_gpu(flow_map):
                 image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=target, return_dict=False,
             )[0]  # fmt: skip
             for tier in ("off", "lossless"):
+                reset_fused_ops_report()
                 with use_fused(tier):
                     got = ours(img, img_ids, txt, txt_ids, t, ref=rf, ref_ids=rf_ids, target_timesteps=target)
                 assert torch.equal(got, want), f"reference={with_ref} tier={tier}: {(got - want).abs().max()}"
+            # the lossless step ran every FLUX.3 kernel, each verified bit-exact, nothing on its reference
+            report = fused_ops_report()
+            assert not report.mismatches and not report.fallbacks, str(report)
+            assert set(report.fused_calls) >= FLUX3_OPS, str(report)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -15,6 +15,12 @@ reproduces diffusers 0.42.1 `Flux3Transformer2DModel` op for op. What differs fr
 - QK RMSNorm and RoPE run in fp32 (the norm weights are kept fp32, the heads upcast) with one cast back;
 - RoPE theta 10000, position ids are floats (image rows and columns scaled by 0.5, references at l = -1, -2, ...).
 
+The per-token chains go through `flux_runtime.kernels` (their references are the eager math above, fused
+kernels run where the tier allows): `token_layer_norm_modulate` (every block's and the final layer's
+modulation; the joint blocks' two streams written into one buffer), `qk_norm_rope_fp32` (q and k
+together), `token_gated_residual` / `joint_token_gated_residual` (`x + gate * (attn + mlp)`, the sum
+rounded first as eager stores it).
+
 The norm weights (`*.norm.query_norm.scale`, `*.norm.key_norm.scale`) stay fp32 whatever the model
 dtype, as diffusers keeps them (`cast_to` does this for a model built here).
 """
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flux_runtime.kernels.qk_norm_rope import rms_norm_reference, rope_reference
+from flux_runtime import kernels
 from flux_runtime.kernels.swiglu import swiglu
 from flux_runtime.models.dit.config import DiTConfig
 from flux_runtime.models.dit.layers import (
@@ -94,23 +100,23 @@ class Block(nn.Module):
         self.mlp_in = Linear(d, 2 * cfg.mlp_hidden_dim, bias=False)  # rows [gate | up]
         self.mlp_out = Linear(cfg.mlp_hidden_dim, d, bias=False)
 
-    def attention_mlp(self, x: Tensor, pe: RoPE) -> Tensor:
-        """`attn(x) + mlp(x)` for the modulated stream `x` (B, L, D), self-attention over all of its tokens."""
+    def attention_mlp(self, x: Tensor, pe: RoPE) -> tuple[Tensor, Tensor]:
+        """`(attn(x), mlp(x))` for the modulated stream `x` (B, L, D), self-attention over all of its tokens."""
         q, k, v = (p(x).unflatten(-1, (self.num_heads, -1)) for p in (self.q_proj, self.k_proj, self.v_proj))
         # QK norm and RoPE in fp32, one cast back to the stream dtype: (B, L, H, Dh)
-        q = rope_reference(rms_norm_reference(q.float(), self.norm.query_norm.scale, EPS), *pe).to(v.dtype)
-        k = rope_reference(rms_norm_reference(k.float(), self.norm.key_norm.scale, EPS), *pe).to(v.dtype)
+        q, k = kernels.qk_norm_rope_fp32(q, k, self.norm.query_norm.scale, self.norm.key_norm.scale, *pe, EPS)
         o = F.scaled_dot_product_attention(
             q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         )
         attn = self.attn_out(o.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype))
         mlp = self.mlp_out(swiglu(self.mlp_in(x)))
-        return attn + mlp
+        return attn, mlp
 
     def forward(self, x: Tensor, mod: Tensor, pe: RoPE) -> Tensor:
         """A per-mode block: x (B, L, D), mod (B, L, 3D) → x + gate * (attn + mlp)."""
         shift, scale, gate = mod.chunk(3, dim=-1)
-        return x + gate * self.attention_mlp(modulate(x, shift, scale), pe)
+        attn, mlp = self.attention_mlp(modulate(x, shift, scale), pe)
+        return kernels.token_gated_residual(x, gate, attn, mlp)
 
     def joint(
         self, txt: Tensor, content: Tensor, mod_txt: Tensor, mod: Tensor, pe: RoPE
@@ -118,15 +124,16 @@ class Block(nn.Module):
         """A joint single block over `[txt | content]`, each stream with its own modulation and gate."""
         shift, scale, gate = mod.chunk(3, dim=-1)
         c_shift, c_scale, c_gate = mod_txt.chunk(3, dim=-1)
-        # (B, L_txt + L_content, D)
-        x = torch.cat([modulate(txt, c_shift, c_scale), modulate(content, shift, scale)], dim=1)
-        out_txt, out_content = self.attention_mlp(x, pe).split([txt.shape[1], content.shape[1]], dim=1)
-        return txt + c_gate * out_txt, content + gate * out_content
+        # each stream modulated, joined text first: (B, L_txt + L_content, D)
+        x = kernels.token_layer_norm_modulate(txt, c_shift, c_scale, content, shift, scale, EPS)
+        attn, mlp = self.attention_mlp(x, pe)
+        # (attn + mlp) split back into the streams, each added through its own gate
+        return kernels.joint_token_gated_residual(txt, c_gate, content, gate, attn, mlp)
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """`(1 + scale) * LayerNorm(x) + shift` with per-token shift and scale (B, L, D)."""
-    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), None, None, EPS) + shift
+    return kernels.token_layer_norm_modulate(None, None, None, x, shift, scale, EPS)
 
 
 class LastLayer(nn.Module):
@@ -139,7 +146,8 @@ class LastLayer(nn.Module):
 
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(temb).chunk(2, dim=-1)
-        return self.linear(F.layer_norm(x, (x.shape[-1],), None, None, EPS) * (1 + scale) + shift)
+        # LayerNorm(x) * (1 + scale) + shift: the per-token modulation of the blocks (a product commutes)
+        return self.linear(modulate(x, shift, scale))
 
 
 class Flux3Transformer(nn.Module):

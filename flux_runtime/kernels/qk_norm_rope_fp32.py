@@ -1,0 +1,195 @@
+"""QK RMSNorm + rotary embedding in fp32 with one cast back, q and k in one launch (FLUX.3's attention).
+
+FLUX.3 upcasts each head row to fp32 before `torch.nn.RMSNorm` (its weight kept fp32), rotates the fp32
+result and casts the rotated q and k back to the stream dtype once. Compared with the joint
+`qk_norm_rope` op, the norm output is therefore not rounded to bf16 before RoPE, and the weight is fp32.
+
+aten runs the fp32 RMSNorm with the same vectorised kernel as the bf16 one (4-element vectors for every
+dtype, 128 threads per 128-wide row): lane t of warp 0 sums `fma(x, x, sum)` over elements 4t..4t+3 in
+order, the shuffle-down tree 16…1 adds the lane sums, the idle warps add zeros, `ms = sum / 128`,
+`rstd = rsqrtf(ms + eps)`, `y = w * (rstd * x)` in fp32. RoPE is the reference's three fp32 ops
+(`mul.rn`, `mul.rn`, `add.rn`, the rotation's negation a sign flip), then one round-to-nearest-even cast.
+The bf16 input is exactly representable in fp32, so the kernel reads q and k as they come from the
+projections instead of their fp32 copies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.qk_norm_rope import _lane_tree_sum, rms_norm_reference, rope_reference
+from flux_runtime.kernels.triton_utils import (
+    ON_GPU,
+    check_aten_vectorized,
+    check_half,
+    check_int32_offsets,
+    check_launchable,
+    check_shape,
+    check_unit_stride,
+    jit,
+    mul_rn,
+    rsqrtf,
+    tl,
+    to_storage,
+    triton,
+    upcast,
+)
+
+HEAD_DIM = 128  # aten's RMSNorm for one 128-wide row: 32 lanes × 4
+
+
+@jit
+def _qk_norm_rope_fp32_kernel(
+    q_ptr,  # (B, L, H, 128) bf16/fp16, strides (stride_qb, stride_ql, stride_qh, 1)
+    k_ptr,  # (B, L, H, 128) like q, strides (stride_kb, stride_kl, stride_kh, 1)
+    wq_ptr,  # (128,) fp32 query RMSNorm weight
+    wk_ptr,  # (128,) fp32 key RMSNorm weight
+    cos_ptr,  # (L, 128) fp32 contiguous
+    sin_ptr,  # (L, 128) fp32 contiguous
+    out_ptr,  # (2, B, L, H, 128) contiguous: rotated q, then rotated k, in q's dtype
+    B,
+    L,
+    H,
+    eps,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_kb,
+    stride_kl,
+    stride_kh,
+    TOKS: tl.constexpr,  # tokens per program
+    HB: tl.constexpr,  # heads per program
+    GPU: tl.constexpr,
+):
+    # grid: (cdiv(L, TOKS), cdiv(H, HB), 2 * B): the q programs of every batch, then the k programs
+    DTYPE = out_ptr.dtype.element_ty
+    which = tl.program_id(2) // B  # 0: q, 1: k
+    b = (tl.program_id(2) % B).to(tl.int64)
+    is_k = which == 1
+    base = tl.where(is_k, k_ptr + b * stride_kb, q_ptr + b * stride_qb)
+    stride_l = tl.where(is_k, stride_kl, stride_ql)
+    stride_h = tl.where(is_k, stride_kh, stride_qh)
+    w_ptr = tl.where(is_k, wk_ptr, wq_ptr)
+
+    pos = tl.program_id(0) * TOKS + tl.arange(0, TOKS)
+    head = tl.program_id(1) * HB + tl.arange(0, HB)
+    ok = (pos < L)[:, None, None] & (head < H)[None, :, None]
+    pos = tl.minimum(pos, L - 1).to(tl.int64)  # surplus tokens and heads re-read valid rows, never stored
+    head = tl.minimum(head, H - 1)
+    col = tl.arange(0, 128)[None, None, :]
+    x = tl.load(base + pos[:, None, None] * stride_l + head[None, :, None] * stride_h + col)
+    x = upcast(x, GPU)  # (TOKS, HB, 128): `.float()` is exact
+    w = tl.load(w_ptr + col)  # (1, 1, 128) fp32
+    table = pos[:, None, None] * 128 + col
+    cos = tl.load(cos_ptr + table)  # (TOKS, 1, 128)
+    sin = tl.load(sin_ptr + table)
+
+    # RMSNorm statistics: lane t sums fma(x, x, sum) over elements 4t..4t+3 in order, then the
+    # shuffle-down tree over the 32 lanes
+    x02, x13 = tl.split(tl.reshape(x, (TOKS, HB, 32, 2, 2)))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    total = tl.fma(x0, x0, 0.0)
+    total = tl.fma(x1, x1, total)
+    total = tl.fma(x2, x2, total)
+    total = tl.fma(x3, x3, total)
+    # aten's `sum / 128`: multiplying by 1/128 (a power of 2) gives the same correctly rounded value
+    ms = _lane_tree_sum(total, TOKS, HB) * (1.0 / 128)
+    rstd = rsqrtf(ms + eps, GPU)[:, :, None]  # warps 1-3 of aten's block added zeros: nothing
+    x = w * (rstd * x)  # the fp32 RMSNorm output, kept fp32 (no add follows: nothing to contract)
+
+    # RoPE on channel pairs (2i, 2i+1): out = r(x * cos + rot(x) * sin), rot = (-x[2i+1], x[2i])
+    x_e, x_o = tl.split(tl.reshape(x, (TOKS, HB, 64, 2)))
+    cos_e, cos_o = tl.split(tl.reshape(cos, (TOKS, 1, 64, 2)))
+    sin_e, sin_o = tl.split(tl.reshape(sin, (TOKS, 1, 64, 2)))
+    out_e = mul_rn(x_e, cos_e, GPU) + mul_rn(-x_o, sin_e, GPU)
+    out_o = mul_rn(x_o, cos_o, GPU) + mul_rn(x_e, sin_o, GPU)
+    out = tl.reshape(tl.join(out_e, out_o), (TOKS, HB, 128))
+    out_row = ((which * B + b) * L + pos)[:, None, None] * H + head[None, :, None]
+    tl.store(out_ptr + out_row * 128 + col, to_storage(out, DTYPE, GPU), mask=ok)
+
+
+def _check_weight(op: str, name: str, w: Tensor) -> None:
+    if w.dtype != torch.float32:
+        raise UnsupportedInput(f"{op}: {name} must be fp32 (the norm weights are kept fp32), got {w.dtype}")
+    check_shape(op, name, w, (HEAD_DIM,))
+    if w.stride(0) != 1:
+        raise UnsupportedInput(f"{op}: {name} must be contiguous, got stride {w.stride()}")
+    check_aten_vectorized(op, name, w)
+
+
+def qk_norm_rope_fp32_triton(
+    q: Tensor,
+    k: Tensor,
+    weight_q: Tensor,
+    weight_k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float = 1e-6,
+    *,
+    heads_per_program: int = 8,
+    tokens_per_program: int = 8,
+) -> tuple[Tensor, Tensor]:
+    """Fused `qk_norm_rope_fp32_reference` → (q, k), each (B, L, H, 128) contiguous in q's dtype.
+
+    q and k are bf16/fp16 (B, L, H, 128), possibly strided views (unit last stride) of the projections;
+    the weights fp32 (128,); cos/sin fp32 (L, 128) contiguous. One launch rotates both: the outputs are
+    the two halves of one (2, B, L, H, 128) buffer.
+    """
+    op = "qk_norm_rope_fp32"
+    check_launchable(op, q, k, weight_q, weight_k, cos, sin)
+    check_half(op, q=q, k=k)
+    if q.ndim != 4 or q.shape[-1] != HEAD_DIM:
+        raise UnsupportedInput(f"{op}: q must be (B, L, H, {HEAD_DIM}), got {tuple(q.shape)}")
+    b, length, h, _ = q.shape
+    if b == 0 or length == 0 or h == 0:
+        raise UnsupportedInput(f"{op}: empty input {tuple(q.shape)}")
+    check_shape(op, "k", k, tuple(q.shape))
+    for name, t in (("q", q), ("k", k)):
+        check_unit_stride(op, name, t)
+        check_int32_offsets(op, name, t)
+    _check_weight(op, "weight_q", weight_q)
+    _check_weight(op, "weight_k", weight_k)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32:
+            raise UnsupportedInput(f"{op}: {name} must be fp32, got {t.dtype}")
+        check_shape(op, name, t, (length, HEAD_DIM))
+        if not t.is_contiguous():
+            raise UnsupportedInput(f"{op}: {name} must be contiguous")
+    out = torch.empty((2, b, length, h, HEAD_DIM), dtype=q.dtype, device=q.device)
+    check_int32_offsets(op, "out", out)
+    grid = (triton.cdiv(length, tokens_per_program), triton.cdiv(h, heads_per_program), 2 * b)
+    _qk_norm_rope_fp32_kernel[grid](
+        q, k, weight_q, weight_k, cos, sin, out, b, length, h, eps,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        TOKS=tokens_per_program, HB=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out[0], out[1]
+
+
+def qk_norm_rope_fp32_reference(
+    q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, cos: Tensor, sin: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """`rope(rms_norm(x.float(), w), cos, sin).to(x.dtype)` for x = q, k (B, L, H, D); weights fp32 (D,).
+
+    The RMSNorm and RoPE both run in fp32 (cos/sin (L, D) fp32) and each result is cast back once.
+    """
+    rotated = [
+        rope_reference(rms_norm_reference(x.float(), w, eps), cos, sin)
+        for x, w in ((q, weight_q), (k, weight_k))
+    ]
+    return rotated[0].to(q.dtype), rotated[1].to(q.dtype)
+
+
+_QK_NORM_ROPE_FP32 = FusedOp(
+    "qk_norm_rope_fp32", fused=qk_norm_rope_fp32_triton, reference=qk_norm_rope_fp32_reference
+)
+
+
+def qk_norm_rope_fp32(
+    q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, cos: Tensor, sin: Tensor, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """fp32 QK-norm + RoPE of q and k; see `qk_norm_rope_fp32_reference` (fused when `dispatch` allows)."""
+    return run_op(_QK_NORM_ROPE_FP32, q, k, weight_q, weight_k, cos, sin, eps)

@@ -1,0 +1,250 @@
+"""LayerNorm (no affine) + modulate with per-token shift and scale, one stream or two joined (FLUX.3).
+
+FLUX.3 modulates every token with its own row: `(1 + scale) * LayerNorm(x) + shift` with shift/scale
+(B, L, D) (chunks of a per-token projection, row stride 3D). Its joint blocks modulate the text and the
+content streams apart and concatenate them, text first; the two-stream form writes both modulated
+streams straight into the joint (B, L_txt + L, D) buffer, so no `torch.cat` pass remains.
+
+The statistics replay aten's `vectorized_layer_norm_kernel` exactly as `layer_norm_modulate` does (its
+Welford push and lane/warp tree are reused from there); then modulate's three roundings,
+`r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift)`, with the scale and shift rows of each token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.layer_norm_modulate import MAX_WIDTH, _even_counts_halve, _fold_lanes, _welford_push
+from flux_runtime.kernels.triton_utils import (
+    ON_GPU,
+    check_aten_vectorized,
+    check_half,
+    check_int32_offsets,
+    check_launchable,
+    check_shape,
+    check_unit_stride,
+    jit,
+    round_to,
+    rsqrtf,
+    tl,
+    to_storage,
+    triton,
+    triton_dtype,
+    upcast,
+)
+
+_THREADS = 128  # aten's block: 32 lanes × 4 warps, one row per block
+_VEC = 4  # aten's vec_size for every dtype
+# Rows per program by default: one. The rows share no scale/shift loads here (each token has its own), and a
+# second row doubles the registers (sm_90, D = 3072: 96 with one row, 204 with two: 5 blocks per SM fall to 2).
+ROWS_PER_PROGRAM = 1
+
+
+@jit
+def _token_layer_norm_modulate_kernel(
+    xa_ptr,  # (B, La, D), strides (s_xa_b, s_xa_l, 1): the first stream (text), xb_ptr when La = 0
+    sha_ptr,  # (B, La, D), strides (s_sha_b, s_sha_l, 1): its per-token shift
+    sca_ptr,  # (B, La, D), strides (s_sca_b, s_sca_l, 1): its per-token scale
+    xb_ptr,  # (B, L - La, D), strides (s_xb_b, s_xb_l, 1): the second stream (content)
+    shb_ptr,  # (B, L - La, D), strides (s_shb_b, s_shb_l, 1)
+    scb_ptr,  # (B, L - La, D), strides (s_scb_b, s_scb_l, 1)
+    out_ptr,  # (B, L, D) contiguous: [modulated a | modulated b]
+    La,
+    L,
+    D,
+    eps,
+    s_xa_b,
+    s_xa_l,
+    s_sha_b,
+    s_sha_l,
+    s_sca_b,
+    s_sca_l,
+    s_xb_b,
+    s_xb_l,
+    s_shb_b,
+    s_shb_l,
+    s_scb_b,
+    s_scb_l,
+    ITERS: tl.constexpr,  # cdiv(D, 512): 4-element vectors each aten thread reads
+    EVEN: tl.constexpr,  # D % 512 == 0: no masks, every Welford count a constant
+    ROWS: tl.constexpr,  # rows per program, held in registers side by side (lanes x rows, as v2)
+    GPU: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    # grid: (cdiv(L, ROWS), B); a program's rows may straddle the two streams
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = pos < L
+    pos = tl.where(row_ok, pos, L - 1).to(tl.int64)  # surplus rows re-read the last row, never stored
+    in_a = pos < La
+    pos_b = pos - La
+    x_row = tl.where(
+        in_a, xa_ptr + b * s_xa_b + pos * s_xa_l, xb_ptr + b * s_xb_b + pos_b * s_xb_l
+    )  # (ROWS,)
+    sh_row = tl.where(in_a, sha_ptr + b * s_sha_b + pos * s_sha_l, shb_ptr + b * s_shb_b + pos_b * s_shb_l)
+    sc_row = tl.where(in_a, sca_ptr + b * s_sca_b + pos * s_sca_l, scb_ptr + b * s_scb_b + pos_b * s_scb_l)
+    out_row = (b * L + pos) * D
+    lane = tl.arange(0, 128)  # aten's thrx = threadIdx.x + 32 * threadIdx.y
+    c4 = tl.arange(0, 4)
+
+    # pass 1: every load, and each lane's Welford over its vectors in aten's order
+    mean = tl.zeros((128, ROWS), tl.float32)
+    m2 = tl.zeros((128, ROWS), tl.float32)
+    count = tl.zeros((128, ROWS), tl.float32)
+    xs = ()  # the LayerNorm input of each vector, in the storage dtype
+    scales = ()  # the rows' scale and shift vectors, in the storage dtype
+    shifts = ()
+    for it in tl.static_range(ITERS):
+        vec = it * 128 + lane
+        col = (vec * 4)[:, None, None] + c4[None, None, :]  # (128, 1, 4): lane t holds 4t..4t+3
+        vec_ok = vec < D // 4
+        if EVEN:
+            x = tl.load(x_row[None, :, None] + col)  # (128, ROWS, 4)
+            scale = tl.load(sc_row[None, :, None] + col)
+            shift = tl.load(sh_row[None, :, None] + col)
+        else:
+            col_ok = vec_ok[:, None, None]
+            x = tl.load(x_row[None, :, None] + col, mask=col_ok, other=0.0)
+            scale = tl.load(sc_row[None, :, None] + col, mask=col_ok, other=0.0)
+            shift = tl.load(sh_row[None, :, None] + col, mask=col_ok, other=0.0)
+        # tuples grow by `+` in Triton's frontend (it has no starred unpacking)
+        xs = xs + (x,)  # noqa: RUF005
+        scales = scales + (scale,)  # noqa: RUF005
+        shifts = shifts + (shift,)  # noqa: RUF005
+        xf = upcast(x, GPU)
+        x02, x13 = tl.split(tl.reshape(xf, (128, ROWS, 2, 2)))
+        x0, x2 = tl.split(x02)
+        x1, x3 = tl.split(x13)
+        valid = vec_ok[:, None]
+        mean, m2, count = _welford_push(mean, m2, count, x0, valid, 1.0 / (it * 4 + 1), EVEN)
+        mean, m2, count = _welford_push(mean, m2, count, x1, valid, 1.0 / (it * 4 + 2), EVEN)
+        mean, m2, count = _welford_push(mean, m2, count, x2, valid, 1.0 / (it * 4 + 3), EVEN)
+        mean, m2, count = _welford_push(mean, m2, count, x3, valid, 1.0 / (it * 4 + 4), EVEN)
+
+    mean, m2 = _fold_lanes(mean, m2, count, ROWS, EVEN)  # (ROWS,)
+    var = tl.math.div_rn(m2, tl.full(m2.shape, D, tl.float32))
+    rstd = rsqrtf(var + eps, GPU)[None, :, None]
+    mean = mean[None, :, None]
+
+    # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
+    store_ok = row_ok[None, :, None]
+    for it in tl.static_range(ITERS):
+        col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
+        mask = store_ok if EVEN else store_ok & (col < D)
+        ln = round_to(rstd * (upcast(xs[it], GPU) - mean), DTYPE, GPU)
+        scale1 = round_to(1.0 + upcast(scales[it], GPU), DTYPE, GPU)
+        prod = round_to(ln * scale1, DTYPE, GPU)
+        y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
+        tl.store(out_ptr + out_row[None, :, None] + col, y, mask=mask)
+
+
+def _check_stream(op: str, name: str, x: Tensor, shift: Tensor, scale: Tensor) -> None:
+    if x.ndim != 3 or x.numel() == 0:
+        raise UnsupportedInput(f"{op}: {name} must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
+    for label, t in ((name, x), (f"{name} shift", shift), (f"{name} scale", scale)):
+        check_shape(op, label, t, tuple(x.shape))
+        check_unit_stride(op, label, t)
+        check_int32_offsets(op, label, t)
+    # aten normalises a contiguous x in place (a misaligned one takes another kernel); others it copies
+    check_aten_vectorized(op, name, x)
+
+
+def token_layer_norm_modulate_triton(
+    x_txt: Tensor | None,
+    shift_txt: Tensor | None,
+    scale_txt: Tensor | None,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    eps: float = 1e-6,
+    *,
+    rows_per_program: int | None = None,
+) -> Tensor:
+    """Fused `token_layer_norm_modulate_reference` → (B, L_txt + L, D) contiguous.
+
+    Every tensor is (B, L_stream, D) with a unit last stride (shift/scale typically chunks of a (B, L, 3D)
+    projection); the text stream (`x_txt`, `shift_txt`, `scale_txt`) is optional, all three or none.
+    """
+    op = "token_layer_norm_modulate"
+    txt = (x_txt, shift_txt, scale_txt)
+    if any(t is None for t in txt) and not all(t is None for t in txt):
+        raise UnsupportedInput(f"{op}: x_txt, shift_txt and scale_txt must all be given or all be None")
+    named = {"x": x, "shift": shift, "scale": scale}
+    named |= {k: t for k, t in zip(("x_txt", "shift_txt", "scale_txt"), txt, strict=True) if t is not None}
+    check_launchable(op, *named.values())
+    check_half(op, **named)
+    _check_stream(op, "x", x, shift, scale)
+    b, n, d = x.shape
+    if d % _VEC != 0:
+        raise UnsupportedInput(
+            f"{op}: width {d} is not a multiple of 4 (aten's vectorised LayerNorm needs it)"
+        )
+    if d > MAX_WIDTH:
+        raise UnsupportedInput(f"{op}: width {d} exceeds the maximum fused width {MAX_WIDTH}")
+    n_txt = 0
+    if x_txt is not None and shift_txt is not None and scale_txt is not None:
+        _check_stream(op, "x_txt", x_txt, shift_txt, scale_txt)
+        if x_txt.shape[0] != b or x_txt.shape[2] != d:
+            raise UnsupportedInput(f"{op}: x_txt {tuple(x_txt.shape)} does not match x {tuple(x.shape)}")
+        n_txt = x_txt.shape[1]
+        a = (x_txt, shift_txt, scale_txt)
+    else:
+        a = (x, shift, scale)  # never read: La = 0
+    length = n_txt + n
+    out = torch.empty((b, length, d), dtype=x.dtype, device=x.device)
+    check_int32_offsets(op, "out", out)
+    rows = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
+    iters = triton.cdiv(d, _THREADS * _VEC)
+    even = d % (_THREADS * _VEC) == 0 and _even_counts_halve(iters)
+    strides = [s for t in (*a, x, shift, scale) for s in (t.stride(0), t.stride(1))]
+    _token_layer_norm_modulate_kernel[(triton.cdiv(length, rows), b)](
+        *a, x, shift, scale, out, n_txt, length, d, eps, *strides,
+        ITERS=iters, EVEN=even, ROWS=rows, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+def _modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float) -> Tensor:
+    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), None, None, eps) + shift
+
+
+def token_layer_norm_modulate_reference(
+    x_txt: Tensor | None,
+    shift_txt: Tensor | None,
+    scale_txt: Tensor | None,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    eps: float = 1e-6,
+) -> Tensor:
+    """`(1 + scale) * LayerNorm(x) + shift` per token (shift/scale (B, L, D)); with a text stream, its own
+    modulation of `x_txt` concatenated before it along the sequence: (B, L_txt + L, D)."""
+    y = _modulate(x, shift, scale, eps)
+    if x_txt is None:
+        return y
+    assert shift_txt is not None and scale_txt is not None
+    return torch.cat([_modulate(x_txt, shift_txt, scale_txt, eps), y], dim=1)
+
+
+_TOKEN_LAYER_NORM_MODULATE = FusedOp(
+    "token_layer_norm_modulate",
+    fused=token_layer_norm_modulate_triton,
+    reference=token_layer_norm_modulate_reference,
+)
+
+
+def token_layer_norm_modulate(
+    x_txt: Tensor | None,
+    shift_txt: Tensor | None,
+    scale_txt: Tensor | None,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Per-token LayerNorm + modulate; see `token_layer_norm_modulate_reference` (fused when allowed)."""
+    return run_op(_TOKEN_LAYER_NORM_MODULATE, x_txt, shift_txt, scale_txt, x, shift, scale, eps)

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Compile FLUX.3's fused Triton kernels for sm_90 on a machine without a GPU, and print their resources.
+
+Triton lowers each kernel (at its default tile, bf16 and fp16, the masked odd-width LayerNorm path too) to PTX
+and runs its bundled ptxas, which catches lowering errors the interpreter never meets; `cuobjdump` then reads
+registers and stack (spills) per thread from the cubin, and the PTX gives the count of fp32 FMAs (each must be
+one aten has: Welford's and the sum of squares) and of separately rounded fp32 products (`mul.rn.f32`). Nothing
+runs; it says nothing about speed or bits.
+Usage: `python3 scripts/compile_check.py` (a minute on two CPU cores). Exit status 1 if any kernel fails.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flux_runtime.kernels.qk_norm_rope_fp32 import _qk_norm_rope_fp32_kernel
+from flux_runtime.kernels.token_gated_residual import _token_gated_residual_kernel
+from flux_runtime.kernels.token_layer_norm_modulate import ROWS_PER_PROGRAM, _token_layer_norm_modulate_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _ints(*names: str) -> dict[str, str]:
+    return dict.fromkeys(names, "i32")
+
+
+def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
+    """(label, kernel, signature, constexprs) at the launchers' defaults for one activation dtype."""
+    ln_sig = dict.fromkeys(
+        ("xa_ptr", "sha_ptr", "sca_ptr", "xb_ptr", "shb_ptr", "scb_ptr", "out_ptr"), f"*{dt}"
+    )
+    ln_sig |= _ints("La", "L", "D") | {"eps": "fp32"}
+    ln_sig |= _ints(*(f"s_{t}_{d}" for t in ("xa", "sha", "sca", "xb", "shb", "scb") for d in ("b", "l")))
+    qk_sig = dict.fromkeys(("q_ptr", "k_ptr"), f"*{dt}") | dict.fromkeys(
+        ("wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr"), "*fp32"
+    )
+    qk_sig |= {"out_ptr": f"*{dt}"} | _ints("B", "L", "H") | {"eps": "fp32"}
+    qk_sig |= _ints(*(f"stride_{t}{d}" for t in ("q", "k") for d in ("b", "l", "h")))
+    gr_sig = dict.fromkeys(
+        ("xa_ptr", "ga_ptr", "xb_ptr", "gb_ptr", "a_ptr", "b_ptr", "outa_ptr", "outb_ptr"), f"*{dt}"
+    )
+    gr_sig |= _ints("La", "L", "D") | _ints(
+        *(f"s_{t}_{d}" for t in ("xa", "ga", "xb", "gb", "a", "b") for d in ("b", "l"))
+    )
+    ln = {"ROWS": ROWS_PER_PROGRAM, "GPU": True, "DTYPE": tdt}
+    return [
+        (f"token_layer_norm_modulate D3072 {dt}", _token_layer_norm_modulate_kernel, ln_sig, {"ITERS": 6, "EVEN": True, **ln}),
+        (f"token_layer_norm_modulate D1000 {dt}", _token_layer_norm_modulate_kernel, ln_sig, {"ITERS": 2, "EVEN": False, **ln}),
+        (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
+        (f"token_gated_residual 2x1024 {dt}", _token_gated_residual_kernel, gr_sig, {"BLOCK_L": 2, "BLOCK_D": 1024, "GPU": True}),
+    ]  # fmt: skip
+
+
+def main() -> int:
+    failures = 0
+    print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
+    print(f"{'kernel':<42} {'regs':>5} {'stack':>6} {'fma.f32':>8} {'mul.rn':>7}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for dt, tdt in (("bf16", tl.bfloat16), ("fp16", tl.float16)):
+            for label, fn, sig, consts in kernels(dt, tdt):
+                try:
+                    src = ASTSource(fn, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
+                    k = triton.compile(
+                        src, target=TARGET, options={"num_warps": 4, "enable_fp_fusion": False}
+                    )
+                except Exception as e:  # report every kernel, then set the exit status
+                    failures += 1
+                    print(f"{label:<42} FAILED: {type(e).__name__}: {str(e).splitlines()[0]}")
+                    continue
+                cubin = Path(tmp) / "k.cubin"
+                cubin.write_bytes(k.asm["cubin"])
+                usage = subprocess.run(
+                    [str(CUOBJDUMP), "--dump-resource-usage", str(cubin)], capture_output=True, text=True
+                ).stdout
+                regs = re.search(r"REG:(\d+)", usage)
+                stack = re.search(r"STACK:(\d+)", usage)
+                ptx = k.asm["ptx"]
+                print(
+                    f"{label:<42} {regs.group(1) if regs else '?':>5} {stack.group(1) if stack else '?':>6} "
+                    f"{ptx.count('fma.rn.f32'):>8} {ptx.count('mul.rn.f32'):>7}"
+                )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
