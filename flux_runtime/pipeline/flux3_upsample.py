@@ -214,7 +214,12 @@ def _check_boxes(boxes: Any, call: Call) -> None:
         raise FluxError(
             "boxes are the prompt upsampler's layout input: drop upsample=False / --no-upsample, or the boxes"
         )
+    check_boxes(boxes, len(_references(call)))
+
+
+def check_boxes(boxes: Any, num_references: int) -> None:
+    """One FluxError unless `boxes` are well-formed layout boxes for a request with `num_references` references."""
     try:
-        canvas_rows(boxes, len(_references(call)))
+        canvas_rows(boxes, num_references)
     except ValueError as e:
         raise FluxError(f"boxes: {e}") from None
