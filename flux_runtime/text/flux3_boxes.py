@@ -116,7 +116,7 @@ def _check_origin(origin: Any, src: list[int] | None, tgt: list[int] | None, i: 
         have = (
             "no reference images were given"
             if refs == 0
-            else f"{refs} reference image{'s' if refs > 1 else ''} were given (ref_image_0 to ref_image_{refs - 1})"
+            else f"{refs} reference image{'s were' if refs > 1 else ' was'} given (ref_image_0 to ref_image_{refs - 1})"
         )
         raise ValueError(f"box {i}: 'from' is {origin} but {have}")
     if src is None:
