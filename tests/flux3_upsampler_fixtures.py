@@ -36,7 +36,10 @@ VISION_TOKENS = {
 }
 # The processors' sizes: few patches (16 px, merged 2x2) per image, so the tiny vision tower is quick.
 PROCESSOR_SIZES = dict(
-    patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
 )
 
 
@@ -85,7 +88,8 @@ def make_tiny_upsampler(folder: Path, seed: int = 0, prompts: dict[str, str] | N
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(TEMPLATE)
-    _pil_image_processor().save_pretrained(folder)  # image_processor_type: the torchvision one where available
+    # image_processor_type names the torchvision processor; transformers opens the PIL one where that is absent
+    _pil_image_processor().save_pretrained(folder)
     video = {"video_processor_type": "Qwen3VLVideoProcessor", **PROCESSOR_SIZES}
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
     (folder / "system_prompts.json").write_text(json.dumps(prompts or diffusers_prompts()))
@@ -116,7 +120,8 @@ def image_processor(folder: Path):
     from transformers import AutoTokenizer, Qwen3VLProcessor
 
     class ImagesOnlyProcessor(Qwen3VLProcessor):
-        def check_argument_for_proper_class(self, argument_name, argument):  # the absent video processor passes
+        # the absent video processor passes the check of the processors' classes
+        def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor" and argument is None:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)

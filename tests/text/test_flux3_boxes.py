@@ -21,7 +21,12 @@ T2I_BOXES = [
 ]
 EDIT_BOXES = [
     {"id": "hat_1", "desc": "a straw hat", "from": "target", "tgt_bbox": [0.05, 0.3, 0.25, 0.7]},
-    {"id": "dog_1", "from": "ref_image_0", "src_bbox": [0.4, 0.1, 0.9, 0.5], "tgt_bbox": [0.4, 0.5, 0.9, 0.9]},
+    {
+        "id": "dog_1",
+        "from": "ref_image_0",
+        "src_bbox": [0.4, 0.1, 0.9, 0.5],
+        "tgt_bbox": [0.4, 0.5, 0.9, 0.9],
+    },
     {"id": "lamp_1", "from": "ref_image_0", "src_bbox": [0.0, 0.8, 0.3, 1.0], "tgt_bbox": None},  # removed
 ]
 TWO_REF_BOXES = [
@@ -42,7 +47,8 @@ def test_rows_equal_diffusers(boxes, refs):
 
     rows = canvas_rows(boxes, refs)
     assert rows == boxes_to_canvas(boxes)
-    assert json.dumps(rows) == json.dumps(boxes_to_canvas(boxes))  # the key order too: it is the prompt's text
+    # the key order too: it is the prompt's text
+    assert json.dumps(rows) == json.dumps(boxes_to_canvas(boxes))
     assert rows[1]["id"] == "obj_2" if refs == 0 else rows[1]["id"] == "dog_1"
     if refs == 0:
         assert rows[1]["bbox"] == [0, 0, 1000, 2]
@@ -70,7 +76,11 @@ def test_rows_equal_diffusers(boxes, refs):
         ([{"from": "reference_0", "src_bbox": [0, 0, 1, 1]}], 1, "'from' is 'reference_0'; give 'target'"),
         ([{"tgt_bbox": [0, 0, 1, 1]}], 1, "'from' is None"),
         ([{"from": "ref_image_01", "src_bbox": [0, 0, 1, 1]}], 2, "'from' is 'ref_image_01'"),
-        ([{"from": "ref_image_1", "src_bbox": [0, 0, 1, 1]}], 1, r"ref_image_1 but 1 reference image was given \(ref_image_0 to ref_image_0\)"),
+        (
+            [{"from": "ref_image_1", "src_bbox": [0, 0, 1, 1]}],
+            1,
+            r"ref_image_1 but 1 reference image was given \(ref_image_0 to ref_image_0\)",
+        ),
         ([{"from": "ref_image_2", "src_bbox": [0, 0, 1, 1]}], 2, r"ref_image_0 to ref_image_1\)"),
         ([{"from": "ref_image_0", "src_bbox": [0, 0, 1, 1]}], 0, "no reference images were given"),
         ([{"from": "target", "src_bbox": [0, 0, 1, 1], "tgt_bbox": [0, 0, 1, 1]}], 1, "no src_bbox"),
@@ -118,7 +128,7 @@ def test_reconcile_equals_diffusers(answer):
 
     got = reconcile(answer, canvas_rows(LOCKED, 1))
     assert got == reconcile_boxes(answer, boxes_to_canvas(LOCKED))
-    caption, table = split_table(got)
+    table = split_table(got)[1]
     assert [row["id"] for row in table[:3]] == ["cup_1", "hat_1", "lamp_1"]
 
 
@@ -145,7 +155,9 @@ def test_layout_caption_equals_diffusers(folder, boxes, count):
     ours.processor = image_processor(folder)
     seen = recording(ours.model)
     caption = ours.upsample(request, prepare_upsampler_references(images), boxes=boxes)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, local_files_only=True
+    )
     seen_ref = recording(model)
     want = upsample_prompt(
         model, image_processor(folder), request, images=prepare_references(images) or None, boxes=boxes
@@ -158,4 +170,5 @@ def test_layout_caption_equals_diffusers(folder, boxes, count):
     assert system == (ours.prompts.i2i_bbox if count else ours.prompts.t2i_bbox)
     assert json.dumps(rows, ensure_ascii=False) in messages[1]["content"][-1]["text"]
     assert [row["id"] for row in split_table(caption)[1][: len(rows)]] == [row["id"] for row in rows]
-    assert caption != ours.upsample(request, prepare_upsampler_references(images))  # the layout is in the input
+    # the layout is in the input
+    assert caption != ours.upsample(request, prepare_upsampler_references(images))

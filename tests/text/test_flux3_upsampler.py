@@ -138,7 +138,8 @@ def test_edit_caption_equals_diffusers(folder, dtype, count):
     assert caption == want
     same_inputs(seen, seen_ref)
     assert seen[0]["image_grid_thw"].shape[0] == count and seen[0]["pixel_values"].dtype == torch.float32
-    if dtype == torch.float32:  # the images matter (in bf16 this tiny model happens to write the same caption)
+    # the images matter (in bf16 this tiny model happens to write the same caption for both)
+    if dtype == torch.float32:
         assert caption != ours.upsample("make it blue", prepare_upsampler_references(edit_images(3 - count)))
 
 
@@ -161,7 +162,9 @@ def test_edit_caption_through_autoprocessor_equals_diffusers(folder):
     from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
 
     ours = PromptUpsampler.from_pretrained(folder, dtype=torch.float32)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, local_files_only=True
+    )
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     for count in (1, 2):
         images = edit_images(count)
@@ -203,7 +206,9 @@ def test_prompt_files_are_checked(tmp_path):
         prompts.check_mode("i2i")
     with pytest.raises(WeightsError, match=r"no 't2i_bbox' and no 'layout_request': .*layout boxes"):
         prompts.check_mode("t2i_bbox")
-    with pytest.raises(WeightsError, match=r"no 'i2i_bbox' and no 'i2i_bbox_scaffold' and no 'layout_request'"):
+    with pytest.raises(
+        WeightsError, match=r"no 'i2i_bbox' and no 'i2i_bbox_scaffold' and no 'layout_request'"
+    ):
         prompts.check_mode("i2i_bbox")
     for layout, match in [
         ("{prompt}", "has no \\{boxes\\} slot"),
