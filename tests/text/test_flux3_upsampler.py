@@ -248,3 +248,21 @@ def test_caption_on_cuda_equals_diffusers(folder):
     ours = PromptUpsampler.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
     model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).to("cuda")
     assert ours.upsample(REQUESTS[0]) == upsample_prompt(model, text_only_processor(folder), REQUESTS[0])
+
+
+@pytest.mark.gpu
+def test_edit_and_layout_captions_on_cuda_equal_diffusers(folder):
+    from diffusers.modular_pipelines.flux3.prompt_upsampler import prepare_references, upsample_prompt
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    ours = PromptUpsampler.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    ours.processor = image_processor(folder)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).to("cuda")
+    boxes = [{"id": "hat_1", "from": "target", "tgt_bbox": [0.1, 0.3, 0.3, 0.7]}]
+    for count, layout in ((1, None), (2, boxes)):
+        images = edit_images(count)
+        got = ours.upsample("make it blue", prepare_upsampler_references(images), boxes=layout)
+        want = upsample_prompt(
+            model, image_processor(folder), "make it blue", images=prepare_references(images), boxes=layout
+        )
+        assert got == want
