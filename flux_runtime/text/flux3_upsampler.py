@@ -14,8 +14,9 @@ are read at run time from a JSON file (`UpsamplerPrompts`), by default `system_p
 folder.
 
 Text-only requests go through the upsampler's tokenizer and the processor's chat template (no image processor is
-needed); requests with reference images go through its full processor (`AutoProcessor`), which transformers opens
-only where its image and video processors can load (they need torchvision).
+needed); requests with reference images go through its full processor (`AutoProcessor`, as diffusers loads it),
+which transformers opens only with torchvision installed: its image processor has a PIL fallback, but the video
+processor it opens alongside has none.
 """
 
 from __future__ import annotations
@@ -328,7 +329,7 @@ class PromptUpsampler:
 
 def open_processor(folder: Path) -> Any:
     """The upsampler's full processor (`AutoProcessor`), which requests with reference images go through; a
-    WeightsError in one line where transformers cannot open it (its image and video processors need torchvision)."""
+    WeightsError in one line where transformers cannot open it (without torchvision: the video processor needs it)."""
     from transformers import AutoProcessor
 
     try:
@@ -337,7 +338,7 @@ def open_processor(folder: Path) -> Any:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise WeightsError(
             f"cannot open the prompt upsampler's processor in {folder} ({reason}); upsampling a request with "
-            "reference images needs it, and its image processor needs torchvision: install torchvision, or "
+            "reference images needs it, and transformers opens it only with torchvision: install torchvision, or "
             "generate without the upsampler (--no-upsample / upsample=False)"
         ) from None
 
