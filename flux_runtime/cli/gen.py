@@ -10,6 +10,7 @@ step count, guidance, reference images) runs before any weights are read.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import tempfile
@@ -50,6 +51,7 @@ REPLAYED = (
     "no_upsample",
     "prompt_upsampler",
     "upsampler_prompts",
+    "boxes",
 )
 
 
@@ -214,6 +216,15 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
     help="FLUX.3: the upsampler's system prompts (JSON) [default: system_prompts.json in its folder].",
+)
+@click.option(
+    "--boxes",
+    type=str,
+    default=None,
+    metavar="JSON|FILE",
+    help="FLUX.3: layout boxes for the prompt upsampler's layout mode, a JSON list (inline, or a .json file) of "
+    '{"id", "desc", "bbox"} or, with --image, {"id", "desc", "from": "target" | "ref_image_N", "src_bbox", '
+    '"tgt_bbox"}; boxes [y_min, x_min, y_max, x_max] in 0-1.',
 )
 @click.option(
     "--lora",
@@ -534,6 +545,11 @@ def _generate(opts: dict[str, Any]) -> None:
     )
     progress = _Progress(main_rank and not opts["quiet"] and sys.stderr.isatty())
     images_in = [_open_image(p.resolve()) for p in opts["image"]]
+    boxes = _read_boxes(opts["boxes"])
+    if boxes is not None:  # checked now, before any weights are read
+        from flux_runtime.pipeline.flux3_upsample import check_boxes
+
+        check_boxes(boxes, len(images_in))
     flux1_inputs = {
         name: _open_image(opts[opt].resolve())
         for name, opt in (("mask_image", "mask"), ("control_image", "control_image"))
@@ -601,6 +617,7 @@ def _generate(opts: dict[str, Any]) -> None:
             image=images_in or None,
             upsample=False if opts["no_upsample"] else None,
             upsampled_prompt=opts.get("_upsampled_prompt"),
+            boxes=boxes,
             **common,
         )
     elif isinstance(pipe, Flux2Pipe):
@@ -662,6 +679,29 @@ def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+def _read_boxes(value: str | None) -> Any:
+    """--boxes: inline JSON (starting with '['), else a JSON file; one error if it is neither. The boxes themselves
+    are checked by the pipeline."""
+    if value is None:
+        return None
+    text, where = value, "--boxes"
+    if not value.lstrip().startswith("["):
+        path = Path(value)
+        if not path.is_file():
+            raise click.ClickException(
+                f"--boxes {value}: neither a JSON list (starting with '[') nor a file; give the boxes inline "
+                "or as a .json file"
+            )
+        try:
+            text, where = path.read_text(encoding="utf-8"), f"--boxes {path}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.ClickException(f"--boxes {path}: cannot read it ({e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.ClickException(f"{where}: not valid JSON ({e})") from None
+
+
 def _refuse_flux3_options(opts: dict[str, Any], family: str) -> None:
     """One error naming the FLUX.3-only (prompt upsampler) options given for a model of another family."""
     given = [
@@ -670,6 +710,7 @@ def _refuse_flux3_options(opts: dict[str, Any], family: str) -> None:
             ("--no-upsample", "no_upsample"),
             ("--prompt-upsampler", "prompt_upsampler"),
             ("--upsampler-prompts", "upsampler_prompts"),
+            ("--boxes", "boxes"),
         )
         if opts[name]
     ]

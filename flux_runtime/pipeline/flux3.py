@@ -223,6 +223,7 @@ class Flux3Pipe(Recipe):
         progress: Progress | None = None,
         upsample: bool | None = None,
         upsampled_prompt: str | None = None,
+        boxes: list[dict[str, Any]] | None = None,
     ) -> PipelineOutput:
         """Generate `num_images_per_prompt` images of one prompt (FLUX.3 takes one per call, as diffusers does).
 
@@ -239,14 +240,18 @@ class Flux3Pipe(Recipe):
         None (default) does when the pipeline has one (`flux3-klein*`: black-forest-labs/flux-3-image-klein-pup,
         which must be in the local cache), False never. `upsampled_prompt`: an earlier run's caption
         (`info["upsampled_prompt"]`), encoded as is without running the upsampler. The record's `upsample` says
-        which ran ("on", "given", "off", "unavailable").
+        which ran ("on", "given", "off", "unavailable"). `boxes`: a layout for the upsampler (its layout modes), each
+        `{"id", "desc", "bbox"}` or, with references, `{"id", "desc", "from": "target" | "ref_image_N", "src_bbox",
+        "tgt_bbox"}`, boxes `[y_min, x_min, y_max, x_max]` in 0-1; the caption cites them and ends with their table.
         """
         if max_sequence_length is None:
             max_sequence_length = MAX_SEQUENCE_LENGTH
         call = Call(
             prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
             num_images_per_prompt, output_type, quality or self.quality, progress, prompt_embeds,
-            inputs={"image": image, "upsample": upsample, "upsampled_prompt": upsampled_prompt},
+            inputs={
+                "image": image, "upsample": upsample, "upsampled_prompt": upsampled_prompt, "boxes": boxes,
+            },
         )  # fmt: skip
         return self._run(call)
 

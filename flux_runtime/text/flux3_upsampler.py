@@ -1,18 +1,22 @@
 """FLUX.3's optional prompt upsampler: a Qwen3.5 that rewrites a short request into the detailed caption FLUX.3 was
 trained on, run through transformers `generate` as diffusers 0.42.1's modular FLUX.3 pipeline runs it.
 
-One request per call; the mode follows the inputs: `t2i` (text only) or `i2i` (with reference images). The chat is
-a system turn (the mode's system prompt) and a user turn (`t2i`: the request; `i2i`: the prepared reference images,
-then the request placed in the edit scaffold), rendered with the generation prompt and thinking turned off, decoded
-greedily (`do_sample=False`) for at most `MAX_NEW_TOKENS` new tokens under the model's own generation config; the
-caption is the new tokens decoded without special tokens, stripped. An empty caption is an error.
+One request per call; the mode follows the inputs: `t2i` (text only) or `i2i` (with reference images), each with a
+layout form (`t2i_bbox`, `i2i_bbox`) when layout boxes are given (`flux3_boxes`). The chat is a system turn (the
+mode's system prompt) and a user turn (`t2i`: the request; `i2i`: the prepared reference images, then the request
+placed in the edit scaffold; the layout modes first put the request and the boxes' table into the layout request),
+rendered with the generation prompt and thinking turned off, decoded greedily (`do_sample=False`) for at most
+`MAX_NEW_TOKENS` new tokens under the model's own generation config; the caption is the new tokens decoded without
+special tokens, stripped (an empty caption is an error), in the layout modes reconciled with the given boxes.
 
-The system prompts and the edit scaffold are Black Forest Labs' text and are not part of this package: they are read
-at run time from a JSON file (`UpsamplerPrompts`), by default `system_prompts.json` in the upsampler's folder.
+The system prompts, scaffolds and layout request are Black Forest Labs' text and are not part of this package: they
+are read at run time from a JSON file (`UpsamplerPrompts`), by default `system_prompts.json` in the upsampler's
+folder.
 
 Text-only requests go through the upsampler's tokenizer and the processor's chat template (no image processor is
-needed); requests with reference images go through its full processor (`AutoProcessor`), which transformers opens
-only where its image and video processors can load (they need torchvision).
+needed); requests with reference images go through its full processor (`AutoProcessor`, as diffusers loads it),
+which transformers opens only with torchvision installed: its image processor has a PIL fallback, but the video
+processor it opens alongside has none.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from flux_runtime.text.flux2 import _check_model_folder, _load_model
 from flux_runtime.text.flux3 import _processor_template
+from flux_runtime.text.flux3_boxes import canvas_rows, reconcile
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 
@@ -55,18 +60,46 @@ def _pixel_budget(num_references: int) -> int:
     return 1024 * 1024 if num_references == 1 else 724 * 724 if num_references == 2 else 512 * 512
 
 
+# What each mode sends besides the request: its system prompt, its user-turn scaffold (the edit modes: the request
+# goes into `{instruction}`) and, in the layout modes, the layout request (the prompt into `{prompt}`, the box
+# table as JSON into `{boxes}`), by the key each has in the prompts file.
+MODE_KEYS = {
+    "t2i": ("t2i",),
+    "i2i": ("i2i", "i2i_scaffold"),
+    "t2i_bbox": ("t2i_bbox", "layout_request"),
+    "i2i_bbox": ("i2i_bbox", "i2i_bbox_scaffold", "layout_request"),
+}
+TEMPLATE_SLOTS = {
+    "i2i_scaffold": ("instruction",),
+    "i2i_bbox_scaffold": ("instruction",),
+    "layout_request": ("prompt", "boxes"),
+}
+PROMPT_KEYS = ("t2i", "i2i", "i2i_scaffold", "t2i_bbox", "i2i_bbox", "i2i_bbox_scaffold", "layout_request")
+
+
+def upsample_mode(num_references: int, layout: bool) -> str:
+    """The upsampler's mode: "t2i" / "i2i" (with reference images), with "_bbox" for a layout (boxes given)."""
+    return ("i2i" if num_references else "t2i") + ("_bbox" if layout else "")
+
+
 @dataclass(frozen=True)
 class UpsamplerPrompts:
-    """The upsampler's system prompts by mode and the edit scaffold, from a JSON object
-    `{"t2i": str, "i2i": str, "i2i_scaffold": str with "{instruction}", ...}` (other keys are ignored).
+    """The upsampler's system prompts by mode, its user-turn scaffolds and the layout request, from a JSON object
+    `{"t2i": str, "i2i": str, "i2i_scaffold": str with "{instruction}", "t2i_bbox": str, "i2i_bbox": str,
+    "i2i_bbox_scaffold": str with "{instruction}", "layout_request": str with "{prompt}" and "{boxes}"}` (other
+    keys are ignored).
 
-    `t2i` is required; `i2i` and `i2i_scaffold` only for requests with reference images.
+    `t2i` is required; the others only for the modes that use them (`MODE_KEYS`).
     """
 
     t2i: str
     i2i: str | None
     i2i_scaffold: str | None
     path: Path
+    t2i_bbox: str | None = None
+    i2i_bbox: str | None = None
+    i2i_bbox_scaffold: str | None = None
+    layout_request: str | None = None
 
     @classmethod
     def read(cls, path: str | Path) -> UpsamplerPrompts:
@@ -85,39 +118,55 @@ class UpsamplerPrompts:
         if not isinstance(data, dict):
             raise WeightsError(f"{path}: expected a JSON object of system prompts by mode (t2i, i2i)")
         values: dict[str, str | None] = {}
-        for key in ("t2i", "i2i", "i2i_scaffold"):
+        for key in PROMPT_KEYS:
             value = data.get(key)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise WeightsError(f"{path}: {key!r} must be a non-empty string")
             values[key] = value
         if values["t2i"] is None:
             raise WeightsError(f"{path}: no 't2i' system prompt (the text-to-image mode's)")
-        scaffold = values["i2i_scaffold"]
-        if scaffold is not None:
-            try:
-                scaffold.format(instruction="")
-            except (KeyError, IndexError, ValueError) as e:
-                raise WeightsError(
-                    f"{path}: 'i2i_scaffold' must hold {INSTRUCTION_SLOT} and no other braces ({e!r})"
-                ) from None
-            if INSTRUCTION_SLOT not in scaffold:
-                raise WeightsError(f"{path}: 'i2i_scaffold' has no {INSTRUCTION_SLOT} slot for the request")
-        return cls(values["t2i"], values["i2i"], scaffold, path)  # type: ignore[arg-type]
+        for key, slots in TEMPLATE_SLOTS.items():
+            template = values[key]
+            if template is not None:
+                _check_template(path, key, template, slots)
+        return cls(path=path, **values)  # type: ignore[arg-type]
 
     def check_mode(self, mode: str) -> None:
-        """A WeightsError unless the file has what `mode` ("t2i" / "i2i") needs."""
-        if mode == "i2i" and (self.i2i is None or self.i2i_scaffold is None):
-            missing = [k for k in ("i2i", "i2i_scaffold") if getattr(self, k) is None]
+        """A WeightsError unless the file has what `mode` (`MODE_KEYS`) needs."""
+        missing = [k for k in MODE_KEYS[mode] if getattr(self, k) is None]
+        if missing:
+            what = {
+                "i2i": "upsampling a request with reference images needs the edit mode's system prompt and its "
+                f"user-turn scaffold (with {INSTRUCTION_SLOT})",
+                "t2i_bbox": "upsampling with layout boxes needs the layout mode's system prompt and the layout "
+                "request (with {prompt} and {boxes})",
+                "i2i_bbox": "upsampling with reference images and layout boxes needs the layout edit mode's system "
+                f"prompt, its user-turn scaffold (with {INSTRUCTION_SLOT}) and the layout request (with {{prompt}} "
+                "and {boxes})",
+            }[mode]
             raise WeightsError(
-                f"{self.path} has no {' and no '.join(repr(k) for k in missing)}: upsampling a request with "
-                "reference images needs the edit mode's system prompt and its user-turn scaffold (with "
-                f"{INSTRUCTION_SLOT}); add them, or generate without the upsampler (--no-upsample / upsample=False)"
+                f"{self.path} has no {' and no '.join(repr(k) for k in missing)}: {what}; add them, or generate "
+                "without the upsampler (--no-upsample / upsample=False)"
             )
 
     def fingerprint(self, mode: str) -> str:
-        """sha256 of what `mode` sends besides the request (its system prompt, and the scaffold for i2i)."""
-        parts = [self.t2i] if mode == "t2i" else [self.i2i or "", self.i2i_scaffold or ""]
+        """sha256 of what `mode` sends besides the request (`MODE_KEYS`: its system prompt, scaffold, layout
+        request)."""
+        parts = [getattr(self, k) or "" for k in MODE_KEYS[mode]]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _check_template(path: Path, key: str, template: str, slots: tuple[str, ...]) -> None:
+    """A WeightsError unless `template` formats with exactly `slots` (each present, no other braces)."""
+    names = " and ".join("{" + s + "}" for s in slots)
+    try:
+        template.format(**dict.fromkeys(slots, ""))
+    except (KeyError, IndexError, ValueError) as e:
+        raise WeightsError(f"{path}: {key!r} must hold {names} and no other braces ({e!r})") from None
+    for slot in slots:
+        if "{" + slot + "}" not in template:
+            what = "the request" if slot == "instruction" else f"the {slot}"
+            raise WeightsError(f"{path}: {key!r} has no {{{slot}}} slot for {what}")
 
 
 class PromptUpsampler:
@@ -207,18 +256,30 @@ class PromptUpsampler:
             weights=upsampler_weights_id(folder),
         ).to(device)
 
-    def messages(self, request: str, images: Sequence[Image.Image] = ()) -> list[dict[str, Any]]:
-        """The chat of one request: the mode's system turn, then the user turn (content as lists of parts)."""
+    def messages(
+        self,
+        request: str,
+        images: Sequence[Image.Image] = (),
+        rows: Sequence[dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The chat of one request: the mode's system turn, then the user turn (content as lists of parts). With
+        layout `rows` (from `canvas_rows`) the request is first put into the layout request with the rows as JSON."""
+        mode = upsample_mode(len(images), bool(rows))
+        self.prompts.check_mode(mode)
+        p = self.prompts
+        if rows:
+            assert p.layout_request is not None  # checked
+            table = json.dumps(list(rows), ensure_ascii=False)
+            request = p.layout_request.format(prompt=request.strip(), boxes=table)
+        system = getattr(p, mode)
         if images:
-            self.prompts.check_mode("i2i")
-            assert self.prompts.i2i is not None and self.prompts.i2i_scaffold is not None
-            system = self.prompts.i2i
-            text = self.prompts.i2i_scaffold.format(instruction=request)
+            scaffold = p.i2i_bbox_scaffold if rows else p.i2i_scaffold
+            assert scaffold is not None  # checked
             content = [{"type": "image", "image": image} for image in images] + [
-                {"type": "text", "text": text}
+                {"type": "text", "text": scaffold.format(instruction=request)}
             ]
         else:
-            system, content = self.prompts.t2i, [{"type": "text", "text": request}]
+            content = [{"type": "text", "text": request}]
         return [
             {"role": "system", "content": [{"type": "text", "text": system}]},
             {"role": "user", "content": content},
@@ -226,14 +287,22 @@ class PromptUpsampler:
 
     @torch.no_grad()
     def upsample(
-        self, request: str, images: Sequence[Image.Image] = (), *, max_new_tokens: int = MAX_NEW_TOKENS
+        self,
+        request: str,
+        images: Sequence[Image.Image] = (),
+        *,
+        boxes: Sequence[dict[str, Any]] | None = None,
+        max_new_tokens: int = MAX_NEW_TOKENS,
     ) -> str:
-        """The caption for `request` (with `images`, already `prepare_upsampler_references`-ed: an edit)."""
+        """The caption for `request` (with `images`, already `prepare_upsampler_references`-ed: an edit). With layout
+        `boxes` (see `flux3_boxes`: 0-1 boxes, checked here) the layout caption: the caption citing each element as
+        <id>, a space, and the box table as JSON, the given boxes kept exactly."""
         if not isinstance(request, str):
             raise TypeError(
                 f"the prompt upsampler takes one request (a string), got {type(request).__name__}"
             )
-        messages = self.messages(request, images)
+        rows = None if boxes is None else canvas_rows(boxes, len(images))
+        messages = self.messages(request, images, rows)
         kwargs = dict(
             add_generation_prompt=True,
             tokenize=True,
@@ -255,12 +324,12 @@ class PromptUpsampler:
         caption = self.tokenizer.decode(new, skip_special_tokens=True).strip()
         if not caption:
             raise ValueError("the prompt upsampler returned an empty caption")
-        return caption
+        return reconcile(caption, rows) if rows else caption
 
 
 def open_processor(folder: Path) -> Any:
     """The upsampler's full processor (`AutoProcessor`), which requests with reference images go through; a
-    WeightsError in one line where transformers cannot open it (its image and video processors need torchvision)."""
+    WeightsError in one line where transformers cannot open it (without torchvision: the video processor needs it)."""
     from transformers import AutoProcessor
 
     try:
@@ -269,7 +338,7 @@ def open_processor(folder: Path) -> Any:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise WeightsError(
             f"cannot open the prompt upsampler's processor in {folder} ({reason}); upsampling a request with "
-            "reference images needs it, and its image processor needs torchvision: install torchvision, or "
+            "reference images needs it, and transformers opens it only with torchvision: install torchvision, or "
             "generate without the upsampler (--no-upsample / upsample=False)"
         ) from None
 
