@@ -150,4 +150,4 @@ def test_bad_boxes_fail_in_one_line_before_loading(tmp_path) -> None:
         "--model", "tiny-flux2-random", "--prompt", "a", "--boxes", '[{"bbox": [0, 0, 1, 1]}]', "--steps", "1",
         "--quiet", *out,
     )  # fmt: skip
-    assert res.exit_code == 1 and "--boxes need a FLUX.3 model; tiny-flux2-random is FLUX.2" in res.output
+    assert res.exit_code == 1 and "--boxes needs a FLUX.3 model; tiny-flux2-random is FLUX.2" in res.output
