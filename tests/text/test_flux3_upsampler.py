@@ -268,3 +268,30 @@ def test_edit_and_layout_captions_on_cuda_equal_diffusers(folder):
             model, image_processor(folder), "make it blue", images=prepare_references(images), boxes=layout
         )
         assert got == want
+
+
+def test_prompts_file_written_from_diffusers_gives_diffusers_texts(tmp_path):
+    """scripts/upsampler_prompts.py writes a prompts file our reader takes, holding diffusers' texts exactly."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from diffusers.modular_pipelines.flux3 import prompt_upsampler as theirs
+
+    from flux_runtime.text.flux3_upsampler import UpsamplerPrompts
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "upsampler_prompts.py"
+    out = tmp_path / "prompts.json"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True)
+    p = UpsamplerPrompts.read(out)
+    for mode in ("t2i", "i2i", "t2i_bbox", "i2i_bbox"):
+        assert getattr(p, mode) == theirs.SYSTEM_PROMPTS[mode]
+        p.check_mode(mode)
+    assert p.i2i_scaffold == theirs.I2I_SCAFFOLD[False] and p.i2i_bbox_scaffold == theirs.I2I_SCAFFOLD[True]
+    rows = [{"id": "cat", "bbox": [10, 20, 300, 400], "desc": "a {curly} cat"}]
+    assert p.layout_request is not None
+    got = p.layout_request.format(prompt=" a cat ".strip(), boxes=json.dumps(rows, ensure_ascii=False))
+    assert got == theirs.format_layout_request(" a cat ", rows)
+    again = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True)
+    assert again.returncode == 1 and "--overwrite" in again.stderr  # never overwritten unasked
