@@ -21,6 +21,8 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from flux_runtime.models.vae.flux2 import FLUX2_VAE, Flux2VAE
 from flux_runtime.pipeline.flux1 import Pipeline
 from flux_runtime.pipeline.flux2 import Flux2Pipe
 from flux_runtime.pipeline.memory import GiB
+from flux_runtime.pipeline.memory_trace import LiveBytes, clip_l_config, mistral_small_config, t5_xxl_config
 from flux_runtime.sampling import FLUX2_SCHEDULE
 from flux_runtime.text.chat import load_mistral_tokenizer
 from flux_runtime.text.flux1 import Flux1TextEncoder
@@ -50,30 +53,65 @@ from flux_runtime.text.tokenizers import (
 )
 from flux_runtime.weights.fp8 import quantize_model
 
-DEV = torch.device("cuda")
+DEV = torch.device("cuda")  # the meta device under --trace-build
+TRACE: LiveBytes | None = None  # --trace-build: the allocations of a build, counted on meta
 BF = torch.bfloat16
 PROMPT = "a red fox in the snow, photographed at dawn"
 BUDGETS = {"flux2": (None, 80, 48, 24), "flux1": (None, 24, 16)}
 
 
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on meta: no memory anywhere (and none counted by --trace-build)."""
+    with torch.device("meta"), TRACE.untracked() if TRACE is not None else nullcontext():
+        yield
+
+
+def _cuda(fn: Callable[[], Any]) -> Any:
+    """`fn()` on a CUDA run; nothing when the build is traced on meta."""
+    return fn() if DEV.type == "cuda" else None
+
+
 @torch.no_grad()
-def fill_random(model: nn.Module, seed: int) -> nn.Module:
-    """Materialise a meta model on the GPU in bf16 with N(0, 1/fan_in) matrices and unit norms."""
-    model.to(BF)
-    model.to_empty(device=DEV)
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    for name, p in model.named_parameters():
+def _fill(module: nn.Module, prefix: str, gen: torch.Generator, recurse: bool = True) -> None:
+    """Materialise `module`'s meta tensors on `DEV` in bf16: N(0, 1/fan_in) matrices, unit norms."""
+    module.to_empty(device=DEV, recurse=recurse)
+    for name, p in module.named_parameters(prefix=prefix, recurse=recurse):
         if p.ndim >= 2:
             p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
         elif "norm" in name or name.endswith(("scale", "running_var")):
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
-    for name, b in model.named_buffers():
+    for name, b in module.named_buffers(prefix=prefix, recurse=recurse):
         if name.endswith("position_ids"):  # CLIP's (1, 77) arange
             b.copy_(torch.arange(b.shape[-1], device=DEV).expand_as(b))
         elif b.is_floating_point() and "inv_freq" not in name:
             b.fill_(1.0 if "var" in name else 0.0)
+
+
+def fill_random(
+    model: nn.Module,
+    seed: int,
+    blocks: list[nn.Module] = (),
+    quantize: Callable[[str, nn.Module], None] | None = None,
+) -> nn.Module:
+    """Materialise a meta model on the GPU: everything outside `blocks` first, then block by block, each
+    block quantized (`quantize(name, block)`) as soon as it is filled. The bf16 bytes on the GPU at once are
+    the model outside its blocks plus one block (plus what is already quantized), never the whole model:
+    a bf16 FLUX.2-dev is 64 GB, Mistral Small 48 GB."""
+    with on_meta():
+        model.to(BF)
+    gen = torch.Generator(device=DEV).manual_seed(seed) if DEV.type == "cuda" else None
+    inside = {id(m) for b in blocks for m in b.modules()}
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in model.modules():
+        if id(m) not in inside:
+            _fill(m, names[id(m)], gen, recurse=False)
+    for block in blocks:
+        _fill(block, names[id(block)], gen)
+        if quantize is not None:
+            quantize(names[id(block)], block)
     return model.eval()
 
 
@@ -87,41 +125,31 @@ def _rope_buffers(model: nn.Module) -> None:
 
 
 def mistral_text(fp8: bool) -> tuple[Flux2TextEncoder, Any]:
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
     tokenizer, template = load_mistral_tokenizer(TINY_TOKENIZERS / "mistral")
-    text = dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
-                num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                hidden_act="silu", rms_norm_eps=1e-5, rope_theta=1e9, max_position_embeddings=131072,
-                sliding_window=None, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    vision = dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                  num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14)  # fmt: skip
-    cfg = Mistral3Config(
-        text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
-        spatial_merge_size=2, projector_hidden_act="gelu", multimodal_projector_bias=False, vision_feature_layer=-1,
+    cfg = mistral_small_config(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
     )  # fmt: skip
-    with torch.device("meta"):
+    with on_meta():
         model = Mistral3ForConditionalGeneration(cfg)
-    fill_random(model, 3)
+    fill_random(model, 3)  # bf16 whole (48 GB): the FP8 error needs the bf16 embeddings first
     _rope_buffers(model)
     te = Flux2TextEncoder(model, tokenizer, template)
     return te, _quantize_and_compare(te, fp8)
 
 
 def t5_text(fp8: bool) -> tuple[Flux1TextEncoder, Any]:
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel, T5EncoderModel
 
     clip_tok, t5_tok = (
         load_clip_tokenizer(tiny_tokenizer_path("clip")),
         load_t5_tokenizer(tiny_tokenizer_path("t5")),
     )
-    with torch.device("meta"):
-        clip = CLIPTextModel(CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072,
-                                            num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
-                                            projection_dim=768))  # fmt: skip
-        t5 = T5EncoderModel(T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
-                                     num_heads=64, feed_forward_proj="gated-gelu", is_encoder_decoder=False))  # fmt: skip
+    with on_meta():
+        clip = CLIPTextModel(clip_l_config())
+        t5 = T5EncoderModel(t5_xxl_config())
     fill_random(clip, 4)
     fill_random(t5, 5)
     te = Flux1TextEncoder(clip, clip_tok, t5, t5_tok)
@@ -132,33 +160,48 @@ def _quantize_and_compare(te: Any, fp8: bool) -> Any:
     if not fp8:
         return None
     want = te.encode(PROMPT, max_sequence_length=512, device=DEV)[0]
-    te.quantize_fp8()
+    te.quantize_fp8()  # layer by layer
+    if DEV.type != "cuda":  # traced: no values to compare
+        return None
     torch.cuda.empty_cache()
     return embedding_error(want, te.encode(PROMPT, max_sequence_length=512, device=DEV)[0])
 
 
 def build(model: str, fp8: bool) -> tuple[Any, Any]:
+    """The pipeline with random full-size weights, its GPU memory bounded while it is built.
+
+    The text encoder first, in bf16 whole (the FP8 embeddings' error is measured against it), then
+    quantized layer by layer; then the transformer, filled and quantized block by block, so at most one
+    bf16 block is on the GPU beside what is already FP8. Counted on meta (`--trace-build`), FLUX.2-dev FP8
+    in GiB allocated: Mistral Small bf16 43.5 (peak 44.7), FP8 22.8 (peak 45.1 while quantizing); with the
+    transformer 53.6 at the end, peak 56.6 (one block's quantization temporaries). The build that ran out
+    of memory on the H200 counted 405 GiB here: `quantize_weight` ran with grad on Parameters, so every
+    e4m3 weight carried an autograd graph holding its bf16 weight, its abs and two fp32 copies (now
+    `no_grad`). FLUX.1-dev bf16: 31.4 GiB.
+    """
     t0 = time.perf_counter()
-    # the transformer first, quantized before the text encoder is built: a bf16 FLUX.2-dev (64 GB) beside a
-    # bf16 Mistral (48 GB) and the quantization's temporaries do not fit one H200
-    with torch.device("meta"):
+    text, err = mistral_text(fp8) if model == "flux2" else t5_text(fp8)
+    with on_meta():
         if model == "flux2":
             dit, vae = Flux2Transformer(FLUX2_DEV), Flux2VAE(FLUX2_VAE)
         else:
             dit, vae = Flux1Transformer(FLUX1_DEV), Flux1VAE(FLUX1_VAE)
-    fill_random(dit, 1)
-    fill_random(vae, 2)
+    quantize = (lambda name, block: quantize_model(dit, BF, under=name + ".")) if fp8 else None
+    fill_random(dit, 1, [*dit.double_blocks, *dit.single_blocks], quantize)
     if fp8:
-        dit.precision = quantize_model(dit, BF)
-        torch.cuda.empty_cache()
-    text, err = mistral_text(fp8) if model == "flux2" else t5_text(fp8)
+        dit.precision = "fp8-dynamic"
+    fill_random(vae, 2)
+    _cuda(torch.cuda.empty_cache)
+    if DEV.type != "cuda":
+        return None, None
     cls: Any = Flux2Pipe if model == "flux2" else Pipeline
     pipe = cls(dit, vae, text, schedule=FLUX2_SCHEDULE if model == "flux2" else _flux1_schedule(),
                model_name=f"{model}-dev (random)")  # fmt: skip
     pipe.fp8_text = fp8
     print(
         f"{model}-dev built (random{', FP8 transformer and text encoder' if fp8 else ', bf16'}): "
-        f"{torch.cuda.memory_allocated() / GiB:.1f} GiB in {time.perf_counter() - t0:.0f} s",
+        f"{torch.cuda.memory_allocated() / GiB:.1f} GiB in {time.perf_counter() - t0:.0f} s, build peak "
+        f"{torch.cuda.max_memory_allocated() / GiB:.1f} GiB allocated",
         flush=True,
     )
     if err is not None:
@@ -209,6 +252,27 @@ def run(pipe: Any, budget: int | None, steps: int) -> dict[str, Any]:
     }
 
 
+def trace_build(model: str, fp8: bool) -> None:
+    """Run `build` on the meta device under `LiveBytes`: the GPU memory it would allocate, at its peak."""
+    global DEV, TRACE
+    import transformers.masking_utils as masking
+
+    import flux_runtime.text.fp8 as text_fp8
+    import flux_runtime.weights.fp8 as weights_fp8
+
+    DEV, TRACE = torch.device("meta"), LiveBytes()
+    # meta runs no GEMM, and transformers' test of an all-ones padding mask needs values: both assumed
+    text_fp8.check_fp8_gemm = weights_fp8.check_fp8_gemm = lambda device: None  # type: ignore[assignment]
+    masking._ignore_causal_mask_sdpa = lambda *a, **k: False  # type: ignore[assignment]
+    with TRACE:
+        build(model, fp8)
+    print(
+        f"{model}-dev build{' (FP8)' if fp8 else ' (bf16)'} traced on meta: peak {TRACE.peak / GiB:.1f} GiB "
+        f"allocated (at {TRACE.peak_op}), {TRACE.live / GiB:.1f} GiB at the end",
+        flush=True,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["flux1", "flux2", "both"], default="both")
@@ -218,7 +282,14 @@ def main() -> int:
     )
     ap.add_argument("--fp8-flux1", action="store_true", help="FLUX.1-dev and T5 in FP8")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--trace-build", action="store_true", help="only count the build's GPU allocations on meta (no GPU)"
+    )
     args = ap.parse_args()
+    if args.trace_build:
+        for model in ("flux2", "flux1") if args.model == "both" else (args.model,):
+            trace_build(model, not args.bf16_flux2 if model == "flux2" else args.fp8_flux1)
+        return 0
     results: dict[str, Any] = {}
     for model in ("flux2", "flux1") if args.model == "both" else (args.model,):
         fp8 = not args.bf16_flux2 if model == "flux2" else args.fp8_flux1
@@ -230,6 +301,8 @@ def main() -> int:
                 r = run(pipe, budget, args.steps)
             except Exception as e:
                 print(f"  {budget} GB: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                # what is left allocated after the failure (the plan's error handling should leave nothing)
+                print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
                 rows.append({"budget_gb": budget, "error": str(e)})
                 continue
             latents = r.pop("latents")

@@ -16,7 +16,8 @@ their outputs and no more than their references, so the reference path measured 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,6 +48,16 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._held = [t.untyped_storage() for t in exclude]  # kept alive, so their ids stay theirs
         self._excluded = {id(s) for s in self._held}
+        self._paused = False
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Tensors made inside are excluded too (a model built on meta that stands for no GPU memory)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def _freed(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
@@ -57,6 +68,10 @@ class LiveBytes(TorchDispatchMode):
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._excluded:
+            return
+        if self._paused and key not in self._sizes:
+            self._held.append(storage)
+            self._excluded.add(key)
             return
         size = _rounded(storage.nbytes())
         old = self._sizes.get(key)
