@@ -129,3 +129,41 @@ def test_flux1_dev_stream_plan_holds_the_measured_peaks(
     weights = fp.dit.total - sum(streamed) + plan.slots * max(streamed) + fp.vae
     measured = max(dit_peak(dit, 1).peak, decode_peak(vae, 1).peak)
     assert weights + measured <= usable(budget_gb * GiB, WORKSPACE)
+
+
+def test_an_out_of_memory_inside_a_plan_names_it_and_leaves_nothing_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A simulated CUDA out-of-memory in the middle of a streamed forward: one FluxError naming the budget,
+    the plan and what to try; every non-resident model off the device, the ring closed, no unit holding a
+    device buffer."""
+    from flux_runtime.pipeline import FluxError, Pipeline
+    from flux_runtime.pipeline.memory import Plan, spread
+    from flux_runtime.pipeline.placement import apply_plan, footprint
+
+    pipe = Pipeline.from_pretrained("tiny", device="cpu")
+    n = len(footprint(pipe).dit.layers)
+    plan = Plan(
+        "stream", 8 * GiB, text="offloaded", dit="streamed", streamed_dit=spread(n, 2), together=False
+    )
+    apply_plan(pipe, plan, torch.device("cpu"))
+    block = pipe.transformer.single_blocks[1]
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    monkeypatch.setattr(block, "forward", boom)
+    with pytest.raises(
+        FluxError, match=r"under the stream plan with a 8\.0 GB budget: try a smaller size"
+    ) as e:
+        pipe("a red fox", num_steps=1, output_type="latent", seed=3, height=64, width=64)
+    assert "--memory" in str(e.value) and "\n" not in str(e.value)
+    for model in pipe.placement.models.values():
+        assert not model.on_device and model.ring is None
+        assert all(unit.owned is None for unit in model.units)
+    monkeypatch.undo()
+    assert (
+        pipe("a red fox", num_steps=1, output_type="latent", seed=3, height=64, width=64)
+        .latents.isfinite()
+        .all()
+    )
