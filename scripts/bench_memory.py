@@ -10,8 +10,14 @@ resident run, and the call's end-to-end time (encode with its weight moves, deno
 every plan are checked `torch.equal` to the resident run's. With FP8 text encoders the embeddings' error
 against the bf16 encoder is printed (cosine, relative L2; random weights, so only a rough guide).
 
-    python scripts/bench_memory.py                  # both models, ~4 min on an H200
-    python scripts/bench_memory.py --model flux1 --steps 4 --json mem.json
+FLUX.1-dev is then run by diffusers at the same budgets, with `enable_model_cpu_offload()` and with group
+offloading on streams (`diffusers_flux1`; `--no-diffusers` skips it). A failed run prints
+`torch.cuda.memory_summary()` to stderr, to show what is still allocated. `--trace-build` runs only the
+build on the meta device and prints the GPU memory it would allocate at its peak (no GPU needed).
+
+    python scripts/bench_memory.py --model flux1    # ours at no budget / 24 / 16 GB, then diffusers'
+    python scripts/bench_memory.py --model flux2 --json mem.json
+    python scripts/bench_memory.py --trace-build    # on any machine: the builds' peaks, counted on meta
 """
 
 from __future__ import annotations
@@ -252,6 +258,97 @@ def run(pipe: Any, budget: int | None, steps: int) -> dict[str, Any]:
     }
 
 
+def diffusers_flux1(
+    budgets: tuple[int | None, ...], steps: int, resident_ms: float | None
+) -> list[dict[str, Any]]:
+    """diffusers' own offloading on FLUX.1-dev at the same budgets (random weights of the same sizes, bf16):
+    `enable_model_cpu_offload()` (whole models moved per stage), then group offloading with streams
+    (`enable_group_offload(block_level, 1 block per group, use_stream=True)` on the transformer and T5,
+    CLIP and the VAE on the GPU). Each run: 1024², `steps` steps; peak, ms/step (vs our resident run),
+    call time; an out-of-memory is recorded as such."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers.hooks import apply_group_offloading
+
+    te, _ = t5_text(False)
+    with on_meta():
+        dit = FluxTransformer2DModel(guidance_embeds=True)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
+            latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )  # fmt: skip
+    fill_random(dit, 11, [*dit.transformer_blocks, *dit.single_transformer_blocks])
+    fill_random(vae, 12)
+    sched = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )  # fmt: skip
+    dp = FluxPipeline(scheduler=sched, vae=vae, text_encoder=te.clip, tokenizer=te.clip_tokenizer,
+                      text_encoder_2=te.t5, tokenizer_2=te.t5_tokenizer, transformer=dit)  # fmt: skip
+    for m in (dit, vae, te.clip, te.t5):
+        m.to("cpu")
+    torch.cuda.empty_cache()
+    rows: list[dict[str, Any]] = []
+
+    def one(mode: str, budget: int | None) -> None:
+        total = torch.cuda.get_device_properties(DEV).total_memory
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if budget is not None:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget * GiB / total))
+        torch.cuda.reset_peak_memory_stats()
+        marks: list[float] = []
+
+        def on_step(p: Any, i: int, t: Any, kw: dict) -> dict:
+            torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+            return kw
+
+        row: dict[str, Any] = {"diffusers": mode, "budget_gb": budget}
+        t0 = time.perf_counter()
+        try:
+            dp(PROMPT, height=1024, width=1024, num_inference_steps=steps + 1, guidance_scale=3.5,
+               generator=torch.Generator("cpu").manual_seed(0), output_type="pil", callback_on_step_end=on_step)  # fmt: skip
+            torch.cuda.synchronize()
+            row["ms_per_step"] = (marks[-1] - marks[0]) * 1000 / (len(marks) - 1)  # the first step warms up
+            row["call_s"] = time.perf_counter() - t0
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+            if resident_ms:
+                row["ratio"] = row["ms_per_step"] / resident_ms
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"out of memory: {str(e)[:200]}"
+            print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        rows.append(row)
+        name = "no budget" if budget is None else f"{budget} GB"
+        if "error" in row:
+            print(f"  diffusers {mode:>22} {name:>10}: FAILED: {row['error']}", flush=True)
+        else:
+            print(
+                f"  diffusers {mode:>22} {name:>10}: peak {row['peak_gib']:5.1f} GiB, {row['ms_per_step']:7.1f} ms/step"
+                f" ({row.get('ratio', float('nan')):.2f}x our resident), call {row['call_s']:5.1f} s",
+                flush=True,
+            )
+
+    dp.enable_model_cpu_offload()
+    for budget in budgets:
+        one("enable_model_cpu_offload", budget)
+    dp.remove_all_hooks()
+    for m in (dit, vae, te.clip, te.t5):
+        m.to("cpu")
+    dit.enable_group_offload(DEV, torch.device("cpu"), "block_level", num_blocks_per_group=1, use_stream=True)
+    apply_group_offloading(
+        te.t5, DEV, torch.device("cpu"), "block_level", num_blocks_per_group=1, use_stream=True
+    )
+    te.clip.to(DEV)
+    vae.to(DEV)
+    for budget in budgets:
+        one("group offload + streams", budget)
+    return rows
+
+
 def trace_build(model: str, fp8: bool) -> None:
     """Run `build` on the meta device under `LiveBytes`: the GPU memory it would allocate, at its peak."""
     global DEV, TRACE
@@ -283,6 +380,11 @@ def main() -> int:
     ap.add_argument("--fp8-flux1", action="store_true", help="FLUX.1-dev and T5 in FP8")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
+        "--no-diffusers",
+        action="store_true",
+        help="skip diffusers' offloading on FLUX.1-dev at the same budgets",
+    )
+    ap.add_argument(
         "--trace-build", action="store_true", help="only count the build's GPU allocations on meta (no GPU)"
     )
     args = ap.parse_args()
@@ -293,7 +395,11 @@ def main() -> int:
     results: dict[str, Any] = {}
     for model in ("flux2", "flux1") if args.model == "both" else (args.model,):
         fp8 = not args.bf16_flux2 if model == "flux2" else args.fp8_flux1
-        pipe, err = build(model, fp8)
+        try:
+            pipe, err = build(model, fp8)
+        except Exception:
+            print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
+            raise
         pipe(PROMPT, height=1024, width=1024, num_steps=1, seed=0, output_type="latent")  # warm-up, compiles
         rows, base = [], None
         for budget in BUDGETS[model]:
@@ -320,6 +426,12 @@ def main() -> int:
         results[model] = {"fp8": fp8, "text_fp8_error": None if err is None else err._asdict(), "runs": rows}
         del pipe
         torch.cuda.empty_cache()
+        if model == "flux1" and not args.no_diffusers:
+            try:
+                results[model]["diffusers"] = diffusers_flux1(BUDGETS[model], args.steps, base and base[0])
+            except Exception as e:  # the comparison must not lose the runs above
+                print(f"  diffusers comparison FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
