@@ -69,7 +69,7 @@ case "$phase" in
     unset PYTORCH_CUDA_ALLOC_CONF
     timeout 60 python3 scripts/bench_memory.py --trace-build --model "${2:-flux1}" 2>&1 | tail -3 || status=1
     timeout 540 python3 scripts/bench_memory.py --model "${2:-flux1}" --json "$OUT/bench_memory_${2:-flux1}.json" 2>"$OUT/bench_memory_${2:-flux1}.err" | tee "$OUT/bench_memory_${2:-flux1}.txt" | tail -30 || status=1
-    tail -5 "$OUT/bench_memory_${2:-flux1}.err"
+    tail -45 "$OUT/bench_memory_${2:-flux1}.err"
     ;;
   vae)
     timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1

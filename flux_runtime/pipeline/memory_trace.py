@@ -39,8 +39,12 @@ class LiveBytes(TorchDispatchMode):
     view of them. `peak_op` names the op that reached the peak (a hint for where to look).
     """
 
-    def __init__(self, exclude: Iterable[Tensor] = (), device_type: str = "meta") -> None:
+    def __init__(
+        self, exclude: Iterable[Tensor] = (), device_type: str = "meta", record: bool = False
+    ) -> None:
         super().__init__()
+        # with `record`: every allocation `(+1, key, bytes)` and free `(-1, key, bytes)` in order
+        self.events: list[tuple[int, int, int]] | None = [] if record else None
         self.device_type = device_type
         self.live = 0
         self.peak = 0
@@ -60,7 +64,10 @@ class LiveBytes(TorchDispatchMode):
             self._paused = False
 
     def _freed(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        size = self._sizes.pop(key, 0)
+        self.live -= size
+        if self.events is not None and size:
+            self.events.append((-1, key, size))
 
     def _see(self, t: Tensor, op: str) -> None:
         if t.device.type != self.device_type:
@@ -79,6 +86,8 @@ class LiveBytes(TorchDispatchMode):
             self._sizes[key] = size
             weakref.finalize(storage, self._freed, key)
             self.live += size
+            if self.events is not None:
+                self.events.append((1, key, size))
         elif size > old:  # resized in place
             self._sizes[key] = size
             self.live += size - old
@@ -97,9 +106,9 @@ class LiveBytes(TorchDispatchMode):
         self.peak, self.peak_op = self.live, ""
 
 
-def peak_of(fn: Any, exclude: Iterable[Tensor]) -> LiveBytes:
+def peak_of(fn: Any, exclude: Iterable[Tensor], record: bool = False) -> LiveBytes:
     """Run `fn()` under inference mode and `LiveBytes(exclude)`; the tracker, its `peak` filled in."""
-    with torch.inference_mode(), LiveBytes(exclude) as tracker:
+    with torch.inference_mode(), LiveBytes(exclude, record=record) as tracker:
         out = fn()
         del out
     return tracker
@@ -136,7 +145,9 @@ def dit_model(config: Any, *, fp8: bool = False, dtype: torch.dtype = torch.bflo
     return meta_fp8(model, dtype) if fp8 else model
 
 
-def dit_peak(model: torch.nn.Module, batch: int, side: int = 1024, txt_tokens: int = 512) -> LiveBytes:
+def dit_peak(
+    model: torch.nn.Module, batch: int, side: int = 1024, txt_tokens: int = 512, record: bool = False
+) -> LiveBytes:
     """One forward of `model` (from `dit_model`) on a `side`² image, as the pipeline's `velocity` calls it
     (RoPE tables built beforehand, as the pipeline caches them)."""
     cfg = model.config
@@ -159,19 +170,23 @@ def dit_peak(model: torch.nn.Module, batch: int, side: int = 1024, txt_tokens: i
         run = lambda: model(img, img_ids, txt, txt_ids, t, y, guidance, pe=pe)  # noqa: E731
     else:
         run = lambda: model(img, img_ids, txt, txt_ids, t, guidance, pe=pe)  # noqa: E731
-    return peak_of(run, [*model.parameters(), *model.buffers(), *inputs])
+    return peak_of(run, [*model.parameters(), *model.buffers(), *inputs], record)
 
 
-def decode_peak(vae: torch.nn.Module, batch: int, side: int = 1024, tile: int | None = None) -> LiveBytes:
+def decode_peak(
+    vae: torch.nn.Module, batch: int, side: int = 1024, tile: int | None = None, record: bool = False
+) -> LiveBytes:
     """One decode of `batch` latents of a `side`² image by `vae` (a FLUX autoencoder on meta)."""
     cfg = vae.config
     f = cfg.spatial_factor
     with META:
         z = torch.empty(batch, cfg.z_channels, side // f, side // f, dtype=next(vae.parameters()).dtype)
-    return peak_of(lambda: vae.decode(z, tile=tile), [*vae.parameters(), *vae.buffers(), z])
+    return peak_of(lambda: vae.decode(z, tile=tile), [*vae.parameters(), *vae.buffers(), z], record)
 
 
-def encoder_peak(model: torch.nn.Module, batch: int, tokens: int, **kwargs: Any) -> LiveBytes:
+def encoder_peak(
+    model: torch.nn.Module, batch: int, tokens: int, record: bool = False, **kwargs: Any
+) -> LiveBytes:
     """One forward of a transformers text model on `batch` x `tokens` ids (and an all-ones mask when
     `attention_mask=True`), `kwargs` as our encoders pass them.
 
@@ -189,7 +204,7 @@ def encoder_peak(model: torch.nn.Module, batch: int, tokens: int, **kwargs: Any)
     masking._ignore_causal_mask_sdpa = lambda *a, **k: False
     try:
         return peak_of(
-            lambda: model(input_ids=ids, **kwargs), [*model.parameters(), *model.buffers(), ids, mask]
+            lambda: model(input_ids=ids, **kwargs), [*model.parameters(), *model.buffers(), ids, mask], record
         )
     finally:
         masking._ignore_causal_mask_sdpa = saved
