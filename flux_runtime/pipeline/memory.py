@@ -89,8 +89,9 @@ def resolve_budget(memory: str | int | float | None, device: torch.device) -> in
 
     "auto" is the GPU's free memory now (what `torch.cuda.mem_get_info` reports) plus what this process's
     allocator already holds in reserve, since that is available to it too. A named budget larger than
-    that (a "24GB" budget on a 24 GB card, whose CUDA context and other processes take part of it) is
-    lowered to it, with a warning: a plan for memory that is not there would run out of it.
+    all this process can have (the free memory plus everything its allocator holds, the loaded weights
+    included: a "24GB" budget on a 24 GB card, whose CUDA context and other processes take part of it) is
+    lowered to that, with a warning: a plan for memory that is not there would run out of it.
     """
     parsed = parse_memory(memory)
     if parsed is None:
@@ -101,16 +102,17 @@ def resolve_budget(memory: str | int | float | None, device: torch.device) -> in
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    available = int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    reserved = torch.cuda.memory_reserved(device)
     if parsed == "auto":
-        return available
+        return int(free + reserved - torch.cuda.memory_allocated(device))
     assert isinstance(parsed, int)
-    if parsed > available:
+    most = int(free + reserved)
+    if parsed > most:
         log.warning(
-            "memory budget %s is more than the %s available on %s; planning for %s",
-            gib(parsed), gib(available), device, gib(available),
+            "memory budget %s is more than the %s this process can have on %s; planning for %s",
+            gib(parsed), gib(most), device, gib(most),
         )  # fmt: skip
-        return available
+        return most
     return parsed
 
 

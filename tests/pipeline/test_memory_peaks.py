@@ -167,3 +167,14 @@ def test_an_out_of_memory_inside_a_plan_names_it_and_leaves_nothing_on_the_devic
         .latents.isfinite()
         .all()
     )
+
+
+@pytest.mark.gpu
+def test_a_budget_above_what_the_gpu_has_is_lowered_to_it() -> None:
+    from flux_runtime.pipeline.memory import resolve_budget
+
+    dev = torch.device("cuda")
+    free, _ = torch.cuda.mem_get_info(dev)
+    most = free + torch.cuda.memory_reserved(dev)
+    assert resolve_budget("100000GB", dev) <= most
+    assert resolve_budget("1GB", dev) == GiB
