@@ -23,6 +23,7 @@ build on the meta device and prints the GPU memory it would allocate at its peak
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -407,9 +408,16 @@ def main() -> int:
                 r = run(pipe, budget, args.steps)
             except Exception as e:
                 print(f"  {budget} GB: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                # what is left allocated after the failure (the plan's error handling should leave nothing)
-                print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
                 rows.append({"budget_gb": budget, "error": str(e)})
+                r = None
+            if r is None:
+                # what is left allocated once the error (and any frames it held) is gone: the plan's error
+                # handling should leave only the resident weights
+                gc.collect()
+                left = torch.cuda.memory_allocated() / GiB
+                print(f"  after the failure: {left:.2f} GiB allocated (memory_summary on stderr)", flush=True)
+                rows[-1]["allocated_after_gib"] = left
+                print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
                 continue
             latents = r.pop("latents")
             if base is None:

@@ -12,11 +12,14 @@ free neighbours; past the cap (`set_per_process_memory_fraction`) every wholly f
 and the request retried, and only then is it an out-of-memory. Streams, events and the CUDA context are
 not modelled.
 
-It prints, per budget, the peak reserved and allocated bytes with and without the segments handed back
-when the text encoder leaves (`torch.cuda.empty_cache()` in `ModelPlacement`), and whether each run stays
-under the cap: the model's answer to why the stream plan ran out of memory at 24 and 16 GB.
+It prints, per budget, for the plan the planner chose before this change (4% headroom, no workspace) and
+now, with and without the segments handed back when a model leaves (`torch.cuda.empty_cache()` in
+`ModelPlacement`): the peak allocated bytes, the least cap under which the call still runs (found by
+bisection: what the placement really needs, fragmentation included) and whether it runs under the budget.
+The model's answer to why the stream plan ran out of memory at 24 and 16 GB.
 
-    python scripts/simulate_allocator.py --steps 2
+    python scripts/simulate_allocator.py --model flux1      # FLUX.1-dev bf16 at 24 and 16 GB
+    python scripts/simulate_allocator.py --model flux2      # FLUX.2-dev FP8 at 80, 48, 24 GB
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flux_runtime.models.dit.config import FLUX1_DEV
+from flux_runtime.models.dit.config import FLUX1_DEV, FLUX2_DEV
 from flux_runtime.models.vae.flux1 import FLUX1_VAE, Flux1VAE
+from flux_runtime.models.vae.flux2 import FLUX2_VAE, Flux2VAE
 from flux_runtime.pipeline import memory
-from flux_runtime.pipeline.memory import WORKSPACE, Footprint, GiB, plan_memory
+from flux_runtime.pipeline.memory import WORKSPACE, Footprint, GiB, Part, Plan, plan_memory
 from flux_runtime.pipeline.memory_trace import (
     META,
     clip_l_config,
@@ -42,6 +46,7 @@ from flux_runtime.pipeline.memory_trace import (
     dit_model,
     dit_peak,
     encoder_peak,
+    mistral_small_config,
     t5_xxl_config,
 )
 from flux_runtime.pipeline.placement import decode_bytes, denoise_bytes, encode_bytes
@@ -160,11 +165,53 @@ def replay(alloc: CachingAllocator, events: list[tuple[int, int, int]], tag: str
             alloc.release((tag, key))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--budgets", type=int, nargs="+", default=[24, 16])
-    args = ap.parse_args()
+def _units(
+    name: str, part: Part, mode: str, streamed: tuple[int, ...], slots: int
+) -> list[tuple[object, int]]:
+    """(key, bytes) of what a model's stage puts on the device: its own buffers, then the ring's slots."""
+    out: list[tuple[object, int]] = [((name, "rest"), part.rest)]
+    ring = set(streamed) if mode == "streamed" else set()
+    out += [((name, i), size) for i, size in enumerate(part.layers) if i not in ring]
+    if ring:
+        slot = max(part.layers[i] for i in ring)
+        out += [((name, "slot", k), slot) for k in range(min(slots, len(ring)))]
+    return out
+
+
+def simulate(
+    fp: Footprint, plan: Plan, calls: dict[str, list], steps: int, hand_back: bool, cap: int, kept: int
+) -> tuple[CachingAllocator, str]:
+    """One call under `plan` (the transformer resident from before the call where the plan keeps it so),
+    replayed; `kept` bytes of prompt embeddings survive the encode. Returns the allocator and the verdict."""
+    alloc = CachingAllocator(cap)
+    text = _units("text", fp.text, plan.text, plan.streamed_text, plan.slots)
+    dit = _units("dit", fp.dit, plan.dit, plan.streamed_dit, plan.slots)
+    try:
+        alloc.malloc("vae", fp.vae)
+        if plan.together:
+            for key, size in dit:
+                alloc.malloc(key, size)
+        for key, size in text:
+            alloc.malloc(key, size)
+        replay(alloc, calls["encode"], "encode")
+        alloc.malloc("embeddings", kept)
+        if plan.text != "resident":
+            for key, _ in text:
+                alloc.release(key)
+            if hand_back:
+                alloc.empty_cache()
+        if not plan.together:
+            for key, size in dit:
+                alloc.malloc(key, size)
+        for step in range(steps):
+            replay(alloc, calls["forward"], f"step{step}")
+        replay(alloc, calls["decode"], "decode")
+    except OutOfMemory as e:
+        return alloc, f"no: out of memory at {e}"
+    return alloc, "yes"
+
+
+def flux1() -> tuple[Footprint, dict[str, list], int]:
     from transformers import CLIPTextModel, T5EncoderModel
 
     dit = dit_model(FLUX1_DEV)
@@ -172,23 +219,69 @@ def main() -> int:
         t5 = T5EncoderModel(t5_xxl_config()).to(BF).eval()
         clip = CLIPTextModel(clip_l_config()).to(BF).eval()
         vae = Flux1VAE(FLUX1_VAE).to(BF).eval()
-    text = part_of([clip, t5], list(t5.encoder.block))
     fp = Footprint(
-        text=text, dit=part_of([dit], [*dit.double_blocks, *dit.single_blocks]), vae=part_of([vae], []).rest,
-        act_encode=encode_bytes([clip, t5], 512, 1),
+        text=part_of([clip, t5], list(t5.encoder.block)), dit=part_of([dit], [*dit.double_blocks, *dit.single_blocks]),
+        vae=part_of([vae], []).rest, act_encode=encode_bytes([clip, t5], 512, 1),
         act_denoise=denoise_bytes(FLUX1_DEV, BF, 1024, 1024, 512, 1, cfg=False),
         act_decode=decode_bytes(FLUX1_VAE, BF, 1024, 1024, 1, tiled=False),
         act_decode_tiled=decode_bytes(FLUX1_VAE, BF, 1024, 1024, 1, tiled=True), workspace=WORKSPACE,
     )  # fmt: skip
-    encode = [*encoder_peak(clip, 1, 77, record=True).events, *encoder_peak(t5, 1, 512, record=True).events]
-    forward = dit_peak(dit, 1, record=True).events
-    decode = decode_peak(vae, 1, record=True).events
-    print(
-        "| budget | plan (planner's est. peak) | handing segments back | peak allocated | peak reserved | fits |"
-    )
+    calls = {
+        "encode": [
+            *encoder_peak(clip, 1, 77, record=True).events,
+            *encoder_peak(t5, 1, 512, record=True).events,
+        ],
+        "forward": dit_peak(dit, 1, record=True).events,
+        "decode": decode_peak(vae, 1, record=True).events,
+    }
+    return fp, calls, 512 * 4096 * 2
+
+
+def flux2() -> tuple[Footprint, dict[str, list], int]:
+    """FLUX.2-dev with FP8 transformer and Mistral (reference quantization on meta: fp32 temporaries)."""
+    from transformers import Mistral3ForConditionalGeneration
+
+    import flux_runtime.text.fp8 as text_fp8
+
+    dit = dit_model(FLUX2_DEV, fp8=True)
+    with META:
+        mistral = Mistral3ForConditionalGeneration(mistral_small_config()).to(BF).eval()
+        vae = Flux2VAE(FLUX2_VAE).to(BF).eval()
+    saved, text_fp8.check_fp8_gemm = text_fp8.check_fp8_gemm, lambda device: None  # meta runs no GEMM
+    try:
+        text_fp8.quantize_text_layers(text_fp8.decoder_layers(mistral), BF)
+    finally:
+        text_fp8.check_fp8_gemm = saved
+    fp = Footprint(
+        text=part_of([mistral], text_fp8.decoder_layers(mistral)),
+        dit=part_of([dit], [*dit.double_blocks, *dit.single_blocks]), vae=part_of([vae], []).rest,
+        act_encode=encode_bytes([mistral], 512, 1),
+        act_denoise=denoise_bytes(FLUX2_DEV, BF, 1024, 1024, 512, 1, cfg=False),
+        act_decode=decode_bytes(FLUX2_VAE, BF, 1024, 1024, 1, tiled=False),
+        act_decode_tiled=decode_bytes(FLUX2_VAE, BF, 1024, 1024, 1, tiled=True), workspace=WORKSPACE,
+    )  # fmt: skip
+    calls = {
+        "encode": encoder_peak(
+            mistral, 1, 512, record=True, attention_mask=True, output_hidden_states=True, use_cache=False
+        ).events,
+        "forward": dit_peak(dit, 1, record=True).events,
+        "decode": decode_peak(vae, 1, record=True).events,
+    }
+    return fp, calls, 512 * 15360 * 2
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["flux1", "flux2"], default="flux1")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--budgets", type=int, nargs="+", default=None, help="GB (default: the bench's)")
+    args = ap.parse_args()
+    fp, calls, kept = flux1() if args.model == "flux1" else flux2()
+    budgets = args.budgets or ([24, 16] if args.model == "flux1" else [80, 48, 24])
+    print("| budget | planner: plan, streamed blocks (est. peak) | segments handed back | peak allocated | least cap that runs | fits the budget |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     old = replace(fp, workspace=0)  # the planner before: 4% headroom, no workspace
-    for budget in args.budgets:
+    for budget in budgets:
         for planner, hand_back in (("before", False), ("before", True), ("now", False), ("now", True)):
             if planner == "before":
                 memory.HEADROOM, saved = 0.04, memory.HEADROOM
@@ -196,37 +289,19 @@ def main() -> int:
                 memory.HEADROOM = saved
             else:
                 plan = plan_memory(fp, budget * GiB)
-            streamed = set(plan.streamed_dit)
-            alloc = CachingAllocator(budget * GiB)
-            alloc.malloc("vae", fp.vae)
-            result = "yes"
-            try:
-                units = [("text", i, s) for i, s in enumerate((text.rest, *text.layers))]
-                for u in units:
-                    alloc.malloc(u, u[2])
-                replay(alloc, encode, "encode")
-                alloc.malloc("embeddings", 512 * 4096 * 2)  # the encode's outputs, kept for the DiT
-                alloc.malloc("pooled", 768 * 2)
-                for u in units:
-                    alloc.release(u)
-                if hand_back:
-                    alloc.empty_cache()
-                alloc.malloc(("dit", "rest"), fp.dit.rest)
-                for i, size in enumerate(fp.dit.layers):
-                    if i not in streamed:
-                        alloc.malloc(("dit", i), size)
-                slot = max(fp.dit.layers[i] for i in streamed)
-                for k in range(min(plan.slots, len(streamed))):
-                    alloc.malloc(("slot", k), slot)
-                for step in range(args.steps):
-                    replay(alloc, forward, f"step{step}")
-                replay(alloc, decode, "decode")
-            except OutOfMemory as e:
-                result = f"no: out of memory at {e}"
+            alloc, verdict = simulate(fp, plan, calls, args.steps, hand_back, budget * GiB, kept)
+            lo, hi = alloc.peak_allocated, 2 * budget * GiB  # the least cap this placement runs under
+            while hi - lo > 16 * MiB:
+                mid = (lo + hi) // 2
+                lo, hi = (
+                    (lo, mid)
+                    if simulate(fp, plan, calls, args.steps, hand_back, mid, kept)[1] == "yes"
+                    else (mid, hi)
+                )
+            blocks = f"text {len(plan.streamed_text)}/{len(fp.text.layers)}, transformer {len(plan.streamed_dit)}/{len(fp.dit.layers)}"
             print(
-                f"| {budget} GB | {planner}: {plan.name}, {len(streamed)} of {len(fp.dit.layers)} blocks streamed "
-                f"({plan.peak / GiB:.1f} GiB) | {'yes' if hand_back else 'no'} | {alloc.peak_allocated / GiB:.2f} GiB "
-                f"| {alloc.peak_reserved / GiB:.2f} GiB | {result} |",
+                f"| {budget} GB | {planner}: {plan.name}, {blocks} ({plan.peak / GiB:.1f} GiB) | {'yes' if hand_back else 'no'} "
+                f"| {alloc.peak_allocated / GiB:.2f} GiB | {hi / GiB:.2f} GiB | {verdict} |",
                 flush=True,
             )
     return 0

@@ -8,6 +8,9 @@ change to a model that makes it allocate more cannot go unnoticed by the memory 
 
 from __future__ import annotations
 
+import sys
+import weakref
+
 import pytest
 import torch
 from transformers import CLIPTextModel, Mistral3ForConditionalGeneration, T5EncoderModel
@@ -136,7 +139,7 @@ def test_an_out_of_memory_inside_a_plan_names_it_and_leaves_nothing_on_the_devic
 ) -> None:
     """A simulated CUDA out-of-memory in the middle of a streamed forward: one FluxError naming the budget,
     the plan and what to try; every non-resident model off the device, the ring closed, no unit holding a
-    device buffer."""
+    device buffer, and the failed forward's own tensors freed (even through a reference cycle)."""
     from flux_runtime.pipeline import FluxError, Pipeline
     from flux_runtime.pipeline.memory import Plan, spread
     from flux_runtime.pipeline.placement import apply_plan, footprint
@@ -149,7 +152,14 @@ def test_an_out_of_memory_inside_a_plan_names_it_and_leaves_nothing_on_the_devic
     apply_plan(pipe, plan, torch.device("cpu"))
     block = pipe.transformer.single_blocks[1]
 
+    held: list[weakref.ref] = []
+
     def boom(*args: object, **kwargs: object) -> None:
+        activation = torch.empty(1000)  # what a failed forward still holds in its frames
+        frame = sys._getframe()  # a reference cycle through the frame, as tracebacks often make
+        held.append(weakref.ref(activation))
+        del frame
+        frame = sys._getframe()  # noqa: F841
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
 
     monkeypatch.setattr(block, "forward", boom)
@@ -158,6 +168,7 @@ def test_an_out_of_memory_inside_a_plan_names_it_and_leaves_nothing_on_the_devic
     ) as e:
         pipe("a red fox", num_steps=1, output_type="latent", seed=3, height=64, width=64)
     assert "--memory" in str(e.value) and "\n" not in str(e.value)
+    assert held and held[0]() is None, "the failed forward's tensors outlived the error"
     for model in pipe.placement.models.values():
         assert not model.on_device and model.ring is None
         assert all(unit.owned is None for unit in model.units)
