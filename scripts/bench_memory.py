@@ -10,17 +10,26 @@ resident run, and the call's end-to-end time (encode with its weight moves, deno
 every plan are checked `torch.equal` to the resident run's. With FP8 text encoders the embeddings' error
 against the bf16 encoder is printed (cosine, relative L2; random weights, so only a rough guide).
 
-    python scripts/bench_memory.py                  # both models, ~4 min on an H200
-    python scripts/bench_memory.py --model flux1 --steps 4 --json mem.json
+FLUX.1-dev is then run by diffusers at the same budgets, with `enable_model_cpu_offload()` and with group
+offloading on streams (`diffusers_flux1`; `--no-diffusers` skips it). A failed run prints
+`torch.cuda.memory_summary()` to stderr, to show what is still allocated. `--trace-build` runs only the
+build on the meta device and prints the GPU memory it would allocate at its peak (no GPU needed).
+
+    python scripts/bench_memory.py --model flux1    # ours at no budget / 24 / 16 GB, then diffusers'
+    python scripts/bench_memory.py --model flux2 --json mem.json
+    python scripts/bench_memory.py --trace-build    # on any machine: the builds' peaks, counted on meta
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +46,7 @@ from flux_runtime.models.vae.flux2 import FLUX2_VAE, Flux2VAE
 from flux_runtime.pipeline.flux1 import Pipeline
 from flux_runtime.pipeline.flux2 import Flux2Pipe
 from flux_runtime.pipeline.memory import GiB
+from flux_runtime.pipeline.memory_trace import LiveBytes, clip_l_config, mistral_small_config, t5_xxl_config
 from flux_runtime.sampling import FLUX2_SCHEDULE
 from flux_runtime.text.chat import load_mistral_tokenizer
 from flux_runtime.text.flux1 import Flux1TextEncoder
@@ -50,30 +60,65 @@ from flux_runtime.text.tokenizers import (
 )
 from flux_runtime.weights.fp8 import quantize_model
 
-DEV = torch.device("cuda")
+DEV = torch.device("cuda")  # the meta device under --trace-build
+TRACE: LiveBytes | None = None  # --trace-build: the allocations of a build, counted on meta
 BF = torch.bfloat16
 PROMPT = "a red fox in the snow, photographed at dawn"
 BUDGETS = {"flux2": (None, 80, 48, 24), "flux1": (None, 24, 16)}
 
 
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on meta: no memory anywhere (and none counted by --trace-build)."""
+    with torch.device("meta"), TRACE.untracked() if TRACE is not None else nullcontext():
+        yield
+
+
+def _cuda(fn: Callable[[], Any]) -> Any:
+    """`fn()` on a CUDA run; nothing when the build is traced on meta."""
+    return fn() if DEV.type == "cuda" else None
+
+
 @torch.no_grad()
-def fill_random(model: nn.Module, seed: int) -> nn.Module:
-    """Materialise a meta model on the GPU in bf16 with N(0, 1/fan_in) matrices and unit norms."""
-    model.to(BF)
-    model.to_empty(device=DEV)
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    for name, p in model.named_parameters():
+def _fill(module: nn.Module, prefix: str, gen: torch.Generator, recurse: bool = True) -> None:
+    """Materialise `module`'s meta tensors on `DEV` in bf16: N(0, 1/fan_in) matrices, unit norms."""
+    module.to_empty(device=DEV, recurse=recurse)
+    for name, p in module.named_parameters(prefix=prefix, recurse=recurse):
         if p.ndim >= 2:
             p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
         elif "norm" in name or name.endswith(("scale", "running_var")):
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
-    for name, b in model.named_buffers():
+    for name, b in module.named_buffers(prefix=prefix, recurse=recurse):
         if name.endswith("position_ids"):  # CLIP's (1, 77) arange
             b.copy_(torch.arange(b.shape[-1], device=DEV).expand_as(b))
         elif b.is_floating_point() and "inv_freq" not in name:
             b.fill_(1.0 if "var" in name else 0.0)
+
+
+def fill_random(
+    model: nn.Module,
+    seed: int,
+    blocks: list[nn.Module] = (),
+    quantize: Callable[[str, nn.Module], None] | None = None,
+) -> nn.Module:
+    """Materialise a meta model on the GPU: everything outside `blocks` first, then block by block, each
+    block quantized (`quantize(name, block)`) as soon as it is filled. The bf16 bytes on the GPU at once are
+    the model outside its blocks plus one block (plus what is already quantized), never the whole model:
+    a bf16 FLUX.2-dev is 64 GB, Mistral Small 48 GB."""
+    with on_meta():
+        model.to(BF)
+    gen = torch.Generator(device=DEV).manual_seed(seed) if DEV.type == "cuda" else None
+    inside = {id(m) for b in blocks for m in b.modules()}
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in model.modules():
+        if id(m) not in inside:
+            _fill(m, names[id(m)], gen, recurse=False)
+    for block in blocks:
+        _fill(block, names[id(block)], gen)
+        if quantize is not None:
+            quantize(names[id(block)], block)
     return model.eval()
 
 
@@ -87,41 +132,31 @@ def _rope_buffers(model: nn.Module) -> None:
 
 
 def mistral_text(fp8: bool) -> tuple[Flux2TextEncoder, Any]:
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
     tokenizer, template = load_mistral_tokenizer(TINY_TOKENIZERS / "mistral")
-    text = dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
-                num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                hidden_act="silu", rms_norm_eps=1e-5, rope_theta=1e9, max_position_embeddings=131072,
-                sliding_window=None, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    vision = dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                  num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14)  # fmt: skip
-    cfg = Mistral3Config(
-        text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
-        spatial_merge_size=2, projector_hidden_act="gelu", multimodal_projector_bias=False, vision_feature_layer=-1,
+    cfg = mistral_small_config(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
     )  # fmt: skip
-    with torch.device("meta"):
+    with on_meta():
         model = Mistral3ForConditionalGeneration(cfg)
-    fill_random(model, 3)
+    fill_random(model, 3)  # bf16 whole (48 GB): the FP8 error needs the bf16 embeddings first
     _rope_buffers(model)
     te = Flux2TextEncoder(model, tokenizer, template)
     return te, _quantize_and_compare(te, fp8)
 
 
 def t5_text(fp8: bool) -> tuple[Flux1TextEncoder, Any]:
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel, T5EncoderModel
 
     clip_tok, t5_tok = (
         load_clip_tokenizer(tiny_tokenizer_path("clip")),
         load_t5_tokenizer(tiny_tokenizer_path("t5")),
     )
-    with torch.device("meta"):
-        clip = CLIPTextModel(CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072,
-                                            num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
-                                            projection_dim=768))  # fmt: skip
-        t5 = T5EncoderModel(T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
-                                     num_heads=64, feed_forward_proj="gated-gelu", is_encoder_decoder=False))  # fmt: skip
+    with on_meta():
+        clip = CLIPTextModel(clip_l_config())
+        t5 = T5EncoderModel(t5_xxl_config())
     fill_random(clip, 4)
     fill_random(t5, 5)
     te = Flux1TextEncoder(clip, clip_tok, t5, t5_tok)
@@ -132,33 +167,48 @@ def _quantize_and_compare(te: Any, fp8: bool) -> Any:
     if not fp8:
         return None
     want = te.encode(PROMPT, max_sequence_length=512, device=DEV)[0]
-    te.quantize_fp8()
+    te.quantize_fp8()  # layer by layer
+    if DEV.type != "cuda":  # traced: no values to compare
+        return None
     torch.cuda.empty_cache()
     return embedding_error(want, te.encode(PROMPT, max_sequence_length=512, device=DEV)[0])
 
 
 def build(model: str, fp8: bool) -> tuple[Any, Any]:
+    """The pipeline with random full-size weights, its GPU memory bounded while it is built.
+
+    The text encoder first, in bf16 whole (the FP8 embeddings' error is measured against it), then
+    quantized layer by layer; then the transformer, filled and quantized block by block, so at most one
+    bf16 block is on the GPU beside what is already FP8. Counted on meta (`--trace-build`), FLUX.2-dev FP8
+    in GiB allocated: Mistral Small bf16 43.5 (peak 44.7), FP8 22.8 (peak 45.1 while quantizing); with the
+    transformer 53.6 at the end, peak 56.6 (one block's quantization temporaries). The build that ran out
+    of memory on the H200 counted 405 GiB here: `quantize_weight` ran with grad on Parameters, so every
+    e4m3 weight carried an autograd graph holding its bf16 weight, its abs and two fp32 copies (now
+    `no_grad`). FLUX.1-dev bf16: 31.4 GiB.
+    """
     t0 = time.perf_counter()
-    # the transformer first, quantized before the text encoder is built: a bf16 FLUX.2-dev (64 GB) beside a
-    # bf16 Mistral (48 GB) and the quantization's temporaries do not fit one H200
-    with torch.device("meta"):
+    text, err = mistral_text(fp8) if model == "flux2" else t5_text(fp8)
+    with on_meta():
         if model == "flux2":
             dit, vae = Flux2Transformer(FLUX2_DEV), Flux2VAE(FLUX2_VAE)
         else:
             dit, vae = Flux1Transformer(FLUX1_DEV), Flux1VAE(FLUX1_VAE)
-    fill_random(dit, 1)
-    fill_random(vae, 2)
+    quantize = (lambda name, block: quantize_model(dit, BF, under=name + ".")) if fp8 else None
+    fill_random(dit, 1, [*dit.double_blocks, *dit.single_blocks], quantize)
     if fp8:
-        dit.precision = quantize_model(dit, BF)
-        torch.cuda.empty_cache()
-    text, err = mistral_text(fp8) if model == "flux2" else t5_text(fp8)
+        dit.precision = "fp8-dynamic"
+    fill_random(vae, 2)
+    _cuda(torch.cuda.empty_cache)
+    if DEV.type != "cuda":
+        return None, None
     cls: Any = Flux2Pipe if model == "flux2" else Pipeline
     pipe = cls(dit, vae, text, schedule=FLUX2_SCHEDULE if model == "flux2" else _flux1_schedule(),
                model_name=f"{model}-dev (random)")  # fmt: skip
     pipe.fp8_text = fp8
     print(
         f"{model}-dev built (random{', FP8 transformer and text encoder' if fp8 else ', bf16'}): "
-        f"{torch.cuda.memory_allocated() / GiB:.1f} GiB in {time.perf_counter() - t0:.0f} s",
+        f"{torch.cuda.memory_allocated() / GiB:.1f} GiB in {time.perf_counter() - t0:.0f} s, build peak "
+        f"{torch.cuda.max_memory_allocated() / GiB:.1f} GiB allocated",
         flush=True,
     )
     if err is not None:
@@ -209,6 +259,118 @@ def run(pipe: Any, budget: int | None, steps: int) -> dict[str, Any]:
     }
 
 
+def diffusers_flux1(
+    budgets: tuple[int | None, ...], steps: int, resident_ms: float | None
+) -> list[dict[str, Any]]:
+    """diffusers' own offloading on FLUX.1-dev at the same budgets (random weights of the same sizes, bf16):
+    `enable_model_cpu_offload()` (whole models moved per stage), then group offloading with streams
+    (`enable_group_offload(block_level, 1 block per group, use_stream=True)` on the transformer and T5,
+    CLIP and the VAE on the GPU). Each run: 1024², `steps` steps; peak, ms/step (vs our resident run),
+    call time; an out-of-memory is recorded as such."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers.hooks import apply_group_offloading
+
+    te, _ = t5_text(False)
+    with on_meta():
+        dit = FluxTransformer2DModel(guidance_embeds=True)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
+            latent_channels=16, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )  # fmt: skip
+    fill_random(dit, 11, [*dit.transformer_blocks, *dit.single_transformer_blocks])
+    fill_random(vae, 12)
+    sched = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )  # fmt: skip
+    dp = FluxPipeline(scheduler=sched, vae=vae, text_encoder=te.clip, tokenizer=te.clip_tokenizer,
+                      text_encoder_2=te.t5, tokenizer_2=te.t5_tokenizer, transformer=dit)  # fmt: skip
+    for m in (dit, vae, te.clip, te.t5):
+        m.to("cpu")
+    torch.cuda.empty_cache()
+    rows: list[dict[str, Any]] = []
+
+    def one(mode: str, budget: int | None) -> None:
+        total = torch.cuda.get_device_properties(DEV).total_memory
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if budget is not None:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget * GiB / total))
+        torch.cuda.reset_peak_memory_stats()
+        marks: list[float] = []
+
+        def on_step(p: Any, i: int, t: Any, kw: dict) -> dict:
+            torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+            return kw
+
+        row: dict[str, Any] = {"diffusers": mode, "budget_gb": budget}
+        t0 = time.perf_counter()
+        try:
+            dp(PROMPT, height=1024, width=1024, num_inference_steps=steps + 1, guidance_scale=3.5,
+               generator=torch.Generator("cpu").manual_seed(0), output_type="pil", callback_on_step_end=on_step)  # fmt: skip
+            torch.cuda.synchronize()
+            row["ms_per_step"] = (marks[-1] - marks[0]) * 1000 / (len(marks) - 1)  # the first step warms up
+            row["call_s"] = time.perf_counter() - t0
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+            if resident_ms:
+                row["ratio"] = row["ms_per_step"] / resident_ms
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"out of memory: {str(e)[:200]}"
+            print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        rows.append(row)
+        name = "no budget" if budget is None else f"{budget} GB"
+        if "error" in row:
+            print(f"  diffusers {mode:>22} {name:>10}: FAILED: {row['error']}", flush=True)
+        else:
+            print(
+                f"  diffusers {mode:>22} {name:>10}: peak {row['peak_gib']:5.1f} GiB, {row['ms_per_step']:7.1f} ms/step"
+                f" ({row.get('ratio', float('nan')):.2f}x our resident), call {row['call_s']:5.1f} s",
+                flush=True,
+            )
+
+    dp.enable_model_cpu_offload()
+    for budget in budgets:
+        one("enable_model_cpu_offload", budget)
+    dp.remove_all_hooks()
+    for m in (dit, vae, te.clip, te.t5):
+        m.to("cpu")
+    dit.enable_group_offload(DEV, torch.device("cpu"), "block_level", num_blocks_per_group=1, use_stream=True)
+    apply_group_offloading(
+        te.t5, DEV, torch.device("cpu"), "block_level", num_blocks_per_group=1, use_stream=True
+    )
+    te.clip.to(DEV)
+    vae.to(DEV)
+    for budget in budgets:
+        one("group offload + streams", budget)
+    return rows
+
+
+def trace_build(model: str, fp8: bool) -> None:
+    """Run `build` on the meta device under `LiveBytes`: the GPU memory it would allocate, at its peak."""
+    global DEV, TRACE
+    import transformers.masking_utils as masking
+
+    import flux_runtime.text.fp8 as text_fp8
+    import flux_runtime.weights.fp8 as weights_fp8
+
+    DEV, TRACE = torch.device("meta"), LiveBytes()
+    # meta runs no GEMM, and transformers' test of an all-ones padding mask needs values: both assumed
+    text_fp8.check_fp8_gemm = weights_fp8.check_fp8_gemm = lambda device: None  # type: ignore[assignment]
+    masking._ignore_causal_mask_sdpa = lambda *a, **k: False  # type: ignore[assignment]
+    with TRACE:
+        build(model, fp8)
+    print(
+        f"{model}-dev build{' (FP8)' if fp8 else ' (bf16)'} traced on meta: peak {TRACE.peak / GiB:.1f} GiB "
+        f"allocated (at {TRACE.peak_op}), {TRACE.live / GiB:.1f} GiB at the end",
+        flush=True,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["flux1", "flux2", "both"], default="both")
@@ -218,11 +380,27 @@ def main() -> int:
     )
     ap.add_argument("--fp8-flux1", action="store_true", help="FLUX.1-dev and T5 in FP8")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--no-diffusers",
+        action="store_true",
+        help="skip diffusers' offloading on FLUX.1-dev at the same budgets",
+    )
+    ap.add_argument(
+        "--trace-build", action="store_true", help="only count the build's GPU allocations on meta (no GPU)"
+    )
     args = ap.parse_args()
+    if args.trace_build:
+        for model in ("flux2", "flux1") if args.model == "both" else (args.model,):
+            trace_build(model, not args.bf16_flux2 if model == "flux2" else args.fp8_flux1)
+        return 0
     results: dict[str, Any] = {}
     for model in ("flux2", "flux1") if args.model == "both" else (args.model,):
         fp8 = not args.bf16_flux2 if model == "flux2" else args.fp8_flux1
-        pipe, err = build(model, fp8)
+        try:
+            pipe, err = build(model, fp8)
+        except Exception:
+            print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
+            raise
         pipe(PROMPT, height=1024, width=1024, num_steps=1, seed=0, output_type="latent")  # warm-up, compiles
         rows, base = [], None
         for budget in BUDGETS[model]:
@@ -231,6 +409,15 @@ def main() -> int:
             except Exception as e:
                 print(f"  {budget} GB: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 rows.append({"budget_gb": budget, "error": str(e)})
+                r = None
+            if r is None:
+                # what is left allocated once the error (and any frames it held) is gone: the plan's error
+                # handling should leave only the resident weights
+                gc.collect()
+                left = torch.cuda.memory_allocated() / GiB
+                print(f"  after the failure: {left:.2f} GiB allocated (memory_summary on stderr)", flush=True)
+                rows[-1]["allocated_after_gib"] = left
+                print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
                 continue
             latents = r.pop("latents")
             if base is None:
@@ -247,6 +434,12 @@ def main() -> int:
         results[model] = {"fp8": fp8, "text_fp8_error": None if err is None else err._asdict(), "runs": rows}
         del pipe
         torch.cuda.empty_cache()
+        if model == "flux1" and not args.no_diffusers:
+            try:
+                results[model]["diffusers"] = diffusers_flux1(BUDGETS[model], args.steps, base and base[0])
+            except Exception as e:  # the comparison must not lose the runs above
+                print(f"  diffusers comparison FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(torch.cuda.memory_summary(abbreviated=True), file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -10,7 +10,7 @@
 #   bash scripts/gpu_check.sh all3      all GPU tests, FLUX.3 flow-map step bench
 #   bash scripts/gpu_check.sh flux3     FLUX.3 GPU tests, step benches (base, flow map; with and without a reference),
 #                                       the base model's whole-image denoising (50 steps, CFG) vs diffusers
-#   bash scripts/gpu_check.sh memory    the memory-plan bench (FLUX.1-dev), the memory GPU tests
+#   bash scripts/gpu_check.sh memory [flux1|flux2]  memory GPU tests, the build traced on meta, the memory-plan bench (ours, then diffusers' offloading on FLUX.1)
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
@@ -72,7 +72,12 @@ case "$phase" in
     timeout 400 python3 scripts/bench_flux3.py --per-image --json "$OUT/bench_flux3.json" 2>&1 | tee "$OUT/bench_flux3.txt" | grep "^|" || status=1
     ;;
   memory)
-    timeout 300 python3 scripts/bench_memory.py --model "${2:-flux1}" --json "$OUT/bench_memory.json" 2>&1 | tee "$OUT/bench_memory.txt" | tail -30 || status=1
+    # the caching allocator's defaults (no expandable segments): what the planner budgets for
+    unset PYTORCH_CUDA_ALLOC_CONF
+    timeout 100 python3 -m pytest -q -m gpu tests/pipeline/test_memory.py tests/pipeline/test_memory_peaks.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    timeout 60 python3 scripts/bench_memory.py --trace-build --model "${2:-flux1}" 2>&1 | tail -3 || status=1
+    timeout 420 python3 scripts/bench_memory.py --model "${2:-flux1}" --json "$OUT/bench_memory_${2:-flux1}.json" 2>"$OUT/bench_memory_${2:-flux1}.err" | tee "$OUT/bench_memory_${2:-flux1}.txt" | tail -30 || status=1
+    tail -45 "$OUT/bench_memory_${2:-flux1}.err"
     ;;
   vae)
     timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1

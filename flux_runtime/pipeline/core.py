@@ -11,12 +11,13 @@ Klein, which also fills in `rope_tables` and `sample`).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 from torch import Tensor
@@ -312,17 +313,11 @@ class Recipe:
         try:
             latents, images, graphs, kernels, decode_kernels = self._generate(call, tier)
         except torch.cuda.OutOfMemoryError:
-            if self.placement is not None:
-                self.placement.reset()
-            self._graphed.clear()
-            torch.cuda.empty_cache()
-            plan = self.memory_plan
-            budget = "no memory budget" if plan.budget is None else f"a {gib(plan.budget)} budget"
-            raise FluxError(
-                f"out of GPU memory generating {call.num_images_per_prompt} image(s) of {call.width}x{call.height} "
-                f"under the {plan.name} plan with {budget}: try a smaller size or batch, {self.oom_hint}"
-                "a smaller memory budget than the GPU's (memory='20GB' / --memory 20GB) or --fp8"
-            ) from None
+            oom = True  # handled below: out here the failed frames, and the tensors they held, are gone
+        else:
+            oom = False
+        if oom:
+            self._out_of_memory(call)
         info = {
             **provenance(
                 prompt=call.prompt, seed=call.seed, height=call.height, width=call.width, steps=call.steps,
@@ -342,6 +337,22 @@ class Recipe:
             **({} if decode_kernels is None else {"decode_kernels": decode_kernels}),
         }  # fmt: skip
         return PipelineOutput(images, latents, info)
+
+    def _out_of_memory(self, call: Call) -> NoReturn:
+        """After an out-of-memory: nothing left on the device that the plan does not keep there, then one
+        FluxError naming the budget, the plan and what to try."""
+        if self.placement is not None:
+            self.placement.reset()
+        self._graphed.clear()
+        gc.collect()  # activations held in reference cycles through the failed frames
+        torch.cuda.empty_cache()
+        plan = self.memory_plan
+        budget = "no memory budget" if plan.budget is None else f"a {gib(plan.budget)} budget"
+        raise FluxError(
+            f"out of GPU memory generating {call.num_images_per_prompt} image(s) of {call.width}x{call.height} "
+            f"under the {plan.name} plan with {budget}: try a smaller size or batch, {self.oom_hint}"
+            "a smaller memory budget than the GPU's (memory='20GB' / --memory 20GB) or --fp8"
+        )
 
     def _generate(self, call: Call, tier: RunTier) -> tuple[Tensor, Any, bool, str, str | None]:
         """(packed latents, images as `output_type` asks, CUDA graphs used, kernels that ran, and the

@@ -19,17 +19,19 @@ import torch
 from torch import nn
 
 from flux_runtime.pipeline.memory import (
-    HEADROOM,
     VAE_TILE,
+    WORKSPACE,
     Footprint,
     MemoryBudgetError,
     Plan,
+    budget_needed,
     decode_activations,
     denoise_activations,
     encode_activations,
     gib,
     plan_memory,
     resolve_budget,
+    usable,
 )
 from flux_runtime.pipeline.streaming import ModelPlacement, part_of
 
@@ -87,9 +89,10 @@ class Placement:
         act = _denoise(pipe, call.height, call.width, call.max_sequence_length, batch, cfg)
         dec = _decode(pipe, call.height, call.width, batch, tiled=plan.vae_tiled or pipe.vae_tile is not None)
         need = self.weights_at_denoise + max(act, dec)
-        if need > plan.budget * (1 - HEADROOM):
+        workspace = _workspace(self.device)
+        if need > usable(plan.budget, workspace):
             raise MemoryBudgetError(
-                f"{call.width}x{call.height} x {batch} image(s) needs about {gib(int(need / (1 - HEADROOM)))} under "
+                f"{call.width}x{call.height} x {batch} image(s) needs about {gib(budget_needed(need, workspace))} under "
                 f"the {plan.name} plan, more than the {gib(plan.budget)} budget: make fewer or smaller images, or "
                 "give a larger budget"
             )
@@ -102,26 +105,41 @@ def _batch(call: Any) -> int:
     return prompts * call.num_images_per_prompt
 
 
-def _itemsize(pipe: Any) -> int:
-    return torch.empty((), dtype=pipe.dtype).element_size()
+def _workspace(device: torch.device) -> int:
+    return WORKSPACE if device.type == "cuda" else 0
 
 
-def _denoise(pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: bool) -> int:
-    cfg_dit = pipe.transformer.config
+def denoise_bytes(
+    config: Any, dtype: torch.dtype, height: int, width: int, max_len: int, batch: int, cfg: bool
+) -> int:
+    """The planner's activation estimate for the transformer (`config`, a `DiTConfig`) at this size."""
     tokens = (height // 16) * (width // 16)
     act = denoise_activations(
-        tokens, max_len, cfg_dit.hidden_size, cfg_dit.mlp_hidden_dim, cfg_dit.family == "flux2", batch,
-        _itemsize(pipe),
+        tokens, max_len, config.hidden_size, config.mlp_hidden_dim, config.family == "flux2", batch,
+        torch.empty((), dtype=dtype).element_size(),
     )  # fmt: skip
     return 2 * act if cfg else act  # one CUDA-graph pool per branch
 
 
+def decode_bytes(config: Any, dtype: torch.dtype, height: int, width: int, batch: int, *, tiled: bool) -> int:
+    """The planner's activation estimate for the VAE decode (`config`, a VAE config) at this size."""
+    tile_px = VAE_TILE * config.spatial_factor if tiled else None
+    return decode_activations(
+        height, width, batch, torch.empty((), dtype=dtype).element_size(), config.ch, tile_px
+    )
+
+
+def _denoise(pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: bool) -> int:
+    return denoise_bytes(pipe.transformer.config, pipe.dtype, height, width, max_len, batch, cfg)
+
+
 def _decode(pipe: Any, height: int, width: int, batch: int, *, tiled: bool) -> int:
-    tile_px = VAE_TILE * pipe.vae.config.spatial_factor if tiled else None
-    return decode_activations(height, width, batch, _itemsize(pipe), pipe.vae.config.ch, tile_px)
+    return decode_bytes(pipe.vae.config, pipe.dtype, height, width, batch, tiled=tiled)
 
 
-def _encode(pipe: Any, roots: list[nn.Module], max_len: int, batch: int) -> int:
+def encode_bytes(roots: list[nn.Module], max_len: int, batch: int) -> int:
+    """The planner's activation estimate for the text encoders `roots` (transformers models) on `batch`
+    prompts of `max_len` tokens."""
     total = 0
     for root in roots:
         config = getattr(root, "config", None)
@@ -135,9 +153,10 @@ def _encode(pipe: Any, roots: list[nn.Module], max_len: int, batch: int) -> int:
     return total
 
 
-def footprint(pipe: Any) -> Footprint:
+def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
     """Weights of the loaded models and the activations of a default call (default size, one image, the
-    model's default text length; FLUX.2 [klein] base: with CFG)."""
+    model's default text length; FLUX.2 [klein] base: with CFG), planned for `device` (default: the
+    pipeline's)."""
     text_roots, text_layers = pipe.text_encoder.parts()
     t = pipe.transformer
     size, max_len = pipe.default_size, pipe.default_max_sequence_length
@@ -147,17 +166,18 @@ def footprint(pipe: Any) -> Footprint:
         text=part_of(text_roots, text_layers),
         dit=part_of([t], [*t.double_blocks, *t.single_blocks]),
         vae=part_of([pipe.vae], []).rest,
-        act_encode=_encode(pipe, text_roots, max_len, 2 if cfg else 1),
+        act_encode=encode_bytes(text_roots, max_len, 2 if cfg else 1),
         act_denoise=_denoise(pipe, size, size, max_len, 1, cfg),
         act_decode=_decode(pipe, size, size, 1, tiled=False),
         act_decode_tiled=_decode(pipe, size, size, 1, tiled=True),
+        workspace=_workspace(device or pipe.device),
     )
 
 
 def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, device: torch.device) -> Plan:
     """Choose `pipe`'s plan for `memory` on `device` and place its models by it (see `Recipe.set_memory`)."""
     budget = budget_for(memory, device, offload_text_encoders)
-    fp = footprint(pipe)
+    fp = footprint(pipe, device)
     plan = plan_memory(fp, budget, force="offload-text" if offload_text_encoders else None)
     apply_plan(pipe, plan, device, fp)
     log.info("%s", plan.describe())
@@ -166,7 +186,7 @@ def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, devi
 
 def apply_plan(pipe: Any, plan: Plan, device: torch.device, fp: Footprint | None = None) -> None:
     """Place `pipe`'s models by `plan` (any plan: the tests and benchmarks name one outright)."""
-    fp = fp or footprint(pipe)
+    fp = fp or footprint(pipe, device)
     if not plan.layers:
         plan = replace(plan, layers={"text": len(fp.text.layers), "dit": len(fp.dit.layers)})
     if pipe.placement is None:

@@ -347,3 +347,9 @@ class ModelPlacement:
         for unit in self.units:
             unit.release()
         self.on_device = False
+        if self.device.type == "cuda":
+            # hand the freed segments back to the driver: left cached, the next model's weights would be
+            # carved out of them (the caching allocator splits a free block for any smaller request), and
+            # the remainders, too small for most activations, stay reserved (T5's 386 MB layers split for
+            # FLUX.1-dev's 283 MB single blocks leave 24 holes of 103 MB: 2.3 GiB of a 24 GB budget)
+            torch.cuda.empty_cache()

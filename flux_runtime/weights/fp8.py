@@ -230,8 +230,12 @@ class Fp8Source:
 # quantization at load
 
 
+@torch.no_grad()
 def quantize_weight(w: Tensor) -> Fp8Tensors:
-    """e4m3 of a bf16 weight (out, in) with one scale per output channel, `amax / 448` (dynamic activations)."""
+    """e4m3 of a bf16 weight (out, in) with one scale per output channel, `amax / 448` (dynamic activations).
+
+    Without grad: from a Parameter the result would carry an autograd graph whose saved tensors (the bf16
+    weight, its abs, two fp32 copies: 11 bytes per weight) live as long as the e4m3 weight does."""
     amax = w.abs().amax(dim=1).float()
     scale = amax.clamp(min=MIN_AMAX) / E4M3_MAX
     q = (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
@@ -311,15 +315,23 @@ def load_state(
     return precision_of(layers, dtype)
 
 
-def quantize_model(model: nn.Module, dtype: torch.dtype) -> str:
-    """Quantize a loaded model's block projections in place, one layer at a time; returns its precision."""
-    device = next(model.parameters()).device
+@torch.no_grad()
+def quantize_model(model: nn.Module, dtype: torch.dtype, under: str = "") -> str:
+    """Quantize a loaded model's block projections in place, one layer at a time; returns its precision.
+
+    `under` ("single_blocks.3."): only the projections whose names start with it, so a model can be
+    filled and quantized block by block (the rest may still be on meta)."""
+    # names only: a list of the modules themselves would keep every bf16 weight alive to the end
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, Linear) and may_run_fp8(n) and n.startswith(under)
+    ]
+    device = model.get_submodule(names[0]).weight.device if names else next(model.parameters()).device
     reason = check_fp8_gemm(device)
     if reason is not None:
         raise WeightsError(f"fp8=True: {reason}; load the model without fp8")
     done: dict[str, Fp8Tensors] = {}
-    # names only: a list of the modules themselves would keep every bf16 weight alive to the end
-    names = [n for n, m in model.named_modules() if isinstance(m, Linear) and may_run_fp8(n)]
     for name in names:
         module = model.get_submodule(name)
         t = quantize_weight(module.weight)
