@@ -8,7 +8,13 @@ per-row activation scales) run as the FP8 eager reference, FP8 lossless (fused p
 is the step's `torch._scaled_mm` calls (and its remaining bf16 GEMMs) timed alone, plus cuDNN attention.
 Error: relative L2 of one step against the float64 model (not for FLUX.2-dev, whose float64 copy does not
 fit on one GPU). Peak memory while stepping.
-Usage: python3 scripts/bench_fp8.py [--models flux1-dev,flux2-dev,klein-4b] [--json out.json]
+
+FLUX.3 Image Klein (`flux3-klein`, the flow map, and `flux3-klein-base`; not in the default list): the same
+rows for text to image and with one 1024² reference (`--flux3-cases t2i,ref`; 4096 image, 480 text tokens),
+its FP8 floor counted from FLUX.3's own GEMMs (q, k, v, out, SwiGLU in/out of every per-mode and joint
+block in e4m3; embedders, per-token modulation and the final layer in bf16), and the FP8 model's share of
+the weights in memory.
+Usage: python3 scripts/bench_fp8.py [--models flux1-dev,flux2-dev,klein-4b,flux3-klein] [--json out.json]
 """
 
 from __future__ import annotations
@@ -228,12 +234,202 @@ def bench_model(name: str, iters: int) -> bool:
     return all(v is True for k, v in equal.items() if "high" not in k)
 
 
+def fp8_floor_flux3(cfg, n_ref: int) -> dict[str, float]:
+    """FLUX.3's FP8 step floor: e4m3 row-wise `_scaled_mm` for every block projection (plain and fast
+    accumulation), bf16 `F.linear` for the embedders, per-token modulation and final layer, cuDNN attention."""
+    import bench_flux3
+
+    d, mlp = cfg.hidden_size, cfg.mlp_hidden_dim
+    n_img, n_txt = bench_flux3.N_IMG, bench_flux3.N_TXT
+    streams = [n for n in (n_txt, n_img, n_ref) if n]
+    fp8: Counter[tuple[int, int, int]] = Counter()
+    bf16: Counter[tuple[int, int, int]] = Counter()
+
+    def block(m: int, count: int) -> None:
+        fp8[(m, d, d)] += 4 * count
+        fp8[(m, d, 2 * mlp)] += count
+        fp8[(m, mlp, d)] += count
+
+    for m in streams:
+        block(m, cfg.depth)
+        bf16[(m, d, 3 * d)] += 2  # per-token modulation: early and single
+    block(sum(streams), cfg.depth_single_blocks)
+    embedders = 2 + cfg.flow_map
+    bf16[(1, 256, d)] += embedders
+    bf16[(1, d, d)] += embedders
+    bf16[(n_img, cfg.in_channels, d)] += 1
+    if n_ref:
+        bf16[(n_ref, cfg.cond_in_channels, d)] += 1
+    bf16[(n_txt, cfg.context_in_dim, d)] += 1
+    bf16[(n_img, d, 2 * d)] += 1
+    bf16[(n_img, d, cfg.out_channels)] += 1
+    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
+    for (m, k, n), count in fp8.items():
+        a, w = torch.randn(m, k, device=DEV).to(E4M3), torch.randn(n, k, device=DEV).to(E4M3)
+        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
+        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
+            out[key] += count * cuda_time(
+                lambda a=a, w=w, sa=sa, sb=sb, fast=fast: torch._scaled_mm(
+                    a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
+                ),
+                iters=20,
+            )
+        del a, w
+    for (m, k, n), count in bf16.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w: F.linear(x, w), iters=20)
+    out["attention"] = bench_flux3.library_floor(cfg, n_ref)[1]
+    out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
+    return out
+
+
+@torch.no_grad()
+def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
+    """`bench_model`'s rows for one FLUX.3 Klein model, per case (text to image, one 1024² reference)."""
+    import bench_flux3
+
+    cfg = bench_flux3.MODELS["flow-map" if name == "flux3-klein" else "base"]
+    n_refs = {case: bench_flux3.N_IMG if case == "ref" else 0 for case in cases}
+    pair = dict(zip(("diffusers", "ours"), bench_flux3.build_pair(cfg), strict=True))
+    inputs = {case: bench_flux3.step_inputs(cfg, n_refs[case]) for case in cases}
+    pes = {case: pair["ours"].rope(x[3], x[1], x[6]) for case, x in inputs.items()}
+
+    def ours_step(case: str, tier: str):
+        img, img_ids, txt, txt_ids, t, rf, rf_ids, target = inputs[case]
+        model, pe = pair["ours"], pes[case]
+
+        def run(x=img, tt=t, tg=target):
+            with use_fused(tier):
+                return model(x, img_ids, txt, txt_ids, tt, ref=rf, ref_ids=rf_ids, target_timesteps=tg, pe=pe)
+
+        return run
+
+    def graphed(case: str, tier: str):
+        img, t, target = inputs[case][0], inputs[case][4], inputs[case][7]
+        gd = GraphedDenoiser(ours_step(case, tier))
+        return lambda: gd(img, t, target)
+
+    def diffusers_step(case: str):
+        img, img_ids, txt, txt_ids, t, rf, rf_ids, target = inputs[case]
+        model = pair["diffusers"]
+        return lambda: model(
+            hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids,
+            image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=target, return_dict=False,
+        )[0]  # fmt: skip
+
+    results = {case: {"step_ms": {}, "equal": {}, "peak_gib": {}} for case in cases}
+
+    def measure(case, label, fn, expected=None):
+        res = results[case]
+        out = fn()
+        out = fn()  # graphs: the first call runs eagerly, the second captures and replays
+        if expected is not None:
+            res["equal"][label] = (
+                torch.equal(out, expected)
+                or f"max abs diff {(out.float() - expected.float()).abs().max().item():.3g}"
+            )
+        torch.cuda.reset_peak_memory_stats()
+        res["step_ms"][label] = cuda_time(fn, iters=iters)
+        res["peak_gib"][label] = torch.cuda.max_memory_allocated() / 2**30
+        print(
+            f"[{name}/{case}] {label}: {res['step_ms'][label]:.1f} ms, peak {res['peak_gib'][label]:.1f} GiB, "
+            f"equal {res['equal'].get(label, '-')}",
+            flush=True,
+        )
+        return out
+
+    outs: dict[tuple[str, str], torch.Tensor] = {}
+    for case in cases:
+        expected = measure(case, "diffusers bf16 eager", diffusers_step(case))
+        outs[case, "bf16"] = measure(case, "ours bf16 lossless + graph", graphed(case, "lossless"), expected)
+    del pair["diffusers"]  # ours keeps the weights it shares
+    gc_cuda()
+    weights_bf16 = torch.cuda.memory_allocated() / 2**30
+
+    # the float64 copy of the bf16 model (its QK norm and RoPE run in fp32, as the model computes them)
+    ref64 = {}
+    m64 = copy.deepcopy(pair["ours"]).to(torch.float64)
+    for case, (img, img_ids, txt, txt_ids, t, rf, rf_ids, target) in inputs.items():
+        ref64[case] = m64(
+            img.double(), img_ids, txt.double(), txt_ids, t.double(),
+            ref=None if rf is None else rf.double(), ref_ids=rf_ids,
+            target_timesteps=None if target is None else target.double(),
+        )  # fmt: skip
+    del m64
+    gc_cuda()
+
+    t0 = time.perf_counter()
+    precision = quantize_model(pair["ours"], torch.bfloat16)
+    gc_cuda()
+    quantize_s = time.perf_counter() - t0
+    weights_fp8 = torch.cuda.memory_allocated() / 2**30
+    print(
+        f"[{name}] {precision}: quantized in {quantize_s:.1f} s; {weights_bf16:.1f} GiB -> {weights_fp8:.1f} GiB allocated",
+        flush=True,
+    )
+    for case in cases:
+        reset_fused_ops_report()
+        expected = measure(case, "ours fp8 eager reference", ours_step(case, "off"))
+        measure(case, "ours fp8 lossless eager", ours_step(case, "lossless"), expected)
+        outs[case, "fp8"] = measure(case, "ours fp8 lossless + graph", graphed(case, "lossless"), expected)
+        print(fused_ops_report(), flush=True)
+        outs[case, "fp8 high"] = measure(case, "ours fp8 high + graph", graphed(case, "high"), expected)
+
+    ok = True
+    for case in cases:
+        res = results[case]
+        floor = fp8_floor_flux3(cfg, n_refs[case])
+        times = res["step_ms"]
+        res.update(
+            fp8_floor_ms=floor,
+            error_vs_fp64={k: rel(outs[case, k], ref64[case]) for k in ("bf16", "fp8", "fp8 high")},
+            fp8_over_bf16=times["ours fp8 lossless + graph"] / times["ours bf16 lossless + graph"],
+            fp8_over_floor=times["ours fp8 lossless + graph"] / floor["total"],
+            precision=precision,
+            allocated_gib={"bf16 model": weights_bf16, "fp8 model": weights_fp8},
+        )
+        RESULTS[f"{name}/{case}"] = res
+        what = "one 1024² reference" if case == "ref" else "text to image"
+        print()
+        print(
+            f"| {name} {what}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        print(
+            f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
+            f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
+        )
+        d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
+        for label, ms in times.items():
+            print(
+                f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
+                f"{res['equal'].get(label, '')} | {res['peak_gib'][label]:.1f} |"
+            )
+        print(f"relative L2 error of one step vs float64: {res['error_vs_fp64']}")
+        print(flush=True)
+        ok &= all(v is True for k, v in res["equal"].items() if "high" not in k)
+    pair.clear()
+    gc_cuda()
+    return ok
+
+
+def gc_cuda() -> None:
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="flux1-dev,klein-4b,flux2-dev")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="kernel table of one FP8 lossless step per model")
+    ap.add_argument(
+        "--flux3-cases", default="t2i,ref", help="FLUX.3: t2i (text to image), ref (one reference)"
+    )
     args = ap.parse_args()
     global PROFILE
     PROFILE = args.profile
@@ -244,7 +440,10 @@ def main() -> int:
     ok = True
     try:
         for name in args.models.split(","):
-            ok &= bench_model(name, args.iters)
+            if name.startswith("flux3"):
+                ok &= bench_flux3_model(name, args.flux3_cases.split(","), args.iters)
+            else:
+                ok &= bench_model(name, args.iters)
     finally:
         if args.json:
             args.json.write_text(json.dumps(RESULTS, indent=2, default=str))

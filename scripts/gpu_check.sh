@@ -3,6 +3,7 @@
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
 #   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
+#   bash scripts/gpu_check.sh fp8-flux3 FLUX.3 FP8 GPU tests, FLUX.3 Klein FP8 per-step bench (t2i, one reference)
 #   bash scripts/gpu_check.sh merged    all GPU tests, an FP8 tiny image, the tiny models' scores, a profiled FP8 step
 #   bash scripts/gpu_check.sh final     all GPU tests and the FP8 bench
 #   bash scripts/gpu_check.sh high      all GPU tests, the decode bench
@@ -37,6 +38,10 @@ case "$phase" in
   fp8)
     timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_dispatch.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8.txt" | tail -15 || status=1
     timeout 420 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" || status=1
+    ;;
+  fp8-flux3)
+    timeout 200 python3 -m pytest -q -m gpu tests/fp8/test_flux3_fp8.py -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu_tests_flux3_fp8.txt" | tail -15 || status=1
+    timeout 380 python3 scripts/bench_fp8.py --models flux3-klein --json "$OUT/bench_fp8_flux3.json" 2>&1 | tee "$OUT/bench_fp8_flux3.txt" | tail -40 || status=1
     ;;
   merged)
     # the whole GPU test suite, an FP8 tiny image through flux-gen on CUDA, the tiny models' held-out

@@ -22,7 +22,8 @@ E4M3 = torch.float8_e4m3fn
 
 # diffusers modules kept in bf16 (what the ModelOpt recipes keep: embedders, modulation, final layer)
 KEEP = re.compile(
-    r"(x_embedder|context_embedder|time_text_embed|time_guidance_embed|norm|modulation|^proj_out)"
+    r"(x_embedder|context_embedder|time_text_embed|time_guidance_embed|timestep_embedder|norm|modulation"
+    r"|^proj_out)"
 )
 IGNORE_GLOBS = ["x_embedder", "context_embedder", "time_*", "*norm*", "*modulation*", "proj_out"]
 
@@ -63,7 +64,7 @@ def fp8_params(
     return out
 
 
-def write_modelopt(model: nn.Module, params: dict, folder: Path) -> Path:
+def write_modelopt(model: nn.Module, params: dict, folder: Path, ignore: list[str] = IGNORE_GLOBS) -> Path:
     """A ModelOpt FP8 diffusers folder: e4m3 weights, `[]` and `[1]` scales mixed, the quantization_config."""
     folder.mkdir(parents=True, exist_ok=True)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -78,7 +79,7 @@ def write_modelopt(model: nn.Module, params: dict, folder: Path) -> Path:
     config["quantization_config"] = {
         "quant_method": "modelopt",
         "quant_algo": "FP8",
-        "ignore": IGNORE_GLOBS,
+        "ignore": ignore,
         "producer": {"name": "modelopt", "version": "0.0-test"},
     }
     (folder / "config.json").write_text(json.dumps(config, default=list))
@@ -86,7 +87,7 @@ def write_modelopt(model: nn.Module, params: dict, folder: Path) -> Path:
 
 
 class RefFp8Linear(nn.Module):
-    """The quantize + scaled-matmul chain of one diffusers Linear."""
+    """The quantize + scaled-matmul chain of one diffusers Linear (weight scale per tensor or per output row)."""
 
     def __init__(self, lin: nn.Linear, wq: torch.Tensor, ws: torch.Tensor, s_in: torch.Tensor | None) -> None:
         super().__init__()
@@ -98,9 +99,13 @@ class RefFp8Linear(nn.Module):
         if self.s_in is None:
             s = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) * (1.0 / 448.0)
             xq = (x2.float() * s.reciprocal()).clamp(-448, 448).to(E4M3)
+            ws = (
+                self.ws.reshape(1, -1)
+                if self.ws.numel() > 1
+                else self.ws.reshape(1, 1).expand(1, self.wq.shape[0])
+            )
             y = torch._scaled_mm(
-                xq, self.wq.t(), scale_a=s, scale_b=self.ws.reshape(1, 1).expand(1, self.wq.shape[0]).contiguous(),
-                bias=self.bias, out_dtype=torch.bfloat16,
+                xq, self.wq.t(), scale_a=s, scale_b=ws.contiguous(), bias=self.bias, out_dtype=torch.bfloat16,
             )  # fmt: skip
         else:
             xq = (x2.float() * (1.0 / self.s_in)).clamp(-448, 448).to(E4M3)

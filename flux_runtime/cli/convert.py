@@ -1,4 +1,4 @@
-"""`flux-convert`: convert a FLUX.1 or FLUX.2 transformer or VAE between the BFL and diffusers layouts.
+"""`flux-convert`: convert a FLUX.1, FLUX.2 or FLUX.3 transformer or VAE between the BFL and diffusers layouts.
 
 One click command: parse, call `flux_runtime.weights.convert.convert`, report what was written.
 Library errors become one line and exit 1 here, and only here (`--debug` shows the traceback instead).
@@ -75,7 +75,7 @@ def main(
     calibration_prompts: Path | None, calibration_steps: int | None, calibration_size: int | None,
     device: str | None, debug: bool,
 ) -> None:  # fmt: skip
-    """Convert the FLUX.1 or FLUX.2 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
+    """Convert the FLUX.1, FLUX.2 or FLUX.3 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
 
     SRC is a BFL single file (flux1-dev.safetensors, flux2-dev.safetensors, ae.safetensors), a
     diffusers folder or pipeline root, or a cached Hugging Face model id; its family and layout are

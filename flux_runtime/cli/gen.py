@@ -256,7 +256,7 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
 @click.option(
     "--fp8-text",
     is_flag=True,
-    help="Quantize the text encoders' layers (T5, Qwen3, Mistral) to FP8 at load (bf16; --fp8 includes this).",
+    help="Quantize the text encoders' layers (T5, Qwen3, Qwen3-VL, Mistral) to FP8 at load (bf16; --fp8 includes this).",
 )
 @click.option(
     "--memory",

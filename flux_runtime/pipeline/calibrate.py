@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.weights.fp8_export import record_input_ranges, write_modelopt_fp8
+
+if TYPE_CHECKING:
+    from flux_runtime.pipeline.flux3 import Flux3Pipe
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +67,27 @@ def quantize_checkpoint(
         raise FluxError(f"{src} is already {pipe.transformer.precision}; quantize a bf16 checkpoint")
     ranges, remove = record_input_ranges(pipe.transformer)
     try:
-        for i, prompt in enumerate(prompts):
-            log.info("calibrating on prompt %d/%d", i + 1, len(prompts))
-            pipe(prompt, num_steps=steps, height=size, width=size, seed=i, output_type="latent")
+        if pipe.transformer.config.family == "flux3":
+            _calibrate_flux3(pipe, prompts, steps, size)
+        else:
+            for i, prompt in enumerate(prompts):
+                log.info("calibrating on prompt %d/%d", i + 1, len(prompts))
+                pipe(prompt, num_steps=steps, height=size, width=size, seed=i, output_type="latent")
     finally:
         remove()
     return write_modelopt_fp8(
         pipe.transformer, ranges, dst, max_shard_size=max_shard_size, overwrite=overwrite
     )
+
+
+def _calibrate_flux3(pipe: Flux3Pipe, prompts: list[str], steps: int | None, size: int | None) -> None:
+    """FLUX.3's reference-image blocks run only with a reference: prompt i >= 1 is generated with prompt i - 1's
+    image as its reference (a single prompt runs again with its own), so text-to-image and editing are both
+    calibrated. The prompts go in as written (the prompt upsampler would only rephrase them)."""
+    runs = [(p, i > 0) for i, p in enumerate(prompts)] + ([(prompts[0], True)] if len(prompts) == 1 else [])
+    previous = None
+    for i, (prompt, with_reference) in enumerate(runs):
+        log.info("calibrating on prompt %d/%d%s", i + 1, len(runs), " (with a reference)" * with_reference)
+        image = [previous] if with_reference else None
+        out = pipe(prompt, image=image, num_steps=steps, height=size, width=size, seed=i, upsample=False)
+        previous = out.images[0]

@@ -197,18 +197,17 @@ class Pipeline(Recipe):
         if family == "flux3":
             from flux_runtime.pipeline.flux3 import Flux3Pipe
 
-            if variant is not None or is_distilled is not None or fp8 or text_encoder_2 is not None:
+            if variant is not None or is_distilled is not None or text_encoder_2 is not None:
                 raise FluxError(
-                    "variant, is_distilled, fp8 and text_encoder_2 are not FLUX.3 settings (a FLUX.3 checkpoint says "
+                    "variant, is_distilled and text_encoder_2 are not FLUX.3 settings (a FLUX.3 checkpoint says "
                     "itself whether it is the flow map)"
                 )
-            if fp8_text or parallel is not None or memory not in ("auto", None):
-                raise FluxError(
-                    "fp8_text, memory budgets and parallel are not available for FLUX.3 yet: drop them"
-                )
+            if parallel is not None or memory not in ("auto", None):
+                raise FluxError("memory budgets and parallel are not available for FLUX.3 yet: drop them")
             return Flux3Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders, checkpoint=ckpt,
+                fp8=fp8, fp8_text=fp8_text,
             )  # fmt: skip
         if is_distilled is not None:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")

@@ -182,12 +182,15 @@ class Flux3Pipe(Recipe):
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
         checkpoint: TransformerCheckpoint | None = None,
+        fp8: bool = False,
+        fp8_text: bool = False,
     ) -> Flux3Pipe:
         """Load the parts `find_sources` located. The text encoder: the folder's `text_encoder/` + `tokenizer/`;
         else `text_encoder` (a diffusers FLUX.3 folder, or a Qwen3-VL folder / cached id); else Qwen3-VL-4B-Instruct;
         a built-in random model gets the tiny Qwen3-VL. The schedule's shift and the CFG scale come from the folder's
-        `scheduler/` and `guider/` configs when it has them."""
-        transformer = load_transformer(checkpoint or src.transformer, device=device, dtype=dtype)
+        `scheduler/` and `guider/` configs when it has them. `fp8` / `fp8_text`: quantize the transformer's block
+        projections / the text encoder's decoder layers to FP8 at load (bf16)."""
+        transformer = load_transformer(checkpoint or src.transformer, device=device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux3Transformer)  # dispatched on the keys
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
@@ -195,12 +198,16 @@ class Flux3Pipe(Recipe):
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
         text_device = torch.device("cpu") if offload_text_encoders else device
         text = _open_text(src, text_encoder, text_device, dtype)
-        return cls(
+        if fp8_text:
+            text.quantize_fp8()
+        pipe = cls(
             transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
             guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,
             cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
             prompt_upsampler=_upsampler_source(src),
         )  # fmt: skip
+        pipe.fp8_text = fp8_text
+        return pipe
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

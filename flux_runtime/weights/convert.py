@@ -1,8 +1,8 @@
-"""Converting FLUX.1 and FLUX.2 checkpoints between the BFL single-file layout and the diffusers folder layout.
+"""Converting FLUX.1, FLUX.2 and FLUX.3 checkpoints between the BFL single-file layout and the diffusers folder layout.
 
 A conversion is planned before any tensor is read: the source is found, its family and layout read
 from its keys, its config inferred and every key checked against the layout's rule table (the same
-tables and checks the loaders use: `flux1_layout` / `flux2_layout` for the transformer,
+tables and checks the loaders use: `flux1_layout` / `flux2_layout` / `flux3_layout` for the transformer,
 `vae_layout` / `vae2_layout` for the VAE). The plan
 is a list of steps, one per rule, each knowing the names, shapes and dtypes it will produce
 (computed by running the rule on meta tensors). Writing then streams: the safetensors header is
@@ -25,11 +25,20 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from flux_runtime.models.dit import DiTConfig, Flux1Transformer, Flux2Transformer
-from flux_runtime.weights import flux1_layout, flux2_layout, flux2_transformer, vae_layout
+from flux_runtime.models.dit import DiTConfig, Flux1Transformer, Flux2Transformer, Flux3Transformer
+from flux_runtime.weights import (
+    flux1_layout,
+    flux2_layout,
+    flux2_transformer,
+    flux3_layout,
+    flux3_transformer,
+    vae_layout,
+)
+from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.checkpoint import find_transformer_files, read_folder_config
 from flux_runtime.weights.diffusers_config import (
     FLUX2_DIFFUSERS_FIXED,
+    FLUX3_DIFFUSERS_FIXED,
     transformer_diffusers_config,
     vae_diffusers_config,
 )
@@ -135,9 +144,11 @@ Fuse = Callable[[flux1_layout.Rule, Callable[[str], Tensor]], Tensor]
 
 
 def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
-    """Plan converting a FLUX.1 or FLUX.2 transformer to the other layout (strict: every key used, every shape right)."""
+    """Plan converting a FLUX.1, FLUX.2 or FLUX.3 transformer to the other layout (strict: every key used, every shape right)."""
     files = find_transformer_files(resolve(path_or_id))
     src = TensorSource(files)
+    if flux3_layout.is_flux3(src.keys()):
+        return _plan_flux3_transformer(files, src)
     if flux2_layout.is_flux2(src.keys()):
         return _plan_flux2_transformer(files, src)
     layout = detect_layout(src.keys())
@@ -192,6 +203,56 @@ def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionP
     table = list(flux2_layout.rules(*depths))
     steps = _transformer_steps(
         layout, view, table, expected, flux2_layout.bfl_to_diffusers, flux2_layout.diffusers_to_bfl
+    )
+    target = "diffusers" if layout == "bfl" else "bfl"
+    return ConversionPlan("transformer", files, layout, target, steps, cfg, transformer_diffusers_config(cfg))
+
+
+def _plan_flux3_transformer(files: list[Path], src: TensorSource) -> ConversionPlan:
+    """`plan_transformer` for FLUX.3 keys: `flux3_layout`'s table (every rule one tensor, the final adaLN's halves
+    swapped), the FLUX.3 loader's config inference. A BFL file's training-only `repa_projectors.*` are left out;
+    FP8 checkpoints are refused (their scales have no place in the other layout's bf16 model)."""
+    layout = flux3_layout.detect_layout(src.keys())
+    view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
+    folder = read_folder_config(files) if layout == "diffusers" else None
+    if fp8_layers.Fp8Source.detect(view, folder, str(files[0])) is not None:
+        raise WeightsError(
+            f"{files[0]}: an FP8 FLUX.3 checkpoint; flux-convert converts bf16/fp16/fp32 checkpoints "
+            "(load FP8 ones directly, or write one with `flux-convert quantize`)"
+        )
+    skipped = [k for k in view.keys() if flux3_layout.training_only(k)]
+    if skipped:
+        log.info("%s: leaving out %d training-only tensors (%s, ...)", files[0], len(skipped), skipped[0])
+        for k in skipped:
+            del view.names[k]
+    if layout == "bfl":
+        depths = flux3_layout.bfl_depths(view.keys())
+        shape_of = view.shape
+    else:
+        depths = flux3_layout.diffusers_depths(view.keys())
+        table = list(flux3_layout.rules(*depths))
+        _check_keys(view.keys(), [k for r in table for k in r.diffusers])
+        by_bfl = {r.bfl: r.diffusers[0] for r in table}  # every FLUX.3 rule is one tensor
+
+        def shape_of(key: str) -> tuple[int, ...]:
+            return view.shape(by_bfl[key])
+
+    cfg = flux3_transformer.infer_config(shape_of, depths, folder, files[0])
+    # a BFL file cannot state these: refuse a diffusers config whose values BFL's code would not reproduce
+    lost = [
+        f"{k} {folder[k]} (BFL fixes {v})"
+        for k, v in FLUX3_DIFFUSERS_FIXED.items()
+        if folder and k in folder and folder[k] != v
+    ]
+    if lost:
+        raise WeightsError(
+            f"{files[0].parent / 'config.json'}: BFL's FLUX.3 cannot express " + ", ".join(lost)
+        )
+    with torch.device("meta"):
+        expected = Flux3Transformer(cfg).state_dict()
+    table = list(flux3_layout.rules(*depths))
+    steps = _transformer_steps(
+        layout, view, table, expected, flux3_layout.bfl_to_diffusers, flux3_layout.diffusers_to_bfl
     )
     target = "diffusers" if layout == "bfl" else "bfl"
     return ConversionPlan("transformer", files, layout, target, steps, cfg, transformer_diffusers_config(cfg))
@@ -419,13 +480,14 @@ def convert(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> ConversionResult:
-    """Convert the FLUX.1 or FLUX.2 `component` at `src` to the layout it is not in, at `dst`.
+    """Convert the FLUX.1, FLUX.2 or FLUX.3 `component` at `src` to the layout it is not in, at `dst`.
 
     BFL → diffusers writes a folder (`dst`); diffusers → BFL writes one file (`dst`, `.safetensors`).
     Tensors keep their dtype and values bit for bit (fused q/k/v concatenated or split, the final
     norm's halves swapped, 1x1 convs reshaped). A BFL file carries no config: converting one to
     diffusers infers the architecture from shapes, with 32 groups and the family's fixed values
     (FLUX.1's VAE factors, FLUX.2's BatchNorm eps, the RoPE axes of the preset with that head width).
+    FLUX.3 BFL files' training-only `repa_projectors.*` are left out of the diffusers folder.
     Raises `WeightsError` (bad source or destination) or `ValueError` (bad `max_shard_size`).
     """
     limit = parse_size(max_shard_size)

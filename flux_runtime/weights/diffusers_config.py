@@ -22,11 +22,31 @@ FLUX1_VAE_SAMPLE_SIZE = 1024
 FLUX2_VAE_SAMPLE_SIZE = 1024
 FLUX2_BN_MOMENTUM = 0.1
 FLUX2_DIFFUSERS_FIXED: dict[str, Any] = {"patch_size": 1, "timestep_guidance_channels": 256, "eps": 1e-6}
+# What FLUX.3's BFL code fixes and diffusers' `Flux3Transformer2DModel` config states (its defaults).
+FLUX3_DIFFUSERS_FIXED: dict[str, Any] = {"timestep_channels": 256, "eps": 1e-6}
 
 
 def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
-    """The config.json diffusers writes for a `FluxTransformer2DModel` (FLUX.1) or a
-    `Flux2Transformer2DModel` (FLUX.2) of this shape (same fields)."""
+    """The config.json diffusers writes for a `FluxTransformer2DModel` (FLUX.1), a `Flux2Transformer2DModel`
+    (FLUX.2) or a `Flux3Transformer2DModel` (FLUX.3) of this shape (same fields)."""
+    if cfg.family == "flux3":
+        return {
+            "_class_name": "Flux3Transformer2DModel",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "attention_head_dim": cfg.head_dim,
+            "axes_dims_rope": list(cfg.axes_dim),
+            "cond_in_channels": cfg.cond_in_channels,
+            "flow_map": cfg.flow_map,
+            # diffusers has no out_channels: its output width is in_channels (our config checks they agree)
+            "in_channels": cfg.in_channels,
+            "joint_attention_dim": cfg.context_in_dim,
+            "mlp_ratio": cfg.mlp_ratio,
+            "num_attention_heads": cfg.num_heads,
+            "num_layers": cfg.depth,
+            "num_single_layers": cfg.depth_single_blocks,
+            "rope_theta": cfg.theta,
+            **FLUX3_DIFFUSERS_FIXED,
+        }
     if cfg.family == "flux2":
         return {
             "_class_name": "Flux2Transformer2DModel",

@@ -6,6 +6,12 @@ from the presence of the target-timestep embedder; the model is built on the met
 streamed to the target device, in the model dtype except the QK-norm weights, which stay fp32 as diffusers'
 `from_pretrained` keeps them. Missing, unexpected and misshapen keys are named; BFL's training-only
 `repa_projectors.*` are skipped by name. `load_transformer` dispatches here when the keys are FLUX.3's.
+
+FP8 as for FLUX.2 (`weights.fp8`, which lists the FLUX.3 layers that run in e4m3 and why the rest stay
+bf16): FP8 checkpoints (a ModelOpt-style diffusers folder, such as `flux-convert quantize` writes, or a
+ComfyUI scaled-FP8 / plain e4m3 BFL file) load with their e4m3 weights and scales as they are, and
+`fp8=True` quantizes a bf16 checkpoint's block projections as they stream in. The QK-norm weights stay
+fp32 either way.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from flux_runtime.models.dit import PRESETS, DiTConfig
 from flux_runtime.models.dit.flux3 import Flux3Transformer
 from flux_runtime.registry import builtin
 from flux_runtime.weights import flux3_layout
+from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.checkpoint import (
     TransformerCheckpoint,
     check_config,
@@ -36,7 +43,6 @@ from flux_runtime.weights.checkpoint import (
 from flux_runtime.weights.checks import check_device, check_load_dtype, check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
-from flux_runtime.weights.fp8 import Fp8Source
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
 from flux_runtime.weights.random_init import init_random
 
@@ -109,12 +115,16 @@ def infer_config(
     return cfg
 
 
-def random_flux3(cfg: DiTConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Flux3Transformer:
-    """A seeded random FLUX.3 model (built-in names, benchmarks): drawn in fp32, cast with fp32 QK norms."""
+def random_flux3(
+    cfg: DiTConfig, seed: int, device: torch.device, dtype: torch.dtype, fp8: bool = False
+) -> Flux3Transformer:
+    """A seeded random FLUX.3 model (built-in names, benchmarks): drawn in fp32, cast with fp32 QK norms,
+    its block projections quantized to FP8 when `fp8` (bf16 only)."""
+    fp8_layers.check_dtype(dtype, fp8)
     with torch.device("meta"):
         model = Flux3Transformer(cfg)
     model = init_random(model, seed, device, torch.float32).cast_to(dtype)
-    return finish_builtin(model, dtype, fp8=False)
+    return finish_builtin(model, dtype, fp8=fp8)
 
 
 def load_flux3_transformer(
@@ -130,17 +140,19 @@ def load_flux3_transformer(
     `path_or_id`: a BFL single file (optionally `model.diffusion_model.` prefixed), a diffusers `transformer/`
     folder or pipeline root (sharded or not), a Hugging Face model id in the local cache, or the built-in random
     `tiny-flux3-random`. `config` is optional; when given it must agree with the checkpoint (its `axes_dim` and
-    `theta` are then used). The QK-norm weights load in fp32 whatever `dtype`. FP8 is not available for FLUX.3
-    yet: `fp8=True` and e4m3 checkpoints are refused.
+    `theta` are then used). The QK-norm weights load in fp32 whatever `dtype`.
+
+    FP8 checkpoints load with their block projections in e4m3 (bf16 only); `fp8=True` quantizes a bf16
+    checkpoint's block projections at load (per-channel weight scales, per-row activation scales).
+    `.precision` says which (`bf16`, `fp8-static`, `fp8-dynamic`), `.quantized_at_load` whether `fp8` did it.
     """
     device = check_device(device)
     dtype = check_load_dtype(dtype)
-    if fp8:
-        raise WeightsError("fp8=True: FP8 is not available for FLUX.3 yet; load the model without fp8")
+    fp8_layers.check_dtype(dtype, fp8)
     spec = None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
     if spec is not None and spec.family == "flux3":
         assert spec.preset is not None  # every built-in model has an architecture
-        return random_flux3(config or PRESETS[spec.preset], spec.seed, device, dtype)
+        return random_flux3(config or PRESETS[spec.preset], spec.seed, device, dtype, fp8)
 
     ckpt = path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)
     files, src = ckpt.files, ckpt.source
@@ -148,12 +160,12 @@ def load_flux3_transformer(
         raise WeightsError(f"{files[0]}: not a FLUX.3 transformer (no per-mode modulation weights)")
     layout = flux3_layout.detect_layout(src.keys())
     reader = KeyView(src, BFL_PREFIXES) if layout == "bfl" else src
-    if Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent)) is not None:
-        raise WeightsError(f"{files[0]}: an FP8 FLUX.3 checkpoint; FP8 is not available for FLUX.3 yet")
+    fp8_src = fp8_layers.Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent))
+    extra = fp8_src.extra_keys() if fp8_src is not None else set()
     skipped = sorted(k for k in reader.keys() if flux3_layout.training_only(k))
     if skipped:
         log.info("%s: skipping %d training-only tensors (%s, ...)", files[0], len(skipped), skipped[0])
-    keys = set(reader.keys()) - set(skipped)
+    keys = set(reader.keys()) - set(skipped) - extra
     if layout == "bfl":
         depths = flux3_layout.bfl_depths(keys)
         shape_of = reader.shape
@@ -193,5 +205,5 @@ def load_flux3_transformer(
         check_part_shapes(table, expected, src.shape, flux3_layout.bfl_to_diffusers)
         check_weight_dtypes(src, sorted(used))
     return fill_model(
-        model, table, _Fp32Norms(reader), assemble, device=device, dtype=dtype, fp8_src=None, fp8=False
+        model, table, _Fp32Norms(reader), assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8
     )

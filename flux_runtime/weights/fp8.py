@@ -9,7 +9,7 @@ Formats, each told from its keys and dtypes (never from a file name):
   newer `X.weight_scale` / `X.input_scale` with `X.comfy_quant`; a `scaled_fp8` marker tensor.
 - Plain e4m3 casts (BFL names, no scales at all): weight scale 1, activations scaled per row at run time.
 
-Our modules fuse q/k/v (and the single block's MLP input) into one weight. FP8 shards are concatenated
+Our FLUX.1 / FLUX.2 modules fuse q/k/v (and the single block's MLP input) into one weight. FP8 shards are concatenated
 byte for byte and each keeps its weight scale as rows of a per-output-channel vector, so merging
 rounds nothing; the shards read one activation, so they need one `input_scale` (equal in calibrated
 checkpoints; if not, the largest is taken and a warning says so).
@@ -17,6 +17,20 @@ checkpoints; if not, the largest is taken and a warning says so).
 Quantization at load (`fp8=True`) turns a bf16 checkpoint's block projections into e4m3 with one scale
 per output channel (`amax / 448`) and per-row activation scales; embedders, modulation and the final
 layer stay in bf16, as the published FP8 recipes keep them.
+
+FLUX.3 follows the FLUX.2 recipe. In FP8: `q_proj`, `k_proj`, `v_proj`, `attn_out`, `mlp_in` and `mlp_out`
+of every per-mode block (`txt_mode_blocks.N`, `content_mode_blocks.{image,image_cond}.N`) and every joint
+block (`single_blocks.N`): by count, 98% of the GEMM FLOPs of a 1024² step with 480 text tokens
+(13 D² per token per block, against ~8 D² per image token and ~13 D² per text token outside them). Kept in
+bf16, and why:
+- the embedders (`emb_in.*`, `txt_in`, `time_in`, `ref_time_in`): they read the raw inputs (latents, the
+  stacked Qwen3-VL states, whose few outlier channels LLMs are known for, sinusoids), where one scale per
+  token set by the largest channel leaves the small ones few e4m3 steps; they are a small share of the work;
+- the modulation layers (`*_stream_modulations.*`): their shift, scale and gate multiply every token of
+  the residual stream in every block, so their error is amplified rather than averaged out;
+- the final layer (`final_layer.image.*`): it writes the predicted velocity itself.
+FLUX.3 keeps q, k and v apart in both layouts, so nothing is merged: each FP8 layer has its own scales.
+The fp32 QK-norm weights are not projections and stay fp32.
 """
 
 from __future__ import annotations
@@ -42,9 +56,13 @@ _WEIGHT_SCALE = (".weight_scale", ".scale_weight")
 _INPUT_SCALE = (".input_scale", ".scale_input")
 _IGNORED_SUFFIXES = (".comfy_quant", "_amax", ".weight_amax", ".input_amax")
 _MARKERS = ("scaled_fp8",)
-# BFL module names of the projections that run in FP8 (the rest stay in the activations' dtype)
+# BFL module names of the projections that run in FP8 (the rest stay in the activations' dtype):
+# FLUX.1 / FLUX.2 double-block qkv, proj and MLP, single-block linear1 / linear2; FLUX.3 (see above)
+# the attention and SwiGLU projections of every per-mode and joint block
 _FP8_MODULES = re.compile(
-    r"(double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.(0|2))|single_blocks\.\d+\.linear(1|2))$"
+    r"(double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.(0|2))|single_blocks\.\d+\.linear(1|2)"
+    r"|(txt_mode_blocks|content_mode_blocks\.(image|image_cond)|single_blocks)\.\d+\."
+    r"(q_proj|k_proj|v_proj|attn_out|mlp_in|mlp_out))$"
 )
 QUANTIZE_COMMAND = "flux-convert quantize SRC DST"
 

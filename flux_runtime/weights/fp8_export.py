@@ -5,7 +5,8 @@ it: diffusers key names; per quantized Linear an e4m3 `weight` with a per-tensor
 (`amax(|W|) / 448`) and a static `input_scale` (`amax(|x|) / 448` over the calibration runs), both fp32 of
 shape `[]`; every other tensor as it was; `config.json` with a `quantization_config` (`quant_method:
 modelopt`, `quant_algo: FP8`, the `ignore` globs of the layers left in bf16). q, k and v of one attention
-read one input, so they get one input scale.
+read one input, so they get one input scale. FLUX.1, FLUX.2 and FLUX.3 (whose q, k, v are our modules too,
+each calibrated on the same input, hence equal scales) alike.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from torch import Tensor, nn
 
 import flux_runtime
 from flux_runtime.kernels.fp8 import E4M3, E4M3_MAX, MIN_AMAX
-from flux_runtime.weights import flux1_layout, flux2_layout
+from flux_runtime.models.dit import DiTConfig
+from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
 from flux_runtime.weights.convert import DEFAULT_MAX_SHARD_SIZE, ConversionPlan, Step, write_diffusers
 from flux_runtime.weights.diffusers_config import transformer_diffusers_config
 from flux_runtime.weights.errors import WeightsError
@@ -41,6 +43,14 @@ IGNORE = {
         "context_embedder",
         "time_guidance_embed*",
         "*modulation*",
+        "norm_out*",
+        "proj_out",
+    ],
+    "flux3": [
+        "x_embedders*",
+        "context_embedder",
+        "*timestep_embedder*",
+        "*modulations*",
         "norm_out*",
         "proj_out",
     ],
@@ -93,12 +103,7 @@ def write_modelopt_fp8(
 ) -> list[Path]:
     """Write `model` (bf16, ours) as a ModelOpt FP8 diffusers folder, with `ranges` as the input amax per layer."""
     cfg = model.config
-    layout = flux1_layout if cfg.family == "flux1" else flux2_layout
-    split = (
-        (lambda r, t: flux1_layout.bfl_to_diffusers(r, t, cfg.hidden_size))
-        if cfg.family == "flux1"
-        else flux2_layout.bfl_to_diffusers
-    )
+    table, split = _layout(cfg)
     sd = model.state_dict()
     missing = sorted(
         k.rsplit(".", 1)[0]
@@ -128,7 +133,7 @@ def write_modelopt_fp8(
         return out
 
     steps = []
-    for rule in layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed):
+    for rule in table:
         meta = _meta_outputs(rule, sd, split, ranges)
         steps.append(
             Step(
@@ -155,6 +160,18 @@ def write_modelopt_fp8(
         steps=steps, config=cfg, diffusers_config=config,
     )  # fmt: skip
     return write_diffusers(plan, dst, max_shard_size=max_shard_size, overwrite=overwrite)
+
+
+def _layout(cfg: DiTConfig) -> tuple[list[flux1_layout.Rule], Callable[[flux1_layout.Rule, Tensor], dict]]:
+    """The family's diffusers rule table for this model and its BFL → diffusers split."""
+    if cfg.family == "flux1":
+        rules = flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
+        return list(rules), lambda r, t: flux1_layout.bfl_to_diffusers(r, t, cfg.hidden_size)
+    if cfg.family == "flux3":
+        rules = flux3_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.flow_map)
+        return list(rules), flux3_layout.bfl_to_diffusers
+    rules = flux2_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
+    return list(rules), flux2_layout.bfl_to_diffusers
 
 
 def _meta_outputs(rule, sd, split, ranges) -> dict[str, Tensor]:
