@@ -255,6 +255,11 @@ class Recipe:
         """What the transformer's guidance embedder is fed (B,) fp32, or None for a model without one."""
         raise NotImplementedError
 
+    def planned_tokens(self, call: Call | None) -> tuple[int, int]:
+        """(text tokens, conditioning tokens in the sequence beside the image's) that the memory planner
+        budgets a checked `call` with (None: a default call): by default the text window's cap and none."""
+        return (self.default_max_sequence_length if call is None else call.max_sequence_length), 0
+
     def decoder_input(self, latents: Tensor, start: Start) -> Tensor:
         """The VAE decoder's input from the final packed latents."""
         raise NotImplementedError

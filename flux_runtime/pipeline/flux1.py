@@ -202,12 +202,12 @@ class Pipeline(Recipe):
                     "variant, is_distilled and text_encoder_2 are not FLUX.3 settings (a FLUX.3 checkpoint says "
                     "itself whether it is the flow map)"
                 )
-            if parallel is not None or memory not in ("auto", None):
-                raise FluxError("memory budgets and parallel are not available for FLUX.3 yet: drop them")
+            if parallel is not None:
+                raise FluxError("parallel is not available for FLUX.3 yet: drop it (one GPU runs FLUX.3)")
             return Flux3Pipe.from_sources(
                 src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
                 cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders, checkpoint=ckpt,
-                fp8=fp8, fp8_text=fp8_text,
+                fp8=fp8, fp8_text=fp8_text, budget=budget,
             )  # fmt: skip
         if is_distilled is not None:
             raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")

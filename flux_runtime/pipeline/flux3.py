@@ -34,7 +34,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit.flux3 import Flux3Fixed, Flux3RoPE, Flux3Transformer
 from flux_runtime.models.vae import Flux2VAE
-from flux_runtime.pipeline import flux3_upsample
+from flux_runtime.pipeline import flux3_upsample, placement
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -67,7 +67,8 @@ from flux_runtime.sampling.flux3_references import (
     prepare_flux3_references,
 )
 from flux_runtime.sampling.schedule import ScheduleConfig
-from flux_runtime.text.flux3 import MAX_SEQUENCE_LENGTH, Flux3TextEncoder, text_ids
+from flux_runtime.text.flux3 import MAX_SEQUENCE_LENGTH, NEGATIVE_PROMPT, Flux3TextEncoder, text_ids
+from flux_runtime.text.flux3_upsampler import MAX_NEW_TOKENS as UPSAMPLER_MAX_NEW_TOKENS
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.checkpoint import TransformerCheckpoint
 from flux_runtime.weights.config_files import read_json_if_present
@@ -83,6 +84,10 @@ BASE_STEPS = 50
 FLOW_MAP_STEPS = 16
 DEFAULT_GUIDANCE = 3.5
 DEFAULT_SIZE = 1024
+# The text windows a memory plan budgets: a default call's (a long prompt's window), and an upsampled caption's
+# (the upsampler writes at most MAX_NEW_TOKENS tokens; its chat template adds a few dozen, rounded up to 80).
+PLANNED_TEXT_TOKENS = 512
+UPSAMPLED_TEXT_TOKENS = math.ceil((UPSAMPLER_MAX_NEW_TOKENS + 64) / 80) * 80
 
 
 @dataclass
@@ -184,29 +189,31 @@ class Flux3Pipe(Recipe):
         checkpoint: TransformerCheckpoint | None = None,
         fp8: bool = False,
         fp8_text: bool = False,
+        budget: int | None = None,
     ) -> Flux3Pipe:
         """Load the parts `find_sources` located. The text encoder: the folder's `text_encoder/` + `tokenizer/`;
         else `text_encoder` (a diffusers FLUX.3 folder, or a Qwen3-VL folder / cached id); else Qwen3-VL-4B-Instruct;
         a built-in random model gets the tiny Qwen3-VL. The schedule's shift and the CFG scale come from the folder's
         `scheduler/` and `guider/` configs when it has them. `fp8` / `fp8_text`: quantize the transformer's block
-        projections / the text encoder's decoder layers to FP8 at load (bf16)."""
-        transformer = load_transformer(checkpoint or src.transformer, device=device, dtype=dtype, fp8=fp8)
+        projections / the text encoder's decoder layers to FP8 at load (bf16). `budget`: the memory budget the
+        plan is chosen for (`Pipeline.from_pretrained`'s `memory`; None: everything on the device)."""
+        dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
+        transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux3Transformer)  # dispatched on the keys
         vae = load_vae(src.vae, device=device, dtype=dtype)
         if not isinstance(vae, Flux2VAE):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.3 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
-        text_device = torch.device("cpu") if offload_text_encoders else device
-        text = _open_text(src, text_encoder, text_device, dtype)
+        text = _open_text(src, text_encoder, placement.text_device(budget, device), dtype)
         if fp8_text:
             text.quantize_fp8()
         pipe = cls(
             transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
             guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,
-            cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
-            prompt_upsampler=_upsampler_source(src),
+            cuda_graphs=cuda_graphs, prompt_upsampler=_upsampler_source(src),
         )  # fmt: skip
         pipe.fp8_text = fp8_text
+        placement.place(pipe, budget, offload_text_encoders, device)
         return pipe
 
     # ------------------------------------------------------------------ generation
@@ -329,31 +336,52 @@ class Flux3Pipe(Recipe):
             raise FluxError(str(e)) from None
 
     def encode(self, call: Call) -> Conditioning:
-        """The upsampler's caption (or the prompt) and, with CFG, the empty negative, through Qwen3-VL."""
+        """The upsampler's caption (or the prompt) and, with CFG, the empty negative, through Qwen3-VL: the encoder
+        on the device only meanwhile when the memory plan moves it; repeated prompts from the cache."""
         caption = flux3_upsample.caption(self, call)
-        te, n = self.text_encoder, call.num_images_per_prompt
-        cfg = call.true_cfg_scale != 1.0
-        need = call.prompt_embeds is None or cfg
-        if self.offload_text_encoders and need:
-            te.to(self.device)
-        try:
+        te, n, max_len = self.text_encoder, call.num_images_per_prompt, call.max_sequence_length
+
+        def encode(text: str) -> Tensor:
+            return self.cached_encode(
+                ("flux3", text, max_len, n),
+                lambda: te.encode(text, max_sequence_length=max_len, num_images_per_prompt=n, device=self.device)
+                .prompt_embeds,
+            )  # fmt: skip
+
+        with self.using("text", enter=False):
             if call.prompt_embeds is None:
                 assert isinstance(call.prompt, str)  # checked
-                embeds = te.encode(
-                    caption or call.prompt, max_sequence_length=call.max_sequence_length, num_images_per_prompt=n,
-                    device=self.device,
-                ).prompt_embeds  # fmt: skip
+                embeds = encode(caption or call.prompt)
             else:
                 embeds = call.prompt_embeds.to(self.device).repeat_interleave(n, dim=0)
-            negative = None
-            if cfg:
-                negative = te.encode_negative(
-                    max_sequence_length=call.max_sequence_length, num_images_per_prompt=n, device=self.device
-                ).prompt_embeds
-        finally:
-            if self.offload_text_encoders and need:
-                te.offload()
+            # the base model's CFG: the empty negative, encoded the same way (Flux3TextEncoder.encode_negative)
+            negative = encode(NEGATIVE_PROMPT) if call.true_cfg_scale != 1.0 else None
         return Conditioning(embeds, negative_txt=negative)
+
+    def planned_tokens(self, call: Call | None) -> tuple[int, int]:
+        """The text window the memory plan budgets (a default call: 512 tokens; a checked one: its prompt's
+        window, the upsampler's longest caption when it runs, or the embeddings' length) and the reference
+        images' tokens."""
+        if call is None:
+            return PLANNED_TEXT_TOKENS, 0
+        max_len = call.max_sequence_length
+        if call.prompt_embeds is not None:
+            text = call.prompt_embeds.shape[1]
+        elif call.prepared.get("upsample") == "on":
+            text = min(max_len, UPSAMPLED_TEXT_TOKENS)
+        else:
+            assert isinstance(call.prompt, str)  # checked
+            text = self.text_encoder.text_window(call.inputs.get("upsampled_prompt") or call.prompt, max_len)
+        refs: PreparedReferences | None = call.prepared.get("refs")
+        token = 2 * self.vae.config.spatial_factor  # pixels per side of one packed token
+        extra = (
+            0 if refs is None else sum((p.shape[-2] // token) * (p.shape[-1] // token) for p in refs.pixels)
+        )
+        return text, extra
+
+    def uses_cfg(self, guidance: float) -> bool:
+        """Whether a call at `guidance` runs CFG (the base model, unless the scale is 1)."""
+        return not self.is_flow_map and not math.isclose(guidance, 1.0)
 
     def prepare(self, call: Call, cond: Conditioning) -> Start:
         """128-channel noise drawn in float32, cast to the text dtype, packed; ids and the static-shift schedule."""

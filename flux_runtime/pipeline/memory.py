@@ -55,6 +55,8 @@ SLOTS = 2
 HEADROOM = 0.05
 # bytes kept free on a GPU for cuBLAS / cuDNN workspaces, the RNG state and a call's small tensors
 WORKSPACE = 512 << 20
+# The budget of a plan asked for by name without one (offload_text_encoders with no memory budget).
+UNLIMITED = 1 << 62
 VAE_TILE = 128  # diffusers' tile_latent_min_size for FLUX.1 and FLUX.2
 
 
@@ -187,6 +189,8 @@ class Plan:
             parts.append("transformer " + self._mode("dit", self.dit, self.streamed_dit))
         if self.vae_tiled:
             parts.append(f"VAE tiled ({VAE_TILE} latent px)")
+        if self.budget >= UNLIMITED:  # a plan asked for by name (offload_text_encoders), not by a budget
+            return f"{', '.join(parts)}; est. peak {gib(self.peak)} (no budget)"
         return f"{', '.join(parts)}; est. peak {gib(self.peak)} of a {gib(self.budget)} budget"
 
     def _mode(self, model: str, mode: Mode, streamed: tuple[int, ...]) -> str:

@@ -139,9 +139,12 @@ def dit_model(config: Any, *, fp8: bool = False, dtype: torch.dtype = torch.bflo
     """A transformer of `config` (a `DiTConfig`) on meta, in `dtype` or with FP8 block projections."""
     from flux_runtime.models.dit.flux1 import Flux1Transformer
     from flux_runtime.models.dit.flux2 import Flux2Transformer
+    from flux_runtime.models.dit.flux3 import Flux3Transformer
 
+    cls = {"flux1": Flux1Transformer, "flux2": Flux2Transformer, "flux3": Flux3Transformer}[config.family]
     with META:
-        model = (Flux1Transformer if config.family == "flux1" else Flux2Transformer)(config).to(dtype).eval()
+        model = cls(config)
+        model = model.cast_to(dtype).eval() if config.family == "flux3" else model.to(dtype).eval()
     return meta_fp8(model, dtype) if fp8 else model
 
 
@@ -151,6 +154,8 @@ def dit_peak(
     """One forward of `model` (from `dit_model`) on a `side`² image, as the pipeline's `velocity` calls it
     (RoPE tables built beforehand, as the pipeline caches them)."""
     cfg = model.config
+    if cfg.family == "flux3":
+        return _flux3_peak(model, batch, side, txt_tokens, record)
     dtype = model.img_in.weight.dtype
     n_img = (side // 16) ** 2
     axes = len(cfg.axes_dim)
@@ -171,6 +176,41 @@ def dit_peak(
     else:
         run = lambda: model(img, img_ids, txt, txt_ids, t, guidance, pe=pe)  # noqa: E731
     return peak_of(run, [*model.parameters(), *model.buffers(), *inputs], record)
+
+
+def _flux3_peak(
+    model: torch.nn.Module, batch: int, side: int, txt_tokens: int, record: bool, ref_side: int | None = None
+) -> LiveBytes:
+    """`dit_peak` for FLUX.3: one forward with its text (and a `ref_side`² reference's) stream, the RoPE
+    tables built beforehand, as the pipeline's `velocity` calls it."""
+    cfg = model.config
+    dtype = model.txt_in.weight.dtype
+    n_img, n_ref = (side // 16) ** 2, 0 if ref_side is None else (ref_side // 16) ** 2
+    with META:
+        img = torch.empty(batch, n_img, cfg.in_channels, dtype=dtype)
+        txt = torch.empty(batch, txt_tokens, cfg.context_in_dim, dtype=dtype)
+        ref = torch.empty(batch, n_ref, cfg.cond_in_channels, dtype=dtype) if n_ref else None
+        t = torch.empty(batch, dtype=dtype)
+        target = torch.empty(batch, dtype=dtype) if cfg.flow_map else None
+        ids = [torch.empty(n, 4) for n in (txt_tokens, n_img, n_ref)]
+        pe = model.rope(ids[0], ids[1], ids[2] if n_ref else None)
+    tables = [x for table in pe if table is not None for x in table]
+    inputs = [img, txt, t, *ids, *tables] + [x for x in (ref, target) if x is not None]
+
+    def run() -> Any:
+        return model(
+            img, ids[1], txt, ids[0], t, ref=ref, ref_ids=ids[2] if n_ref else None, target_timesteps=target,
+            pe=pe,
+        )  # fmt: skip
+
+    return peak_of(run, [*model.parameters(), *model.buffers(), *inputs], record)
+
+
+def flux3_peak(
+    model: torch.nn.Module, batch: int, side: int = 1024, txt_tokens: int = 512, ref_side: int | None = None
+) -> LiveBytes:
+    """One FLUX.3 forward's activation peak, with an optional `ref_side`² reference image."""
+    return _flux3_peak(model, batch, side, txt_tokens, False, ref_side)
 
 
 def decode_peak(
@@ -216,6 +256,17 @@ def t5_xxl_config() -> Any:
 
     return T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                     feed_forward_proj="gated-gelu", is_encoder_decoder=False)  # fmt: skip
+
+
+def qwen3_vl_4b_config() -> Any:
+    """FLUX.3's Qwen3-VL-4B-Instruct: the Qwen3-4B text model (36 layers of 2560) and a 24-layer vision tower of
+    1024 (about 4.4 B parameters)."""
+    from transformers import Qwen3VLConfig
+
+    text = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)  # fmt: skip
+    vision = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
 
 
 def clip_l_config() -> Any:

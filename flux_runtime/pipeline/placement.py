@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from flux_runtime.pipeline.memory import (
+    UNLIMITED,
     VAE_TILE,
     WORKSPACE,
     Footprint,
@@ -37,7 +38,6 @@ from flux_runtime.pipeline.streaming import ModelPlacement, part_of
 
 log = logging.getLogger(__name__)
 
-UNLIMITED = 1 << 62  # the budget of a forced plan without one (offload_text_encoders on a CPU)
 DEFAULT_GUIDANCE = 4.0  # FLUX.2's default: whether a default call runs CFG
 
 
@@ -86,7 +86,8 @@ class Placement:
             return
         cfg = call.true_cfg_scale > 1
         batch = _batch(call)
-        act = _denoise(pipe, call.height, call.width, call.max_sequence_length, batch, cfg)
+        text_tokens, extra_tokens = pipe.planned_tokens(call)
+        act = _denoise(pipe, call.height, call.width, text_tokens, batch, cfg, extra_tokens)
         dec = _decode(pipe, call.height, call.width, batch, tiled=plan.vae_tiled or pipe.vae_tile is not None)
         need = self.weights_at_denoise + max(act, dec)
         workspace = _workspace(self.device)
@@ -110,12 +111,14 @@ def _workspace(device: torch.device) -> int:
 
 
 def denoise_bytes(
-    config: Any, dtype: torch.dtype, height: int, width: int, max_len: int, batch: int, cfg: bool
-) -> int:
-    """The planner's activation estimate for the transformer (`config`, a `DiTConfig`) at this size."""
-    tokens = (height // 16) * (width // 16)
+    config: Any, dtype: torch.dtype, height: int, width: int, max_len: int, batch: int, cfg: bool,
+    extra_tokens: int = 0,
+) -> int:  # fmt: skip
+    """The planner's activation estimate for the transformer (`config`, a `DiTConfig`) at this size, with
+    `extra_tokens` conditioning tokens in the sequence beside the image's (FLUX.3's references)."""
+    tokens = (height // 16) * (width // 16) + extra_tokens
     act = denoise_activations(
-        tokens, max_len, config.hidden_size, config.mlp_hidden_dim, config.family == "flux2", batch,
+        tokens, max_len, config.hidden_size, config.mlp_hidden_dim, config.family in ("flux2", "flux3"), batch,
         torch.empty((), dtype=dtype).element_size(),
     )  # fmt: skip
     return 2 * act if cfg else act  # one CUDA-graph pool per branch
@@ -129,8 +132,22 @@ def decode_bytes(config: Any, dtype: torch.dtype, height: int, width: int, batch
     )
 
 
-def _denoise(pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: bool) -> int:
-    return denoise_bytes(pipe.transformer.config, pipe.dtype, height, width, max_len, batch, cfg)
+def _denoise(
+    pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: bool, extra_tokens: int = 0
+) -> int:
+    return denoise_bytes(
+        pipe.transformer.config, pipe.dtype, height, width, max_len, batch, cfg, extra_tokens
+    )
+
+
+def dit_layers(transformer: nn.Module) -> list[nn.Module]:
+    """The transformer blocks a plan may stream, in the order every step runs them: FLUX.1/FLUX.2's double
+    then single blocks; FLUX.3's image blocks then its joint blocks. FLUX.3's text and reference blocks stay
+    with the rest of the model: the base model runs them once per generation and a text-to-image call not
+    at all (references), so a ring streaming them would lose its order at every step."""
+    if transformer.config.family == "flux3":
+        return [*transformer.content_mode_blocks["image"], *transformer.single_blocks]
+    return [*transformer.double_blocks, *transformer.single_blocks]
 
 
 def _decode(pipe: Any, height: int, width: int, batch: int, *, tiled: bool) -> int:
@@ -159,12 +176,12 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
     pipeline's)."""
     text_roots, text_layers = pipe.text_encoder.parts()
     t = pipe.transformer
-    size, max_len = pipe.default_size, pipe.default_max_sequence_length
+    size, (max_len, _) = pipe.default_size, pipe.planned_tokens(None)
     uses_cfg = getattr(pipe, "uses_cfg", None)
     cfg = bool(uses_cfg(DEFAULT_GUIDANCE)) if uses_cfg is not None else False
     return Footprint(
         text=part_of(text_roots, text_layers),
-        dit=part_of([t], [*t.double_blocks, *t.single_blocks]),
+        dit=part_of([t], dit_layers(t)),
         vae=part_of([pipe.vae], []).rest,
         act_encode=encode_bytes(text_roots, max_len, 2 if cfg else 1),
         act_denoise=_denoise(pipe, size, size, max_len, 1, cfg),
@@ -194,7 +211,7 @@ def apply_plan(pipe: Any, plan: Plan, device: torch.device, fp: Footprint | None
         t = pipe.transformer
         models = {
             "text": ModelPlacement("text encoder", text_roots, text_layers, device),
-            "dit": ModelPlacement("transformer", [t], [*t.double_blocks, *t.single_blocks], device),
+            "dit": ModelPlacement("transformer", [t], dit_layers(t), device),
         }
         pipe.placement = Placement(device, models, pipe._graphed)
     placement: Placement = pipe.placement

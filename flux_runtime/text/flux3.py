@@ -150,6 +150,14 @@ class Flux3TextEncoder(StackedLLM):
             add_generation_prompt=True,
         )
 
+    def text_window(self, prompt: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> int:
+        """How many tokens `tokenize` gives `prompt` (its chat text rounded up to a multiple of 80, capped), without
+        encoding it: what a memory plan budgets the transformer's text stream with."""
+        full = len(self.tokenizer(self.render(prompt), verbose=False).input_ids)
+        return min(
+            math.ceil(min(full, max_sequence_length) / PAD_MULTIPLE) * PAD_MULTIPLE, max_sequence_length
+        )
+
     def tokenize(
         self, prompt: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -175,9 +183,7 @@ class Flux3TextEncoder(StackedLLM):
                 max_sequence_length,
                 full - max_sequence_length,
             )
-        length = min(
-            math.ceil(min(full, max_sequence_length) / PAD_MULTIPLE) * PAD_MULTIPLE, max_sequence_length
-        )
+        length = self.text_window(prompt, max_sequence_length)
         batch = self.tokenizer(
             text,
             return_tensors="pt",

@@ -112,8 +112,15 @@ class Block(nn.Module):
         mlp = self.mlp_out(swiglu(self.mlp_in(x)))
         return attn, mlp
 
-    def forward(self, x: Tensor, mod: Tensor, pe: RoPE) -> Tensor:
-        """A per-mode block: x (B, L, D), mod (B, L, 3D) → x + gate * (attn + mlp)."""
+    def forward(
+        self, x: Tensor, mod: Tensor, pe: RoPE, txt: Tensor | None = None, mod_txt: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """A per-mode block: x (B, L, D), mod (B, L, 3D) → x + gate * (attn + mlp); with the text stream `txt`
+        and its `mod_txt`, a joint block (`joint`) → (txt, x). Both run through the module call, so hooks on
+        the block (a memory plan's weight streaming, profilers) see every block that runs."""
+        if txt is not None:
+            assert mod_txt is not None
+            return self.joint(txt, x, mod_txt, mod, pe)
         shift, scale, gate = mod.chunk(3, dim=-1)
         attn, mlp = self.attention_mlp(modulate(x, shift, scale), pe)
         return kernels.token_gated_residual(x, gate, attn, mlp)
@@ -261,7 +268,7 @@ class Flux3Transformer(nn.Module):
         # joint single blocks over [txt | image | image_cond]
         txt_stream = fixed.txt
         for block in self.single_blocks:
-            txt_stream, x = block.joint(txt_stream, x, fixed.mod_txt, mod_content, pe.joint)
+            txt_stream, x = block(x, mod_content, pe.joint, txt_stream, fixed.mod_txt)
 
         # only the image tokens (first in the content) reach the output
         return self.final_layer["image"](x[:, :n_img], temb)
