@@ -112,7 +112,7 @@ def caption(pipe: Flux3Pipe, call: Call) -> str | None:
     setting: UpsamplerSetting = pipe.prompt_upsampler
     if setting.loaded is None:
         folder, prompts = call.prepared["upsampler_files"]
-        device = torch.device("cpu") if pipe.offload_text_encoders else pipe.device
+        device = torch.device("cpu") if _moves_text(pipe) else pipe.device
         setting.loaded = PromptUpsampler.open(
             folder, prompts, source=str(setting.source), device=device, dtype=pipe.dtype
         )
@@ -120,7 +120,7 @@ def caption(pipe: Flux3Pipe, call: Call) -> str | None:
     if setting.processor is not None:
         upsampler.processor = setting.processor
     assert isinstance(call.prompt, str)  # checked
-    if pipe.offload_text_encoders:
+    if _moves_text(pipe):
         upsampler.to(pipe.device)
     try:
         text = upsampler.upsample(
@@ -129,11 +129,17 @@ def caption(pipe: Flux3Pipe, call: Call) -> str | None:
     except ValueError as e:
         raise FluxError(f"prompt upsampler: {e}") from None
     finally:
-        if pipe.offload_text_encoders:
+        if _moves_text(pipe):
             upsampler.offload()
     call.prepared["caption"] = text
     log.info("upsampled prompt: %s", text)
     return text
+
+
+def _moves_text(pipe: Flux3Pipe) -> bool:
+    """The upsampler follows the text encoder: under a memory plan that takes the encoder off the GPU between
+    uses, the upsampler lives in host memory and comes to the GPU only to write its caption."""
+    return pipe.memory_plan.text != "resident"
 
 
 def record(pipe: Flux3Pipe, call: Call) -> dict[str, Any]:
