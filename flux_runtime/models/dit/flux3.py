@@ -19,7 +19,10 @@ The per-token chains go through `flux_runtime.kernels` (their references are the
 kernels run where the tier allows): `token_layer_norm_modulate` (every block's and the final layer's
 modulation; the joint blocks' two streams written into one buffer), `qk_norm_rope_fp32` (q and k
 together), `token_gated_residual` / `joint_token_gated_residual` (`x + gate * (attn + mlp)`, the sum
-rounded first as eager stores it).
+rounded first as eager stores it). In an FP8 model (`Fp8Linear` projections) the producers write e4m3:
+the LayerNorm + modulate kernel quantizes the block input once for q_proj, k_proj, v_proj and mlp_in when
+they quantize alike (`share_input`), and SwiGLU quantizes mlp_out's input as it forms it; each is the
+16-bit value eager rounds, then quantized, so the FP8 eager reference's bits are kept.
 
 The norm weights (`*.norm.query_norm.scale`, `*.norm.key_norm.scale`) stay fp32 whatever the model
 dtype, as diffusers keeps them (`cast_to` does this for a model built here).
