@@ -317,7 +317,7 @@ def test_gpu_fp8_block_lossless_equals_the_eager_reference(case, n_txt, n):
 def test_gpu_full_size_fp8_producers(static):
     """Full-size FLUX.3 Klein quantized as `fp8=True` does (static: every input scale set to one calibrated-like
     value, and one joint block's mlp_in apart), one 1024² forward with 480 text tokens and a 1024² reference:
-    lossless `torch.equal` to the eager reference, the fused producers recorded, nothing falling back."""
+    lossless `torch.equal` to the eager reference, the fused producers recorded, none of them falling back."""
     from flux_runtime.weights.flux3_transformer import random_flux3
     from flux_runtime.weights.fp8 import quantize_model
 
@@ -340,7 +340,8 @@ def test_gpu_full_size_fp8_producers(static):
     assert torch.equal(got, eager)
     blocks = 3 * FLUX3_KLEIN.depth + FLUX3_KLEIN.depth_single_blocks
     print(report)
-    assert not report.mismatches and not report.fallbacks
+    producers = {"token_layer_norm_modulate_fp8", "swiglu_fp8", "fp8_quantize"}
+    assert not report.mismatches and not [key for key in report.fallbacks if key[0] in producers]
     assert report.fused_calls["token_layer_norm_modulate_fp8"] == blocks - static
     assert report.fused_calls["swiglu_fp8"] == blocks
     assert report.fused_calls["fp8_quantize"] == blocks + (2 if static else 0)  # attn_out (+ the split block)
