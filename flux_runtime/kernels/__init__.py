@@ -38,7 +38,10 @@ from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
 from flux_runtime.kernels.qk_norm_rope_fp32 import qk_norm_rope_fp32
 from flux_runtime.kernels.swiglu import swiglu
 from flux_runtime.kernels.token_gated_residual import joint_token_gated_residual, token_gated_residual
-from flux_runtime.kernels.token_layer_norm_modulate import token_layer_norm_modulate
+from flux_runtime.kernels.token_layer_norm_modulate import (
+    token_layer_norm_modulate,
+    token_layer_norm_modulate_fp8,
+)
 
 __all__ = [
     "Fp8Act",
@@ -66,5 +69,6 @@ __all__ = [
     "swiglu_fp8",
     "token_gated_residual",
     "token_layer_norm_modulate",
+    "token_layer_norm_modulate_fp8",
     "use_fused",
 ]

@@ -8,6 +8,12 @@ streams straight into the joint (B, L_txt + L, D) buffer, so no `torch.cat` pass
 The statistics replay aten's `vectorized_layer_norm_kernel` exactly as `layer_norm_modulate` does (its
 Welford push and lane/warp tree are reused from there); then modulate's three roundings,
 `r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift)`, with the scale and shift rows of each token.
+
+`token_layer_norm_modulate_fp8` is the same kernel with an e4m3 epilogue for FP8 consumers (FLUX.3's q, k, v
+and MLP input projections read one modulated input): it quantizes the 16-bit value above, never the fp32 one,
+with a static scale or one scale per token from that row's absmax (the row is in registers already), so it is
+`torch.equal` to the 16-bit op followed by `quantize_reference`. The joint form writes `[txt | content]`
+straight into one e4m3 buffer: no 16-bit copy of the block input exists.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.fp8 import E4M3, Fp8Act, check_quant, quantize_reference
 from flux_runtime.kernels.layer_norm_modulate import MAX_WIDTH, _even_counts_halve, _fold_lanes, _welford_push
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
@@ -26,6 +33,7 @@ from flux_runtime.kernels.triton_utils import (
     check_launchable,
     check_shape,
     check_unit_stride,
+    e4m3_code,
     jit,
     round_to,
     rsqrtf,
@@ -51,7 +59,9 @@ def _token_layer_norm_modulate_kernel(
     xb_ptr,  # (B, L - La, D), strides (s_xb_b, s_xb_l, 1): the second stream (content)
     shb_ptr,  # (B, L - La, D), strides (s_shb_b, s_shb_l, 1)
     scb_ptr,  # (B, L - La, D), strides (s_scb_b, s_scb_l, 1)
-    out_ptr,  # (B, L, D) contiguous: [modulated a | modulated b]
+    out_ptr,  # (B, L, D) contiguous: [modulated a | modulated b] (QUANT: uint8 e4m3 bits)
+    q_scale_ptr,  # QUANT 2: (B * L,) fp32 row scales written; otherwise unused
+    q_inv_ptr,  # QUANT 1: 0-dim fp32 1 / input_scale read; otherwise unused
     La,
     L,
     D,
@@ -71,8 +81,9 @@ def _token_layer_norm_modulate_kernel(
     ITERS: tl.constexpr,  # cdiv(D, 512): 4-element vectors each aten thread reads
     EVEN: tl.constexpr,  # D % 512 == 0: no masks, every Welford count a constant
     ROWS: tl.constexpr,  # rows per program, held in registers side by side (lanes x rows, as v2)
+    QUANT: tl.constexpr,  # 0: store y; 1: store e4m3(y) with a static scale; 2: with per-row scales
     GPU: tl.constexpr,
-    DTYPE: tl.constexpr,
+    DTYPE: tl.constexpr,  # the activations' dtype (out_ptr holds bytes when QUANT)
 ):
     # grid: (cdiv(L, ROWS), B); a program's rows may straddle the two streams
     b = tl.program_id(1).to(tl.int64)
@@ -131,14 +142,37 @@ def _token_layer_norm_modulate_kernel(
 
     # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
     store_ok = row_ok[None, :, None]
+    ys = ()  # QUANT 2: the rounded values, quantized once the row's amax is known
+    amax = tl.zeros((ROWS,), tl.float32)
+    if QUANT == 1:
+        inv = tl.load(q_inv_ptr)
     for it in tl.static_range(ITERS):
         col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
         mask = store_ok if EVEN else store_ok & (col < D)
         ln = round_to(rstd * (upcast(xs[it], GPU) - mean), DTYPE, GPU)
         scale1 = round_to(1.0 + upcast(scales[it], GPU), DTYPE, GPU)
         prod = round_to(ln * scale1, DTYPE, GPU)
-        y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
-        tl.store(out_ptr + out_row[None, :, None] + col, y, mask=mask)
+        if QUANT == 0:
+            y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
+            tl.store(out_ptr + out_row[None, :, None] + col, y, mask=mask)
+        else:
+            y = round_to(prod + upcast(shifts[it], GPU), DTYPE, GPU)  # the 16-bit value eager would store
+            if QUANT == 1:
+                tl.store(out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv), mask=mask)
+            else:
+                ys = ys + (y,)  # noqa: RUF005
+                a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
+                amax = tl.maximum(amax, tl.max(tl.max(a, axis=2), axis=0))
+    if QUANT == 2:
+        # one scale per token: s = max(amax, 1e-12) * fl32(1 / 448), its reciprocal correctly rounded
+        s = tl.maximum(amax, 1e-12) * 0.002232142857142857
+        inv_row = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        tl.store(q_scale_ptr + b * L + pos, s, mask=row_ok)
+        for it in tl.static_range(ITERS):
+            col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
+            mask = store_ok if EVEN else store_ok & (col < D)
+            q = e4m3_code(ys[it] * inv_row[None, :, None])
+            tl.store(out_ptr + out_row[None, :, None] + col, q, mask=mask)
 
 
 def _check_stream(op: str, name: str, x: Tensor, shift: Tensor, scale: Tensor) -> None:
@@ -168,13 +202,27 @@ def token_layer_norm_modulate_triton(
     Every tensor is (B, L_stream, D) with a unit last stride (shift/scale typically chunks of a (B, L, 3D)
     projection); the text stream (`x_txt`, `shift_txt`, `scale_txt`) is optional, all three or none.
     """
-    op = "token_layer_norm_modulate"
+    args = (x_txt, shift_txt, scale_txt, x, shift, scale)
+    out = _launch("token_layer_norm_modulate", args, eps, rows_per_program, None)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def _launch(
+    op: str,
+    args: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor],
+    eps: float,
+    rows_per_program: int | None,
+    quant: tuple[Tensor | None, Tensor | None] | None,
+) -> Tensor | Fp8Act:
+    """Check and launch the kernel: the 16-bit output, or (with `quant`) its e4m3 with the scale(s)."""
+    x_txt, shift_txt, scale_txt, x, shift, scale = args
     txt = (x_txt, shift_txt, scale_txt)
     if any(t is None for t in txt) and not all(t is None for t in txt):
         raise UnsupportedInput(f"{op}: x_txt, shift_txt and scale_txt must all be given or all be None")
     named = {"x": x, "shift": shift, "scale": scale}
     named |= {k: t for k, t in zip(("x_txt", "shift_txt", "scale_txt"), txt, strict=True) if t is not None}
-    check_launchable(op, *named.values())
+    check_launchable(op, *named.values(), *(t for t in quant or () if t is not None))
     check_half(op, **named)
     _check_stream(op, "x", x, shift, scale)
     b, n, d = x.shape
@@ -194,18 +242,28 @@ def token_layer_norm_modulate_triton(
     else:
         a = (x, shift, scale)  # never read: La = 0
     length = n_txt + n
-    out = torch.empty((b, length, d), dtype=x.dtype, device=x.device)
+    mode, q_scale, q_inv = 0, shift, shift  # the pointers are not read without QUANT
+    if quant is not None:
+        check_quant(op, *quant)
+        mode = 1 if quant[0] is not None else 2
+        if mode == 1:
+            q_scale, q_inv = quant  # type: ignore[assignment]
+        else:
+            q_scale = q_inv = torch.empty(b * length, dtype=torch.float32, device=x.device)
+    out = torch.empty((b, length, d), dtype=x.dtype if quant is None else torch.uint8, device=x.device)
     check_int32_offsets(op, "out", out)
     rows = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
     iters = triton.cdiv(d, _THREADS * _VEC)
     even = d % (_THREADS * _VEC) == 0 and _even_counts_halve(iters)
     strides = [s for t in (*a, x, shift, scale) for s in (t.stride(0), t.stride(1))]
     _token_layer_norm_modulate_kernel[(triton.cdiv(length, rows), b)](
-        *a, x, shift, scale, out, n_txt, length, d, eps, *strides,
-        ITERS=iters, EVEN=even, ROWS=rows, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4,
+        *a, x, shift, scale, out, q_scale, q_inv, n_txt, length, d, eps, *strides,
+        ITERS=iters, EVEN=even, ROWS=rows, QUANT=mode, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4,
         enable_fp_fusion=False,
     )  # fmt: skip
-    return out
+    if quant is None:
+        return out
+    return Fp8Act(out.view(E4M3), q_scale.view(b, length, 1) if mode == 2 else q_scale)
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float) -> Tensor:
@@ -248,3 +306,72 @@ def token_layer_norm_modulate(
 ) -> Tensor:
     """Per-token LayerNorm + modulate; see `token_layer_norm_modulate_reference` (fused when allowed)."""
     return run_op(_TOKEN_LAYER_NORM_MODULATE, x_txt, shift_txt, scale_txt, x, shift, scale, eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# e4m3 output for FP8 consumers: the 16-bit value above, then the consumer's quantization (no 16-bit copy)
+
+
+def token_layer_norm_modulate_fp8_triton(
+    x_txt: Tensor | None,
+    shift_txt: Tensor | None,
+    scale_txt: Tensor | None,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    eps: float,
+    q_scale: Tensor | None,
+    q_inv: Tensor | None,
+    *,
+    rows_per_program: int | None = None,
+) -> Fp8Act:
+    """Fused `token_layer_norm_modulate_fp8_reference`: the e4m3 (B, L_txt + L, D) with its scale(s).
+
+    Static (`q_scale`, `q_inv = 1 / q_scale`, one fp32 value each) or, with both None, one scale per
+    token computed from the row's rounded values in the same pass (returned (B, L_txt + L, 1)).
+    """
+    args = (x_txt, shift_txt, scale_txt, x, shift, scale)
+    out = _launch("token_layer_norm_modulate_fp8", args, eps, rows_per_program, (q_scale, q_inv))
+    assert isinstance(out, Fp8Act)
+    return out
+
+
+def token_layer_norm_modulate_fp8_reference(
+    x_txt: Tensor | None,
+    shift_txt: Tensor | None,
+    scale_txt: Tensor | None,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    eps: float,
+    q_scale: Tensor | None,
+    q_inv: Tensor | None,
+) -> Fp8Act:
+    """`quantize_reference(token_layer_norm_modulate_reference(...), q_scale, q_inv)`."""
+    y = token_layer_norm_modulate_reference(x_txt, shift_txt, scale_txt, x, shift, scale, eps)
+    return quantize_reference(y, q_scale, q_inv)
+
+
+_TOKEN_LAYER_NORM_MODULATE_FP8 = FusedOp(
+    "token_layer_norm_modulate_fp8",
+    fused=token_layer_norm_modulate_fp8_triton,
+    reference=token_layer_norm_modulate_fp8_reference,
+)
+
+
+def token_layer_norm_modulate_fp8(
+    x_txt: Tensor | None,
+    shift_txt: Tensor | None,
+    scale_txt: Tensor | None,
+    x: Tensor,
+    shift: Tensor,
+    scale: Tensor,
+    eps: float = 1e-6,
+    q_scale: Tensor | None = None,
+    q_inv: Tensor | None = None,
+) -> Fp8Act:
+    """Per-token LayerNorm + modulate in e4m3 for FP8 consumers: static (`q_scale`, `q_inv`) or per-token
+    scales; the joint form writes `[txt | content]` into one e4m3 buffer (fused when `dispatch` allows)."""
+    return run_op(
+        _TOKEN_LAYER_NORM_MODULATE_FP8, x_txt, shift_txt, scale_txt, x, shift, scale, eps, q_scale, q_inv
+    )

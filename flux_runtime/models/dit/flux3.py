@@ -19,7 +19,10 @@ The per-token chains go through `flux_runtime.kernels` (their references are the
 kernels run where the tier allows): `token_layer_norm_modulate` (every block's and the final layer's
 modulation; the joint blocks' two streams written into one buffer), `qk_norm_rope_fp32` (q and k
 together), `token_gated_residual` / `joint_token_gated_residual` (`x + gate * (attn + mlp)`, the sum
-rounded first as eager stores it).
+rounded first as eager stores it). In an FP8 model (`Fp8Linear` projections) the producers write e4m3:
+the LayerNorm + modulate kernel quantizes the block input once for q_proj, k_proj, v_proj and mlp_in when
+they quantize alike (`share_input`), and SwiGLU quantizes mlp_out's input as it forms it; each is the
+16-bit value eager rounds, then quantized, so the FP8 eager reference's bits are kept.
 
 The norm weights (`*.norm.query_norm.scale`, `*.norm.key_norm.scale`) stay fp32 whatever the model
 dtype, as diffusers keeps them (`cast_to` does this for a model built here).
@@ -27,6 +30,7 @@ dtype, as diffusers keeps them (`cast_to` does this for a model built here).
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -38,6 +42,7 @@ from flux_runtime.kernels.swiglu import swiglu
 from flux_runtime.models.dit.config import DiTConfig
 from flux_runtime.models.dit.layers import (
     EPS,
+    AnyLinear,
     Linear,
     MLPEmbedder,
     QKNorm,
@@ -92,24 +97,60 @@ class Block(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         d, self.num_heads = cfg.hidden_size, cfg.num_heads
-        self.q_proj = Linear(d, d, bias=False)
-        self.k_proj = Linear(d, d, bias=False)
-        self.v_proj = Linear(d, d, bias=False)
+        self.q_proj: AnyLinear = Linear(d, d, bias=False)
+        self.k_proj: AnyLinear = Linear(d, d, bias=False)
+        self.v_proj: AnyLinear = Linear(d, d, bias=False)
         self.norm = QKNorm(cfg.head_dim)
-        self.attn_out = Linear(d, d, bias=False)
-        self.mlp_in = Linear(d, 2 * cfg.mlp_hidden_dim, bias=False)  # rows [gate | up]
-        self.mlp_out = Linear(cfg.mlp_hidden_dim, d, bias=False)
+        self.attn_out: AnyLinear = Linear(d, d, bias=False)
+        self.mlp_in: AnyLinear = Linear(d, 2 * cfg.mlp_hidden_dim, bias=False)  # rows [gate | up]
+        self.mlp_out: AnyLinear = Linear(cfg.mlp_hidden_dim, d, bias=False)
 
-    def attention_mlp(self, x: Tensor, pe: RoPE) -> tuple[Tensor, Tensor]:
-        """`(attn(x), mlp(x))` for the modulated stream `x` (B, L, D), self-attention over all of its tokens."""
-        q, k, v = (p(x).unflatten(-1, (self.num_heads, -1)) for p in (self.q_proj, self.k_proj, self.v_proj))
+    def readers(self) -> tuple[AnyLinear, AnyLinear, AnyLinear, AnyLinear]:
+        """The four projections of the modulated input, in the order `modulated` returns their inputs."""
+        return self.q_proj, self.k_proj, self.v_proj, self.mlp_in
+
+    def modulated(
+        self,
+        x_txt: Tensor | None,
+        shift_txt: Tensor | None,
+        scale_txt: Tensor | None,
+        x: Tensor,
+        shift: Tensor,
+        scale: Tensor,
+    ) -> tuple[Tensor | kernels.Fp8Act, ...]:
+        """The block input `(1 + scale) * LayerNorm(x) + shift` (text stream first when given), as each of
+        `readers()` reads it: one e4m3 tensor made by the LayerNorm kernel itself when all four quantize
+        alike (see `share_input`), else the 16-bit value, quantized once per distinct quantization."""
+        args = (x_txt, shift_txt, scale_txt, x, shift, scale, EPS)
+        readers, plan = self.readers(), share_input(self)
+        quant = readers[0].act_quant
+        if quant is not None and plan == (0, 0, 0, 0):
+            h8 = kernels.token_layer_norm_modulate_fp8(*args, *quant)
+            return h8, h8, h8, h8
+        h = kernels.token_layer_norm_modulate(*args)
+        out: list[Tensor | kernels.Fp8Act] = []
+        for i, (layer, lead) in enumerate(zip(readers, plan, strict=True)):
+            q = layer.act_quant
+            out.append(h if q is None else kernels.quantize(h, *q) if lead == i else out[lead])
+        return tuple(out)
+
+    def attention_mlp(self, xs: tuple[Tensor | kernels.Fp8Act, ...], pe: RoPE) -> tuple[Tensor, Tensor]:
+        """`(attn(x), mlp(x))` for the modulated stream `x` (B, L, D), self-attention over all of its tokens;
+        `xs` is `x` as q_proj, k_proj, v_proj and mlp_in read it (`modulated`)."""
+        x_q, x_k, x_v, x_mlp = xs
+        q, k, v = (
+            p(t).unflatten(-1, (self.num_heads, -1))
+            for p, t in ((self.q_proj, x_q), (self.k_proj, x_k), (self.v_proj, x_v))
+        )
         # QK norm and RoPE in fp32, one cast back to the stream dtype: (B, L, H, Dh)
         q, k = kernels.qk_norm_rope_fp32(q, k, self.norm.query_norm.scale, self.norm.key_norm.scale, *pe, EPS)
         o = F.scaled_dot_product_attention(
             q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         )
         attn = self.attn_out(o.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype))
-        mlp = self.mlp_out(swiglu(self.mlp_in(x)))
+        # SwiGLU in e4m3 when mlp_out is FP8: its input quantized as the product is formed (no 16-bit copy)
+        gate_up, quant = self.mlp_in(x_mlp), self.mlp_out.act_quant
+        mlp = self.mlp_out(swiglu(gate_up) if quant is None else kernels.swiglu_fp8(gate_up, *quant))
         return attn, mlp
 
     def forward(
@@ -122,7 +163,7 @@ class Block(nn.Module):
             assert mod_txt is not None
             return self.joint(txt, x, mod_txt, mod, pe)
         shift, scale, gate = mod.chunk(3, dim=-1)
-        attn, mlp = self.attention_mlp(modulate(x, shift, scale), pe)
+        attn, mlp = self.attention_mlp(self.modulated(None, None, None, x, shift, scale), pe)
         return kernels.token_gated_residual(x, gate, attn, mlp)
 
     def joint(
@@ -132,10 +173,75 @@ class Block(nn.Module):
         shift, scale, gate = mod.chunk(3, dim=-1)
         c_shift, c_scale, c_gate = mod_txt.chunk(3, dim=-1)
         # each stream modulated, joined text first: (B, L_txt + L_content, D)
-        x = kernels.token_layer_norm_modulate(txt, c_shift, c_scale, content, shift, scale, EPS)
-        attn, mlp = self.attention_mlp(x, pe)
+        xs = self.modulated(txt, c_shift, c_scale, content, shift, scale)
+        attn, mlp = self.attention_mlp(xs, pe)
         # (attn + mlp) split back into the streams, each added through its own gate
         return kernels.joint_token_gated_residual(txt, c_gate, content, gate, attn, mlp)
+
+
+# Block -> (weak references to its readers and their static scales, the scales' versions, the plan)
+_PLANS: weakref.WeakKeyDictionary[Block, tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple[int, ...]]]
+_PLANS = weakref.WeakKeyDictionary()
+
+
+def share_input(block: Block) -> tuple[int, ...]:
+    """For each of `block.readers()`, the index of the first reader whose quantized input it can reuse.
+
+    Two FP8 layers quantize one input to the same bits exactly when they quantize alike: both per token
+    (the row scales come from the same rows), or both static with equal `input_scale` (and reciprocal)
+    values. A 16-bit layer reads the 16-bit value (its own index). `(0, 0, 0, 0)` for an FP8 block means
+    the four share one quantization, so the LayerNorm kernel can write it. Static scales that differ are
+    not merged: a shared scale would round differently from the layers' own; each group is quantized once.
+
+    Comparing static values reads them on the host, once per block and set of scale tensors (cached); where
+    that cannot happen (CUDA-graph capture, `torch.compile`, meta tensors) only identical tensors count as
+    equal and nothing is cached: the plan is then more conservative, never different in its bits.
+    """
+    readers = block.readers()
+    scales = [t for r in readers for t in r.act_quant or () if t is not None]
+    cached = _PLANS.get(block)
+    objects = (*readers, *scales)
+    # (inference tensors keep no version counter: they are matched by identity alone)
+    versions = tuple(-1 if t.is_inference() else t._version for t in scales)
+    if (
+        cached is not None
+        and len(cached[0]) == len(objects)
+        and all(ref() is o for ref, o in zip(cached[0], objects, strict=True))
+        and cached[1] == versions
+    ):
+        return cached[2]
+    can_read = not torch.compiler.is_compiling() and not any(
+        t.is_meta or (t.is_cuda and torch.cuda.is_current_stream_capturing()) for t in scales
+    )
+    plan: list[int] = []
+    for i, r in enumerate(readers):
+        q = r.act_quant
+        lead = i
+        if q is not None:
+            for j in range(i):
+                if plan[j] == j and _same_quant(readers[j].act_quant, q, can_read):
+                    lead = j
+                    break
+        plan.append(lead)
+    result = tuple(plan)
+    if can_read:
+        _PLANS[block] = (tuple(weakref.ref(o) for o in objects), versions, result)
+    return result
+
+
+def _same_quant(a: kernels.Fp8Quant | None, b: kernels.Fp8Quant, can_read: bool) -> bool:
+    """Whether quantizations `a` and `b` give one input the same e4m3 bits (see `share_input`)."""
+    if a is None or a.static != b.static:
+        return False
+    if not b.static:
+        return True
+    pairs = ((a.scale, b.scale), (a.inv_scale, b.inv_scale))
+    if all(x is y for x, y in pairs):
+        return True
+    return can_read and all(
+        x.dtype == y.dtype and x.device == y.device and torch.equal(x.reshape(()), y.reshape(()))
+        for x, y in pairs
+    )
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
