@@ -40,7 +40,7 @@ case "$phase" in
     timeout 420 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" || status=1
     ;;
   fp8-flux3)
-    timeout 200 python3 -m pytest -q -m gpu tests/fp8/test_flux3_fp8.py -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu_tests_flux3_fp8.txt" | tail -15 || status=1
+    timeout 200 python3 -m pytest -q -m gpu tests/fp8/test_flux3_fp8.py tests/fp8/test_flux3_fp8_producers.py tests/kernels/test_token_layer_norm_modulate_fp8.py -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu_tests_flux3_fp8.txt" | tail -15 || status=1
     timeout 380 python3 scripts/bench_fp8.py --models flux3-klein --json "$OUT/bench_fp8_flux3.json" 2>&1 | tee "$OUT/bench_fp8_flux3.txt" | tail -40 || status=1
     ;;
   merged)
@@ -73,7 +73,7 @@ case "$phase" in
     ;;
   flux3)
     # the FLUX.3 GPU tests, every step bench and the base model's whole-image denoising (50 steps, CFG)
-    timeout 200 python3 -m pytest -q -m gpu tests/models/test_flux3_dit.py tests/pipeline/test_flux3_reference_images.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_flux3.txt" | tail -8 || status=1
+    timeout 200 python3 -m pytest -q -m gpu tests/models/test_flux3_dit.py tests/pipeline/test_flux3_reference_images.py tests/kernels/test_qk_norm_rope_fp32.py tests/kernels/test_token_layer_norm_modulate.py tests/kernels/test_token_gated_residual.py tests/lora/test_flux3_pipeline_lora.py tests/text/test_flux3_upsampler.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_flux3.txt" | tail -8 || status=1
     timeout 400 python3 scripts/bench_flux3.py --per-image --json "$OUT/bench_flux3.json" 2>&1 | tee "$OUT/bench_flux3.txt" | grep "^|" || status=1
     ;;
   memory)
