@@ -35,7 +35,12 @@ from flux_runtime.weights import (
     vae_layout,
 )
 from flux_runtime.weights import fp8 as fp8_layers
-from flux_runtime.weights.checkpoint import find_transformer_files, read_folder_config
+from flux_runtime.weights.checkpoint import (
+    bfl_shapes,
+    find_transformer_files,
+    infer_dit_config,
+    read_folder_config,
+)
 from flux_runtime.weights.diffusers_config import (
     FLUX2_DIFFUSERS_FIXED,
     FLUX3_DIFFUSERS_FIXED,
@@ -174,6 +179,17 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
     return ConversionPlan("transformer", files, layout, target, steps, cfg, diffusers_cfg)
 
 
+def _refuse_lost_fields(folder: dict | None, fixed: dict[str, Any], where: Path, name: str) -> None:
+    """Refuse a diffusers config whose values BFL's code would not reproduce (a BFL file cannot state them)."""
+    lost = [
+        f"{k} {folder[k]} (BFL fixes {v})"
+        for k, v in fixed.items()
+        if folder and k in folder and folder[k] != v
+    ]
+    if lost:
+        raise WeightsError(f"{where.parent / 'config.json'}: BFL's {name} cannot express " + ", ".join(lost))
+
+
 def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionPlan:
     """`plan_transformer` for FLUX.2 keys: `flux2_layout`'s table, the FLUX.2 loader's config inference."""
     layout = flux2_layout.detect_layout(src.keys())
@@ -186,18 +202,9 @@ def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionP
         depths = flux2_layout.diffusers_depths(view.keys())
         table = list(flux2_layout.rules(*depths))
         _check_keys(view.keys(), [k for r in table for k in r.diffusers])
-        shape_of = flux2_transformer._fused_shapes(table, view.shape)
-    cfg = flux2_transformer.infer_config(shape_of, depths, folder, files[0])
-    # a BFL file cannot state these: refuse a diffusers config whose values BFL's code would not reproduce
-    lost = [
-        f"{k} {folder[k]} (BFL fixes {v})"
-        for k, v in FLUX2_DIFFUSERS_FIXED.items()
-        if folder and k in folder and folder[k] != v
-    ]
-    if lost:
-        raise WeightsError(
-            f"{files[0].parent / 'config.json'}: BFL's FLUX.2 cannot express " + ", ".join(lost)
-        )
+        shape_of = bfl_shapes(table, view.shape)
+    cfg = infer_dit_config(flux2_transformer.CONFIG_KEYS, shape_of, depths, folder, files[0])
+    _refuse_lost_fields(folder, FLUX2_DIFFUSERS_FIXED, files[0], "FLUX.2")
     with torch.device("meta"):
         expected = Flux2Transformer(cfg).state_dict()
     table = list(flux2_layout.rules(*depths))
@@ -232,22 +239,10 @@ def _plan_flux3_transformer(files: list[Path], src: TensorSource) -> ConversionP
         depths = flux3_layout.diffusers_depths(view.keys())
         table = list(flux3_layout.rules(*depths))
         _check_keys(view.keys(), [k for r in table for k in r.diffusers])
-        by_bfl = {r.bfl: r.diffusers[0] for r in table}  # every FLUX.3 rule is one tensor
+        shape_of = bfl_shapes(table, view.shape)  # every FLUX.3 rule is one tensor
 
-        def shape_of(key: str) -> tuple[int, ...]:
-            return view.shape(by_bfl[key])
-
-    cfg = flux3_transformer.infer_config(shape_of, depths, folder, files[0])
-    # a BFL file cannot state these: refuse a diffusers config whose values BFL's code would not reproduce
-    lost = [
-        f"{k} {folder[k]} (BFL fixes {v})"
-        for k, v in FLUX3_DIFFUSERS_FIXED.items()
-        if folder and k in folder and folder[k] != v
-    ]
-    if lost:
-        raise WeightsError(
-            f"{files[0].parent / 'config.json'}: BFL's FLUX.3 cannot express " + ", ".join(lost)
-        )
+    cfg = infer_dit_config(flux3_transformer.CONFIG_KEYS, shape_of, depths, folder, files[0])
+    _refuse_lost_fields(folder, FLUX3_DIFFUSERS_FIXED, files[0], "FLUX.3")
     with torch.device("meta"):
         expected = Flux3Transformer(cfg).state_dict()
     table = list(flux3_layout.rules(*depths))
