@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from random_fill import fill_module  # scripts/random_fill.py, beside this file
 
 from flux_runtime.models.dit.config import FLUX2_DEV
 from flux_runtime.models.dit.flux2 import Flux2Transformer
@@ -38,18 +39,8 @@ BF = torch.bfloat16
 def fill_random(model: nn.Module, seed: int) -> nn.Module:
     """Materialise a meta model on the GPU in bf16 with N(0, 1/fan_in) matrices and unit norms."""
     model.to(BF)  # on meta: allocate bf16 directly, not fp32 first
-    model.to_empty(device=DEV)
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.ndim >= 2:
-            p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
-        elif "norm" in name or name.endswith(("scale", "running_var")):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
-    for name, b in model.named_buffers():
-        if b.is_floating_point():
-            b.fill_(1.0 if "var" in name else 0.0)
+    # every floating buffer filled, `inv_freq` included (unlike bench_memory.py, which rebuilds them)
+    fill_module(model, DEV, torch.Generator(device=DEV).manual_seed(seed), position_buffers=False)
     return model.eval()
 
 
