@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -24,7 +24,7 @@ from flux_runtime.models.dit import PRESETS, DiTConfig
 from flux_runtime.registry import builtin
 from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
-from flux_runtime.weights.checks import FiniteCheck
+from flux_runtime.weights.checks import FiniteCheck, check_weight_dtypes
 from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
@@ -125,6 +125,44 @@ def check_config(inferred: DiTConfig, given: DiTConfig) -> None:
     ]
     if diffs:
         raise WeightsError("checkpoint does not match the given config: " + "; ".join(diffs))
+
+
+def with_given_config(inferred: DiTConfig, given: DiTConfig | None) -> DiTConfig:
+    """`inferred` checked against a caller's `given` config (every field but the RoPE ones), then with `given`'s
+    RoPE axes and theta (the weights do not state them); `inferred` itself without one."""
+    if given is None:
+        return inferred
+    check_config(inferred, given)
+    return replace(inferred, axes_dim=given.axes_dim, theta=given.theta)
+
+
+def checked_rules(
+    model: nn.Module,
+    layout: str,
+    reader,
+    *,
+    keys: set[str],
+    shape_of,
+    table: list[flux1_layout.Rule] | None = None,
+    split=None,
+    assemble=None,
+) -> tuple[list[flux1_layout.Rule], Callable]:
+    """The rules and `assemble` that fill `model` (on meta) from `reader`, after the checks of its layout.
+
+    BFL (`layout` "bfl"): `keys` (the checkpoint's, less FP8 scales and skipped ones) must be the model's own,
+    each of the shape `shape_of` gives, every weight stored floating point; each key is then itself. Diffusers:
+    each tensor of the layout's `table` must have the shape `split` gives it, and be floating point; `assemble`
+    builds our tensors from them (the caller has already named missing and unexpected keys).
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if layout == "bfl":
+        check_keys(keys, expected, shape_of)
+        check_weight_dtypes(reader, expected)
+        return identity_rules(expected), take_only
+    assert table is not None and split is not None and assemble is not None
+    check_part_shapes(table, expected, reader.shape, split)
+    check_weight_dtypes(reader, sorted({d for r in table for d in r.diffusers}))
+    return table, assemble
 
 
 def read_folder_config(files: list[Path]) -> dict | None:

@@ -10,7 +10,6 @@ dispatches here when the keys are FLUX.2's, so callers need only that one entry 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,18 +25,15 @@ from flux_runtime.weights.checkpoint import (
     ShapeOf,
     TransformerCheckpoint,
     bfl_shapes,
-    check_config,
-    check_keys,
-    check_part_shapes,
+    checked_rules,
     fill_model,
     finish_builtin,
-    identity_rules,
     infer_dit_config,
     open_transformer,
-    take_only,
     transformer_family,
+    with_given_config,
 )
-from flux_runtime.weights.checks import check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.checks import check_device, check_load_dtype
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.keys import KeyView, raise_key_errors
@@ -115,9 +111,9 @@ def load_flux2_transformer(
     fp8_src = fp8_layers.Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent))
     extra = fp8_src.extra_keys() if fp8_src is not None else set()
     if layout == "bfl":
-        view = reader
-        depths = flux2_layout.bfl_depths(view.keys())
-        shape_of: ShapeOf = view.shape
+        depths = flux2_layout.bfl_depths(reader.keys())
+        shape_of: ShapeOf = reader.shape
+        table = None  # each key is itself
     else:
         depths = flux2_layout.diffusers_depths(src.keys())
         table = list(flux2_layout.rules(*depths))
@@ -127,21 +123,13 @@ def load_flux2_transformer(
 
     given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux2" else None
     inferred = infer_dit_config(CONFIG_KEYS, shape_of, depths, ckpt.folder_config, files[0], given_rope)
-    if config is not None:
-        check_config(inferred, config)
-        inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
+    inferred = with_given_config(inferred, config)
     log.info("loading %s-layout FLUX.2 transformer from %s (%d files)", layout, files[0].parent, len(files))
 
     with torch.device("meta"):
         model = Flux2Transformer(inferred)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-    if layout == "bfl":
-        check_keys(set(view.keys()) - extra, expected, shape_of)
-        check_weight_dtypes(view, expected)
-        table, assemble = identity_rules(expected), take_only
-    else:
-        assemble = flux2_layout.diffusers_to_bfl
-        check_part_shapes(table, expected, src.shape, flux2_layout.bfl_to_diffusers)
-        check_weight_dtypes(src, sorted(used))
+    table, assemble = checked_rules(
+        model, layout, reader, keys=set(reader.keys()) - extra, shape_of=shape_of, table=table,
+        split=flux2_layout.bfl_to_diffusers, assemble=flux2_layout.diffusers_to_bfl,
+    )  # fmt: skip
     return fill_model(model, table, reader, assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8)

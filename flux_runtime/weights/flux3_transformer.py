@@ -17,7 +17,6 @@ fp32 either way.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,17 +31,14 @@ from flux_runtime.weights.checkpoint import (
     ConfigKeys,
     TransformerCheckpoint,
     bfl_shapes,
-    check_config,
-    check_keys,
-    check_part_shapes,
+    checked_rules,
     fill_model,
     finish_builtin,
-    identity_rules,
     infer_dit_config,
     open_transformer,
-    take_only,
+    with_given_config,
 )
-from flux_runtime.weights.checks import check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.checks import check_device, check_load_dtype
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
 from flux_runtime.weights.keys import KeyView, raise_key_errors
@@ -137,6 +133,7 @@ def load_flux3_transformer(
     if layout == "bfl":
         depths = flux3_layout.bfl_depths(keys)
         shape_of = reader.shape
+        table = None  # each key is itself
     else:
         depths = flux3_layout.diffusers_depths(keys)
         table = list(flux3_layout.rules(*depths))
@@ -146,9 +143,7 @@ def load_flux3_transformer(
 
     given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux3" else None
     inferred = infer_dit_config(CONFIG_KEYS, shape_of, depths, ckpt.folder_config, files[0], given_rope)
-    if config is not None:
-        check_config(inferred, config)
-        inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
+    inferred = with_given_config(inferred, config)
     kind = "flow-map" if inferred.flow_map else "base"
     log.info(
         "loading %s-layout FLUX.3 %s transformer from %s (%d files)",
@@ -160,15 +155,10 @@ def load_flux3_transformer(
 
     with torch.device("meta"):
         model = Flux3Transformer(inferred)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if layout == "bfl":
-        check_keys(keys, expected, shape_of)
-        check_weight_dtypes(reader, expected)
-        table, assemble = identity_rules(expected), take_only
-    else:
-        assemble = flux3_layout.diffusers_to_bfl
-        check_part_shapes(table, expected, src.shape, flux3_layout.bfl_to_diffusers)
-        check_weight_dtypes(src, sorted(used))
+    table, assemble = checked_rules(
+        model, layout, reader, keys=keys, shape_of=shape_of, table=table,
+        split=flux3_layout.bfl_to_diffusers, assemble=flux3_layout.diffusers_to_bfl,
+    )  # fmt: skip
     return fill_model(
         model, table, _Fp32Norms(reader), assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8
     )
