@@ -48,6 +48,26 @@ RESULTS: dict[str, object] = {}
 PROFILE = False
 
 
+def print_fp8_table(
+    title: str, floor: dict[str, float], times: dict[str, float], equal: dict, peaks: dict[str, float]
+) -> None:
+    """The per-step markdown table: the FP8 floor (its parts), then each timed row in ms, / FP8 floor,
+    / ours bf16 (lossless + graph), / diffusers bf16 (eager), its `equal` entry (blank where none) and peak GiB."""
+    print()
+    print(f"| {title} | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
+        f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
+    )
+    d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
+    for label, ms in times.items():
+        print(
+            f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
+            f"{equal.get(label, '')} | {peaks[label]:.1f} |"
+        )
+
+
 def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str, float]:
     """The FP8 model's GEMMs timed alone: e4m3 row-wise `_scaled_mm` for the block projections (plain and fast
     accumulation), bf16 `F.linear` for the rest; plus one cuDNN attention per block."""
@@ -211,21 +231,7 @@ def bench_model(name: str, iters: int) -> bool:
     ratio_bf16 = times["ours fp8 lossless + graph"] / times["ours bf16 lossless + graph"]
     res["fp8_over_bf16"] = ratio_bf16
     res["fp8_over_floor"] = times["ours fp8 lossless + graph"] / floor["total"]
-    print()
-    print(
-        f"| {name}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    print(
-        f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
-        f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
-    )
-    d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
-    for label, ms in times.items():
-        print(
-            f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
-            f"{equal.get(label, '')} | {peaks[label]:.1f} |"
-        )
+    print_fp8_table(f"{name}, 1024², B=1, per step", floor, times, equal, peaks)
     if "error_vs_fp64" in res:
         print(f"relative L2 error of one step vs float64: {res['error_vs_fp64']}")
     print(flush=True)
@@ -391,21 +397,7 @@ def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
         )
         RESULTS[f"{name}/{case}"] = res
         what = "one 1024² reference" if case == "ref" else "text to image"
-        print()
-        print(
-            f"| {name} {what}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        print(
-            f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
-            f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
-        )
-        d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
-        for label, ms in times.items():
-            print(
-                f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
-                f"{res['equal'].get(label, '')} | {res['peak_gib'][label]:.1f} |"
-            )
+        print_fp8_table(f"{name} {what}, 1024², B=1, per step", floor, times, res["equal"], res["peak_gib"])
         print(f"relative L2 error of one step vs float64: {res['error_vs_fp64']}")
         print(flush=True)
         ok &= all(v is True for k, v in res["equal"].items() if "high" not in k)
