@@ -68,6 +68,33 @@ def print_fp8_table(
         )
 
 
+def time_gemms(
+    fp8: Counter[tuple[int, int, int]], bf16: Counter[tuple[int, int, int]], bias: bool
+) -> dict[str, float]:
+    """Summed ms of a step's GEMMs, `(M, K, N) -> calls`, each shape timed alone: `fp8` as e4m3 row-wise
+    `_scaled_mm` (plain and fast accumulation), `bf16` as `F.linear`; with a bf16 bias each when `bias` (FLUX.1)."""
+    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
+    for (m, k, n), count in fp8.items():
+        a = torch.randn(m, k, device=DEV).to(E4M3)
+        w = torch.randn(n, k, device=DEV).to(E4M3)
+        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
+        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
+        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
+            out[key] += count * cuda_time(
+                lambda a=a, w=w, sa=sa, sb=sb, b=b, fast=fast: torch._scaled_mm(
+                    a, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast
+                ),
+                iters=20,
+            )
+        del a, w
+    for (m, k, n), count in bf16.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
+        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+    return out
+
+
 def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str, float]:
     """The FP8 model's GEMMs timed alone: e4m3 row-wise `_scaled_mm` for the block projections (plain and fast
     accumulation), bf16 `F.linear` for the rest; plus one cuDNN attention per block."""
@@ -92,25 +119,7 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
     bf16[(n_txt, cfg.context_in_dim, d)] += 1
     bf16[(n_img, d, cfg.out_channels)] += 1
     bf16[(1, d, 2 * d)] += 1
-    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
-    for (m, k, n), count in fp8.items():
-        a = torch.randn(m, k, device=DEV).to(E4M3)
-        w = torch.randn(n, k, device=DEV).to(E4M3)
-        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
-        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if flux1 else None
-        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
-            out[key] += count * cuda_time(
-                lambda a=a, w=w, sa=sa, sb=sb, b=b, fast=fast: torch._scaled_mm(
-                    a, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast
-                ),
-                iters=20,
-            )
-        del a, w
-    for (m, k, n), count in bf16.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if flux1 else None
-        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+    out = time_gemms(fp8, bf16, bias=flux1)
     q, k, v = (
         torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
     )
@@ -269,22 +278,7 @@ def fp8_floor_flux3(cfg, n_ref: int) -> dict[str, float]:
     bf16[(n_txt, cfg.context_in_dim, d)] += 1
     bf16[(n_img, d, 2 * d)] += 1
     bf16[(n_img, d, cfg.out_channels)] += 1
-    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
-    for (m, k, n), count in fp8.items():
-        a, w = torch.randn(m, k, device=DEV).to(E4M3), torch.randn(n, k, device=DEV).to(E4M3)
-        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
-        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
-            out[key] += count * cuda_time(
-                lambda a=a, w=w, sa=sa, sb=sb, fast=fast: torch._scaled_mm(
-                    a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
-                ),
-                iters=20,
-            )
-        del a, w
-    for (m, k, n), count in bf16.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w: F.linear(x, w), iters=20)
+    out = time_gemms(fp8, bf16, bias=False)
     out["attention"] = bench_flux3.library_floor(cfg, n_ref)[1]
     out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
     return out
