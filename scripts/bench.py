@@ -63,19 +63,106 @@ def library_floor(cfg=FLUX1_DEV, n_img: int = 4096, n_txt: int = 512) -> tuple[f
     gemms[(n_txt, cfg.context_in_dim, d)] += 1
     gemms[(n_img, d, cfg.out_channels)] += 1
     gemms[(1, d, 2 * d)] += 1
-    gemm_ms = 0.0
+    return gemm_floor_ms(gemms, bias=True), sdpa_floor_ms(cfg, [(L, cfg.depth + cfg.depth_single_blocks)])
+
+
+def gemm_floor_ms(gemms: Counter[tuple[int, int, int]], bias: bool = False) -> float:
+    """Summed ms of a step's GEMMs, `(M, K, N) -> calls`, each shape timed alone as a bf16 `F.linear`
+    (with a bias when `bias`) on random operands, 20 timed runs."""
+    total = 0.0
     for (m, k, n), count in gemms.items():
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
-        b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
-        gemm_ms += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
-    q, k, v = (
-        torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
-    )
-    attn_ms = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
-        lambda: F.scaled_dot_product_attention(q, k, v), iters=20
-    )
-    return gemm_ms, attn_ms
+        if bias:
+            b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+            total += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+        else:
+            total += count * cuda_time(lambda x=x, w=w: F.linear(x, w), iters=20)
+        del x, w
+    return total
+
+
+def sdpa_floor_ms(cfg, calls: list[tuple[int, int]]) -> float:
+    """Summed ms of a step's SDPA calls, `(sequence length, calls)`, each length timed alone at `cfg`'s heads."""
+    total = 0.0
+    for length, count in calls:
+        q, k, v = (
+            torch.randn(1, cfg.num_heads, length, cfg.head_dim, device=DEV, dtype=torch.bfloat16)
+            for _ in range(3)
+        )
+        total += count * cuda_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v), iters=20)
+    return total
+
+
+def share_weights(ref, cfg, layout, model_cls, flag: bool):
+    """Our `model_cls(cfg)` on the very tensors of the diffusers model `ref`, renamed by `layout`'s rule table
+    (`flag`: the table's third argument, guidance embedder or flow map); fused rules make new tensors."""
+    sd = ref.state_dict()
+    table = layout.rules(cfg.depth, cfg.depth_single_blocks, flag)
+    ours_sd = {r.bfl: layout.diffusers_to_bfl(r, sd.__getitem__) for r in table}
+    with torch.device("meta"):
+        ours = model_cls(cfg)
+    ours.load_state_dict(ours_sd, strict=True, assign=True)  # assign: share, do not copy
+    return ours.eval()
+
+
+def born_bf16(cls, **kw):
+    """`cls(**kw)` in eval mode, drawn under `torch.manual_seed(0)` directly on the GPU in bf16 (a full-size
+    model in fp32 would not fit beside anything)."""
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEV):
+            return cls(**kw).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def parity_then_time(
+    variants: dict, expected: torch.Tensor, iters: int, report, peaks: dict[str, float] | None = None
+) -> tuple[dict[str, float], dict[str, bool]]:
+    """For each `label -> fn`: run it twice (a CUDA graph captures on the second call), compare with
+    `expected` (`torch.equal`), `report(label, equal, diff)` (`diff`: "" or " (max abs diff ...)"), then time
+    it with `cuda_time`; with `peaks`, also the peak allocated GiB while timing. Returns (ms, equal)."""
+    times: dict[str, float] = {}
+    equal: dict[str, bool] = {}
+    for label, fn in variants.items():
+        out = fn()
+        out = fn()  # graphs: the first call runs eagerly, the second captures and replays
+        equal[label] = torch.equal(out, expected)
+        diff = (
+            ""
+            if equal[label]
+            else f" (max abs diff {(out.float() - expected.float()).abs().max().item():.3g})"
+        )
+        report(label, equal[label], diff)
+        del out
+        if peaks is not None:
+            torch.cuda.reset_peak_memory_stats()
+        times[label] = cuda_time(fn, iters=iters)
+        if peaks is not None:
+            peaks[label] = torch.cuda.max_memory_allocated() / 2**30
+    return times, equal
+
+
+def print_step_table(
+    title: str,
+    floor: float,
+    times: dict[str, float],
+    equal: dict,
+    equal_header: str = "torch.equal diffusers",
+) -> None:
+    """The per-step markdown table: the library floor, then each timed row (`times`, "diffusers eager" among
+    them) in ms, / floor, / diffusers and its `equal` entry (blank where it has none)."""
+    ref_ms = times["diffusers eager"]
+    print()
+    print(f"| {title} | ms | / floor | / diffusers | {equal_header} |")
+    print("|---|---|---|---|---|")
+    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} | |")
+    for label, ms in times.items():
+        cell = f" {equal[label]} " if label in equal else " "
+        print(f"| {label} | {ms:.1f} | {ms / floor:.2f} | {ms / ref_ms:.2f} |{cell}|")
 
 
 def build_pair(in_channels: int = 64):
@@ -91,16 +178,8 @@ def build_pair(in_channels: int = 64):
     with torch.device(DEV):
         ref = FluxTransformer2DModel(guidance_embeds=True, in_channels=in_channels, out_channels=64)
         ref = ref.to(torch.bfloat16).eval()
-    sd = ref.state_dict()
     cfg = replace(FLUX1_DEV, in_channels=in_channels, out_channels=64)
-    ours_sd = {
-        r.bfl: flux1_layout.diffusers_to_bfl(r, sd.__getitem__)
-        for r in flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
-    }
-    with torch.device("meta"):
-        ours = Flux1Transformer(cfg)
-    ours.load_state_dict(ours_sd, strict=True, assign=True)
-    return ref, ours.eval()
+    return ref, share_weights(ref, cfg, flux1_layout, Flux1Transformer, cfg.guidance_embed)
 
 
 def step_inputs(n_img: int = 4096, n_txt: int = 512, batch: int = 1, channels: int = 64):
@@ -118,10 +197,6 @@ def step_inputs(n_img: int = 4096, n_txt: int = 512, batch: int = 1, channels: i
     t = torch.full((batch,), 988.0, device=DEV, dtype=bf) / 1000
     guidance = torch.full((batch,), 3.5, device=DEV)
     return img, img_ids, txt, txt_ids, t, y, guidance
-
-
-def _fmt_row(name: str, ms: float, floor: float, ref_ms: float) -> str:
-    return f"| {name} | {ms:.1f} | {ms / floor:.2f} | {ms / ref_ms:.2f} |"
 
 
 @torch.no_grad()
@@ -203,13 +278,7 @@ def bench_dit(ref, ours, iters: int, profile: bool) -> None:
     acc = step_error_vs_fp64(ours, expected, tiered, (img, img_ids, txt, txt_ids, t, y, g))
     RESULTS["error_vs_fp64"] = acc
 
-    print()
-    print("| FLUX.1-dev, 1024², bf16, B=1, per step | ms | / floor | / diffusers | torch.equal diffusers |")
-    print("|---|---|---|---|---|")
-    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} | |")
-    print(f"| diffusers eager | {ref_ms:.1f} | {ref_ms / floor:.2f} | 1.00 | |")
-    for name in variants:
-        print(_fmt_row(name, times[name], floor, ref_ms) + f" {equal[name]} |")
+    print_step_table("FLUX.1-dev, 1024², bf16, B=1, per step", floor, times, equal)
     print(f"relative L2 error vs float64: {acc}")
 
     if profile:

@@ -11,7 +11,7 @@ the checkout has `kernels/dispatch.py`, with the lossless fused kernels (median 
 Memory: the layout's renames hand over the very tensors diffusers holds, so both models share one copy of
 the weights; only the fused double-block `qkv` and the swapped final adaLN are new tensors (FLUX.2 [dev]:
 64.4 GB of weights + 3.6 GB). Models are freed before the next one is built. Modelled on `bench_dit` in
-bench.py (whose `cuda_time` it uses). Exit status 1 if any step differs. Writes every number to --json.
+bench.py (whose timing, floor and table helpers it uses). Exit status 1 if any step differs. Writes every number to --json.
 """
 
 from __future__ import annotations
@@ -25,11 +25,17 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import cuda_time  # scripts/bench.py, beside this file
+from bench import (  # scripts/bench.py, beside this file
+    born_bf16,
+    gemm_floor_ms,
+    parity_then_time,
+    print_step_table,
+    sdpa_floor_ms,
+    share_weights,
+)
 
 from flux_runtime.models.dit import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, DiTConfig, Flux2Transformer
 from flux_runtime.weights import flux2_layout
@@ -81,44 +87,19 @@ def library_floor(cfg: DiTConfig, n_img: int = 4096, n_txt: int = 512) -> tuple[
     gemms[(n_txt, cfg.context_in_dim, d)] += 1
     gemms[(n_img, d, cfg.out_channels)] += 1
     gemms[(1, d, 2 * d)] += 1
-    gemm_ms = 0.0
-    for (m, k, n), count in gemms.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
-        gemm_ms += count * cuda_time(lambda x=x, w=w: F.linear(x, w), iters=20)
-        del x, w
-    q, k, v = (
-        torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
-    )
-    attn_ms = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
-        lambda: F.scaled_dot_product_attention(q, k, v), iters=20
-    )
-    return gemm_ms, attn_ms
+    return gemm_floor_ms(gemms), sdpa_floor_ms(cfg, [(L, cfg.depth + cfg.depth_single_blocks)])
 
 
 def build_pair(cfg: DiTConfig, diffusers_kw: dict):
     """Full-size FLUX.2 in diffusers (random bf16 init on the GPU) and ours on the same weights."""
     from diffusers import Flux2Transformer2DModel
 
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # born in bf16: [dev] in fp32 would not fit beside anything
-    try:
-        with torch.device(DEV):
-            ref = Flux2Transformer2DModel(**diffusers_kw).eval()
-    finally:
-        torch.set_default_dtype(default)
+    ref = born_bf16(Flux2Transformer2DModel, **diffusers_kw)  # [dev] in fp32 would not fit beside anything
     with torch.no_grad():  # QK-norm weights start at 1; make them matter
         for p in ref.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
-    sd = ref.state_dict()
-    table = flux2_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
-    ours_sd = {r.bfl: flux2_layout.diffusers_to_bfl(r, sd.__getitem__) for r in table}
-    with torch.device("meta"):
-        ours = Flux2Transformer(cfg)
-    ours.load_state_dict(ours_sd, strict=True, assign=True)  # assign: share, do not copy
-    return ref, ours.eval()
+    return ref, share_weights(ref, cfg, flux2_layout, Flux2Transformer, cfg.guidance_embed)
 
 
 def step_inputs(cfg: DiTConfig, n_img: int = 4096, n_txt: int = 512, batch: int = 1):
@@ -212,39 +193,19 @@ def bench_model(name: str, iters: int) -> bool:
         reset_fused_ops_report()
 
     expected = run_ref()
-    times: dict[str, float] = {}
-    equal: dict[str, bool] = {}
     peaks: dict[str, float] = {}
-    for label, fn in [("diffusers eager", run_ref), *variants.items()]:
-        out = fn()
-        out = fn()  # graphs: the first call runs eagerly, the second captures and replays
-        equal[label] = torch.equal(out, expected)
-        diff = (
-            ""
-            if equal[label]
-            else f" (max abs diff {(out.float() - expected.float()).abs().max().item():.3g})"
-        )
+
+    def report(label: str, same: bool, diff: str) -> None:
         print(
-            f"[{name}] one bf16 step at 1024², {label} vs diffusers: torch.equal = {equal[label]}{diff}",
-            flush=True,
+            f"[{name}] one bf16 step at 1024², {label} vs diffusers: torch.equal = {same}{diff}", flush=True
         )
-        del out
-        torch.cuda.reset_peak_memory_stats()
-        times[label] = cuda_time(fn, iters=iters)
-        peaks[label] = torch.cuda.max_memory_allocated() / 2**30
+
+    times, equal = parity_then_time({"diffusers eager": run_ref, **variants}, expected, iters, report, peaks)
     if "ours eager, lossless fused kernels" in variants:
         print(fused_ops_report(), flush=True)
     res["step_ms"], res["equal_to_diffusers"], res["peak_gib_incl_weights"] = times, equal, peaks
 
-    ref_ms = times["diffusers eager"]
-    print()
-    print(
-        f"| FLUX.2-{name}, 1024², bf16, B=1, per step | ms | / floor | / diffusers | torch.equal diffusers |"
-    )
-    print("|---|---|---|---|---|")
-    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} | |")
-    for label, ms in times.items():
-        print(f"| {label} | {ms:.1f} | {ms / floor:.2f} | {ms / ref_ms:.2f} | {equal[label]} |")
+    print_step_table(f"FLUX.2-{name}, 1024², bf16, B=1, per step", floor, times, equal)
     print(
         "peak allocated while stepping (shared weights included): "
         + ", ".join(f"{label} {gib:.1f} GiB" for label, gib in peaks.items())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -21,10 +20,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from random_fill import fill_module  # scripts/random_fill.py, beside this file
+
 from flux_runtime.models.dit.config import FLUX2_DEV
 from flux_runtime.models.dit.flux2 import Flux2Transformer
 from flux_runtime.models.vae.flux2 import FLUX2_VAE, Flux2VAE
 from flux_runtime.pipeline.flux2 import Flux2Pipe
+from flux_runtime.pipeline.memory_trace import mistral_small_config
 from flux_runtime.sampling import FLUX2_SCHEDULE
 from flux_runtime.text.chat import load_mistral_tokenizer
 from flux_runtime.text.flux2 import Flux2TextEncoder
@@ -38,60 +40,18 @@ BF = torch.bfloat16
 def fill_random(model: nn.Module, seed: int) -> nn.Module:
     """Materialise a meta model on the GPU in bf16 with N(0, 1/fan_in) matrices and unit norms."""
     model.to(BF)  # on meta: allocate bf16 directly, not fp32 first
-    model.to_empty(device=DEV)
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.ndim >= 2:
-            p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
-        elif "norm" in name or name.endswith(("scale", "running_var")):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
-    for name, b in model.named_buffers():
-        if b.is_floating_point():
-            b.fill_(1.0 if "var" in name else 0.0)
+    # every floating buffer filled, `inv_freq` included (unlike bench_memory.py, which rebuilds them)
+    fill_module(model, DEV, torch.Generator(device=DEV).manual_seed(seed), position_buffers=False)
     return model.eval()
 
 
 def mistral_small_31(tokenizer):
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
-    cfg = Mistral3Config(
-        text_config={
-            "model_type": "mistral",
-            "vocab_size": 131072,
-            "hidden_size": 5120,
-            "intermediate_size": 32768,
-            "num_hidden_layers": 40,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "hidden_act": "silu",
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 1e9,
-            "max_position_embeddings": 131072,
-            "sliding_window": None,
-            "tie_word_embeddings": False,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={
-            "model_type": "pixtral",
-            "hidden_size": 1024,
-            "intermediate_size": 4096,
-            "num_hidden_layers": 24,
-            "num_attention_heads": 16,
-            "head_dim": 64,
-            "image_size": 1540,
-            "patch_size": 14,
-        },
-        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
-        spatial_merge_size=2,
-        projector_hidden_act="gelu",
-        multimodal_projector_bias=False,
-        vision_feature_layer=-1,
-    )
+    cfg = mistral_small_config(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+    )  # fmt: skip
     with torch.device("meta"):
         model = Mistral3ForConditionalGeneration(cfg)
     return fill_random(model, 3)

@@ -31,11 +31,18 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import cuda_time, profile_step  # scripts/bench.py, beside this file
+from bench import (  # scripts/bench.py, beside this file
+    born_bf16,
+    gemm_floor_ms,
+    parity_then_time,
+    print_step_table,
+    profile_step,
+    sdpa_floor_ms,
+    share_weights,
+)
 
 from flux_runtime.models.dit import FLUX3_KLEIN, FLUX3_KLEIN_BASE, DiTConfig
 from flux_runtime.models.dit.flux3 import Flux3Transformer
@@ -74,20 +81,8 @@ def library_floor(cfg: DiTConfig, n_ref: int) -> tuple[float, float]:
     gemms[(N_TXT, cfg.context_in_dim, d)] += 1
     gemms[(N_IMG, d, 2 * d)] += 1  # final adaLN, per token
     gemms[(N_IMG, d, cfg.out_channels)] += 1
-    gemm_ms = 0.0
-    for (m, k, n), count in gemms.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
-        gemm_ms += count * cuda_time(lambda x=x, w=w: F.linear(x, w), iters=20)
-        del x, w
-    attn_ms = 0.0
-    for length, count in [*((m, cfg.depth) for m in streams), (joint, cfg.depth_single_blocks)]:
-        q, k, v = (
-            torch.randn(1, cfg.num_heads, length, cfg.head_dim, device=DEV, dtype=torch.bfloat16)
-            for _ in range(3)
-        )
-        attn_ms += count * cuda_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v), iters=20)
-    return gemm_ms, attn_ms
+    attention = [*((m, cfg.depth) for m in streams), (joint, cfg.depth_single_blocks)]
+    return gemm_floor_ms(gemms), sdpa_floor_ms(cfg, attention)
 
 
 def build_pair(cfg: DiTConfig, **diffusers_kw: object):
@@ -95,27 +90,14 @@ def build_pair(cfg: DiTConfig, **diffusers_kw: object):
     (`diffusers_kw` shrinks the diffusers model to match a smaller `cfg`)."""
     from diffusers import Flux3Transformer2DModel
 
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(DEV):
-            ref = Flux3Transformer2DModel(flow_map=cfg.flow_map, **diffusers_kw).eval()
-    finally:
-        torch.set_default_dtype(default)
+    ref = born_bf16(Flux3Transformer2DModel, flow_map=cfg.flow_map, **diffusers_kw)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if p.ndim == 1:  # QK-norm weights start at 1; make them matter, then keep them fp32
                 p.add_(0.1 * torch.randn_like(p))
                 if ".norm_q." in name or ".norm_k." in name:
                     p.data = p.data.float()
-    sd = ref.state_dict()
-    table = flux3_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.flow_map)
-    ours_sd = {r.bfl: flux3_layout.diffusers_to_bfl(r, sd.__getitem__) for r in table}
-    with torch.device("meta"):
-        ours = Flux3Transformer(cfg)
-    ours.load_state_dict(ours_sd, strict=True, assign=True)  # assign: share, do not copy
-    return ref, ours.eval()
+    return ref, share_weights(ref, cfg, flux3_layout, Flux3Transformer, cfg.flow_map)
 
 
 def step_inputs(cfg: DiTConfig, n_ref: int):
@@ -172,36 +154,18 @@ def bench_case(name: str, case: str, ref, ours, iters: int, profile: bool = Fals
     }
     reset_fused_ops_report()
     expected = run_ref()
-    times: dict[str, float] = {}
-    equal: dict[str, bool] = {}
-    for label, fn in [("diffusers eager", run_ref), *variants.items()]:
-        out = fn()
-        out = fn()  # graphs: the first call runs eagerly, the second captures and replays
-        equal[label] = torch.equal(out, expected)
-        diff = (
-            ""
-            if equal[label]
-            else f" (max abs diff {(out.float() - expected.float()).abs().max().item():.3g})"
-        )
-        print(
-            f"[{label_case}] one bf16 step, {label} vs diffusers: torch.equal = {equal[label]}{diff}",
-            flush=True,
-        )
-        del out
-        times[label] = cuda_time(fn, iters=iters)
+
+    def report(label: str, same: bool, diff: str) -> None:
+        print(f"[{label_case}] one bf16 step, {label} vs diffusers: torch.equal = {same}{diff}", flush=True)
+
+    times, equal = parity_then_time({"diffusers eager": run_ref, **variants}, expected, iters, report)
     print(fused_ops_report(), flush=True)
     if profile:  # where the lossless step's time goes, kernel by kernel
         profile_step(variants["ours eager, lossless fused kernels"])
     res["step_ms"], res["equal_to_diffusers"] = times, equal
-    ref_ms = times["diffusers eager"]
-    print()
-    print(
-        f"| FLUX.3 Klein {label_case}, 1024², bf16, B=1, per step | ms | / floor | / diffusers | torch.equal |"
+    print_step_table(
+        f"FLUX.3 Klein {label_case}, 1024², bf16, B=1, per step", floor, times, equal, "torch.equal"
     )
-    print("|---|---|---|---|---|")
-    print(f"| library floor (GEMMs + SDPA) | {floor:.1f} | 1.00 | {floor / ref_ms:.2f} | |")
-    for label, ms in times.items():
-        print(f"| {label} | {ms:.1f} | {ms / floor:.2f} | {ms / ref_ms:.2f} | {equal[label]} |")
     print(flush=True)
     return all(equal.values())
 

@@ -48,6 +48,53 @@ RESULTS: dict[str, object] = {}
 PROFILE = False
 
 
+def print_fp8_table(
+    title: str, floor: dict[str, float], times: dict[str, float], equal: dict, peaks: dict[str, float]
+) -> None:
+    """The per-step markdown table: the FP8 floor (its parts), then each timed row in ms, / FP8 floor,
+    / ours bf16 (lossless + graph), / diffusers bf16 (eager), its `equal` entry (blank where none) and peak GiB."""
+    print()
+    print(f"| {title} | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
+        f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
+    )
+    d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
+    for label, ms in times.items():
+        print(
+            f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
+            f"{equal.get(label, '')} | {peaks[label]:.1f} |"
+        )
+
+
+def time_gemms(
+    fp8: Counter[tuple[int, int, int]], bf16: Counter[tuple[int, int, int]], bias: bool
+) -> dict[str, float]:
+    """Summed ms of a step's GEMMs, `(M, K, N) -> calls`, each shape timed alone: `fp8` as e4m3 row-wise
+    `_scaled_mm` (plain and fast accumulation), `bf16` as `F.linear`; with a bf16 bias each when `bias` (FLUX.1)."""
+    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
+    for (m, k, n), count in fp8.items():
+        a = torch.randn(m, k, device=DEV).to(E4M3)
+        w = torch.randn(n, k, device=DEV).to(E4M3)
+        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
+        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
+        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
+            out[key] += count * cuda_time(
+                lambda a=a, w=w, sa=sa, sb=sb, b=b, fast=fast: torch._scaled_mm(
+                    a, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast
+                ),
+                iters=20,
+            )
+        del a, w
+    for (m, k, n), count in bf16.items():
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
+        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+    return out
+
+
 def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str, float]:
     """The FP8 model's GEMMs timed alone: e4m3 row-wise `_scaled_mm` for the block projections (plain and fast
     accumulation), bf16 `F.linear` for the rest; plus one cuDNN attention per block."""
@@ -72,25 +119,7 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
     bf16[(n_txt, cfg.context_in_dim, d)] += 1
     bf16[(n_img, d, cfg.out_channels)] += 1
     bf16[(1, d, 2 * d)] += 1
-    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
-    for (m, k, n), count in fp8.items():
-        a = torch.randn(m, k, device=DEV).to(E4M3)
-        w = torch.randn(n, k, device=DEV).to(E4M3)
-        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
-        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if flux1 else None
-        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
-            out[key] += count * cuda_time(
-                lambda a=a, w=w, sa=sa, sb=sb, b=b, fast=fast: torch._scaled_mm(
-                    a, w.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast
-                ),
-                iters=20,
-            )
-        del a, w
-    for (m, k, n), count in bf16.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if flux1 else None
-        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+    out = time_gemms(fp8, bf16, bias=flux1)
     q, k, v = (
         torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
     )
@@ -211,21 +240,7 @@ def bench_model(name: str, iters: int) -> bool:
     ratio_bf16 = times["ours fp8 lossless + graph"] / times["ours bf16 lossless + graph"]
     res["fp8_over_bf16"] = ratio_bf16
     res["fp8_over_floor"] = times["ours fp8 lossless + graph"] / floor["total"]
-    print()
-    print(
-        f"| {name}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    print(
-        f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
-        f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
-    )
-    d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
-    for label, ms in times.items():
-        print(
-            f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
-            f"{equal.get(label, '')} | {peaks[label]:.1f} |"
-        )
+    print_fp8_table(f"{name}, 1024², B=1, per step", floor, times, equal, peaks)
     if "error_vs_fp64" in res:
         print(f"relative L2 error of one step vs float64: {res['error_vs_fp64']}")
     print(flush=True)
@@ -263,22 +278,7 @@ def fp8_floor_flux3(cfg, n_ref: int) -> dict[str, float]:
     bf16[(n_txt, cfg.context_in_dim, d)] += 1
     bf16[(n_img, d, 2 * d)] += 1
     bf16[(n_img, d, cfg.out_channels)] += 1
-    out = {"fp8_gemm": 0.0, "fp8_gemm_fast_accum": 0.0, "bf16_gemm": 0.0}
-    for (m, k, n), count in fp8.items():
-        a, w = torch.randn(m, k, device=DEV).to(E4M3), torch.randn(n, k, device=DEV).to(E4M3)
-        sa, sb = torch.rand(m, 1, device=DEV), torch.rand(1, n, device=DEV)
-        for key, fast in (("fp8_gemm", False), ("fp8_gemm_fast_accum", True)):
-            out[key] += count * cuda_time(
-                lambda a=a, w=w, sa=sa, sb=sb, fast=fast: torch._scaled_mm(
-                    a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast
-                ),
-                iters=20,
-            )
-        del a, w
-    for (m, k, n), count in bf16.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w: F.linear(x, w), iters=20)
+    out = time_gemms(fp8, bf16, bias=False)
     out["attention"] = bench_flux3.library_floor(cfg, n_ref)[1]
     out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
     return out
@@ -391,21 +391,7 @@ def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
         )
         RESULTS[f"{name}/{case}"] = res
         what = "one 1024² reference" if case == "ref" else "text to image"
-        print()
-        print(
-            f"| {name} {what}, 1024², B=1, per step | ms | / FP8 floor | / ours bf16 | / diffusers bf16 | equal | peak GiB |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        print(
-            f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
-            f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
-        )
-        d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
-        for label, ms in times.items():
-            print(
-                f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
-                f"{res['equal'].get(label, '')} | {res['peak_gib'][label]:.1f} |"
-            )
+        print_fp8_table(f"{name} {what}, 1024², B=1, per step", floor, times, res["equal"], res["peak_gib"])
         print(f"relative L2 error of one step vs float64: {res['error_vs_fp64']}")
         print(flush=True)
         ok &= all(v is True for k, v in res["equal"].items() if "high" not in k)

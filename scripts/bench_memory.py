@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +36,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from random_fill import fill_module  # scripts/random_fill.py, beside this file
 
 from flux_runtime.models.dit.config import FLUX1_DEV, FLUX2_DEV
 from flux_runtime.models.dit.flux1 import Flux1Transformer
@@ -79,24 +80,6 @@ def _cuda(fn: Callable[[], Any]) -> Any:
     return fn() if DEV.type == "cuda" else None
 
 
-@torch.no_grad()
-def _fill(module: nn.Module, prefix: str, gen: torch.Generator, recurse: bool = True) -> None:
-    """Materialise `module`'s meta tensors on `DEV` in bf16: N(0, 1/fan_in) matrices, unit norms."""
-    module.to_empty(device=DEV, recurse=recurse)
-    for name, p in module.named_parameters(prefix=prefix, recurse=recurse):
-        if p.ndim >= 2:
-            p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
-        elif "norm" in name or name.endswith(("scale", "running_var")):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
-    for name, b in module.named_buffers(prefix=prefix, recurse=recurse):
-        if name.endswith("position_ids"):  # CLIP's (1, 77) arange
-            b.copy_(torch.arange(b.shape[-1], device=DEV).expand_as(b))
-        elif b.is_floating_point() and "inv_freq" not in name:
-            b.fill_(1.0 if "var" in name else 0.0)
-
-
 def fill_random(
     model: nn.Module,
     seed: int,
@@ -114,9 +97,9 @@ def fill_random(
     names = {id(m): n for n, m in model.named_modules()}
     for m in model.modules():
         if id(m) not in inside:
-            _fill(m, names[id(m)], gen, recurse=False)
+            fill_module(m, DEV, gen, position_buffers=True, prefix=names[id(m)], recurse=False)
     for block in blocks:
-        _fill(block, names[id(block)], gen)
+        fill_module(block, DEV, gen, position_buffers=True, prefix=names[id(block)])
         if quantize is not None:
             quantize(names[id(block)], block)
     return model.eval()

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from flux_runtime.weights import flux1_layout
+from tests.random_models import bfl_transformer_state_dict, randomised, save_tensors
+from tests.random_models import save_diffusers as save_diffusers  # the family's name for it
 
 TINY_KW = dict(
     patch_size=1,
@@ -26,28 +27,12 @@ def make_diffusers_transformer(guidance: bool, seed: int = 0, **overrides):
     """A tiny `FluxTransformer2DModel` with every parameter (norm weights too) randomised."""
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**{**TINY_KW, "guidance_embeds": guidance, **overrides})
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
-def save_diffusers(model, folder: Path) -> Path:
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return randomised(FluxTransformer2DModel, seed, **{**TINY_KW, "guidance_embeds": guidance, **overrides})
 
 
 def save_bfl(model, path: Path, prefix: str = "") -> Path:
     """Write `model`'s weights in the BFL single-file layout (optionally with a key prefix)."""
-    sd = model.state_dict()
-    cfg = model.config
-    table = flux1_layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds)
-    out = {prefix + r.bfl: flux1_layout.diffusers_to_bfl(r, sd.__getitem__).contiguous() for r in table}
-    save_file(out, str(path))
-    return path
+    return save_tensors(bfl_transformer_state_dict(model, flux1_layout, "guidance_embeds", prefix), path)
 
 
 def make_inputs(batch: int, h: int, w: int, txt_len: int, dtype: torch.dtype, seed: int = 0):

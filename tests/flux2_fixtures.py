@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from flux_runtime.weights import flux2_layout
+from tests.random_models import bfl_transformer_state_dict, randomised, save_tensors
+from tests.random_models import save_diffusers as save_diffusers  # the family's name for it
 
 # The shape of `TINY_FLUX2` in diffusers' vocabulary (guidance_embeds picks [dev] or [klein]).
 TINY_KW = dict(
@@ -29,32 +30,17 @@ def make_diffusers_flux2(guidance: bool, seed: int = 0, **overrides):
     """A tiny `Flux2Transformer2DModel` with every parameter (QK-norm weights too) randomised."""
     from diffusers import Flux2Transformer2DModel
 
-    torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(**{**TINY_KW, "guidance_embeds": guidance, **overrides})
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
-def save_diffusers(model, folder: Path) -> Path:
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return randomised(Flux2Transformer2DModel, seed, **{**TINY_KW, "guidance_embeds": guidance, **overrides})
 
 
 def bfl_state_dict(model, prefix: str = "") -> dict[str, torch.Tensor]:
     """`model`'s weights under BFL flux2 keys, converted by our layout table."""
-    sd = model.state_dict()
-    cfg = model.config
-    table = flux2_layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds)
-    return {prefix + r.bfl: flux2_layout.diffusers_to_bfl(r, sd.__getitem__).contiguous() for r in table}
+    return bfl_transformer_state_dict(model, flux2_layout, "guidance_embeds", prefix)
 
 
 def save_bfl(model, path: Path, prefix: str = "") -> Path:
     """Write `model`'s weights in the BFL single-file layout (optionally with a key prefix)."""
-    save_file(bfl_state_dict(model, prefix), str(path))
-    return path
+    return save_tensors(bfl_state_dict(model, prefix), path)
 
 
 def image_ids(h: int, w: int, t: int = 0) -> torch.Tensor:

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import save_file
 
 from flux_runtime.weights import flux3_layout
+from tests.random_models import bfl_transformer_state_dict, randomised, save_tensors
+from tests.random_models import save_diffusers as save_diffusers  # the family's name for it
 
 # The shape of `TINY_FLUX3` in diffusers' vocabulary (flow_map picks the distilled model).
 TINY_KW = dict(
@@ -31,13 +32,7 @@ def make_diffusers_flux3(flow_map: bool, seed: int = 0, **overrides):
     """A tiny fp32 `Flux3Transformer2DModel` with every parameter (QK-norm weights too) randomised."""
     from diffusers import Flux3Transformer2DModel
 
-    torch.manual_seed(seed)
-    model = Flux3Transformer2DModel(**{**TINY_KW, "flow_map": flow_map, **overrides})
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    return randomised(Flux3Transformer2DModel, seed, **{**TINY_KW, "flow_map": flow_map, **overrides})
 
 
 def as_loaded(model, dtype: torch.dtype):
@@ -48,23 +43,14 @@ def as_loaded(model, dtype: torch.dtype):
     return model
 
 
-def save_diffusers(model, folder: Path) -> Path:
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
 def bfl_state_dict(model, prefix: str = "") -> dict[str, torch.Tensor]:
     """`model`'s weights under BFL FLUX.3 keys, converted by our layout table."""
-    sd = model.state_dict()
-    cfg = model.config
-    table = flux3_layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.flow_map)
-    return {prefix + r.bfl: flux3_layout.diffusers_to_bfl(r, sd.__getitem__).contiguous() for r in table}
+    return bfl_transformer_state_dict(model, flux3_layout, "flow_map", prefix)
 
 
 def save_bfl(model, path: Path, prefix: str = "", extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `model`'s weights in the BFL single-file layout (optionally prefixed, with extra tensors)."""
-    save_file({**bfl_state_dict(model, prefix), **(extra or {})}, str(path))
-    return path
+    return save_tensors({**bfl_state_dict(model, prefix), **(extra or {})}, path)
 
 
 def image_ids(h: int, w: int, l_coord: int = 0) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import Tensor
 from flux_runtime.sampling.flux2 import bn_normalize, flux2_pack, patchify
 from flux_runtime.sampling.flux3 import flux3_image_ids
 from flux_runtime.sampling.latents import _check_positive_int
-from flux_runtime.sampling.reference_images import EncodeFn
+from flux_runtime.sampling.reference_images import EncodeFn, check_references, encode_reference
 
 # BFL's limits: references per call, the single reference's canvas (area, sides), several references' area.
 MAX_REFERENCES = 10
@@ -187,22 +187,11 @@ def encode_flux3_references(
     `flux3_image_ids(h/2, w/2, l = -1 - k)`. All references' tokens are concatenated in order, repeated for the
     `batch` images and cast to `dtype` (the transformer's), as diffusers feeds `image_cond_hidden_states`.
     """
-    _check_positive_int("batch", batch)
-    if len(pixels) == 0:
-        raise ValueError("encode_flux3_references: no reference images given")
+    check_references("encode_flux3_references", batch, pixels)
     tokens: list[Tensor] = []
     ids: list[Tensor] = []
     for k, image in enumerate(pixels):
-        if image.ndim != 4 or image.shape[:2] != (1, 3):
-            raise ValueError(
-                f"encode_flux3_references: reference {k} must be (1, 3, H, W), got {tuple(image.shape)}"
-            )
-        latents = encode_fn(image.to(device=device, dtype=vae_dtype))
-        if latents.ndim != 4 or latents.shape[0] != 1:
-            raise ValueError(
-                f"encode_flux3_references: encode_fn returned shape {tuple(latents.shape)} for reference {k}, "
-                "expected (1, C, h, w)"
-            )
+        latents = encode_reference("encode_flux3_references", encode_fn, image, k, device, vae_dtype)
         grid = bn_normalize(patchify(latents), mean, std)  # (1, 128, h/2, w/2)
         grid = grid.repeat_interleave(batch, dim=0)
         tokens.append(flux2_pack(grid))  # (B, h/2·w/2, 128)

@@ -104,6 +104,28 @@ def _preprocess(image: Image.Image, multiple: int) -> Tensor:
     return 2.0 * pixels - 1.0
 
 
+def check_references(who: str, batch: int, images: Sequence[Tensor]) -> None:
+    """A positive `batch` and at least one reference image (`who` names the caller in the error)."""
+    _check_positive_int("batch", batch)
+    if len(images) == 0:
+        raise ValueError(f"{who}: no reference images given")
+
+
+def encode_reference(
+    who: str, encode_fn: EncodeFn, image: Tensor, k: int, device: torch.device | str, dtype: torch.dtype
+) -> Tensor:
+    """`encode_fn` of reference `k`, a `(1, 3, H, W)` image cast to `dtype` on `device`; its latents must be
+    `(1, C, h, w)` (`who` names the caller in errors)."""
+    if image.ndim != 4 or image.shape[:2] != (1, 3):
+        raise ValueError(f"{who}: reference {k} must be (1, 3, H, W), got {tuple(image.shape)}")
+    latents = encode_fn(image.to(device=device, dtype=dtype))
+    if latents.ndim != 4 or latents.shape[0] != 1:
+        raise ValueError(
+            f"{who}: encode_fn returned shape {tuple(latents.shape)} for reference {k}, expected (1, C, h, w)"
+        )
+    return latents
+
+
 def encode_reference_images(
     images: Sequence[Tensor],
     encode_fn: EncodeFn,
@@ -123,22 +145,11 @@ def encode_reference_images(
     casts the model input, as diffusers casts `cat([latents, image_latents])` to the transformer's dtype).
     Append the ids after the generated image's: `torch.cat([flux2_image_ids(h, w), ref_ids])`.
     """
-    _check_positive_int("batch", batch)
-    if len(images) == 0:
-        raise ValueError("encode_reference_images: no reference images given")
+    check_references("encode_reference_images", batch, images)
     tokens: list[Tensor] = []
     ids: list[Tensor] = []
     for k, image in enumerate(images):
-        if image.ndim != 4 or image.shape[:2] != (1, 3):
-            raise ValueError(
-                f"encode_reference_images: reference {k} must be (1, 3, H, W), got {tuple(image.shape)}"
-            )
-        latents = encode_fn(image.to(device=device, dtype=dtype))
-        if latents.ndim != 4 or latents.shape[0] != 1:
-            raise ValueError(
-                f"encode_reference_images: encode_fn returned shape {tuple(latents.shape)} for reference {k}, "
-                f"expected (1, C, h, w)"
-            )
+        latents = encode_reference("encode_reference_images", encode_fn, image, k, device, dtype)
         grid = bn_normalize(patchify(latents), mean, std)  # (1, 128, h/2, w/2)
         h, w = latents.shape[-2:]
         ids.append(flux2_image_ids(h, w, time=reference_time(k), device=device))

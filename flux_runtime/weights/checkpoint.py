@@ -3,16 +3,16 @@
 `open_transformer` finds the safetensors files of a path or cached id, reads their headers (once) and
 tells FLUX.1, FLUX.2 and FLUX.3 apart by the keys; the family loaders (`flux{1,2,3}_transformer`)
 take the opened checkpoint, so a pipeline that asked for the family first reads no header twice.
-The helpers both loaders share (config checks, key checks, identity rules, built-in models) live here,
-so neither loader imports the other.
+The helpers the loaders share (config checks and inference from key tables, key checks, identity rules,
+built-in models) live here, so no loader imports another.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -24,11 +24,11 @@ from flux_runtime.models.dit import PRESETS, DiTConfig
 from flux_runtime.registry import builtin
 from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
-from flux_runtime.weights.checks import FiniteCheck
+from flux_runtime.weights.checks import FiniteCheck, check_weight_dtypes
 from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
-from flux_runtime.weights.keys import raise_key_errors, strip_prefix
+from flux_runtime.weights.keys import need_shape, raise_key_errors, strip_prefix
 from flux_runtime.weights.safetensors_io import TensorSource, read_header
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ BFL_MARK = "double_blocks.0.img_attn.norm.key_norm.scale"
 BFL_ANY = ("img_in.weight", "final_layer.linear.weight", "emb_in.image.weight")
 # The fields of a diffusers transformer config.json the loaders read (the rest comes from the tensor shapes).
 CONFIG_FIELDS = {"axes_dims_rope": INT_LIST, "rope_theta": NUMBER}
+
+ShapeOf = Callable[[str], tuple[int, ...]]
 
 
 @dataclass
@@ -123,6 +125,44 @@ def check_config(inferred: DiTConfig, given: DiTConfig) -> None:
     ]
     if diffs:
         raise WeightsError("checkpoint does not match the given config: " + "; ".join(diffs))
+
+
+def with_given_config(inferred: DiTConfig, given: DiTConfig | None) -> DiTConfig:
+    """`inferred` checked against a caller's `given` config (every field but the RoPE ones), then with `given`'s
+    RoPE axes and theta (the weights do not state them); `inferred` itself without one."""
+    if given is None:
+        return inferred
+    check_config(inferred, given)
+    return replace(inferred, axes_dim=given.axes_dim, theta=given.theta)
+
+
+def checked_rules(
+    model: nn.Module,
+    layout: str,
+    reader,
+    *,
+    keys: set[str],
+    shape_of,
+    table: list[flux1_layout.Rule] | None = None,
+    split=None,
+    assemble=None,
+) -> tuple[list[flux1_layout.Rule], Callable]:
+    """The rules and `assemble` that fill `model` (on meta) from `reader`, after the checks of its layout.
+
+    BFL (`layout` "bfl"): `keys` (the checkpoint's, less FP8 scales and skipped ones) must be the model's own,
+    each of the shape `shape_of` gives, every weight stored floating point; each key is then itself. Diffusers:
+    each tensor of the layout's `table` must have the shape `split` gives it, and be floating point; `assemble`
+    builds our tensors from them (the caller has already named missing and unexpected keys).
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if layout == "bfl":
+        check_keys(keys, expected, shape_of)
+        check_weight_dtypes(reader, expected)
+        return identity_rules(expected), take_only
+    assert table is not None and split is not None and assemble is not None
+    check_part_shapes(table, expected, reader.shape, split)
+    check_weight_dtypes(reader, sorted({d for r in table for d in r.diffusers}))
+    return table, assemble
 
 
 def read_folder_config(files: list[Path]) -> dict | None:
@@ -219,3 +259,109 @@ def rope_axes(
         if preset.family == family and preset.head_dim == head_dim:
             return preset.axes_dim, preset.theta
     raise WeightsError(f"cannot tell the RoPE axes for head dim {head_dim}; pass config= with axes_dim")
+
+
+@dataclass(frozen=True)
+class BlockKeys:
+    """Where the first block of one kind states the head width and the MLP width (BFL names).
+
+    The MLP width is dim 1 of `mlp_out` (the projection back to the hidden size), less the hidden size
+    when `mlp_out` also takes the attention output (a single block's fused `linear2`).
+    """
+
+    qk_norm: str
+    mlp_out: str
+    mlp_out_has_attention: bool = False
+
+
+@dataclass(frozen=True)
+class ConfigKeys:
+    """A family's table for `infer_dit_config`: which BFL-named tensors state which `DiTConfig` fields.
+
+    `flag` is the field the third entry of the loaders' `depths` sets (FLUX.2: a guidance embedder,
+    FLUX.3: the flow map's target-timestep embedder); `cond_in`, when named, gives `cond_in_channels`.
+    """
+
+    family: Family
+    name: str
+    default_theta: int
+    img_in: str
+    final: str
+    txt_in: str
+    double: BlockKeys
+    single: BlockKeys
+    flag: Literal["guidance_embed", "flow_map"]
+    cond_in: str | None = None
+
+
+def infer_dit_config(
+    table: ConfigKeys,
+    shape_of: ShapeOf,
+    depths: tuple[int, int, bool],
+    folder_config: dict | None,
+    where: Path | str = "checkpoint",
+    rope: tuple[tuple[int, ...], int] | None = None,
+) -> DiTConfig:
+    """Widths, heads and channels of a FLUX.2 / FLUX.3 DiT from the checkpoint itself, through `table`'s BFL
+    key names (`where` names the checkpoint in errors).
+
+    `depths` is (double blocks, single blocks, `table.flag`); RoPE axes and theta come from `rope` (a
+    caller's, when it fits the head width), a diffusers `config.json`, else the family's preset of this
+    head width (the weights do not state them).
+    """
+    depth, depth_single, flag = depths
+    if not depth and not depth_single:
+        raise WeightsError(f"{table.name} checkpoint has no transformer blocks")
+    block = table.double if depth else table.single
+    hidden, in_ch = need_shape(shape_of, table.img_in, "hidden size", 2)
+    head_dim = need_shape(shape_of, block.qk_norm, "head dim", 1)[0]
+    mlp_hidden = need_shape(shape_of, block.mlp_out, "MLP width", 2)[1]
+    if block.mlp_out_has_attention:
+        mlp_hidden -= hidden
+    if hidden % head_dim:
+        raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
+    axes_dim, theta = (
+        rope
+        if rope and sum(rope[0]) == head_dim
+        else rope_axes(head_dim, folder_config, table.family, table.default_theta)
+    )
+    with config_errors(where):
+        out_ch = need_shape(shape_of, table.final, "output channels", 2)[0]
+        cond_in = need_shape(shape_of, table.cond_in, "reference width", 2)[1] if table.cond_in else 0
+        cfg = DiTConfig(
+            family=table.family,
+            in_channels=in_ch,
+            out_channels=out_ch,
+            cond_in_channels=cond_in,
+            vec_in_dim=0,
+            context_in_dim=need_shape(shape_of, table.txt_in, "text width", 2)[1],
+            hidden_size=hidden,
+            mlp_ratio=mlp_hidden / hidden,
+            num_heads=hidden // head_dim,
+            depth=depth,
+            depth_single_blocks=depth_single,
+            axes_dim=axes_dim,
+            theta=theta,
+            qkv_bias=False,
+            guidance_embed=table.flag == "guidance_embed" and flag,
+            flow_map=table.flag == "flow_map" and flag,
+        )
+    if cfg.mlp_hidden_dim != mlp_hidden:
+        raise WeightsError(
+            f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"
+        )
+    return cfg
+
+
+def bfl_shapes(table: list[flux1_layout.Rule], diffusers_shape: ShapeOf) -> ShapeOf:
+    """Shapes under BFL names for a diffusers checkpoint: a fused rule stacks its parts' rows, a one-part
+    rule is its part's shape."""
+    by_bfl = {r.bfl: r for r in table}
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        parts = [diffusers_shape(d) for d in by_bfl[key].diffusers]
+        if not all(parts):  # a 0-D part: no rows to stack (need_shape and the shape checks name it)
+            return ()
+        return (sum(p[0] for p in parts), *parts[0][1:])
+
+    return shape_of

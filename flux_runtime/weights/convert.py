@@ -35,7 +35,13 @@ from flux_runtime.weights import (
     vae_layout,
 )
 from flux_runtime.weights import fp8 as fp8_layers
-from flux_runtime.weights.checkpoint import find_transformer_files, read_folder_config
+from flux_runtime.weights.checkpoint import (
+    ConfigKeys,
+    bfl_shapes,
+    find_transformer_files,
+    infer_dit_config,
+    read_folder_config,
+)
 from flux_runtime.weights.diffusers_config import (
     FLUX2_DIFFUSERS_FIXED,
     FLUX3_DIFFUSERS_FIXED,
@@ -174,38 +180,26 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
     return ConversionPlan("transformer", files, layout, target, steps, cfg, diffusers_cfg)
 
 
+def _refuse_lost_fields(folder: dict | None, fixed: dict[str, Any], where: Path, name: str) -> None:
+    """Refuse a diffusers config whose values BFL's code would not reproduce (a BFL file cannot state them)."""
+    lost = [
+        f"{k} {folder[k]} (BFL fixes {v})"
+        for k, v in fixed.items()
+        if folder and k in folder and folder[k] != v
+    ]
+    if lost:
+        raise WeightsError(f"{where.parent / 'config.json'}: BFL's {name} cannot express " + ", ".join(lost))
+
+
 def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionPlan:
     """`plan_transformer` for FLUX.2 keys: `flux2_layout`'s table, the FLUX.2 loader's config inference."""
     layout = flux2_layout.detect_layout(src.keys())
     view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
     folder = read_folder_config(files) if layout == "diffusers" else None
-    if layout == "bfl":
-        depths = flux2_layout.bfl_depths(view.keys())
-        shape_of = view.shape
-    else:
-        depths = flux2_layout.diffusers_depths(view.keys())
-        table = list(flux2_layout.rules(*depths))
-        _check_keys(view.keys(), [k for r in table for k in r.diffusers])
-        shape_of = flux2_transformer._fused_shapes(table, view.shape)
-    cfg = flux2_transformer.infer_config(shape_of, depths, folder, files[0])
-    # a BFL file cannot state these: refuse a diffusers config whose values BFL's code would not reproduce
-    lost = [
-        f"{k} {folder[k]} (BFL fixes {v})"
-        for k, v in FLUX2_DIFFUSERS_FIXED.items()
-        if folder and k in folder and folder[k] != v
-    ]
-    if lost:
-        raise WeightsError(
-            f"{files[0].parent / 'config.json'}: BFL's FLUX.2 cannot express " + ", ".join(lost)
-        )
-    with torch.device("meta"):
-        expected = Flux2Transformer(cfg).state_dict()
-    table = list(flux2_layout.rules(*depths))
-    steps = _transformer_steps(
-        layout, view, table, expected, flux2_layout.bfl_to_diffusers, flux2_layout.diffusers_to_bfl
-    )
-    target = "diffusers" if layout == "bfl" else "bfl"
-    return ConversionPlan("transformer", files, layout, target, steps, cfg, transformer_diffusers_config(cfg))
+    return _plan_dit(
+        files, layout, view, folder, flux2_layout, Flux2Transformer, flux2_transformer.CONFIG_KEYS,
+        FLUX2_DIFFUSERS_FIXED,
+    )  # fmt: skip
 
 
 def _plan_flux3_transformer(files: list[Path], src: TensorSource) -> ConversionPlan:
@@ -225,34 +219,40 @@ def _plan_flux3_transformer(files: list[Path], src: TensorSource) -> ConversionP
         log.info("%s: leaving out %d training-only tensors (%s, ...)", files[0], len(skipped), skipped[0])
         for k in skipped:
             del view.names[k]
+    return _plan_dit(
+        files, layout, view, folder, flux3_layout, Flux3Transformer, flux3_transformer.CONFIG_KEYS,
+        FLUX3_DIFFUSERS_FIXED,
+    )  # fmt: skip
+
+
+def _plan_dit(
+    files: list[Path],
+    layout: str,
+    view: KeyView,
+    folder: dict | None,
+    layout_mod: Any,
+    model_cls: type[torch.nn.Module],
+    config_keys: ConfigKeys,
+    fixed: dict[str, Any],
+) -> ConversionPlan:
+    """A FLUX.2 / FLUX.3 plan once its layout is known: the depths from `view`'s keys (diffusers keys checked
+    against `layout_mod`'s table), the config inferred as the family's loader does (`config_keys`), a diffusers
+    config refused where BFL's code fixes another value (`fixed`), then every key's conversion step."""
     if layout == "bfl":
-        depths = flux3_layout.bfl_depths(view.keys())
+        depths = layout_mod.bfl_depths(view.keys())
         shape_of = view.shape
     else:
-        depths = flux3_layout.diffusers_depths(view.keys())
-        table = list(flux3_layout.rules(*depths))
+        depths = layout_mod.diffusers_depths(view.keys())
+        table = list(layout_mod.rules(*depths))
         _check_keys(view.keys(), [k for r in table for k in r.diffusers])
-        by_bfl = {r.bfl: r.diffusers[0] for r in table}  # every FLUX.3 rule is one tensor
-
-        def shape_of(key: str) -> tuple[int, ...]:
-            return view.shape(by_bfl[key])
-
-    cfg = flux3_transformer.infer_config(shape_of, depths, folder, files[0])
-    # a BFL file cannot state these: refuse a diffusers config whose values BFL's code would not reproduce
-    lost = [
-        f"{k} {folder[k]} (BFL fixes {v})"
-        for k, v in FLUX3_DIFFUSERS_FIXED.items()
-        if folder and k in folder and folder[k] != v
-    ]
-    if lost:
-        raise WeightsError(
-            f"{files[0].parent / 'config.json'}: BFL's FLUX.3 cannot express " + ", ".join(lost)
-        )
+        shape_of = bfl_shapes(table, view.shape)
+    cfg = infer_dit_config(config_keys, shape_of, depths, folder, files[0])
+    _refuse_lost_fields(folder, fixed, files[0], config_keys.name)
     with torch.device("meta"):
-        expected = Flux3Transformer(cfg).state_dict()
-    table = list(flux3_layout.rules(*depths))
+        expected = model_cls(cfg).state_dict()
+    table = list(layout_mod.rules(*depths))
     steps = _transformer_steps(
-        layout, view, table, expected, flux3_layout.bfl_to_diffusers, flux3_layout.diffusers_to_bfl
+        layout, view, table, expected, layout_mod.bfl_to_diffusers, layout_mod.diffusers_to_bfl
     )
     target = "diffusers" if layout == "bfl" else "bfl"
     return ConversionPlan("transformer", files, layout, target, steps, cfg, transformer_diffusers_config(cfg))

@@ -84,31 +84,42 @@ def count_blocks(keys: list[str], prefix: str) -> int:
 
 def rules(depth: int, depth_single: int, guidance: bool) -> Iterator[Rule]:
     """All rules for a model of this depth, with `{i}` filled in."""
-    yield from GLOBAL_RULES
-    if guidance:
-        yield from GUIDANCE_RULES
-    for template, n in ((DOUBLE_RULES, depth), (SINGLE_RULES, depth_single)):
+    yield from expand_rules(
+        [*GLOBAL_RULES, *(GUIDANCE_RULES if guidance else ())],
+        ((DOUBLE_RULES, depth), (SINGLE_RULES, depth_single)),
+    )
+
+
+def expand_rules(fixed: list[Rule], blocks: tuple[tuple[list[Rule], int], ...]) -> Iterator[Rule]:
+    """`fixed` as they are, then each `(template, n)` of `blocks` for block `{i}` = 0 .. n - 1 (FLUX.1 and
+    FLUX.2 tables)."""
+    yield from fixed
+    for template, n in blocks:
         for i in range(n):
             for r in template:
                 yield Rule(r.bfl.format(i=i), tuple(d.format(i=i) for d in r.diffusers), r.swap_halves)
 
 
-def _swap(t: Tensor) -> Tensor:
+def swap_halves(t: Tensor) -> Tensor:
+    """The two row halves of `t` swapped (the final adaLN's (shift, scale) in BFL, (scale, shift) in diffusers)."""
     a, b = t.chunk(2, dim=0)
     return torch.cat([b, a], dim=0)
 
 
 def diffusers_to_bfl(rule: Rule, get: Callable[[str], Tensor]) -> Tensor:
-    """Build the BFL tensor of `rule` from diffusers tensors read through `get`."""
+    """Build the BFL tensor of `rule` from diffusers tensors read through `get`.
+
+    A rename returns the tensor itself (no copy); fusing ([q; k; v] rows) and swapping make a new one.
+    """
     parts = [get(k) for k in rule.diffusers]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return _swap(t) if rule.swap_halves else t
+    return swap_halves(t) if rule.swap_halves else t
 
 
 def bfl_to_diffusers(rule: Rule, t: Tensor, hidden_size: int) -> dict[str, Tensor]:
     """Split the BFL tensor of `rule` into its diffusers tensors (q, k, v blocks are `hidden_size` rows)."""
     if rule.swap_halves:
-        t = _swap(t)
+        t = swap_halves(t)
     n = len(rule.diffusers)
     if n == 1:
         return {rule.diffusers[0]: t}

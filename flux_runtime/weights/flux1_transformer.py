@@ -9,7 +9,6 @@ checkpoints whose keys are FLUX.1's.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,15 +21,11 @@ from flux_runtime.weights.checkpoint import (
     BFL_MARK,
     TransformerCheckpoint,
     _strip,
-    check_config,
-    check_keys,
-    check_part_shapes,
+    checked_rules,
     config_errors,
     fill_model,
-    identity_rules,
-    take_only,
+    with_given_config,
 )
-from flux_runtime.weights.checks import check_weight_dtypes
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
 
@@ -147,32 +142,26 @@ def load_flux1_transformer(
         keys, shape_of = src.keys(), src.shape
     given_axes = config.axes_dim if config is not None and config.family == "flux1" else None
     inferred = infer_config(layout, keys, shape_of, ckpt.folder_config, files[0], given_axes)
-    if config is not None:
-        check_config(inferred, config)
-        inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
+    inferred = with_given_config(inferred, config)
     log.info("loading %s-layout FLUX.1 transformer from %s (%d files)", layout, files[0].parent, len(files))
 
     with torch.device("meta"):
         model = Flux1Transformer(inferred)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     reader = view if layout == "bfl" else src
     fp8_src = fp8_layers.Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent))
     extra = fp8_src.extra_keys() if fp8_src is not None else set()
 
-    if layout == "bfl":
-        check_keys(set(keys) - extra, expected, shape_of)
-        check_weight_dtypes(view, expected)
-        table, assemble = identity_rules(expected), take_only
-    else:
-        cfg = inferred
+    cfg = inferred
+    table = None
+    if layout != "bfl":
         table = list(flux1_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed))
         used = {d for r in table for d in r.diffusers}
         missing = sorted(d for d in used if d not in src)
         unexpected = sorted(set(keys) - used - extra)
         raise_key_errors(missing, unexpected)
-        assemble = flux1_layout.diffusers_to_bfl
-        check_part_shapes(
-            table, expected, src.shape, lambda r, t: flux1_layout.bfl_to_diffusers(r, t, cfg.hidden_size)
-        )
-        check_weight_dtypes(src, sorted(used))
+    table, assemble = checked_rules(
+        model, layout, reader, keys=set(keys) - extra, shape_of=shape_of, table=table,
+        split=lambda r, t: flux1_layout.bfl_to_diffusers(r, t, cfg.hidden_size),
+        assemble=flux1_layout.diffusers_to_bfl,
+    )  # fmt: skip
     return fill_model(model, table, reader, assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8)

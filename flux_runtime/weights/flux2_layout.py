@@ -12,13 +12,13 @@ Both directions are pure and lossless.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
-import torch
 from torch import Tensor
 
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.flux1_layout import BFL_PREFIXES, Rule, count_blocks
+from flux_runtime.weights.flux1_layout import BFL_PREFIXES, Rule, count_blocks, expand_rules, swap_halves
+from flux_runtime.weights.flux1_layout import diffusers_to_bfl as diffusers_to_bfl  # the same fuse and swap
 
 GLOBAL_RULES: list[Rule] = [
     Rule("img_in.weight", ("x_embedder.weight",)),
@@ -104,34 +104,16 @@ def detect_layout(keys: Iterable[str]) -> str:
 
 def rules(depth: int, depth_single: int, guidance: bool) -> Iterator[Rule]:
     """All rules for a model of this depth, with `{i}` filled in."""
-    yield from GLOBAL_RULES
-    if guidance:
-        yield from GUIDANCE_RULES
-    for template, n in ((DOUBLE_RULES, depth), (SINGLE_RULES, depth_single)):
-        for i in range(n):
-            for r in template:
-                yield Rule(r.bfl.format(i=i), tuple(d.format(i=i) for d in r.diffusers), r.swap_halves)
-
-
-def _swap(t: Tensor) -> Tensor:
-    a, b = t.chunk(2, dim=0)
-    return torch.cat([b, a], dim=0)
-
-
-def diffusers_to_bfl(rule: Rule, get: Callable[[str], Tensor]) -> Tensor:
-    """Build the BFL tensor of `rule` from diffusers tensors read through `get`.
-
-    A rename returns the tensor itself (no copy); fusing and swapping make a new one.
-    """
-    parts = [get(k) for k in rule.diffusers]
-    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [q; k; v] rows
-    return _swap(t) if rule.swap_halves else t
+    yield from expand_rules(
+        [*GLOBAL_RULES, *(GUIDANCE_RULES if guidance else ())],
+        ((DOUBLE_RULES, depth), (SINGLE_RULES, depth_single)),
+    )
 
 
 def bfl_to_diffusers(rule: Rule, t: Tensor) -> dict[str, Tensor]:
     """Split the BFL tensor of `rule` into its diffusers tensors (q, k, v are equal row blocks)."""
     if rule.swap_halves:
-        t = _swap(t)
+        t = swap_halves(t)
     if len(rule.diffusers) == 1:
         return {rule.diffusers[0]: t}
     parts = t.chunk(len(rule.diffusers), dim=0)

@@ -17,7 +17,6 @@ fp32 either way.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,22 +27,21 @@ from flux_runtime.registry import builtin
 from flux_runtime.weights import flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.checkpoint import (
+    BlockKeys,
+    ConfigKeys,
     TransformerCheckpoint,
-    check_config,
-    check_keys,
-    check_part_shapes,
-    config_errors,
+    bfl_shapes,
+    checked_rules,
     fill_model,
     finish_builtin,
-    identity_rules,
+    infer_dit_config,
     open_transformer,
-    rope_axes,
-    take_only,
+    with_given_config,
 )
-from flux_runtime.weights.checks import check_device, check_load_dtype, check_weight_dtypes
+from flux_runtime.weights.checks import check_device, check_load_dtype
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import BFL_PREFIXES
-from flux_runtime.weights.keys import KeyView, need_shape, raise_key_errors
+from flux_runtime.weights.keys import KeyView, raise_key_errors
 from flux_runtime.weights.random_init import init_random
 
 log = logging.getLogger(__name__)
@@ -65,54 +63,20 @@ class _Fp32Norms:
         return self.reader.path_of(key)  # type: ignore[attr-defined]
 
 
-def infer_config(
-    shape_of,
-    depths: tuple[int, int, bool],
-    folder_config: dict | None,
-    where: Path | str = "checkpoint",
-    rope: tuple[tuple[int, ...], int] | None = None,
-) -> DiTConfig:
-    """Widths, heads and channels from the checkpoint itself, through BFL key names (`where` names it in errors).
-
-    `depths` is (blocks per mode, joint blocks, flow map); RoPE axes and theta come from `rope` (a caller's,
-    when it fits the head width), a diffusers `config.json`, else the FLUX.3 preset of this head width.
-    """
-    depth, depth_single, flow_map = depths
-    if not depth and not depth_single:
-        raise WeightsError("FLUX.3 checkpoint has no transformer blocks")
-    block = "txt_mode_blocks.0" if depth else "single_blocks.0"
-    hidden, in_ch = need_shape(shape_of, "emb_in.image.weight", "hidden size", 2)
-    head_dim = need_shape(shape_of, f"{block}.norm.query_norm.scale", "head dim", 1)[0]
-    mlp_hidden = need_shape(shape_of, f"{block}.mlp_out.weight", "MLP width", 2)[1]
-    if hidden % head_dim:
-        raise WeightsError(f"hidden size {hidden} is not a multiple of the QK-norm width {head_dim}")
-    axes_dim, theta = (
-        rope if rope and sum(rope[0]) == head_dim else rope_axes(head_dim, folder_config, "flux3", 10_000)
-    )
-    with config_errors(where):
-        cfg = DiTConfig(
-            family="flux3",
-            in_channels=in_ch,
-            out_channels=need_shape(shape_of, "final_layer.image.linear.weight", "output channels", 2)[0],
-            cond_in_channels=need_shape(shape_of, "emb_in.image_cond.weight", "reference width", 2)[1],
-            vec_in_dim=0,
-            context_in_dim=need_shape(shape_of, "txt_in.weight", "text width", 2)[1],
-            hidden_size=hidden,
-            mlp_ratio=mlp_hidden / hidden,
-            num_heads=hidden // head_dim,
-            depth=depth,
-            depth_single_blocks=depth_single,
-            axes_dim=axes_dim,
-            theta=theta,
-            qkv_bias=False,
-            guidance_embed=False,
-            flow_map=flow_map,
-        )
-    if cfg.mlp_hidden_dim != mlp_hidden:
-        raise WeightsError(
-            f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"
-        )
-    return cfg
+# The BFL-named tensors that state a FLUX.3 DiT's widths (`infer_dit_config`); the per-mode blocks'
+# text-mode half stands for them all.
+CONFIG_KEYS = ConfigKeys(
+    family="flux3",
+    name="FLUX.3",
+    default_theta=10_000,
+    img_in="emb_in.image.weight",
+    final="final_layer.image.linear.weight",
+    txt_in="txt_in.weight",
+    double=BlockKeys("txt_mode_blocks.0.norm.query_norm.scale", "txt_mode_blocks.0.mlp_out.weight"),
+    single=BlockKeys("single_blocks.0.norm.query_norm.scale", "single_blocks.0.mlp_out.weight"),
+    flag="flow_map",
+    cond_in="emb_in.image_cond.weight",
+)
 
 
 def random_flux3(
@@ -169,21 +133,17 @@ def load_flux3_transformer(
     if layout == "bfl":
         depths = flux3_layout.bfl_depths(keys)
         shape_of = reader.shape
+        table = None  # each key is itself
     else:
         depths = flux3_layout.diffusers_depths(keys)
         table = list(flux3_layout.rules(*depths))
         used = {d for r in table for d in r.diffusers}
         raise_key_errors(sorted(used - keys), sorted(keys - used))
-        by_bfl = {r.bfl: r.diffusers[0] for r in table}  # every FLUX.3 rule is one tensor
-
-        def shape_of(key: str) -> tuple[int, ...]:
-            return src.shape(by_bfl[key])
+        shape_of = bfl_shapes(table, src.shape)  # every FLUX.3 rule is one tensor
 
     given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux3" else None
-    inferred = infer_config(shape_of, depths, ckpt.folder_config, files[0], given_rope)
-    if config is not None:
-        check_config(inferred, config)
-        inferred = replace(inferred, axes_dim=config.axes_dim, theta=config.theta)
+    inferred = infer_dit_config(CONFIG_KEYS, shape_of, depths, ckpt.folder_config, files[0], given_rope)
+    inferred = with_given_config(inferred, config)
     kind = "flow-map" if inferred.flow_map else "base"
     log.info(
         "loading %s-layout FLUX.3 %s transformer from %s (%d files)",
@@ -195,15 +155,10 @@ def load_flux3_transformer(
 
     with torch.device("meta"):
         model = Flux3Transformer(inferred)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if layout == "bfl":
-        check_keys(keys, expected, shape_of)
-        check_weight_dtypes(reader, expected)
-        table, assemble = identity_rules(expected), take_only
-    else:
-        assemble = flux3_layout.diffusers_to_bfl
-        check_part_shapes(table, expected, src.shape, flux3_layout.bfl_to_diffusers)
-        check_weight_dtypes(src, sorted(used))
+    table, assemble = checked_rules(
+        model, layout, reader, keys=keys, shape_of=shape_of, table=table,
+        split=flux3_layout.bfl_to_diffusers, assemble=flux3_layout.diffusers_to_bfl,
+    )  # fmt: skip
     return fill_model(
         model, table, _Fp32Norms(reader), assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8
     )

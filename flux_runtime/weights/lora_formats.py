@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.flux1_layout import swap_halves
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.lora_layers import FAMILY_NAMES, Layer, LayerTable
 
@@ -268,12 +269,6 @@ def convert(
     return out
 
 
-def _swap(t: Tensor) -> Tensor:
-    """The two row halves exchanged: BFL's final adaLN `(shift, scale)` ↔ diffusers' `(scale, shift)`."""
-    a, b = t.chunk(2, dim=0)
-    return torch.cat([b, a], dim=0)
-
-
 def _pair(down: Tensor, up: Tensor, key: str, name: str) -> int:
     """The rank of a down/up pair, checked: down (r, in), up (out, r)."""
     if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
@@ -392,7 +387,7 @@ def _kohya_layer(
         else:
             f = _scaled(down, up, alpha, as_tensor=False)
         if layer.swap:
-            f.up = _swap(f.up)
+            f.up = swap_halves(f.up)
         return {layer.parts[0]: f}
     # merged q/k/v(/mlp): alpha stays a tensor; a block-diagonal up (one rank slice per part) is split
     # into its blocks, any other up shares the whole down
@@ -494,9 +489,9 @@ def _bfl(sd: dict[str, Tensor], table: LayerTable, name: str, unmatched: list[st
         rank = _pair(down, up, module, name)
         scaling: float | Tensor = 1.0 if "alpha" not in g else g["alpha"] / rank
         if layer.swap and table.family in ("flux1", "flux3"):
-            up, bias = _swap(up), None if bias is None else _swap(bias)
+            up, bias = swap_halves(up), None if bias is None else swap_halves(bias)
             if control:  # diffusers' control-LoRA converter swaps lora_A's (rank) row halves as well
-                down = _swap(down)
+                down = swap_halves(down)
         if len(layer.parts) == 1:
             out.transformer[layer.parts[0]] = Factors(down, up, bias, scaling)
             continue

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from flux_runtime.weights import vae2_layout, vae_layout
+from tests.random_models import jiggle, randomised, save_tensors
 
 # Two levels (32, 64): a 2x autoencoder with a width change, so `nin_shortcut` appears in both halves.
 # 32 groups as BFL's code fixes them, FLUX.1's 16 latent channels and factors.
@@ -33,13 +33,7 @@ def make_diffusers_vae(seed: int = 0, **overrides):
     n = len(overrides.get("block_out_channels", TINY_VAE_KW["block_out_channels"]))
     types = dict(down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n)
     kw = {**TINY_VAE_KW, **types, **overrides}
-    torch.manual_seed(seed)
-    model = AutoencoderKL(**kw)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    return randomised(AutoencoderKL, seed, **kw)
 
 
 def save_diffusers_vae(model, folder: Path, **kwargs) -> Path:
@@ -60,8 +54,7 @@ def bfl_state_dict(model) -> dict[str, torch.Tensor]:
 def save_bfl_vae(model, path: Path, prefix: str = "", extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `model`'s weights in the BFL single-file layout (optionally prefixed, with other keys)."""
     out = {prefix + k: v for k, v in bfl_state_dict(model).items()}
-    save_file({**out, **(extra or {})}, str(path))
-    return path
+    return save_tensors({**out, **(extra or {})}, path)
 
 
 def make_image(batch: int, h: int, w: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -91,9 +84,8 @@ def make_diffusers_flux2_vae(seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = AutoencoderKLFlux2(**{**TINY_FLUX2_VAE_KW, **types, **overrides})
     gen = torch.Generator().manual_seed(seed + 1)
+    jiggle(model, gen)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
         bn = model.bn
         bn.running_mean.copy_(0.3 * torch.randn(bn.running_mean.shape, generator=gen))
         bn.running_var.copy_(0.25 + 2 * torch.rand(bn.running_var.shape, generator=gen))
@@ -117,5 +109,4 @@ def bfl_flux2_state_dict(model, counter: bool = False) -> dict[str, torch.Tensor
 
 def save_bfl_flux2_vae(model, path: Path, prefix: str = "", counter: bool = False) -> Path:
     """Write `model`'s weights in BFL's FLUX.2 single-file layout (optionally prefixed)."""
-    save_file({prefix + k: v for k, v in bfl_flux2_state_dict(model, counter).items()}, str(path))
-    return path
+    return save_tensors({prefix + k: v for k, v in bfl_flux2_state_dict(model, counter).items()}, path)
