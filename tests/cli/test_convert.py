@@ -15,40 +15,14 @@ from safetensors.torch import load_file
 from flux_runtime import load_transformer, load_vae
 from flux_runtime.cli.convert import main
 from flux_runtime.weights.safetensors_writer import Output, parse_size, shard
+from tests.cli.convert_helpers import assert_identical as _assert_identical
+from tests.cli.convert_helpers import fail as _fail
+from tests.cli.convert_helpers import run as _run
+from tests.cli.convert_helpers import tensors as _tensors
 from tests.flux1_fixtures import make_diffusers_transformer, make_inputs, save_bfl, save_diffusers
 from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(*args: object) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-def _fail(*args: object) -> str:
-    """Run a conversion that must fail: exit code 1 and one `Error: ...` line, no traceback."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == 1, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    return lines[0]
-
-
-def _tensors(*paths: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in these safetensors files (a folder means all its *.safetensors)."""
-    out: dict[str, torch.Tensor] = {}
-    for p in paths:
-        for f in sorted(p.glob("*.safetensors")) if p.is_dir() else [p]:
-            out.update(load_file(f))
-    return out
-
-
-def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 def _forward(model, inputs):

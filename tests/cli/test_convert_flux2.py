@@ -4,18 +4,20 @@ loads what we write (and gets the same outputs), and the config.json we write is
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from flux_runtime import load_transformer, load_vae
-from flux_runtime.cli.convert import main
 from flux_runtime.models.dit import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from flux_runtime.models.vae import FLUX2_VAE
 from flux_runtime.weights.diffusers_config import transformer_diffusers_config, vae_diffusers_config
+from tests.cli.convert_helpers import assert_identical as _assert_identical
+from tests.cli.convert_helpers import config as _config
+from tests.cli.convert_helpers import fail as _fail
+from tests.cli.convert_helpers import run as _run
+from tests.cli.convert_helpers import tensors as _tensors
 from tests.flux2_fixtures import make_diffusers_flux2, make_inputs, save_bfl, save_diffusers
 from tests.weights.vae_fixtures import (
     make_diffusers_flux2_vae,
@@ -23,40 +25,6 @@ from tests.weights.vae_fixtures import (
     save_bfl_flux2_vae,
     save_diffusers_vae,
 )
-
-
-def _run(*args: object) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-def _fail(*args: object) -> str:
-    """Run a conversion that must fail: exit code 1 and one `Error: ...` line, no traceback."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == 1, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    return lines[0]
-
-
-def _tensors(*paths: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in these safetensors files (a folder means all its *.safetensors)."""
-    out: dict[str, torch.Tensor] = {}
-    for p in paths:
-        for f in sorted(p.glob("*.safetensors")) if p.is_dir() else [p]:
-            out.update(load_file(f))
-    return out
-
-
-def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
 
 
 def _forward(model, inputs):

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from flux_runtime import load_transformer
-from flux_runtime.cli.convert import main
 from flux_runtime.models.dit import FLUX3_KLEIN, FLUX3_KLEIN_BASE, TINY_FLUX3
 from flux_runtime.weights.diffusers_config import transformer_diffusers_config
+from tests.cli.convert_helpers import assert_identical as _assert_identical
+from tests.cli.convert_helpers import config as _config
+from tests.cli.convert_helpers import fail as _fail
+from tests.cli.convert_helpers import run as _run
+from tests.cli.convert_helpers import tensors as _tensors
 from tests.flux3_fixtures import (
     as_loaded,
     make_diffusers_flux3,
@@ -28,40 +30,6 @@ from tests.flux3_fixtures import (
 )
 
 PREFIX = "model.diffusion_model."
-
-
-def _run(*args: object) -> str:
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-def _fail(*args: object) -> str:
-    """Run a conversion that must fail: exit code 1 and one `Error: ...` line, no traceback."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == 1, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    return lines[0]
-
-
-def _tensors(*paths: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in these safetensors files (a folder means all its *.safetensors)."""
-    out: dict[str, torch.Tensor] = {}
-    for p in paths:
-        for f in sorted(p.glob("*.safetensors")) if p.is_dir() else [p]:
-            out.update(load_file(f))
-    return out
-
-
-def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
 
 
 def _assert_same_model(a, b) -> None:
