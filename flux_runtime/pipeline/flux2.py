@@ -317,6 +317,14 @@ class Flux2Pipe(Recipe):
         except ValueError as e:
             raise FluxError(str(e)) from None
 
+    def planned_tokens(self, call: Call | None) -> tuple[int, int]:
+        """The text window's cap and the reference images' tokens, which join the image's in the sequence."""
+        text, _ = super().planned_tokens(call)
+        if call is None:
+            return text, 0
+        token = 2 * self.vae.config.spatial_factor  # pixels per side of one packed token
+        return text, sum((r.shape[-2] // token) * (r.shape[-1] // token) for r in call.prepared["refs"])
+
     def check(self, call: Call) -> None:
         """Defaults filled in, or one FluxError naming the problem; no model runs."""
         refs = self._check_images(call.inputs["image"])

@@ -329,3 +329,24 @@ def test_streaming_lowers_the_peak_on_cuda() -> None:
         pipe("a red fox", **KW)
         peaks.append(torch.cuda.max_memory_allocated())
     assert peaks[1] < peaks[0] - (sum(fp.dit.layers) - 2 * max(fp.dit.layers)) // 2
+
+
+def test_a_plan_budgets_flux2_reference_tokens() -> None:
+    """FLUX.2's reference images join the sequence: the plan's check of a call counts their tokens."""
+    from PIL import Image
+
+    pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", memory=1 << 40)
+    seen = {}
+    planned = pipe.planned_tokens
+
+    def record(call):
+        seen["tokens"] = planned(call)
+        return seen["tokens"]
+
+    pipe.planned_tokens = record
+    pipe("a red fox", **KW)
+    assert seen["tokens"] == (pipe.default_max_sequence_length, 0)
+    refs = [Image.new("RGB", (64, 64), "red"), Image.new("RGB", (128, 64), "blue")]
+    pipe("a red fox", image=refs, **KW)
+    token = 2 * pipe.vae.config.spatial_factor
+    assert seen["tokens"][1] == (64 // token) ** 2 + (64 // token) * (128 // token) > 0
