@@ -36,7 +36,7 @@ class GraphedDenoiser:
     @staticmethod
     def signature(leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
         shapes = tuple(None if x is None else (tuple(x.shape), x.stride(), x.dtype, x.device) for x in leaves)
-        return (str(spec), shapes)
+        return (spec, shapes)  # tree specs hash and compare by structure
 
     def __call__(self, *xs: Any) -> Tensor:
         leaves, spec = pytree.tree_flatten(xs)

@@ -153,10 +153,7 @@ class Flux3TextEncoder(StackedLLM):
     def text_window(self, prompt: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> int:
         """How many tokens `tokenize` gives `prompt` (its chat text rounded up to a multiple of 80, capped), without
         encoding it: what a memory plan budgets the transformer's text stream with."""
-        full = len(self.tokenizer(self.render(prompt), verbose=False).input_ids)
-        return min(
-            math.ceil(min(full, max_sequence_length) / PAD_MULTIPLE) * PAD_MULTIPLE, max_sequence_length
-        )
+        return _window(len(self.tokenizer(self.render(prompt), verbose=False).input_ids), max_sequence_length)
 
     def tokenize(
         self, prompt: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH
@@ -183,7 +180,7 @@ class Flux3TextEncoder(StackedLLM):
                 max_sequence_length,
                 full - max_sequence_length,
             )
-        length = self.text_window(prompt, max_sequence_length)
+        length = _window(full, max_sequence_length)  # the count above, not a second tokenization
         batch = self.tokenizer(
             text,
             return_tensors="pt",
@@ -316,3 +313,8 @@ def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerBase) -> Qwen3VLConfig:
         "num_position_embeddings": 16,
     }
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
+
+
+def _window(tokens: int, max_sequence_length: int) -> int:
+    """The text window of a prompt of `tokens` chat tokens: rounded up to a multiple of 80, capped."""
+    return min(math.ceil(min(tokens, max_sequence_length) / PAD_MULTIPLE) * PAD_MULTIPLE, max_sequence_length)
