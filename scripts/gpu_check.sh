@@ -15,6 +15,8 @@
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
+#   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
+#                                       flux-serve FLUX.1-dev bench with 8 requests per mode
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
 set -uo pipefail
 phase=${1:-kernels}
@@ -40,7 +42,7 @@ case "$phase" in
     timeout 420 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" || status=1
     ;;
   fp8-flux3)
-    timeout 200 python3 -m pytest -q -m gpu tests/fp8/test_flux3_fp8.py tests/fp8/test_flux3_fp8_producers.py tests/kernels/test_token_layer_norm_modulate_fp8.py -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu_tests_flux3_fp8.txt" | tail -15 || status=1
+    timeout 260 python3 -m pytest -q -m gpu tests/fp8/test_flux3_fp8.py tests/fp8/test_flux3_fp8_producers.py tests/kernels/test_token_layer_norm_modulate_fp8.py -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu_tests_flux3_fp8.txt" | tail -15 || status=1
     timeout 380 python3 scripts/bench_fp8.py --models flux3-klein --json "$OUT/bench_fp8_flux3.json" 2>&1 | tee "$OUT/bench_fp8_flux3.txt" | tail -40 || status=1
     ;;
   merged)
@@ -99,6 +101,15 @@ case "$phase" in
     # flux-serve's load bench on full-size FLUX.1-dev with random weights, 1024², 28 steps, batching on and off
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
     timeout 560 python3 scripts/bench_serve.py --model flux1-dev --random-weights --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
+    ;;
+  flux1-reach)
+    unset PYTORCH_CUDA_ALLOC_CONF
+    start=$SECONDS
+    timeout 150 python3 scripts/bench_memory.py --model flux1 --no-diffusers --json "$OUT/bench_memory_flux1_bf16.json" 2>"$OUT/bench_memory_flux1_bf16.err" | tail -6 || status=1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
+    timeout 250 python3 scripts/bench_serve.py --model flux1-dev --random-weights --requests 8 --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
+    left=$((420 - (SECONDS - start)))
+    [ $left -gt 60 ] && { timeout $left python3 scripts/bench_memory.py --model flux1 --fp8-flux1 --no-diffusers --json "$OUT/bench_memory_flux1_fp8.json" 2>"$OUT/bench_memory_flux1_fp8.err" | tail -6 || status=1; }
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

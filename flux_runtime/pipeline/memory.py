@@ -26,6 +26,11 @@ tensor cannot reuse, and on a GPU a fixed `WORKSPACE` for cuBLAS's and cuDNN's w
 and the small tensors of a call (ids, RoPE tables, embeddings, latents). Models that take turns on the GPU
 hand their segments back to the driver when they leave (`streaming.ModelPlacement`), so the next model's
 weights never land in the holes of the last one's.
+
+With CUDA graphs (any plan that does not stream the transformer), the captured denoiser keeps its memory
+pool, the size of the denoising activations, for as long as the transformer stays: through the decode and
+the next call's prompt encoding too. Those stages are planned with the pool beside them (`Footprint.graphs`);
+when the transformer leaves the GPU its graphs go with it.
 """
 
 from __future__ import annotations
@@ -150,6 +155,12 @@ class Footprint:
     act_decode: int
     act_decode_tiled: int
     workspace: int = 0  # `WORKSPACE` on a GPU, 0 on a CPU
+    graphs: bool = False  # CUDA graphs will capture the denoiser (unless the plan streams the transformer)
+
+    @property
+    def retained(self) -> int:
+        """What captured CUDA graphs hold beside the decode and the next encode: the denoising pool."""
+        return self.act_denoise if self.graphs else 0
 
 
 def usable(budget: int, workspace: int) -> int:
@@ -228,12 +239,13 @@ def plan_memory(fp: Footprint, budget: int | None, *, force: PlanName | None = N
 
 def _try(name: PlanName, fp: Footprint, usable: int) -> Plan | None:
     text, dit, vae = fp.text.total, fp.dit.total, fp.vae
-    act_dit = max(fp.act_denoise, fp.act_decode)
+    # the transformer stage's activations: denoising, then the decode beside the graphs' retained pool
+    act_dit = max(fp.act_denoise, fp.act_decode + fp.retained)
     if name == "resident":
-        peak = text + dit + vae + max(fp.act_encode, act_dit)
+        peak = text + dit + vae + max(fp.act_encode + fp.retained, act_dit)
         return Plan(name, None, peak=peak) if peak <= usable else None
     if name == "offload-text":
-        peak = max(text + dit + vae + fp.act_encode, dit + vae + act_dit)
+        peak = max(text + dit + vae + fp.act_encode + fp.retained, dit + vae + act_dit)
         return Plan(name, None, text="offloaded", peak=peak) if peak <= usable else None
     # swap and stream: the text encoder and the transformer are never on the GPU together
     text_stage = _fit_layers(fp.text, usable - vae - fp.act_encode)
@@ -249,7 +261,11 @@ def _try(name: PlanName, fp: Footprint, usable: int) -> Plan | None:
             name, None, text=text_mode, dit="offloaded", streamed_text=text_stage[0], together=False,
             peak=max(peak, text_peak),
         )  # fmt: skip
-    for act, tiled in ((act_dit, False), (max(fp.act_denoise, fp.act_decode_tiled), True)):
+    # a streamed transformer runs eagerly: no graphs, nothing retained
+    for act, tiled in (
+        (max(fp.act_denoise, fp.act_decode), False),
+        (max(fp.act_denoise, fp.act_decode_tiled), True),
+    ):
         dit_stage = _fit_layers(fp.dit, usable - vae - act, force_stream=True)
         if dit_stage is not None:
             return Plan(

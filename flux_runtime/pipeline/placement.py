@@ -62,6 +62,9 @@ class Placement:
             if not self.plan.together:
                 for other_name, other in self.models.items():
                     if other_name != name:
+                        if other_name == "dit" and other.on_device and other.mode != "resident":
+                            # graphs hold the weights' addresses and a memory pool: both go with them
+                            self.graphs.clear()
                         other.leave()
             model.enter()
             if name == "dit":
@@ -89,7 +92,8 @@ class Placement:
         text_tokens, extra_tokens = pipe.planned_tokens(call)
         act = _denoise(pipe, call.height, call.width, text_tokens, batch, cfg, extra_tokens)
         dec = _decode(pipe, call.height, call.width, batch, tiled=plan.vae_tiled or pipe.vae_tile is not None)
-        need = self.weights_at_denoise + max(act, dec)
+        graphs = pipe._graphs_enabled()  # a captured pool stays beside the decode
+        need = self.weights_at_denoise + max(act, dec + (act if graphs else 0))
         workspace = _workspace(self.device)
         if need > usable(plan.budget, workspace):
             raise MemoryBudgetError(
@@ -188,6 +192,7 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
         act_decode=_decode(pipe, size, size, 1, tiled=False),
         act_decode_tiled=_decode(pipe, size, size, 1, tiled=True),
         workspace=_workspace(device or pipe.device),
+        graphs=bool(pipe.cuda_graphs) and (device or pipe.device).type == "cuda" and pipe.parallel is None,
     )
 
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,39 @@ def test_the_fastest_plan_that_fits(budget: int, name: str) -> None:
         assert 0 < len(plan.streamed_dit) < 56 or budget == 12
         assert plan.text == ("streamed" if budget < 26 else "offloaded")
     assert plan.describe().startswith(f"memory plan: {name}")
+
+
+def test_captured_graphs_pool_is_planned_beside_decode_and_encode() -> None:
+    """CUDA graphs keep the denoising pool while the transformer stays: a plan that keeps it on the GPU
+    (resident, offload-text) counts it beside the decode and the next call's encode. At 61 GiB the graphless
+    offload-text plan fits (56.75 GiB of 57.95 usable) and the graphed one (58.75) does not: swap."""
+    fp = _fp()
+    graphed = replace(fp, graphs=True)
+    assert fp.retained == 0 and graphed.retained == fp.act_denoise
+    assert plan_memory(fp, 61 * GiB).name == "offload-text"
+    assert plan_memory(graphed, 61 * GiB).name == "swap"
+    resident = plan_memory(graphed, 100 * GiB)
+    assert resident.name == "resident"
+    weights = fp.text.total + fp.dit.total + fp.vae
+    assert resident.peak == weights + max(fp.act_encode, fp.act_decode) + fp.act_denoise
+    # a streamed transformer runs eagerly: the same stream plan with or without graphs
+    assert plan_memory(graphed, 30 * GiB) == plan_memory(fp, 30 * GiB)
+
+
+def test_graphs_leave_with_the_transformer(pipes: tuple[Pipeline, Pipeline]) -> None:
+    """Under swap the transformer leaves for the text encoder: its captured graphs (old weight addresses,
+    a memory pool) are dropped then, not kept beside the encoder."""
+    _, pipe = pipes
+    apply_plan(
+        pipe, Plan("swap", 1 << 40, text="offloaded", dit="offloaded", together=False), torch.device("cpu")
+    )
+    pipe._prompts.clear()
+    pipe("a red fox", **KW)
+    assert pipe.placement.models["dit"].on_device  # stays until another model needs the room
+    pipe._graphed["sentinel"] = object()  # type: ignore[index]
+    pipe("a lighthouse", **KW)  # a new prompt: the text encoder comes in, the transformer leaves
+    assert "sentinel" not in pipe._graphed
+    apply_plan(pipe, Plan("resident", None), torch.device("cpu"))
 
 
 def test_a_budget_below_one_block_fails_in_one_line() -> None:
