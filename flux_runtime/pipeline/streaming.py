@@ -339,7 +339,10 @@ class ModelPlacement:
             self._off()
 
     def _off(self) -> None:
-        if not self.units or not self.on_device:  # plain modules stay where they are (packing moves them)
+        if not self.units:  # plain modules stay where they are (packing moves them)
+            return
+        # an `enter` cut short (out of memory part way through its copies) leaves some units loaded
+        if not self.on_device and all(u.owned is None for u in self.units):
             return
         if self.ring is not None:
             self.ring.close()

@@ -112,6 +112,33 @@ def test_graphs_leave_with_the_transformer(pipes: tuple[Pipeline, Pipeline]) -> 
     apply_plan(pipe, Plan("resident", None), torch.device("cpu"))
 
 
+def test_an_encoder_cut_short_by_out_of_memory_leaves_nothing_loaded(
+    pipes: tuple[Pipeline, Pipeline], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory while the text encoder's layers are being copied in: one FluxError, and the layers
+    that had arrived leave with the rest (the encoder never counted as on the device)."""
+    from flux_runtime.pipeline import streaming
+
+    _, pipe = pipes
+    apply_plan(pipe, Plan("offload-text", 1 << 40, text="offloaded"), torch.device("cpu"))
+    pipe._prompts.clear()
+    text = pipe.placement.models["text"]
+    load, count = streaming.Unit.load, [0]
+
+    def failing_load(unit: streaming.Unit, device: torch.device, stream: object) -> None:
+        count[0] += 1
+        if count[0] == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        load(unit, device, stream)
+
+    monkeypatch.setattr(streaming.Unit, "load", failing_load)
+    with pytest.raises(FluxError, match="out of GPU memory"):
+        pipe("a red fox", **KW)
+    assert count[0] == 3 and all(u.owned is None for u in text.units) and not text.on_device
+    monkeypatch.setattr(streaming.Unit, "load", load)
+    apply_plan(pipe, Plan("resident", None), torch.device("cpu"))
+
+
 def test_a_budget_below_one_block_fails_in_one_line() -> None:
     with pytest.raises(MemoryBudgetError, match=r"budget of 3\.0 GB cannot hold this model even streamed"):
         plan_memory(_fp(), 3 * GiB)
