@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
-"""Compile FLUX.3's fused Triton kernels for sm_90 on a machine without a GPU, and print their resources.
+"""Compile the fused LayerNorm kernels (FLUX.3's per-token ones, FLUX.1/2's rows kernel) and FLUX.3's other
+fused Triton kernels for sm_90 on a machine without a GPU, and print their resources.
 
 Triton lowers each kernel (at its default tile, bf16 and fp16, the masked odd-width LayerNorm path too) to PTX
 and runs its bundled ptxas, which catches lowering errors the interpreter never meets; `cuobjdump` then reads
 registers and stack (spills) per thread from the cubin, and the PTX gives the count of fp32 FMAs (each must be
 one aten has: Welford's and the sum of squares) and of separately rounded fp32 products (`mul.rn.f32`). Nothing
 runs; it says nothing about speed or bits.
-Usage: `python3 scripts/compile_check.py` (a minute on two CPU cores). Exit status 1 if any kernel fails.
+`--ptx DIR` also writes each kernel's PTX there: two trees whose PTX files are identical run the same
+instructions on the GPU, so a refactor of a kernel's source can be shown to move no bits without one.
+Usage: `python3 scripts/compile_check.py [--ptx DIR]` (a minute or two on two CPU cores). Exit status 1 if any
+kernel fails.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -24,6 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flux_runtime.kernels.layer_norm_modulate import _layer_norm_modulate_rows_kernel
 from flux_runtime.kernels.qk_norm_rope_fp32 import _qk_norm_rope_fp32_kernel
 from flux_runtime.kernels.token_gated_residual import _token_gated_residual_kernel
 from flux_runtime.kernels.token_layer_norm_modulate import ROWS_PER_PROGRAM, _token_layer_norm_modulate_kernel
@@ -41,8 +47,16 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     ln_sig = dict.fromkeys(
         ("xa_ptr", "sha_ptr", "sca_ptr", "xb_ptr", "shb_ptr", "scb_ptr", "out_ptr"), f"*{dt}"
     )
+    ln_sig |= dict.fromkeys(("q_scale_ptr", "q_inv_ptr"), "*fp32")
     ln_sig |= _ints("La", "L", "D") | {"eps": "fp32"}
     ln_sig |= _ints(*(f"s_{t}_{d}" for t in ("xa", "sha", "sca", "xb", "shb", "scb") for d in ("b", "l")))
+    ln8_sig = ln_sig | {"out_ptr": "*u8"}  # QUANT: e4m3 bits
+    rows_sig = dict.fromkeys(
+        ("x_ptr", "gate_ptr", "upd_ptr", "shift_ptr", "scale_ptr", "r_out_ptr", "y_out_ptr"), f"*{dt}"
+    )
+    rows_sig |= dict.fromkeys(("q_scale_ptr", "q_inv_ptr"), "*fp32") | _ints("L", "D") | {"eps": "fp32"}
+    rows_sig |= _ints(*(f"stride_{n}" for n in ("xb", "xl", "gate", "ub", "ul", "shift", "scale")))
+    rows8_sig = rows_sig | {"y_out_ptr": "*u8"}
     qk_sig = dict.fromkeys(("q_ptr", "k_ptr"), f"*{dt}") | dict.fromkeys(
         ("wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr"), "*fp32"
     )
@@ -55,18 +69,30 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         *(f"s_{t}_{d}" for t in ("xa", "ga", "xb", "gb", "a", "b") for d in ("b", "l"))
     )
     ln = {"ROWS": ROWS_PER_PROGRAM, "GPU": True, "DTYPE": tdt}
+    rows = {"ROWS": 2, "GPU": True, "DTYPE": tdt}
+    tok = _token_layer_norm_modulate_kernel
     return [
-        (f"token_layer_norm_modulate D3072 {dt}", _token_layer_norm_modulate_kernel, ln_sig, {"ITERS": 6, "EVEN": True, **ln}),
-        (f"token_layer_norm_modulate D1000 {dt}", _token_layer_norm_modulate_kernel, ln_sig, {"ITERS": 2, "EVEN": False, **ln}),
+        (f"token_layer_norm_modulate D3072 {dt}", tok, ln_sig, {"ITERS": 6, "EVEN": True, "QUANT": 0, **ln}),
+        (f"token_layer_norm_modulate D1000 {dt}", tok, ln_sig, {"ITERS": 2, "EVEN": False, "QUANT": 0, **ln}),
+        (f"token_layer_norm_modulate_fp8 D3072 static {dt}", tok, ln8_sig, {"ITERS": 6, "EVEN": True, "QUANT": 1, **ln}),
+        (f"token_layer_norm_modulate_fp8 D3072 per-row {dt}", tok, ln8_sig, {"ITERS": 6, "EVEN": True, "QUANT": 2, **ln}),
+        (f"layer_norm_modulate D3072 {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 6, "EVEN": True, "HAS_RESIDUAL": False, "QUANT": 0, **rows}),
+        (f"residual_layer_norm_modulate D6144 {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 12, "EVEN": True, "HAS_RESIDUAL": True, "QUANT": 0, **rows}),
+        (f"residual_layer_norm_modulate D1000 fp8 per-row {dt}", _layer_norm_modulate_rows_kernel, rows8_sig, {"ITERS": 2, "EVEN": False, "HAS_RESIDUAL": True, "QUANT": 2, **rows}),
         (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
         (f"token_gated_residual 2x1024 {dt}", _token_gated_residual_kernel, gr_sig, {"BLOCK_L": 2, "BLOCK_D": 1024, "GPU": True}),
     ]  # fmt: skip
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ptx", type=Path, default=None, help="write each kernel's PTX into this folder")
+    args = ap.parse_args()
+    if args.ptx is not None:
+        args.ptx.mkdir(parents=True, exist_ok=True)
     failures = 0
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
-    print(f"{'kernel':<42} {'regs':>5} {'stack':>6} {'fma.f32':>8} {'mul.rn':>7}")
+    print(f"{'kernel':<56} {'regs':>5} {'stack':>6} {'fma.f32':>8} {'mul.rn':>7}")
     with tempfile.TemporaryDirectory() as tmp:
         for dt, tdt in (("bf16", tl.bfloat16), ("fp16", tl.float16)):
             for label, fn, sig, consts in kernels(dt, tdt):
@@ -77,7 +103,7 @@ def main() -> int:
                     )
                 except Exception as e:  # report every kernel, then set the exit status
                     failures += 1
-                    print(f"{label:<42} FAILED: {type(e).__name__}: {str(e).splitlines()[0]}")
+                    print(f"{label:<56} FAILED: {type(e).__name__}: {str(e).splitlines()[0]}")
                     continue
                 cubin = Path(tmp) / "k.cubin"
                 cubin.write_bytes(k.asm["cubin"])
@@ -87,8 +113,10 @@ def main() -> int:
                 regs = re.search(r"REG:(\d+)", usage)
                 stack = re.search(r"STACK:(\d+)", usage)
                 ptx = k.asm["ptx"]
+                if args.ptx is not None:
+                    (args.ptx / (re.sub(r"[^A-Za-z0-9]+", "_", label) + ".ptx")).write_text(ptx)
                 print(
-                    f"{label:<42} {regs.group(1) if regs else '?':>5} {stack.group(1) if stack else '?':>6} "
+                    f"{label:<56} {regs.group(1) if regs else '?':>5} {stack.group(1) if stack else '?':>6} "
                     f"{ptx.count('fma.rn.f32'):>8} {ptx.count('mul.rn.f32'):>7}"
                 )
     return 1 if failures else 0

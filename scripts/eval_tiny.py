@@ -8,6 +8,7 @@ three rates per model beside the targets (95 %, 90 %, 80 %) and, with `--grid`, 
 of the pictures.
 
 Usage: python scripts/eval_tiny.py [--model tiny --model tiny-flux2] [--seeds 2] [--json out.json] [--grid g.png]
+       python scripts/eval_tiny.py --dtype bfloat16; python scripts/eval_tiny.py --fp8-text   # FP8 encoders vs bf16
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from flux_runtime.pipeline import Pipeline
 TARGETS = {"background": 0.95, "colour": 0.90, "place": 0.80}
 
 
-def evaluate(model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8) -> tuple[dict, list]:
-    """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures."""
-    pipe = Pipeline.from_pretrained(model, device=device, dtype=torch.float32)
+def evaluate(
+    model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
+    dtype: torch.dtype = torch.float32, fp8_text: bool = False,
+) -> tuple[dict, list]:  # fmt: skip
+    """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures (`fp8_text`: the
+    text encoders quantized to FP8 at load, which computes in bf16)."""
+    pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype, fp8_text=fp8_text)
     results, pictures = [], []
     start = time.time()
     for seed in range(seeds):
@@ -50,6 +55,8 @@ def evaluate(model: str, scenes: list[Scene], seeds: int, device: str, batch: in
         "images": len(results),
         "seconds_per_image": round(seconds, 2),
         "weights": pipe.weights_id,
+        "dtype": str(dtype).removeprefix("torch."),
+        "fp8_text": fp8_text,
     }
     return rates, pictures
 
@@ -82,13 +89,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1, help="pictures per prompt")
     ap.add_argument("--per-pair", type=int, default=3, help="prompts per held-out combination")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument(
+        "--fp8-text", action="store_true", help="text encoders in FP8 (quantized at load; implies bfloat16)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--grid", type=Path, default=None)
     args = ap.parse_args()
     scenes = held_out_prompts(args.per_pair)
     report, rows = {}, []
     for model in args.model or ["tiny", "tiny-flux2"]:
-        rates, pictures = evaluate(model, scenes, args.seeds, args.device)
+        dtype = torch.bfloat16 if args.fp8_text else getattr(torch, args.dtype)
+        rates, pictures = evaluate(
+            model, scenes, args.seeds, args.device, dtype=dtype, fp8_text=args.fp8_text
+        )
         report[model] = rates
         rows.append((model, pictures[:: max(1, len(pictures) // 8)][:8]))
         line = ", ".join(

@@ -287,6 +287,29 @@ def _fold_lanes(mean, m2, count, ROWS: tl.constexpr, EVEN: tl.constexpr):
 
 
 @jit
+def _welford_push_vec4(mean, m2, count, xf, valid, IT: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr):
+    """Each lane's `IT`-th 4-element vector (`xf`: (128, ROWS, 4) fp32) into its Welford, elements in order."""
+    x02, x13 = tl.split(tl.reshape(xf, (128, ROWS, 2, 2)))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    mean, m2, count = _welford_push(mean, m2, count, x0, valid, 1.0 / (IT * 4 + 1), EVEN)
+    mean, m2, count = _welford_push(mean, m2, count, x1, valid, 1.0 / (IT * 4 + 2), EVEN)
+    mean, m2, count = _welford_push(mean, m2, count, x2, valid, 1.0 / (IT * 4 + 3), EVEN)
+    mean, m2, count = _welford_push(mean, m2, count, x3, valid, 1.0 / (IT * 4 + 4), EVEN)
+    return mean, m2, count
+
+
+@jit
+def _row_stats(mean, m2, count, D, eps, ROWS: tl.constexpr, EVEN: tl.constexpr, GPU: tl.constexpr):
+    """The lanes' Welford states folded as aten folds them: each row's mean and 1 / sqrt(var + eps), shaped
+    (1, ROWS, 1) to broadcast over (128, ROWS, 4) vectors."""
+    mean, m2 = _fold_lanes(mean, m2, count, ROWS, EVEN)  # (ROWS,)
+    var = tl.math.div_rn(m2, tl.full(m2.shape, D, tl.float32))
+    rstd = rsqrtf(var + eps, GPU)[None, :, None]
+    return mean[None, :, None], rstd
+
+
+@jit
 def _layer_norm_modulate_rows_kernel(
     x_ptr,  # (B, L, D), strides (stride_xb, stride_xl, 1): LayerNorm input, or the residual (HAS_RESIDUAL)
     gate_ptr,  # (B, D), strides (stride_gate, 1): residual gate, read only when HAS_RESIDUAL
@@ -360,19 +383,9 @@ def _layer_norm_modulate_rows_kernel(
         scales = scales + (round_to(1.0 + upcast(scale, GPU), DTYPE, GPU),)  # noqa: RUF005
         shifts = shifts + (shift,)  # noqa: RUF005
         xf = upcast(x, GPU)
-        x02, x13 = tl.split(tl.reshape(xf, (128, ROWS, 2, 2)))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        valid = vec_ok[:, None]
-        mean, m2, count = _welford_push(mean, m2, count, x0, valid, 1.0 / (it * 4 + 1), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x1, valid, 1.0 / (it * 4 + 2), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x2, valid, 1.0 / (it * 4 + 3), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x3, valid, 1.0 / (it * 4 + 4), EVEN)
+        mean, m2, count = _welford_push_vec4(mean, m2, count, xf, vec_ok[:, None], it, ROWS, EVEN)
 
-    mean, m2 = _fold_lanes(mean, m2, count, ROWS, EVEN)  # (ROWS,)
-    var = tl.math.div_rn(m2, tl.full(m2.shape, D, tl.float32))
-    rstd = rsqrtf(var + eps, GPU)[None, :, None]
-    mean = mean[None, :, None]
+    mean, rstd = _row_stats(mean, m2, count, D, eps, ROWS, EVEN, GPU)  # (1, ROWS, 1) each
 
     # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
     store_ok = row_ok[None, :, None]

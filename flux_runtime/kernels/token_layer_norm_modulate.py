@@ -24,7 +24,12 @@ from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
 from flux_runtime.kernels.fp8 import E4M3, Fp8Act, check_quant, quantize_reference
-from flux_runtime.kernels.layer_norm_modulate import MAX_WIDTH, _even_counts_halve, _fold_lanes, _welford_push
+from flux_runtime.kernels.layer_norm_modulate import (
+    MAX_WIDTH,
+    _even_counts_halve,
+    _row_stats,
+    _welford_push_vec4,
+)
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
     check_aten_vectorized,
@@ -36,7 +41,6 @@ from flux_runtime.kernels.triton_utils import (
     e4m3_code,
     jit,
     round_to,
-    rsqrtf,
     tl,
     to_storage,
     triton,
@@ -126,19 +130,9 @@ def _token_layer_norm_modulate_kernel(
         scales = scales + (scale,)  # noqa: RUF005
         shifts = shifts + (shift,)  # noqa: RUF005
         xf = upcast(x, GPU)
-        x02, x13 = tl.split(tl.reshape(xf, (128, ROWS, 2, 2)))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        valid = vec_ok[:, None]
-        mean, m2, count = _welford_push(mean, m2, count, x0, valid, 1.0 / (it * 4 + 1), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x1, valid, 1.0 / (it * 4 + 2), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x2, valid, 1.0 / (it * 4 + 3), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x3, valid, 1.0 / (it * 4 + 4), EVEN)
+        mean, m2, count = _welford_push_vec4(mean, m2, count, xf, vec_ok[:, None], it, ROWS, EVEN)
 
-    mean, m2 = _fold_lanes(mean, m2, count, ROWS, EVEN)  # (ROWS,)
-    var = tl.math.div_rn(m2, tl.full(m2.shape, D, tl.float32))
-    rstd = rsqrtf(var + eps, GPU)[None, :, None]
-    mean = mean[None, :, None]
+    mean, rstd = _row_stats(mean, m2, count, D, eps, ROWS, EVEN, GPU)  # (1, ROWS, 1) each
 
     # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
     store_ok = row_ok[None, :, None]
