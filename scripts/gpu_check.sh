@@ -15,6 +15,10 @@
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
+#   bash scripts/gpu_check.sh train-tiny [SECONDS]  both tiny models trained on from the shipped weights (DiT and text
+#                                       encoders, SECONDS each [420], side by side), then their held-out scores and
+#                                       grid; the new weights come back under $OUT/models (copy them into
+#                                       flux_runtime/assets/models/ if they score better)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
 #                                       flux-serve FLUX.1-dev bench with 8 requests per mode
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
@@ -101,6 +105,22 @@ case "$phase" in
     # flux-serve's load bench on full-size FLUX.1-dev with random weights, 1024², 28 steps, batching on and off
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
     timeout 560 python3 scripts/bench_serve.py --model flux1-dev --random-weights --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
+    ;;
+  train-tiny)
+    secs=${2:-420}
+    for fam in flux1 flux2; do
+      name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
+      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "$OUT/models/$name" \
+        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --dit-steps 100000 --dit-seconds "$secs" \
+        > "$OUT/train_$name.log" 2>&1 &
+    done
+    wait || status=1
+    tail -3 "$OUT"/train_*.log
+    timeout 100 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_before.json" 2>&1 | tail -2
+    for name in tiny tiny-flux2; do
+      [ -f "$OUT/models/$name/loss.json" ] && cp -r "$OUT/models/$name/." "flux_runtime/assets/models/$name/"
+    done
+    timeout 100 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -2 || status=1
     ;;
   flux1-reach)
     unset PYTORCH_CUDA_ALLOC_CONF

@@ -18,7 +18,10 @@ encoders as transformers folders with their tokenizers), `loss.json` and `loss.p
 
 Step counts are fixed by the arguments; `--max-seconds` stops a phase early (the log says where) so a run fits
 a device budget, and the learning rate anneals on whichever of steps or time runs out first. `--resume DIR`
-starts from the weights in an earlier output folder.
+starts from the weights in an earlier output folder (the shipped `flux_runtime/assets/models/tiny*` folders
+are such folders): autoencoder, DiT and text encoders; with `--vae-steps 0` the autoencoder stays as it is
+and its latent statistics (FLUX.1's preset factors, FLUX.2's BatchNorm) stay, so only the DiT and the text
+encoders train on.
 
 Usage (one H200, both families side by side, about 7 minutes):
     python scripts/train_tiny.py --family flux1 --out out/tiny &
@@ -306,6 +309,16 @@ def bf16_state(module: nn.Module, *, buffers: bool = False) -> dict[str, Tensor]
     return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in sd.items()}
 
 
+def load_text(text: nn.Module, folder: Path, flux1: bool) -> None:
+    """The text encoders' weights from an earlier output folder (the transformers folders `save_text` wrote;
+    `from_pretrained` restores tied weights that the files leave out)."""
+    parts = [("clip", "text_encoder"), ("t5", "text_encoder_2")] if flux1 else [("model", "text_encoder")]
+    for attr, sub in parts:
+        model = getattr(text, attr)
+        model.load_state_dict(type(model).from_pretrained(folder / sub).state_dict())
+        log(f"resumed {attr} from {folder / sub}")
+
+
 def save_text(folder: Path, model: nn.Module, tokenizer_dir: Path) -> None:
     """A transformers model folder (config.json, model.safetensors) with its tokenizer files beside."""
     model.to("cpu", torch.float32).save_pretrained(folder, safe_serialization=True)
@@ -420,13 +433,24 @@ def main() -> None:
     if flux1:
         mean, std = raw.float().mean().item(), raw.float().std().item()
         stats = {"shift_factor": round(mean, 4), "scale_factor": round(1 / std, 4)}
-        log(f"FLUX.1 latent statistics: {stats} (the VAE preset must carry these)")
+        if args.resume is not None and args.vae_steps == 0:
+            # the autoencoder is the shipped one: train against the statistics its preset carries
+            stats = {"shift_factor": vae_cfg.shift_factor, "scale_factor": vae_cfg.scale_factor}
+            log(
+                f"FLUX.1 latent statistics kept from the preset: {stats} (measured {mean:.4f}, {1 / std:.4f})"
+            )
+        else:
+            log(f"FLUX.1 latent statistics: {stats} (the VAE preset must carry these)")
         x0 = pack(((raw.float() - stats["shift_factor"]) * stats["scale_factor"]).to(torch.bfloat16))
     else:
         p = patchify(raw.float())  # (N, 128, 16, 16)
-        bn_mean, bn_var = p.mean(dim=(0, 2, 3)), p.var(dim=(0, 2, 3))
-        vae.bn.running_mean.copy_(bn_mean)
-        vae.bn.running_var.copy_(bn_var)
+        if args.resume is not None and args.vae_steps == 0:  # the shipped autoencoder's own statistics
+            bn_mean, bn_var = vae.bn.running_mean.clone(), vae.bn.running_var.clone()
+            log("FLUX.2 BatchNorm statistics kept from the resumed autoencoder")
+        else:
+            bn_mean, bn_var = p.mean(dim=(0, 2, 3)), p.var(dim=(0, 2, 3))
+            vae.bn.running_mean.copy_(bn_mean)
+            vae.bn.running_var.copy_(bn_var)
         eps = vae_cfg.batch_norm_eps
         x0 = flux2_pack(
             ((p - bn_mean[None, :, None, None]) / torch.sqrt(bn_var[None, :, None, None] + eps)).to(
@@ -438,6 +462,8 @@ def main() -> None:
 
     # text encoders and the DiT
     text = Flux1Text(args.seed) if flux1 else KleinText(args.seed)
+    if args.resume is not None:  # the encoders the resumed DiT was trained against
+        load_text(text, args.resume, flux1)
     text.to(device).train()
     tokens = tuple(t.to(device) for t in text.tokens(captions))
     neg = None if flux1 else tuple(t.to(device) for t in text.tokens([NEGATIVE_PROMPT]))
