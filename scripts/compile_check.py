@@ -78,6 +78,7 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"token_layer_norm_modulate_fp8 D3072 per-row {dt}", tok, ln8_sig, {"ITERS": 6, "EVEN": True, "QUANT": 2, **ln}),
         (f"layer_norm_modulate D3072 {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 6, "EVEN": True, "HAS_RESIDUAL": False, "QUANT": 0, **rows}),
         (f"residual_layer_norm_modulate D6144 {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 12, "EVEN": True, "HAS_RESIDUAL": True, "QUANT": 0, **rows}),
+        (f"residual_layer_norm_modulate D6144 1 row {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 12, "EVEN": True, "HAS_RESIDUAL": True, "QUANT": 0, **rows, "ROWS": 1}),
         (f"residual_layer_norm_modulate D1000 fp8 per-row {dt}", _layer_norm_modulate_rows_kernel, rows8_sig, {"ITERS": 2, "EVEN": False, "HAS_RESIDUAL": True, "QUANT": 2, **rows}),
         (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
         (f"token_gated_residual 2x1024 {dt}", _token_gated_residual_kernel, gr_sig, {"BLOCK_L": 2, "BLOCK_D": 1024, "GPU": True}),
