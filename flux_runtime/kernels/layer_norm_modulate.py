@@ -458,7 +458,9 @@ def _even_counts_halve(iters: int) -> bool:
 
 
 def default_rows_per_program(d: int, variant: str) -> int:
-    """Rows per program: v1 one aten block each; v2 two (D <= 6144: 96-240 registers, no spills)."""
+    """Rows per program: v1 one aten block each; v2 two up to D = 6144. `scripts/compile_check.py` counts
+    their registers (96-255; under Triton 3.6 the residual kernel at 6144 spills 216 bytes a thread in bf16,
+    one row per program none) and `scripts/kernel_check.py --tune` times one, two and four rows."""
     if variant == "v1":
         return 1
     return 2 if d <= 6144 else 1
