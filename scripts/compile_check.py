@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Compile the fused LayerNorm kernels (FLUX.3's per-token ones, FLUX.1/2's rows kernel) and FLUX.3's other
-fused Triton kernels for sm_90 on a machine without a GPU, and print their resources.
+"""Compile the fused LayerNorm kernels (FLUX.3's per-token ones, FLUX.1/2's rows kernel), the single block's
+`[attention | activation]` FP8 producer and FLUX.3's other fused Triton kernels for sm_90 on a machine without
+a GPU, and print their resources.
 
 Triton lowers each kernel (at its default tile, bf16 and fp16, the masked odd-width LayerNorm path too) to PTX
 and runs its bundled ptxas, which catches lowering errors the interpreter never meets; `cuobjdump` then reads
@@ -29,6 +30,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flux_runtime.kernels.attention_act_fp8 import _attention_act_quant_rows_kernel
+from flux_runtime.kernels.gelu import K_BETA, K_KAPPA
 from flux_runtime.kernels.layer_norm_modulate import _layer_norm_modulate_rows_kernel
 from flux_runtime.kernels.qk_norm_rope_fp32 import _qk_norm_rope_fp32_kernel
 from flux_runtime.kernels.token_gated_residual import _token_gated_residual_kernel
@@ -57,6 +60,9 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     rows_sig |= dict.fromkeys(("q_scale_ptr", "q_inv_ptr"), "*fp32") | _ints("L", "D") | {"eps": "fp32"}
     rows_sig |= _ints(*(f"stride_{n}" for n in ("xb", "xl", "gate", "ub", "ul", "shift", "scale")))
     rows8_sig = rows_sig | {"y_out_ptr": "*u8"}
+    aa_sig = {"o_ptr": f"*{dt}", "x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32"}
+    aa_sig |= _ints("L", "D", "N", "HD", "stride_ob", "stride_ol", "stride_oh", "stride_xb", "stride_xl")
+    aa = {"BLOCK": 2048, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
     qk_sig = dict.fromkeys(("q_ptr", "k_ptr"), f"*{dt}") | dict.fromkeys(
         ("wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr"), "*fp32"
     )
@@ -80,6 +86,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"residual_layer_norm_modulate D6144 {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 12, "EVEN": True, "HAS_RESIDUAL": True, "QUANT": 0, **rows}),
         (f"residual_layer_norm_modulate D6144 1 row {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 12, "EVEN": True, "HAS_RESIDUAL": True, "QUANT": 0, **rows, "ROWS": 1}),
         (f"residual_layer_norm_modulate D1000 fp8 per-row {dt}", _layer_norm_modulate_rows_kernel, rows8_sig, {"ITERS": 2, "EVEN": False, "HAS_RESIDUAL": True, "QUANT": 2, **rows}),
+        (f"attention_act_fp8 gelu_tanh {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa}),
+        (f"attention_act_fp8 swiglu {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 2, **aa}),
         (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
         (f"token_gated_residual 2x1024 {dt}", _token_gated_residual_kernel, gr_sig, {"BLOCK_L": 2, "BLOCK_D": 1024, "GPU": True}),
     ]  # fmt: skip

@@ -19,6 +19,11 @@
 #                                       encoders, SECONDS each [420], side by side), then their held-out scores and
 #                                       grid; the new weights come back under $OUT/models (copy them into
 #                                       flux_runtime/assets/models/ if they score better)
+#   bash scripts/gpu_check.sh fp8-single   the single block's one-pass [attention | activation] FP8 producer: its GPU
+#                                       tests and the FP8 ones, kernel_check against the three kernels it replaces,
+#                                       the FP8 bench (FLUX.1-dev, FLUX.2-dev, klein-4B)
+#   bash scripts/gpu_check.sh memory-rerun  FLUX.1-dev FP8 (ours) and FLUX.2-dev FP8 memory plans, each budget's
+#                                       second call timed (after the graph-pool planning fix)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
 #                                       flux-serve FLUX.1-dev bench with 8 requests per mode
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
@@ -121,6 +126,16 @@ case "$phase" in
       [ -f "$OUT/models/$name/loss.json" ] && cp -r "$OUT/models/$name/." "flux_runtime/assets/models/$name/"
     done
     timeout 100 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -2 || status=1
+    ;;
+  fp8-single)
+    timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py tests/kernels/test_fp8.py tests/fp8/test_fp8_pipeline.py tests/fp8/test_fp8_loading.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_single.txt" | tail -6 || status=1
+    timeout 60 python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | tail -12 || status=1
+    timeout 300 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" | grep "^|\|attention_act\|fallback\|relative" || status=1
+    ;;
+  memory-rerun)
+    unset PYTORCH_CUDA_ALLOC_CONF
+    timeout 120 python3 scripts/bench_memory.py --model flux1 --fp8-flux1 --no-diffusers --json "$OUT/bench_memory_flux1_fp8.json" 2>"$OUT/bench_memory_flux1_fp8.err" | tail -6 || status=1
+    timeout 400 python3 scripts/bench_memory.py --model flux2 --json "$OUT/bench_memory_flux2.json" 2>"$OUT/bench_memory_flux2.err" | tail -8 || status=1
     ;;
   flux1-reach)
     unset PYTORCH_CUDA_ALLOC_CONF

@@ -37,7 +37,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flux_runtime.kernels.attention_act_fp8 import (
+    attention_act_quantize_reference,
+    attention_act_quantize_triton,
+)
 from flux_runtime.kernels.dispatch import UnsupportedInput
+from flux_runtime.kernels.fp8 import act_quantize_triton
 from flux_runtime.kernels.gated_residual import gated_residual_reference, gated_residual_triton
 from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_reference, gelu_tanh_triton
 from flux_runtime.kernels.layer_norm_modulate import (
@@ -305,6 +310,48 @@ def _activation_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
     )  # fmt: skip
 
 
+def _fp8_bits(q: Any) -> tuple[Tensor, Tensor]:
+    """An `Fp8Act` as (uint8 codes, fp32 row scales), comparable with `torch.equal`."""
+    return q.data.view(torch.uint8), q.scale
+
+
+def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    """The single block's dynamic FP8 input as the kernels made it before `attention_act_fp8`: the
+    activation into a 16-bit `[attn | mlp]` buffer, the heads copied beside it, then one quantization."""
+    b, n, h, hd = o.shape
+    d = h * hd
+    m = x.shape[-1] // 2 if act == "swiglu" else x.shape[-1]
+    buf = torch.empty(b, n, d + m, dtype=x.dtype, device=x.device)
+    (swiglu_triton if act == "swiglu" else gelu_tanh_triton)(x, out=buf[..., d:])
+    buf[..., :d].unflatten(-1, (h, hd)).copy_(o)
+    return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
+
+
+def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
+    """The single block's `[attention | activation]` e4m3 input with per-row scales at 1024², B1: the one
+    kernel against the three it replaces and the eager chain."""
+    tokens = TXT + IMAGES["1024²"]
+    sites = [("flux1", 3072, FF_INNER, "gelu_tanh"), *((k, d, m, "swiglu") for k, (d, m) in SWIGLU.items())]
+    for model, d, m, act in sites:
+
+        def make(d: int = d, m: int = m, act: str = act) -> tuple[Any, ...]:
+            o = (torch.randn(1, d // 128, tokens, 128, device="cuda") * 2).to(dtype).permute(0, 2, 1, 3)
+            k = 2 * m if act == "swiglu" else m
+            packed = (torch.randn(1, tokens, 3 * d + k, device="cuda") * 3).to(dtype)
+            return o, packed[..., 3 * d :], act
+
+        k = 2 * m if act == "swiglu" else m
+        yield Case(
+            "attention_act_fp8", f"{model} single 1024² B1", dtype, make,
+            {
+                "one pass": lambda o, x, a: _fp8_bits(attention_act_quantize_triton(o, x, a)),
+                "three": _three_passes,
+            },
+            lambda o, x, a: _fp8_bits(attention_act_quantize_reference(o, x, a)),
+            tokens * ((d + k) * s + d + m + 4), default="one pass",
+        )  # fmt: skip
+
+
 # FLUX.3 Klein: hidden 3072, 24 heads; 480 text tokens; (name, image tokens, reference tokens)
 FLUX3_D, FLUX3_H, FLUX3_TXT = 3072, 24, 480
 FLUX3_IMAGES = [("512²", 1024, 0), ("1024²", 4096, 0), ("1024²+ref", 4096, 4096)]
@@ -380,6 +427,7 @@ def cases(dtype: torch.dtype) -> Iterator[Case]:
     yield from _row_cases(dtype, s)
     yield from _qk_cases(dtype)
     yield from _activation_cases(dtype, s)
+    yield from _attention_act_cases(dtype, s)
     yield from _flux3_cases(dtype, s)
 
 
@@ -464,7 +512,8 @@ def _outputs(x: Any) -> tuple[Tensor, ...]:
 
 def _poison_allocator(like: tuple[Tensor, ...]) -> None:
     """Leave NaN-filled free blocks of the output sizes in the caching allocator for the kernel's outputs."""
-    blocks = [torch.full_like(t, float("nan")) for t in like]
+    # e4m3 codes (uint8) get 0xFF, e4m3's NaN: an unwritten code then differs from the reference's
+    blocks = [torch.full_like(t, float("nan") if t.is_floating_point() else 255) for t in like]
     torch.cuda.synchronize()
     del blocks
 

@@ -8,6 +8,7 @@ tier with `use_fused("lossless")` and reads `fused_ops_report()` to say which ke
 This package imports nothing from the rest of `flux_runtime`.
 """
 
+from flux_runtime.kernels.attention_act_fp8 import attention_act_fp8
 from flux_runtime.kernels.dispatch import (
     FusedOpsReport,
     fused_ops_report,
@@ -47,6 +48,7 @@ __all__ = [
     "Fp8Act",
     "Fp8Quant",
     "FusedOpsReport",
+    "attention_act_fp8",
     "fp8_linear",
     "fused_ops_report",
     "fused_tier",

@@ -30,7 +30,9 @@ from flux_runtime.models.dit.layers import (
     double_stream,
     materialize,
     norm_modulate,
+    quantizes_per_row,
     rope_tables,
+    sdpa,
     timestep_embedding,
 )
 
@@ -130,16 +132,24 @@ class SingleStreamBlock(nn.Module):
         (mod,) = mods(self.modulation)
         x, x_n = norm_modulate(x, mod, self.linear1.act_quant)
         d, m = self.linear1.in_features, self.mlp_hidden_dim
-        # (B, L, D + mlp_hidden): attention first, MLP second, each written in place (no concat);
-        # e4m3 when linear2 reads a statically quantized input
         quant = self.linear2.act_quant
-        h = self.linear2.input_buffer(x, d + m)
-        q, k, v, _ = self.linear1.split(
-            x_n, (d, d, d, m), gelu_last=True, gelu_out=h[..., d:], gelu_quant=quant
-        )
+        if quantizes_per_row(self.linear2) and self.attend is attention:
+            # per-row scales span [attn | mlp]: GELU and both halves quantized in one pass after attention
+            h = None
+            q, k, v, mlp = self.linear1.split(x_n, (d, d, d, m))
+        else:
+            # (B, L, D + mlp_hidden): attention first, MLP second, each written in place (no concat);
+            # e4m3 when linear2 reads a statically quantized input
+            h = self.linear2.input_buffer(x, d + m)
+            q, k, v, _ = self.linear1.split(
+                x_n, (d, d, d, m), gelu_last=True, gelu_out=h[..., d:], gelu_quant=quant
+            )
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
+        if h is None:
+            act = kernels.attention_act_fp8(sdpa(q, k, v), mlp, "gelu_tanh")
+            return clip_fp16(Pending(x, mod.gate, self.linear2(act)))
         self.attend(q, k, v, out=h[..., :d], quant=quant)
         return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
 

@@ -41,7 +41,9 @@ from flux_runtime.models.dit.layers import (
     double_stream,
     materialize,
     norm_modulate,
+    quantizes_per_row,
     rope_tables,
+    sdpa,
     shared_ids,
     timestep_embedding,
 )
@@ -120,9 +122,13 @@ class SingleStreamBlock(nn.Module):
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in qkv.chunk(3, dim=-1))
         q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
         k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
+        d, quant = self.linear1.in_features, self.linear2.act_quant
+        if quantizes_per_row(self.linear2) and self.attend is attention:
+            # per-row scales span [attn | mlp]: both halves quantized in one pass, no 16-bit buffer
+            act = kernels.attention_act_fp8(sdpa(q, k, v), mlp, "swiglu")
+            return clip_fp16(Pending(x, mod.gate, self.linear2(act)))
         # (B, L, D + M): attention first, MLP second, each written in place (no concat); e4m3 when
         # linear2 reads a statically quantized input
-        d, quant = self.linear1.in_features, self.linear2.act_quant
         h = self.linear2.input_buffer(x, d + self.mlp_hidden_dim)
         if h.dtype == kernels.fp8.E4M3:
             kernels.swiglu_fp8(mlp, *quant, out=h[..., d:])

@@ -172,6 +172,12 @@ def _gelu_into(x: Tensor, out: Tensor | None, quant: kernels.Fp8Quant | None) ->
 AnyLinear = Linear | Fp8Linear
 
 
+def quantizes_per_row(linear: AnyLinear) -> bool:
+    """Whether `linear` quantizes its input with one scale per row (an FP8 layer without a static scale):
+    then the whole input row must exist before any of it can be quantized."""
+    return isinstance(linear, Fp8Linear) and linear.input_scale is None
+
+
 class MLPEmbedder(nn.Module):
     """`in_layer → SiLU → out_layer`: the time, guidance and pooled-text embedders."""
 

@@ -1,0 +1,139 @@
+"""The single block's `[attention | MLP activation]` input to `linear2`, in e4m3 with one scale per row.
+
+FLUX.1's and FLUX.2's single blocks project the concatenation of the attention heads (D wide) and the MLP
+activation (tanh-GELU or SwiGLU, M wide) with one GEMM. With per-row (dynamic) scales each row's scale is the
+absmax of the whole `D + M` row, so neither half can be quantized where it is made: eager writes both halves
+in 16 bits, then quantizes the buffer in a third pass. This kernel reads the attention output (a strided view
+of SDPA's heads) and the MLP's pre-activation, finds the row's absmax over the attention values and the
+activation values as eager rounds them, and writes the e4m3 codes of both halves in a second sweep: no 16-bit
+buffer, one launch instead of three.
+
+`attention_act_quantize_reference` is the eager chain it replaces, `quantize_reference` of the concatenation:
+the kernel is `torch.equal` to it (the same rounded values, the same row scale, the same e4m3 rounding), so it
+is in the `lossless` tier. Static scales do not need it: there each half is written in e4m3 where it is made.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.fp8 import ACTS, E4M3, Fp8Act, _act_reference, _act_value, quantize_reference
+from flux_runtime.kernels.gelu import K_BETA, K_KAPPA
+from flux_runtime.kernels.triton_utils import (
+    ON_GPU,
+    check_half,
+    check_int32_offsets,
+    check_launchable,
+    e4m3_code,
+    jit,
+    tl,
+    upcast,
+)
+
+ATTENTION_ACTS = ("gelu_tanh", "swiglu")
+
+
+def attention_act_quantize_reference(o: Tensor, x: Tensor, act: str) -> Fp8Act:
+    """e4m3 with per-row scales of `[o.flatten(2) | act(x)]`: `o` the attention heads (B, L, H, Dh), `x` the
+    MLP's pre-activation (B, L, M), or (B, L, 2M) `[gate | up]` for SwiGLU."""
+    return quantize_reference(torch.cat([o.flatten(2), _act_reference(x, act)], dim=-1))
+
+
+@jit
+def _attention_act_quant_rows_kernel(
+    o_ptr,  # (B, L, H, HD) attention heads, strides (stride_ob, stride_ol, stride_oh, 1)
+    x_ptr,  # (B, L, N) pre-activation, or (B, L, 2N) [gate | up] for SwiGLU; strides (stride_xb, stride_xl, 1)
+    q_ptr,  # (B, L, D + N) uint8 (e4m3 bits), contiguous
+    scale_ptr,  # (B * L,) fp32 row scales (written)
+    L,
+    D,  # H * HD
+    N,
+    HD,
+    stride_ob,
+    stride_ol,
+    stride_oh,
+    stride_xb,
+    stride_xl,
+    ACT: tl.constexpr,  # 1 tanh-GELU, 2 SwiGLU (fp8.ACTS)
+    BLOCK: tl.constexpr,
+    GPU: tl.constexpr,
+    BETA: tl.constexpr,
+    KAPPA: tl.constexpr,
+):
+    # grid: (L, B); one row per program: its absmax over both halves, then its codes
+    DTYPE = x_ptr.dtype.element_ty
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0).to(tl.int64)
+    o_row = o_ptr + b * stride_ob + pos * stride_ol
+    x_row = x_ptr + b * stride_xb + pos * stride_xl
+    q_row = q_ptr + (b * L + pos) * (D + N)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(0, D, BLOCK):
+        cols = c0 + offs
+        mask = cols < D
+        y = upcast(tl.load(o_row + (cols // HD) * stride_oh + cols % HD, mask=mask, other=0.0), GPU)
+        amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + offs
+        mask = cols < N
+        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
+        amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+    m = tl.maximum(tl.max(amax, axis=0), 1e-12)
+    s = m * 0.002232142857142857  # INV_E4M3_MAX, rounded to fp32 as aten rounds the scalar
+    inv = tl.math.div_rn(1.0, s)
+    tl.store(scale_ptr + b * L + pos, s)
+    for c0 in range(0, D, BLOCK):
+        cols = c0 + offs
+        mask = cols < D
+        y = upcast(tl.load(o_row + (cols // HD) * stride_oh + cols % HD, mask=mask, other=0.0), GPU)
+        tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + offs
+        mask = cols < N
+        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
+        tl.store(q_row + D + cols, e4m3_code(y * inv), mask=mask)
+
+
+def attention_act_quantize_triton(o: Tensor, x: Tensor, act: str, *, block: int = 2048) -> Fp8Act:
+    """Fused `attention_act_quantize_reference`: `o` (B, L, H, Dh) with a unit last stride (SDPA's heads as
+    they come out), `x` (B, L, M or 2M) with a unit last stride (a column slice of `linear1`'s output)."""
+    op = f"attention_{act}_fp8"
+    if act not in ATTENTION_ACTS:
+        raise ValueError(
+            f"attention_act_quantize: unknown activation {act!r}; expected one of {ATTENTION_ACTS}"
+        )
+    check_launchable(op, o, x)
+    check_half(op, o=o, x=x)
+    if o.ndim != 4 or x.ndim != 3 or o.shape[:2] != x.shape[:2]:
+        raise UnsupportedInput(
+            f"{op}: needs o (B, L, H, Dh) and x (B, L, K), got {tuple(o.shape)}, {tuple(x.shape)}"
+        )
+    if o.stride(-1) != 1 or x.stride(-1) != 1:
+        raise UnsupportedInput(f"{op}: the last dimensions must be contiguous")
+    if x.numel() == 0 or o.numel() == 0:
+        raise UnsupportedInput(f"{op}: empty input")
+    b, length, heads, hd = o.shape
+    d = heads * hd
+    n = x.shape[-1] // 2 if act == "swiglu" else x.shape[-1]
+    q = torch.empty(b, length, d + n, dtype=torch.uint8, device=x.device)
+    for name, t in (("o", o), ("x", x), ("out", q)):
+        check_int32_offsets(op, name, t)
+    row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
+    _attention_act_quant_rows_kernel[(length, b)](
+        o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1),
+        ACT=ACTS[act], BLOCK=block, GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))
+
+
+_ATTENTION_ACT_FP8 = FusedOp(
+    "attention_act_fp8", fused=attention_act_quantize_triton, reference=attention_act_quantize_reference
+)
+
+
+def attention_act_fp8(o: Tensor, x: Tensor, act: str) -> Fp8Act:
+    """The single block's `linear2` input `[heads | act(x)]` in e4m3 with per-row scales (see the module)."""
+    return run_op(_ATTENTION_ACT_FP8, o, x, act)
