@@ -30,7 +30,15 @@ from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.memory import VAE_TILE, Plan, gib
 from flux_runtime.pipeline.provenance import provenance
-from flux_runtime.pipeline.tiers import RunTier, Tier, resolve_tier
+from flux_runtime.pipeline.tiers import (
+    BATCHED_MODULATION,
+    FAST_FP8_ACCUMULATION,
+    FUSED_DECODE,
+    RunTier,
+    Tier,
+    record_approximations,
+    resolve_tier,
+)
 from flux_runtime.sampling import ScheduleConfig, denoise, get_schedule, to_pil_images, to_uint8_images
 
 if TYPE_CHECKING:
@@ -332,6 +340,10 @@ class Recipe:
                 fp8_at_load=getattr(self.transformer, "quantized_at_load", False),
             ),
             "memory_plan": self.memory_plan.describe(),
+            "approximations": record_approximations(
+                tier, call.prepared.get("approximations", set()), self.model_name,
+                getattr(self.transformer, "precision", "bf16"),
+            ),
             "fp8_text": self.fp8_text,
             **self.record_inputs(call),
             **fused_loras.provenance_fields(self),  # each fused LoRA: file, sha256, scale
@@ -402,6 +414,9 @@ class Recipe:
                 return self.velocity(x, t, gd, txt, vec, mods, ids, pe)
 
         use_graphs = self._graphs_enabled()
+        approximations: set[str] = (
+            set()
+        )  # what `high` approximated in this call (see `record_approximations`)
 
         def branch(
             name: str, txt: Tensor, vec: Tensor | None
@@ -409,6 +424,8 @@ class Recipe:
             # the batched table reads every block's weights at once: not while the blocks stream
             batched = tier.batched_modulation and not self.memory_plan.streams_dit
             table = self.modulation_table(call, start, vec, g) if batched else None
+            if table is not None:
+                approximations.add(BATCHED_MODULATION)
             step = iter(range(steps))
             with tier.mounted():  # the branch's step-invariant streams, once per generation
                 text, cc = self.fixed_conditioning(txt, channel_cond, ids, pe)
@@ -457,6 +474,9 @@ class Recipe:
             )
         watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
         kernels = kernels_used(self._graphed.get((start.rope_key, tier, "cond")) if use_graphs else None)
+        if tier.kernels == "high" and getattr(self.transformer, "precision", "bf16") != "bf16":
+            approximations.add(FAST_FP8_ACCUMULATION)
+        call.prepared["approximations"] = approximations
 
         if world is not None and not world.is_main and call.output_type != "latent":
             return latents, None, use_graphs, kernels, None  # rank 0 decodes
@@ -464,7 +484,9 @@ class Recipe:
             return latents, self.latent_output(latents, start), use_graphs, kernels, None
         z = self.decoder_input(latents, start)
         call.report("decode", 0, 1)
-        decoded, decode_kernels = self._decode(z, tier)
+        decoded, decode_kernels, fused_decode = self._decode(z, tier)
+        if fused_decode:
+            approximations.add(FUSED_DECODE)
         if start.crop is not None:  # FLUX.3: back to a single reference's box on its canvas
             left, top, right, bottom = start.crop
             decoded = decoded[..., top:bottom, left:right]
@@ -478,9 +500,10 @@ class Recipe:
             images = (decoded * 0.5 + 0.5).clamp(0, 1)
         return latents, images, use_graphs, kernels, decode_kernels
 
-    def _decode(self, z: Tensor, tier: RunTier) -> tuple[Tensor, str]:
-        """The autoencoder's decode and what it ran: the reference ops ("off": diffusers' bits), or in the
-        high tier its fused GroupNorm + SiLU kernels ("high", or "high, partly reference" if a guard refused).
+    def _decode(self, z: Tensor, tier: RunTier) -> tuple[Tensor, str, bool]:
+        """The autoencoder's decode, what it ran (the reference ops, "off": diffusers' bits, or in the high
+        tier its fused GroupNorm + SiLU kernels: "high", or "high, partly reference" if a guard refused) and
+        whether any fused kernel ran.
 
         The high decode runs channels-last: a channels-last input makes every convolution take cuDNN's NHWC
         kernels without converting each activation to NHWC and back, and the fused GroupNorm keeps the
@@ -490,11 +513,12 @@ class Recipe:
             self.vae_tile if self.vae_tile is not None else VAE_TILE if self.memory_plan.vae_tiled else None
         )
         if tier.kernels != "high":
-            return self.vae.decode(z, tile=tile), "off"
+            return self.vae.decode(z, tile=tile), "off", False
         reset_fused_ops_report()
         with tier.mounted():
             decoded = self.vae.decode(z.contiguous(memory_format=torch.channels_last), tile=tile)
-        return decoded, fused_ops_report().tier_used
+        report = fused_ops_report()
+        return decoded, report.tier_used, bool(report.fused_calls)
 
     def _schedule(self, steps: int, image_seq_len: int, strength: float = 1.0) -> tuple[Tensor, Tensor]:
         """(sigmas (N' + 1,), timesteps (N',)) fp32 on the device: the full schedule, or with `strength` < 1

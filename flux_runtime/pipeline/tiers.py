@@ -48,6 +48,27 @@ class RunTier:
             yield
 
 
+# the approximations `high` can make, as the provenance names them (`approximations`)
+BATCHED_MODULATION = "adaLN projections of all steps in one GEMM"
+FAST_FP8_ACCUMULATION = "fast FP8 accumulation"
+FUSED_DECODE = "fused GroupNorm + SiLU decode, channels-last"
+DENOISER_APPROXIMATIONS = (BATCHED_MODULATION, FAST_FP8_ACCUMULATION)
+
+
+def record_approximations(tier: RunTier, made: set[str], model: str, precision: str) -> list[str]:
+    """The provenance's `approximations`: what `high` approximated in a call, in a fixed order (empty under
+    `lossless`). When `high` ran and had nothing to approximate in the denoiser (a bf16 FLUX.2 or FLUX.3
+    model: no batched adaLN, no FP8 GEMMs) it says so once: those steps are the lossless kernels' bits."""
+    if tier.kernels == "high" and not any(a in made for a in DENOISER_APPROXIMATIONS):
+        _say_once(
+            ("high-denoiser", f"{model}/{precision}"),
+            f"quality 'high' has no approximation for the {model} ({precision}) denoiser: its steps run the "
+            "lossless kernels; the record's `approximations` lists what was approximated",
+        )
+    order = (*DENOISER_APPROXIMATIONS, FUSED_DECODE)
+    return [a for a in order if a in made]
+
+
 def _say_once(key: tuple[str, str], message: str) -> None:
     if key not in _warned:
         _warned.add(key)

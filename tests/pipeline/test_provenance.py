@@ -163,3 +163,32 @@ def test_overwrite_replaces_in_one_step(tmp_path: Path) -> None:
     save_png(_image(), out, {**_record(), "seed": 9}, overwrite=True)
     assert read_provenance(out)["seed"] == 9
     assert [p.name for p in tmp_path.iterdir()] == ["a.png"]
+
+
+@pytest.mark.parametrize(
+    ("model", "want"),
+    [
+        ("tiny", ["adaLN projections of all steps in one GEMM"]),  # FLUX.1: the batched modulation
+        ("tiny-flux2-random", []),  # FLUX.2 in bf16: nothing to approximate in the denoiser
+    ],
+)
+def test_the_record_lists_what_high_approximated(
+    model: str, want: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`approximations` names what `high` changed; a model whose denoiser `high` cannot approximate says so
+    (once) instead of passing its lossless steps off as approximate. The high tier is forced on the CPU here
+    (it needs CUDA otherwise): the fused kernels then fall back to their references, the batched
+    modulation still runs."""
+    from flux_runtime.pipeline import Pipeline, core, tiers
+    from flux_runtime.pipeline.tiers import RunTier
+
+    pipe = Pipeline.from_pretrained(model, device="cpu", dtype=torch.bfloat16)
+    kw = dict(height=32, width=32, num_steps=2, output_type="latent", seed=1)
+    assert pipe("a cat", **kw).info["approximations"] == []  # lossless approximates nothing
+    monkeypatch.setattr(core, "resolve_tier", lambda q, d, t: RunTier("high", "high"))
+    monkeypatch.setattr(tiers, "_warned", set())
+    with caplog.at_level("WARNING", logger="flux_runtime.pipeline.tiers"):
+        out = pipe("a cat", quality="high", **kw)
+    assert out.info["quality"] == "high" and out.info["approximations"] == want
+    said = [r.message for r in caplog.records if "has no approximation" in r.message]
+    assert len(said) == (0 if want else 1)
