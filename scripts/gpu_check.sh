@@ -15,7 +15,7 @@
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
-#   bash scripts/gpu_check.sh train-tiny [SECONDS]  both tiny models' DiTs trained on from the shipped weights (the
+#   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH]]  both tiny models' DiTs trained on from the shipped weights (the
 #                                       shipped text encoders frozen, SECONDS each [420], side by side), then their held-out scores and
 #                                       grid; the new weights come back under $OUT/models (copy them into
 #                                       flux_runtime/assets/models/ if they score better)
@@ -112,11 +112,11 @@ case "$phase" in
     timeout 560 python3 scripts/bench_serve.py --model flux1-dev --random-weights --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
     ;;
   train-tiny)
-    secs=${2:-420}
+    secs=${2:-420}; batch=${3:-128}
     for fam in flux1 flux2; do
       name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
       timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "$OUT/models/$name" \
-        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" \
+        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" \
         > "$OUT/train_$name.log" 2>&1 &
     done
     wait || status=1
