@@ -73,3 +73,32 @@ def test_a_prompt_outside_the_grammar_still_runs(pipe: Pipeline) -> None:
         0
     ]
     assert image.shape == (64, 64, 3) and image.dtype == np.uint8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux2"])
+def test_training_resumes_from_the_shipped_weights(name: str, tmp_path) -> None:
+    """`train_tiny.py --resume` on the shipped folder with no steps writes the shipped weights back bit for bit:
+    the DiT, the autoencoder (FLUX.2: its BatchNorm statistics kept) and the text encoders the DiT was trained
+    against (they were once started afresh on resume), also with `--freeze-text`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[2]
+    shipped = root / "flux_runtime" / "assets" / "models" / name
+    family = "flux1" if name == "tiny" else "flux2"
+    cmd = [
+        sys.executable, str(root / "scripts" / "train_tiny.py"), "--family", family, "--out", str(tmp_path),
+        "--resume", str(shipped), "--vae-steps", "0", "--dit-steps", "0", "--freeze-text", "--pool", "16",
+        "--device", "cpu",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, cwd=root, timeout=600)
+    files = ["flux1-tiny.safetensors" if family == "flux1" else "flux2-tiny.safetensors", "ae.safetensors"]
+    files += [f"{d}/model.safetensors" for d in ("text_encoder", "text_encoder_2") if (shipped / d).is_dir()]
+    for f in files:
+        want, got = load_file(shipped / f), load_file(tmp_path / f)
+        assert want.keys() == got.keys(), f
+        assert all(torch.equal(want[k], got[k]) for k in want), f
