@@ -156,6 +156,15 @@ MODELS: dict[str, ModelSpec] = {
             text_encoders=(QWEN3_8B_ID,),
         ),
         ModelSpec(
+            # the built-in tiny FLUX.3: for now the seeded random weights of `tiny-flux3-random` (no trained
+            # tiny FLUX.3 ships yet; its `weights` record, tiny-flux3-seed0, says which weights ran)
+            name="tiny-flux3",
+            family="flux3",
+            preset="tiny-flux3",
+            vae_preset="tiny-flux2",
+            default_size=128,
+        ),
+        ModelSpec(
             name="tiny-flux3-random",  # random weights: no prompt upsampler (its record says "unavailable")
             family="flux3",
             preset="tiny-flux3",

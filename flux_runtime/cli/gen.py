@@ -209,7 +209,7 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     type=str,
     default=None,
     help="FLUX.3: the prompt upsampler's folder or cached id [default: black-forest-labs/flux-3-image-klein-pup "
-    "for flux3-klein*; none for tiny-flux3-random].",
+    "for flux3-klein*; none for tiny-flux3 and tiny-flux3-random].",
 )
 @click.option(
     "--upsampler-prompts",

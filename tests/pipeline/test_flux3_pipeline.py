@@ -168,3 +168,13 @@ def test_base_model_runs_its_text_and_reference_streams_once_per_generation(fold
     assert calls["image"] == steps * branches
     per_step = steps * branches if name == "flow-map" else branches
     assert calls["txt"] == per_step and calls["ref"] == per_step
+
+
+def test_tiny_flux3_is_built_in() -> None:
+    """`tiny-flux3`, the name the built-in tiny FLUX.3 goes by, runs offline: for now the seeded random
+    weights of `tiny-flux3-random` (no trained tiny FLUX.3 ships), and its record says so."""
+    kw = dict(num_steps=2, height=32, width=32, output_type="latent", seed=1)
+    named = Pipeline.from_pretrained("tiny-flux3", device="cpu", dtype=torch.float32)("a cat", **kw)
+    random = Pipeline.from_pretrained("tiny-flux3-random", device="cpu", dtype=torch.float32)("a cat", **kw)
+    assert torch.equal(named.latents, random.latents)
+    assert named.info["model"] == "tiny-flux3" and named.info["weights"] == "tiny-flux3-seed0"
