@@ -226,30 +226,71 @@ def bench_image(case: str, ref, ours, steps: int) -> bool:
             ours_fn(neg, neg_ids, True),
         ),
     }
+
+    def image(make):
+        cond, uncond = make()  # the fixed streams are built here: inside the timed image
+        return flux3_denoise(
+            cond, img, sched.sigmas, sched.timesteps, flow_map=False, negative_model_fn=uncond,
+            guidance_scale=3.5,
+        )  # fmt: skip
+
+    return time_images(f"base/{case}/image", label_case, steps, variants, image)
+
+
+def bench_flow_map_image(case: str, ref, ours, steps: int) -> bool:
+    """One distilled (flow-map) image's denoising, `steps` steps without CFG: diffusers vs ours."""
+    from flux_runtime.kernels.dispatch import use_fused
+    from flux_runtime.pipeline.graphs import GraphedDenoiser
+    from flux_runtime.sampling.flux3 import FLUX3_SCHEDULE, flux3_denoise
+    from flux_runtime.sampling.schedule import get_schedule
+
+    cfg = ours.config
+    n_ref = N_IMG if case == "ref" else 0
+    label_case = f"flow map, {steps} steps, {'one 1024² reference' if n_ref else 'text to image'}"
+    img, img_ids, txt, txt_ids, _, rf, rf_ids, _ = step_inputs(cfg, n_ref)
+    sched = get_schedule(steps, N_IMG, config=FLUX3_SCHEDULE, device=DEV)
+    pe = ours.rope(txt_ids, img_ids, rf_ids)
+
+    def diffusers_fn():
+        return lambda x, tt, tg: ref(
+            hidden_states=x, encoder_hidden_states=txt, timestep=tt, img_ids=img_ids, txt_ids=txt_ids,
+            image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=tg, return_dict=False,
+        )[0]  # fmt: skip
+
+    def step(x, tt, tg):
+        with use_fused("lossless"):
+            return ours(x, img_ids, txt, txt_ids, tt, ref=rf, ref_ids=rf_ids, target_timesteps=tg, pe=pe)
+
+    # one graph for both images, as the pipeline keeps its graphs across calls: the warm-up image captures
+    # it, the timed one replays every step
+    graphed = GraphedDenoiser(step)
+    variants = {"diffusers eager": diffusers_fn, "ours lossless + CUDA graph": lambda: graphed}
+
+    def image(make):
+        return flux3_denoise(make(), img, sched.sigmas, sched.timesteps, flow_map=True)
+
+    return time_images(f"flow-map/{case}/image", label_case, steps, variants, image)
+
+
+def time_images(key: str, label_case: str, steps: int, variants: dict, image) -> bool:
+    """`image(make)` per variant: a warm-up image (graphs run eagerly, then are captured), then one timed;
+    each image compared `torch.equal` to the first variant's (diffusers'). Prints the table."""
     times: dict[str, float] = {}
     equal: dict[str, bool] = {}
     expected = None
     for label, make in variants.items():
-
-        def image(make=make):
-            cond, uncond = make()  # the fixed streams are built here: inside the timed image
-            return flux3_denoise(
-                cond, img, sched.sigmas, sched.timesteps, flow_map=False, negative_model_fn=uncond,
-                guidance_scale=3.5,
-            )  # fmt: skip
-
-        out = image()  # warm-up: graphs run eagerly once and are captured on the second step
+        out = image(make)  # warm-up
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = image()
+        out = image(make)
         end.record()
         torch.cuda.synchronize()
         times[label] = start.elapsed_time(end) / 1000
         expected = out if expected is None else expected
         equal[label] = torch.equal(out, expected)
         print(f"[{label_case}] {label}: {times[label]:.2f} s, torch.equal = {equal[label]}", flush=True)
-    RESULTS[f"base/{case}/image"] = {"steps": steps, "seconds": times, "equal_to_diffusers": equal}
+    RESULTS[key] = {"steps": steps, "seconds": times, "equal_to_diffusers": equal}
     ref_s = times["diffusers eager"]
     print()
     print(f"| FLUX.3 Klein {label_case}, 1024², bf16, denoising | s / image | / diffusers | torch.equal |")
@@ -265,8 +306,11 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=["base", "flow-map"])
     ap.add_argument("--cases", nargs="+", choices=["t2i", "ref"], default=["t2i", "ref"])
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--per-image", action="store_true", help="also time a whole base-model image (CFG)")
-    ap.add_argument("--image-steps", type=int, default=50)
+    ap.add_argument(
+        "--per-image", action="store_true", help="also time whole images: base (CFG) and flow map (distilled)"
+    )
+    ap.add_argument("--image-steps", type=int, default=50, help="the base image's steps")
+    ap.add_argument("--flow-map-steps", type=int, default=16, help="the distilled image's steps")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="kernel table of one lossless eager step per case")
     args = ap.parse_args()
@@ -283,6 +327,8 @@ def main() -> int:
             ok.append(bench_case(name, case, ref, ours, args.iters, args.profile))
             if args.per_image and name == "base":
                 ok.append(bench_image(case, ref, ours, args.image_steps))
+            if args.per_image and name == "flow-map":
+                ok.append(bench_flow_map_image(case, ref, ours, args.flow_map_steps))
         del ref, ours
         gc.collect()
         torch.cuda.empty_cache()
