@@ -414,9 +414,8 @@ class Recipe:
                 return self.velocity(x, t, gd, txt, vec, mods, ids, pe)
 
         use_graphs = self._graphs_enabled()
-        approximations: set[str] = (
-            set()
-        )  # what `high` approximated in this call (see `record_approximations`)
+        # what `high` approximated in this call (see `record_approximations`)
+        approximations: set[str] = set()
 
         def branch(
             name: str, txt: Tensor, vec: Tensor | None
