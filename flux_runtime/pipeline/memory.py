@@ -28,9 +28,11 @@ hand their segments back to the driver when they leave (`streaming.ModelPlacemen
 weights never land in the holes of the last one's.
 
 With CUDA graphs (any plan that does not stream the transformer), the captured denoiser keeps its memory
-pool, the size of the denoising activations, for as long as the transformer stays: through the decode and
-the next call's prompt encoding too. Those stages are planned with the pool beside them (`Footprint.graphs`);
-when the transformer leaves the GPU its graphs go with it.
+pool, the size of the denoising activations, for as long as the transformer stays: through the decode, and in
+the `resident` plan through the next call's prompt encoding too. Those stages are planned with the pool beside
+them (`Footprint.graphs`). Under a budget the pool never meets a text encoder coming in: with `offload-text`
+the graphs are dropped before it comes (the next denoise captures them again), and when the transformer leaves
+the GPU its graphs go with it.
 """
 
 from __future__ import annotations
@@ -244,8 +246,8 @@ def _try(name: PlanName, fp: Footprint, usable: int) -> Plan | None:
     if name == "resident":
         peak = text + dit + vae + max(fp.act_encode + fp.retained, act_dit)
         return Plan(name, None, peak=peak) if peak <= usable else None
-    if name == "offload-text":
-        peak = max(text + dit + vae + fp.act_encode + fp.retained, dit + vae + act_dit)
+    if name == "offload-text":  # the graphs are dropped before the text encoder comes in (`Placement.using`)
+        peak = max(text + dit + vae + fp.act_encode, dit + vae + act_dit)
         return Plan(name, None, text="offloaded", peak=peak) if peak <= usable else None
     # swap and stream: the text encoder and the transformer are never on the GPU together
     text_stage = _fit_layers(fp.text, usable - vae - fp.act_encode)

@@ -59,6 +59,13 @@ class Placement:
         model = self.models[name]
         depth = self._depth.get(name, 0)
         if enter and not model.on_device:
+            if name == "text" and self.plan.together and self.plan.budget is not None and self.graphs:
+                # under a budget the text encoder never comes in beside captured graphs' memory pools (the
+                # size of the denoising activations, and reserved beyond what they hold): they go first and
+                # the next denoise captures again
+                self.graphs.clear()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             if not self.plan.together:
                 for other_name, other in self.models.items():
                     if other_name != name:

@@ -80,20 +80,40 @@ def test_the_fastest_plan_that_fits(budget: int, name: str) -> None:
 
 
 def test_captured_graphs_pool_is_planned_beside_decode_and_encode() -> None:
-    """CUDA graphs keep the denoising pool while the transformer stays: a plan that keeps it on the GPU
-    (resident, offload-text) counts it beside the decode and the next call's encode. At 61 GiB the graphless
-    offload-text plan fits (56.75 GiB of 57.95 usable) and the graphed one (58.75) does not: swap."""
+    """CUDA graphs keep the denoising pool while the transformer stays: the resident plan counts it beside
+    the decode and the next call's encode, offload-text beside the decode (its graphs go before the text
+    encoder comes in). At 63 GiB the graphless resident plan fits (59.25 GiB of 59.85 usable) and the graphed
+    one (61.25) does not: offload-text."""
     fp = _fp()
     graphed = replace(fp, graphs=True)
     assert fp.retained == 0 and graphed.retained == fp.act_denoise
-    assert plan_memory(fp, 61 * GiB).name == "offload-text"
-    assert plan_memory(graphed, 61 * GiB).name == "swap"
+    assert plan_memory(fp, 63 * GiB).name == "resident"
+    assert plan_memory(graphed, 63 * GiB).name == "offload-text"
     resident = plan_memory(graphed, 100 * GiB)
     assert resident.name == "resident"
     weights = fp.text.total + fp.dit.total + fp.vae
     assert resident.peak == weights + max(fp.act_encode, fp.act_decode) + fp.act_denoise
+    offload = plan_memory(graphed, 63 * GiB)
+    assert offload.peak == max(
+        weights + fp.act_encode, fp.dit.total + fp.vae + fp.act_decode + fp.act_denoise
+    )
     # a streamed transformer runs eagerly: the same stream plan with or without graphs
     assert plan_memory(graphed, 30 * GiB) == plan_memory(fp, 30 * GiB)
+
+
+def test_graphs_go_before_a_text_encoder_comes_in_under_a_budget(pipes: tuple[Pipeline, Pipeline]) -> None:
+    """offload-text under a budget: the transformer stays, so its graphs' pool would meet the text encoder;
+    they are dropped when a new prompt brings the encoder in, and kept when the prompt cache answers."""
+    _, pipe = pipes
+    apply_plan(pipe, Plan("offload-text", 1 << 40, text="offloaded"), torch.device("cpu"))
+    pipe._prompts.clear()
+    pipe("a red fox", **KW)
+    pipe._graphed["sentinel"] = object()  # type: ignore[index]
+    pipe("a red fox", **KW)  # cached prompt: no encoder, the graphs stay
+    assert "sentinel" in pipe._graphed
+    pipe("a lighthouse", **KW)
+    assert "sentinel" not in pipe._graphed
+    apply_plan(pipe, Plan("resident", None), torch.device("cpu"))
 
 
 def test_graphs_leave_with_the_transformer(pipes: tuple[Pipeline, Pipeline]) -> None:
