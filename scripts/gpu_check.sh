@@ -16,9 +16,9 @@
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
 #   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH]]  both tiny models' DiTs trained on from the shipped weights (the
-#                                       shipped text encoders frozen, SECONDS each [420], side by side), then their held-out scores and
-#                                       grid; the new weights come back under $OUT/models (copy them into
-#                                       flux_runtime/assets/models/ if they score better)
+#                                       shipped text encoders frozen, SECONDS each [360], side by side), then their held-out scores and
+#                                       grid (the shipped weights' are in the README); the new DiTs come back as $OUT/<name>.safetensors
+#                                       (copy them over the shipped DiT files if they score better)
 #   bash scripts/gpu_check.sh fp8-single   the single block's one-pass [attention | activation] FP8 producer: its GPU
 #                                       tests and the FP8 ones, kernel_check against the three kernels it replaces,
 #                                       the FP8 bench (FLUX.1-dev, FLUX.2-dev, klein-4B)
@@ -112,18 +112,25 @@ case "$phase" in
     timeout 560 python3 scripts/bench_serve.py --model flux1-dev --random-weights --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
     ;;
   train-tiny)
-    secs=${2:-420}; batch=${3:-128}
+    # $OUT brings back at most 8 files: each model's DiT and loss log (its autoencoder and, frozen, its text
+    # encoders are the shipped ones), the held-out scores, the grid and the two training logs
+    secs=${2:-360}; batch=${3:-128}  # 10 minutes a call: the pool's encode, training, the held-out scores
     for fam in flux1 flux2; do
       name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
-      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "$OUT/models/$name" \
+      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
         --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" \
         > "$OUT/train_$name.log" 2>&1 &
     done
-    wait || status=1
+    wait
     tail -3 "$OUT"/train_*.log
-    timeout 100 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_before.json" 2>&1 | tail -2
     for name in tiny tiny-flux2; do
-      [ -f "$OUT/models/$name/loss.json" ] && cp -r "$OUT/models/$name/." "flux_runtime/assets/models/$name/"
+      dit=$([ $name = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
+      if [ -f "/tmp/train/$name/loss.json" ]; then
+        cp "/tmp/train/$name/$dit" "$OUT/$name.safetensors"; cp "/tmp/train/$name/loss.json" "$OUT/${name}_loss.json"
+        cp "/tmp/train/$name/$dit" "flux_runtime/assets/models/$name/$dit"  # scored below in place of the shipped DiT
+      else
+        echo "$name: training wrote no weights"; status=1
+      fi
     done
     timeout 100 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -2 || status=1
     ;;

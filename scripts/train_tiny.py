@@ -248,6 +248,19 @@ def embed_pool(
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
+def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> None:
+    """A resumed run's log continues the earlier one: its DiT rows (and, with the autoencoder kept, its VAE
+    rows) come first, and this run's steps and seconds count on from where they ended."""
+    last = earlier.get("dit", [])[-1:] or [{"step": -25, "time": 0.0}]
+    history["resumed"] = {
+        "from": str(args.resume), "args": earlier.get("args"), "dit_step": last[0]["step"] + 25,
+        "dit_time": last[0]["time"],
+    }  # fmt: skip
+    history["dit"] = list(earlier.get("dit", []))
+    if args.vae_steps == 0:
+        history["vae"] = list(earlier.get("vae", []))
+
+
 def train_dit(
     family: str,
     model: nn.Module,
@@ -283,6 +296,7 @@ def train_dit(
     opt = torch.optim.AdamW(params, lr=args.dit_lr, betas=(0.9, 0.99), weight_decay=0.0)
     ema = EMA(nn.ModuleList([model, text]), args.ema)
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + 2)
+    offset = history.get("resumed", {"dit_step": 0, "dit_time": 0.0})  # a resumed run's log counts on
     start = time.time()
     for step in range(args.dit_steps):
         elapsed = time.time() - start
@@ -323,7 +337,8 @@ def train_dit(
         opt.step()
         ema.update(step)
         if step % 25 == 0:
-            history["dit"].append({"step": step, "time": round(elapsed, 1), "loss": loss.item()})
+            row = {"step": step + offset["dit_step"], "time": round(elapsed + offset["dit_time"], 1)}
+            history["dit"].append({**row, "loss": loss.item()})
         if step % 200 == 0:
             log(f"dit step {step}: loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e}")
     ema.swap()  # ship the averaged weights
@@ -452,6 +467,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     history: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "vae": [], "dit": []}
     flux1 = args.family == "flux1"
+    if args.resume is not None and (args.resume / "loss.json").is_file():
+        carry_history(history, json.loads((args.resume / "loss.json").read_text()), args)
 
     # the autoencoder
     vae_cfg = TINY_TRAINED_VAE if flux1 else TINY_FLUX2_TRAINED_VAE
