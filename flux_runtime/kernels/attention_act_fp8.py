@@ -27,6 +27,7 @@ from flux_runtime.kernels.triton_utils import (
     check_int32_offsets,
     check_launchable,
     e4m3_code,
+    e4m3_row_scale,
     jit,
     tl,
     upcast,
@@ -81,9 +82,7 @@ def _attention_act_quant_rows_kernel(
         mask = cols < N
         y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-    m = tl.maximum(tl.max(amax, axis=0), 1e-12)
-    s = m * 0.002232142857142857  # INV_E4M3_MAX, rounded to fp32 as aten rounds the scalar
-    inv = tl.math.div_rn(1.0, s)
+    s, inv = e4m3_row_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + b * L + pos, s)
     for c0 in range(0, D, BLOCK):
         cols = c0 + offs

@@ -36,6 +36,7 @@ from flux_runtime.kernels.triton_utils import (
     check_no_overlap,
     check_unit_stride,
     e4m3_code,
+    e4m3_row_scale,
     jit,
     round_to,
     tl,
@@ -171,9 +172,7 @@ def _act_quant_rows_kernel(
         mask = offs < N
         y = _act_value(x_row, offs, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
         if DYNAMIC:
-            m = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0), 1e-12)
-            s = m * 0.002232142857142857  # INV_E4M3_MAX, rounded to fp32 as aten rounds the scalar
-            inv = tl.math.div_rn(1.0, s)
+            s, inv = e4m3_row_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
             tl.store(scale_ptr + b * L + pos, s)
         else:
             inv = tl.load(inv_ptr)
@@ -185,9 +184,7 @@ def _act_quant_rows_kernel(
             mask = cols < N
             y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-        m = tl.maximum(tl.max(amax, axis=0), 1e-12)
-        s = m * 0.002232142857142857  # INV_E4M3_MAX, rounded to fp32 as aten rounds the scalar
-        inv = tl.math.div_rn(1.0, s)
+        s, inv = e4m3_row_scale(tl.max(amax, axis=0))
         tl.store(scale_ptr + b * L + pos, s)
     else:
         inv = tl.load(inv_ptr)

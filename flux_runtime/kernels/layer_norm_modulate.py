@@ -34,6 +34,7 @@ from flux_runtime.kernels.triton_utils import (
     check_shape,
     check_unit_stride,
     e4m3_code,
+    e4m3_row_scale,
     halves,
     jit,
     round_to,
@@ -412,8 +413,7 @@ def _layer_norm_modulate_rows_kernel(
                 a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
                 amax = tl.maximum(amax, tl.max(tl.max(a, axis=2), axis=0))
     if QUANT == 2:
-        s = tl.maximum(amax, 1e-12) * 0.002232142857142857  # INV_E4M3_MAX, as quantize_reference
-        inv_row = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        s, inv_row = e4m3_row_scale(amax)
         tl.store(q_scale_ptr + b * L + pos, s, mask=row_ok)
         for it in tl.static_range(ITERS):
             col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]

@@ -39,6 +39,7 @@ from flux_runtime.kernels.triton_utils import (
     check_shape,
     check_unit_stride,
     e4m3_code,
+    e4m3_row_scale,
     jit,
     round_to,
     tl,
@@ -158,9 +159,7 @@ def _token_layer_norm_modulate_kernel(
                 a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
                 amax = tl.maximum(amax, tl.max(tl.max(a, axis=2), axis=0))
     if QUANT == 2:
-        # one scale per token: s = max(amax, 1e-12) * fl32(1 / 448), its reciprocal correctly rounded
-        s = tl.maximum(amax, 1e-12) * 0.002232142857142857
-        inv_row = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        s, inv_row = e4m3_row_scale(amax)  # one scale per token
         tl.store(q_scale_ptr + b * L + pos, s, mask=row_ok)
         for it in tl.static_range(ITERS):
             col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]

@@ -133,6 +133,15 @@ def rsqrtf(x, GPU: tl.constexpr):
 
 
 @jit
+def e4m3_row_scale(amax):
+    """A row's dynamic e4m3 scale from its absmax (fp32, any shape), as `fp8.quantize_reference` makes it:
+    `max(amax, 1e-12) * fl32(1 / 448)` (a multiply: aten scales a CUDA tensor by a Python scalar with its
+    reciprocal), and the scale's correctly rounded reciprocal."""
+    s = tl.maximum(amax, 1e-12) * 0.002232142857142857
+    return s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@jit
 def e4m3_code(v):
     """The e4m3fn bit pattern (uint8) of fp32 `v`: clamped to ±448, rounded to nearest even.
 

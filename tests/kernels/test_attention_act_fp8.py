@@ -24,7 +24,15 @@ from flux_runtime.kernels.dispatch import (
 )
 from flux_runtime.kernels.gelu import gelu_tanh_triton
 from flux_runtime.kernels.swiglu import swiglu_triton
-from tests.kernels.helpers import DTYPES, IMAGE_TOKENS, TXT_TOKENS, gpu, interpreter, row_id
+from tests.kernels.helpers import (
+    DTYPES,
+    IMAGE_TOKENS,
+    TXT_TOKENS,
+    assert_same,
+    gpu,
+    interpreter,
+    row_id,
+)
 
 aa = importlib.import_module(
     "flux_runtime.kernels.attention_act_fp8"
@@ -32,18 +40,6 @@ aa = importlib.import_module(
 
 # (D, M, activation) of every single block: FLUX.1, klein 4B, klein 9B, FLUX.2 [dev]
 SITES = [(3072, 12288, "gelu_tanh"), (3072, 9216, "swiglu"), (4096, 12288, "swiglu"), (6144, 18432, "swiglu")]
-
-
-def bits(t: Tensor) -> Tensor:
-    """e4m3 bit patterns, NaN's two (either sign) folded into one: torch's casts disagree on its sign."""
-    b = t.view(torch.uint8)
-    return torch.where((b & 0x7F) == 0x7F, 0x7F, b)
-
-
-def assert_same(a: fp8.Fp8Act, r: fp8.Fp8Act) -> None:
-    diff = int((bits(a.data) != bits(r.data)).sum())
-    assert diff == 0, f"{diff} of {a.data.numel()} e4m3 codes differ"
-    assert torch.equal(a.scale, r.scale)
 
 
 def heads(b: int, n: int, h: int, hd: int, dtype: torch.dtype, device: str) -> Tensor:

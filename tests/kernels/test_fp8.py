@@ -25,6 +25,8 @@ from tests.kernels.helpers import (
     FLUX_ROWS,
     TXT_TOKENS,
     activations,
+    assert_same,
+    bits,
     gpu,
     interpreter,
     modulation,
@@ -36,18 +38,6 @@ lnm = importlib.import_module("flux_runtime.kernels.layer_norm_modulate")
 pytestmark = pytest.mark.filterwarnings(
     "ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
 )
-
-
-def bits(t: Tensor) -> Tensor:
-    """e4m3 bit patterns, NaN's two (either sign) folded into one: torch's casts disagree on its sign."""
-    b = t.view(torch.uint8)
-    return torch.where((b & 0x7F) == 0x7F, 0x7F, b)
-
-
-def assert_same(a: fp8.Fp8Act, r: fp8.Fp8Act) -> None:
-    diff = int((bits(a.data) != bits(r.data)).sum())
-    assert diff == 0, f"{diff} of {a.data.numel()} e4m3 codes differ"
-    assert torch.equal(a.scale, r.scale)
 
 
 def static(value: float, device) -> tuple[Tensor, Tensor]:
