@@ -496,9 +496,17 @@ def _open_image(path: Path) -> Any:
 def _check_early(opts: dict[str, Any]) -> None:
     """The call arguments that need no model, checked before any weights are read (the pipeline checks
     them again, with the model's defaults and its size multiple)."""
-    from flux_runtime.pipeline.checks import check_guidance, check_prompts, check_steps, check_vae_tile
+    from flux_runtime.pipeline.checks import (
+        check_guidance,
+        check_prompts,
+        check_size,
+        check_steps,
+        check_vae_tile,
+    )
 
     check_prompts(opts["prompt"])
+    if opts["height"] is not None or opts["width"] is not None:  # the size multiple needs the model's VAE
+        check_size(opts["height"] or 16, opts["width"] or 16, 0)
     check_vae_tile(opts["vae_tile"])
     if opts["steps"] is not None:
         check_steps(opts["steps"], opts["steps"])

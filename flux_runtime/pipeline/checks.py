@@ -16,6 +16,10 @@ QUALITIES = ("lossless", "high")
 # More steps than the schedule's 1000 training timesteps only repeats timesteps (and holds every step's
 # modulation table in the high tier); a typo such as 10**9 would run for days.
 MAX_STEPS = 1000
+# The largest image side in pixels. FLUX is trained up to about 2 MP; past ~11,500 px a side the time shift
+# `exp(mu)`, mu growing with the token count, overflows float32 and every sigma becomes NaN (a black image
+# after hours of attention over a million tokens). 8192 px a side keeps the schedule finite with room.
+MAX_SIDE = 8192
 # The smallest VAE tile, in latent pixels: a smaller tile gives the decoder's GroupNorm and attention too
 # little of the image (and, on narrow models, a single value per group, which GroupNorm refuses).
 MIN_VAE_TILE = 16
@@ -64,11 +68,17 @@ def check_prompt_embeds(embeds: object, width: int, max_len: int, dtype: torch.d
 
 
 def check_size(height: object, width: object, multiple: int) -> None:
-    """Positive pixel sides divisible by `multiple` (2 x the VAE factor: packing takes 2x2 latents)."""
+    """Positive pixel sides of at most `MAX_SIDE`, divisible by `multiple` (2 x the VAE factor: packing takes
+    2x2 latents; 0 checks no multiple, for a caller that has no model yet)."""
     for name, v in (("height", height), ("width", width)):
         if not _is_int(v) or v <= 0:  # type: ignore[operator]
             raise FluxError(f"{name} {v!r} must be a positive integer")
-        if v % multiple:  # type: ignore[operator]
+        if v > MAX_SIDE:  # type: ignore[operator]
+            raise FluxError(
+                f"{name} {v} is more than {MAX_SIDE} px, the largest side drawn (FLUX is trained up to about "
+                "2 megapixels, e.g. 1024x1024 to 1920x1088); give a smaller size"
+            )
+        if multiple and v % multiple:  # type: ignore[operator]
             raise FluxError(f"{name} {v} is not divisible by {multiple}")
 
 

@@ -130,9 +130,16 @@ def get_schedule(
         # numpy float32 with Python-float scalars, as in set_timesteps' static branch
         sigmas = config.shift * sigmas / (1 + (config.shift - 1) * sigmas)
     else:
-        # `_time_shift_exponential(mu, 1.0, sigmas)`: math.exp in float64, the rest numpy float32
-        sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
+        # `_time_shift_exponential(mu, 1.0, sigmas)`: math.exp in float64, the rest numpy float32 (an overflow
+        # is refused below, in one line, rather than warned about)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1) ** 1.0)
 
+    if not np.isfinite(sigmas).all():
+        raise ValueError(
+            f"the time-shifted schedule is not finite at {image_seq_len} image tokens (mu {mu}): the image is "
+            "too large for the shift; give a smaller size"
+        )
     sigmas_t = torch.from_numpy(sigmas).to(dtype=torch.float32, device=device)
     timesteps = sigmas_t * config.num_train_timesteps
     sigmas_t = torch.cat([sigmas_t, torch.zeros(1, device=sigmas_t.device)])

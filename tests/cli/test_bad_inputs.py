@@ -146,6 +146,8 @@ CASES = [
     (["--model", "tiny", "--guidance", "inf", *TINY], "guidance inf must be a finite number >= 0"),
     (["--model", "tiny", "--steps", "1000000000"], "num_steps 1000000000 is more than 1000"),
     (["--model", "tiny", "--vae-tile", "4"], "vae_tile 4 is below the minimum of 16 latent pixels"),
+    # a size past the largest side fails before the (here damaged) model is read
+    (["--model", "{notes}", *TINY, "--width", "16000"], "width 16000 is more than 8192 px"),
     (["--model", "tiny-random", "--vae-tile", "20", *TINY, "--width", "92"], "leaves a 1-pixel edge tile"),
     (["--model", "tiny", "--device", "meta", *TINY], "device 'meta' is not one to run on: use 'cpu'"),
     (["--model", "tiny", "--device", "gpu", *TINY], "device 'gpu' is not one to run on"),

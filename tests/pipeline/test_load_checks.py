@@ -61,3 +61,15 @@ def test_call_arguments_are_bounded(kwargs, message, monkeypatch) -> None:
     monkeypatch.setattr(pipe.transformer, "forward", lambda *a, **k: pytest.fail("a model ran"))
     with pytest.raises(FluxError, match=message):
         pipe(**{"prompt": "a cat", "height": 32, "width": 32, **kwargs})
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux2", "tiny-flux3"])
+def test_a_side_past_the_largest_is_refused_before_any_model_work(name, monkeypatch) -> None:
+    pipe = Pipeline.from_pretrained(name, device="cpu", dtype=torch.float32)
+
+    def boom(*a, **k):
+        raise AssertionError("a model ran before validation")
+
+    monkeypatch.setattr(pipe.transformer, "forward", boom)
+    with pytest.raises(FluxError, match="width 16384 is more than 8192 px"):
+        pipe("a red circle", height=64, width=16384, num_steps=1)

@@ -189,3 +189,11 @@ def test_presets_are_the_scheduler_configs(cfg: ScheduleConfig, expected: dict) 
         max_shift=cfg.max_shift,
     )
     assert {k: scheduler.config[k] for k in expected} == expected
+
+
+def test_a_shift_that_overflows_is_refused_not_nan() -> None:
+    # 16000² px is a million tokens: exp(mu) overflows float32 and every sigma would be NaN
+    with pytest.raises(ValueError, match="schedule is not finite at 1000000 image tokens"):
+        get_schedule(28, 1_000_000, config=FLUX1_DEV_SCHEDULE)
+    assert torch.isfinite(get_schedule(28, (8192 // 16) ** 2, config=FLUX1_DEV_SCHEDULE).sigmas).all()
+    assert torch.isfinite(get_schedule(28, (8192 // 16) ** 2, config=FLUX2_SCHEDULE).sigmas).all()
