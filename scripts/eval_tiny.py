@@ -7,7 +7,13 @@ colour (the most common other palette colour), place (where the pixels of the as
 three rates per model beside the targets (95 %, 90 %, 80 %) and, with `--grid`, writes a labelled grid of some
 of the pictures.
 
+`--seen` adds the same rates on prompts of the training distribution, and `--sweeps N` renders N sweeps of
+one noise through every place word and measures how far the shape follows them (`place_following`: 0 when the
+place words change nothing): together they tell a word the model never learned from one it does not
+generalise.
+
 Usage: python scripts/eval_tiny.py [--model tiny --model tiny-flux2] [--seeds 2] [--json out.json] [--grid g.png]
+       python scripts/eval_tiny.py --seen --sweeps 4
        python scripts/eval_tiny.py --dtype bfloat16; python scripts/eval_tiny.py --fp8-text   # FP8 encoders vs bf16
 """
 
@@ -23,42 +29,62 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_scenes import Scene, held_out_prompts, score
+from tiny_scenes import Scene, centre, held_out_prompts, place_following, place_sweeps, score, seen_prompts
 
 from flux_runtime.pipeline import Pipeline
 
 TARGETS = {"background": 0.95, "colour": 0.90, "place": 0.80}
 
 
-def evaluate(
-    model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
-    dtype: torch.dtype = torch.float32, fp8_text: bool = False,
-) -> tuple[dict, list]:  # fmt: skip
-    """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures (`fp8_text`: the
-    text encoders quantized to FP8 at load, which computes in bf16)."""
-    pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype, fp8_text=fp8_text)
-    results, pictures = [], []
-    start = time.time()
-    for seed in range(seeds):
-        for i in range(0, len(scenes), batch):
-            chunk = scenes[i : i + batch]
-            gens = [torch.Generator().manual_seed(1000 * seed + i + k) for k in range(len(chunk))]
-            out = pipe([s.caption for s in chunk], generator=gens, output_type="np")
-            for s, image in zip(chunk, out.images, strict=True):
-                results.append(score(image, s))
-                pictures.append((s.caption, image))
-    seconds = (time.time() - start) / len(results)
-    rates = {
+def render_all(
+    pipe: Pipeline, scenes: list[Scene], seeds: list[int], batch: int = 8
+) -> list[np.ndarray]:  # fmt: skip
+    """One picture per scene at the model's defaults, scene `k` drawn with generator seed `seeds[k]`."""
+    images: list[np.ndarray] = []
+    for i in range(0, len(scenes), batch):
+        gens = [torch.Generator().manual_seed(s) for s in seeds[i : i + batch]]
+        out = pipe([s.caption for s in scenes[i : i + batch]], generator=gens, output_type="np")
+        images.extend(out.images)
+    return images
+
+
+def rates(images: list[np.ndarray], scenes: list[Scene]) -> dict[str, float]:
+    """Fractions of pictures with the asked background colour, shape colour and place."""
+    results = [score(image, s) for image, s in zip(images, scenes, strict=True)]
+    return {
         "background": float(np.mean([r.background for r in results])),
         "colour": float(np.mean([r.colour for r in results])),
         "place": float(np.mean([r.place for r in results if r.place is not None])),
-        "images": len(results),
-        "seconds_per_image": round(seconds, 2),
-        "weights": pipe.weights_id,
-        "dtype": str(dtype).removeprefix("torch."),
-        "fp8_text": fp8_text,
     }
-    return rates, pictures
+
+
+def evaluate(
+    model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
+    dtype: torch.dtype = torch.float32, fp8_text: bool = False, seen: bool = False, sweeps: int = 0,
+) -> tuple[dict, list]:  # fmt: skip
+    """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures (`fp8_text`: the
+    text encoders quantized to FP8 at load, which computes in bf16). `seen` adds the same rates on prompts of
+    the training distribution (`seen_prompts`); `sweeps` adds that many place sweeps (`place_sweeps`: one
+    noise, every place word), whose `place_following` is 0 for a model that ignores place words."""
+    pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype, fp8_text=fp8_text)
+    start = time.time()
+    asked = [s for _ in range(seeds) for s in scenes]
+    noise = [1000 * seed + i for seed in range(seeds) for i in range(len(scenes))]
+    images = render_all(pipe, asked, noise, batch)
+    report: dict = {**rates(images, asked), "images": len(images)}
+    report["seconds_per_image"] = round((time.time() - start) / len(images), 2)
+    report.update(weights=pipe.weights_id, dtype=str(dtype).removeprefix("torch."), fp8_text=fp8_text)
+    if seen:
+        familiar = seen_prompts(len(scenes))
+        report["seen"] = rates(render_all(pipe, familiar, list(range(len(familiar))), batch), familiar)
+    if sweeps:
+        follow = []
+        for k, group in enumerate(place_sweeps(sweeps)):
+            pictures = render_all(pipe, group, [7000 + k] * len(group), batch=len(group))
+            found = [centre(p, s.colour) for p, s in zip(pictures, group, strict=True)]
+            follow.append(place_following(found, group))
+        report["place_following"] = round(float(np.mean(follow)), 3)
+    return report, list(zip([s.caption for s in asked], images, strict=True))
 
 
 def write_grid(rows: list[tuple[str, list[tuple[str, np.ndarray]]]], path: Path, cell: int = 128) -> None:
@@ -93,6 +119,17 @@ def main() -> None:
     ap.add_argument(
         "--fp8-text", action="store_true", help="text encoders in FP8 (quantized at load; implies bfloat16)"
     )
+    ap.add_argument(
+        "--seen",
+        action="store_true",
+        help="also score prompts of the training distribution (no held-out pair)",
+    )
+    ap.add_argument(
+        "--sweeps",
+        type=int,
+        default=0,
+        help="also measure how far shapes follow their place words over N sweeps (one noise, every place)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--grid", type=Path, default=None)
     args = ap.parse_args()
@@ -101,8 +138,9 @@ def main() -> None:
     for model in args.model or ["tiny", "tiny-flux2"]:
         dtype = torch.bfloat16 if args.fp8_text else getattr(torch, args.dtype)
         rates, pictures = evaluate(
-            model, scenes, args.seeds, args.device, dtype=dtype, fp8_text=args.fp8_text
-        )
+            model, scenes, args.seeds, args.device, dtype=dtype, fp8_text=args.fp8_text, seen=args.seen,
+            sweeps=args.sweeps,
+        )  # fmt: skip
         report[model] = rates
         rows.append((model, pictures[:: max(1, len(pictures) // 8)][:8]))
         line = ", ".join(
@@ -110,6 +148,13 @@ def main() -> None:
             for k, t in TARGETS.items()
         )
         print(f"{model}: {rates['images']} held-out pictures, {rates['seconds_per_image']} s each: {line}")
+        if "seen" in rates:
+            seen = rates["seen"]
+            print(f"{model}: seen prompts: " + ", ".join(f"{k} {v:.1%}" for k, v in seen.items()))
+        if "place_following" in rates:
+            print(
+                f"{model}: place following {rates['place_following']:.2f} (1 follows the place words, 0 ignores them)"
+            )
     if args.json is not None:
         args.json.write_text(
             json.dumps({"targets": TARGETS, "held_out_prompts": len(scenes), **report}, indent=1)

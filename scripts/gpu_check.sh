@@ -132,7 +132,7 @@ case "$phase" in
         echo "$name: training wrote no weights"; status=1
       fi
     done
-    timeout 100 python3 scripts/eval_tiny.py --device cuda --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -2 || status=1
+    timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
     ;;
   fp8-single)
     timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py tests/kernels/test_fp8.py tests/fp8/test_fp8_pipeline.py tests/fp8/test_fp8_loading.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_single.txt" | tail -6 || status=1

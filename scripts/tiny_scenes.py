@@ -162,6 +162,39 @@ def held_out_prompts(per_pair: int = 3, seed: int = 1234) -> list[Scene]:
     return out
 
 
+def seen_prompts(n: int = 42, seed: int = 4321) -> list[Scene]:
+    """`n` single-shape, placed scenes from the training distribution (no held-out combination): scored like
+    `held_out_prompts`, they tell a model that has not learned a word from one that does not generalise it."""
+    rng = np.random.default_rng(seed)
+    out: list[Scene] = []
+    pairs = [(a, b) for a in COLOURS for b in COLOURS if a != b and (a, b) not in HELD_OUT_COLOURS]
+    while len(out) < n:
+        colour, background = pairs[int(rng.integers(len(pairs)))]
+        shape = str(rng.choice(SHAPES))
+        place = str(rng.choice([p for p in PLACES if (shape, p) not in HELD_OUT_PLACES]))
+        out.append(_single(rng, colour, background, shape, place))
+    return out
+
+
+def place_sweeps(seeds: int = 2, seed: int = 99) -> list[list[Scene]]:
+    """Groups of scenes that differ only in their place (every place of `PLACES`, one training colour pair and
+    shape per group): rendered with one noise per group, a model that reads place words moves the shape."""
+    rng = np.random.default_rng(seed)
+    pairs = [(a, b) for a in COLOURS for b in COLOURS if a != b and (a, b) not in HELD_OUT_COLOURS]
+    groups = []
+    for _ in range(seeds):
+        colour, background = pairs[int(rng.integers(len(pairs)))]
+        shape = str(rng.choice(SHAPES))
+        size = str(rng.choice(["", "large"]))
+        groups.append(
+            [
+                Scene(1, size, colour, shape, place, background, False, (PLACES[place][1:],), SIZES[size])
+                for place in PLACES
+            ]
+        )
+    return groups
+
+
 def _single(rng: np.random.Generator, colour: str, background: str, shape: str, place: str) -> Scene:
     size = str(rng.choice(list(SIZES)))
     _, x, y = PLACES[place]
@@ -280,11 +313,31 @@ def score(image: np.ndarray, scene: Scene) -> Score:
     colour = fg.size >= 0.003 * h * w and np.bincount(fg, minlength=len(COLOURS)).argmax() == fg_idx
     place = None
     if scene.place is not None:
-        ys, xs = np.nonzero(labels == fg_idx)
-        if xs.size < 0.003 * h * w:
-            place = False
-        else:
-            _, x, y = PLACES[scene.place]
-            cx, cy = (xs.mean() + 0.5) / w, (ys.mean() + 0.5) / h
-            place = abs(cx - x) < 0.17 and abs(cy - y) < 0.17
+        found = _centre(labels, fg_idx)
+        _, x, y = PLACES[scene.place]
+        place = found is not None and abs(found[0] - x) < 0.17 and abs(found[1] - y) < 0.17
     return Score(bool(background), bool(colour), place)
+
+
+def _centre(labels: np.ndarray, idx: int) -> tuple[float, float] | None:
+    """Centre of mass (x, y, fractions of the side) of the pixels labelled `idx`; None below 0.3 % of them."""
+    h, w = labels.shape
+    ys, xs = np.nonzero(labels == idx)
+    if xs.size < 0.003 * h * w:
+        return None
+    return float((xs.mean() + 0.5) / w), float((ys.mean() + 0.5) / h)
+
+
+def centre(image: np.ndarray, colour: str) -> tuple[float, float] | None:
+    """Where the pixels of palette `colour` sit in an (H, W, 3) uint8 picture (None: too few of them)."""
+    return _centre(classify(image), COLOURS.index(colour))
+
+
+def place_following(centres: list[tuple[float, float] | None], scenes: list[Scene]) -> float:
+    """How far a sweep's shapes move with their place words, 0 (not at all) to about 1 (as far as asked): the
+    slope of the found centres on the asked ones, x and y pooled, least squares (a missing shape counts as
+    found at the centre of the picture)."""
+    found = np.array([c if c is not None else (0.5, 0.5) for c in centres]).ravel()
+    asked = np.array([PLACES[s.place][1:] for s in scenes if s.place is not None]).ravel()
+    a = asked - asked.mean()
+    return float((a * (found - found.mean())).sum() / (a * a).sum())

@@ -1,0 +1,46 @@
+"""The tiny models' scorer is right on rendered ground truth, and its place measures can tell following from
+ignoring (scripts/tiny_scenes.py; the numbers of scripts/eval_tiny.py rest on these)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scripts.tiny_scenes import (
+    PLACES,
+    centre,
+    held_out_prompts,
+    is_held_out,
+    place_following,
+    place_sweeps,
+    render,
+    score,
+    seen_prompts,
+)
+
+
+def _pictures(scenes: list) -> list[np.ndarray]:
+    x = render(scenes, 128)
+    return list(((x + 1) * 127.5).round().clamp(0, 255).byte().permute(0, 2, 3, 1).numpy())
+
+
+@pytest.mark.parametrize("scenes", [held_out_prompts(1), seen_prompts(14)], ids=["held-out", "seen"])
+def test_scorer_passes_the_rendered_scenes(scenes: list) -> None:
+    for image, scene in zip(_pictures(scenes), scenes, strict=True):
+        got = score(image, scene)
+        assert got.background and got.colour and got.place, (scene.caption, got)
+
+
+def test_seen_prompts_are_placed_training_combinations() -> None:
+    scenes = seen_prompts(60)
+    assert len(scenes) == 60 and len({s.caption for s in scenes}) > 40
+    assert all(s.count == 1 and s.place is not None and not is_held_out(s) for s in scenes)
+
+
+def test_place_following_is_one_for_rendered_sweeps_and_zero_for_a_fixed_shape() -> None:
+    group = place_sweeps(1)[0]
+    assert [s.place for s in group] == list(PLACES) and len({s.colour for s in group}) == 1
+    found = [centre(image, s.colour) for image, s in zip(_pictures(group), group, strict=True)]
+    assert place_following(found, group) == pytest.approx(1.0, abs=0.03)
+    assert place_following([found[0]] * len(group), group) == pytest.approx(0.0, abs=1e-9)
+    assert place_following([None] * len(group), group) == pytest.approx(0.0, abs=1e-9)
