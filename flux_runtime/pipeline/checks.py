@@ -20,6 +20,9 @@ MAX_STEPS = 1000
 # `exp(mu)`, mu growing with the token count, overflows float32 and every sigma becomes NaN (a black image
 # after hours of attention over a million tokens). 8192 px a side keeps the schedule finite with room.
 MAX_SIDE = 8192
+# The largest guidance (embedded or CFG scale) taken: a thousand times what any FLUX model is run with, far
+# below where FLUX.1's guidance embedding (guidance x 1000 in float32) overflows.
+MAX_GUIDANCE = 1000.0
 # The smallest VAE tile, in latent pixels: a smaller tile gives the decoder's GroupNorm and attention too
 # little of the image (and, on narrow models, a single value per group, which GroupNorm refuses).
 MIN_VAE_TILE = 16
@@ -96,12 +99,17 @@ def check_steps(num_steps: object, default: int) -> int:
 
 
 def check_guidance(guidance: object, default: float) -> float:
-    """`guidance` (or `default`): a finite number >= 0 (inf or NaN would give a black image)."""
+    """`guidance` (or `default`): a finite number in 0..MAX_GUIDANCE (inf or NaN would give a black image)."""
     g = default if guidance is None else guidance
     if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
         raise FluxError(f"guidance {guidance!r} must be a number >= 0")
     if not math.isfinite(g):
         raise FluxError(f"guidance {guidance!r} must be a finite number >= 0")
+    if g > MAX_GUIDANCE:
+        raise FluxError(
+            f"guidance {guidance!r} is more than {MAX_GUIDANCE:g}: FLUX uses 1 to 10 (the embedded guidance is "
+            "scaled by 1000 and overflows float32 long before such values); give a smaller guidance"
+        )
     return float(g)
 
 

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from flux_runtime.pipeline.checks import MAX_GUIDANCE
 from flux_runtime.pipeline.core import Call, Conditioning, Start, first_step
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.sources import Sources
@@ -105,6 +106,8 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
         or scale == float("inf")
     ):
         raise FluxError(f"true_cfg_scale {scale!r} must be a finite number >= 1")
+    if scale > MAX_GUIDANCE:
+        raise FluxError(f"true_cfg_scale {scale!r} is more than {MAX_GUIDANCE:g}; give a smaller scale")
     if negative is not None:
         n = 1 if isinstance(call.prompt, str) or call.prompt is None else len(call.prompt)
         negatives = [negative] if isinstance(negative, str) else negative

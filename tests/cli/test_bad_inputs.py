@@ -144,6 +144,8 @@ CASES = [
     (["--model", "tiny", "--prompt", "a \udcff fox", *TINY], "prompt is not valid UTF-8 text"),
     (["--model", "tiny-flux2", "--image", "{big_png}", *TINY], "could be decompression bomb"),
     (["--model", "tiny", "--guidance", "inf", *TINY], "guidance inf must be a finite number >= 0"),
+    (["--model", "{notes}", "--guidance", "1e300", *TINY], "guidance 1e+300 is more than 1000"),
+    (["--model", "tiny", "--true-cfg", "1e300", *TINY], "true_cfg_scale 1e+300 is more than 1000"),
     (["--model", "tiny", "--steps", "1000000000"], "num_steps 1000000000 is more than 1000"),
     (["--model", "tiny", "--vae-tile", "4"], "vae_tile 4 is below the minimum of 16 latent pixels"),
     # a size past the largest side fails before the (here damaged) model is read
