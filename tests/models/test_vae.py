@@ -61,6 +61,20 @@ def test_encode_decode_equal_diffusers(checkpoints, reference, layout, dtype):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("shape", [(2, 64, 16, 24), (1, 64, 32, 32), (3, 64, 8, 12)], ids=str)
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["frozen", "trainable"])
+@torch.no_grad()
+def test_mid_attention_equals_diffusers_whatever_requires_grad(checkpoints, reference, shape, requires_grad):
+    # diffusers' parameters require grad (also under no_grad), which sends F.linear on the transposed
+    # tokens through matmul's folded route; on some CPUs (bf16, AVX2) the batched route rounds differently
+    ours = load_vae(checkpoints["diffusers"], dtype=torch.bfloat16).requires_grad_(requires_grad)
+    ref = reference[torch.bfloat16]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(torch.bfloat16)
+    want = ref.decoder.mid_block.attentions[0](x)
+    assert torch.equal(ours.decoder.mid.attn_1(x), want)
+    assert torch.equal(ours.encoder.mid.attn_1(x), ref.encoder.mid_block.attentions[0](x))
+
+
 def test_tiled_decode_equals_diffusers_tiling(checkpoints, reference):
     from diffusers import AutoencoderKL
 
