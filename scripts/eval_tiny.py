@@ -48,7 +48,7 @@ def render_all(
     return images
 
 
-def rates(images: list[np.ndarray], scenes: list[Scene]) -> dict[str, float]:
+def hit_rates(images: list[np.ndarray], scenes: list[Scene]) -> dict[str, float]:
     """Fractions of pictures with the asked background colour, shape colour and place."""
     results = [score(image, s) for image, s in zip(images, scenes, strict=True)]
     return {
@@ -71,12 +71,12 @@ def evaluate(
     asked = [s for _ in range(seeds) for s in scenes]
     noise = [1000 * seed + i for seed in range(seeds) for i in range(len(scenes))]
     images = render_all(pipe, asked, noise, batch)
-    report: dict = {**rates(images, asked), "images": len(images)}
+    report: dict = {**hit_rates(images, asked), "images": len(images)}
     report["seconds_per_image"] = round((time.time() - start) / len(images), 2)
     report.update(weights=pipe.weights_id, dtype=str(dtype).removeprefix("torch."), fp8_text=fp8_text)
     if seen:
         familiar = seen_prompts(len(scenes))
-        report["seen"] = rates(render_all(pipe, familiar, list(range(len(familiar))), batch), familiar)
+        report["seen"] = hit_rates(render_all(pipe, familiar, list(range(len(familiar))), batch), familiar)
     if sweeps:
         follow = []
         for k, group in enumerate(place_sweeps(sweeps)):

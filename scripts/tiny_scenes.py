@@ -63,6 +63,8 @@ HELD_OUT_COLOURS = (
     ("orange", "green"),
     ("purple", "red"),
 )
+# the (shape colour, background colour) pairs training does see
+SEEN_COLOURS = [(a, b) for a in COLOURS for b in COLOURS if a != b and (a, b) not in HELD_OUT_COLOURS]
 HELD_OUT_PLACES = (
     ("circle", "top left"),
     ("square", "right"),
@@ -156,8 +158,7 @@ def held_out_prompts(per_pair: int = 3, seed: int = 1234) -> list[Scene]:
             out.append(_single(rng, colour, background, shape, place))
     for shape, place in HELD_OUT_PLACES:
         for _ in range(per_pair):
-            pairs = [(a, b) for a in COLOURS for b in COLOURS if a != b and (a, b) not in HELD_OUT_COLOURS]
-            colour, background = pairs[int(rng.integers(len(pairs)))]
+            colour, background = SEEN_COLOURS[int(rng.integers(len(SEEN_COLOURS)))]
             out.append(_single(rng, colour, background, shape, place))
     return out
 
@@ -167,9 +168,8 @@ def seen_prompts(n: int = 42, seed: int = 4321) -> list[Scene]:
     `held_out_prompts`, they tell a model that has not learned a word from one that does not generalise it."""
     rng = np.random.default_rng(seed)
     out: list[Scene] = []
-    pairs = [(a, b) for a in COLOURS for b in COLOURS if a != b and (a, b) not in HELD_OUT_COLOURS]
     while len(out) < n:
-        colour, background = pairs[int(rng.integers(len(pairs)))]
+        colour, background = SEEN_COLOURS[int(rng.integers(len(SEEN_COLOURS)))]
         shape = str(rng.choice(SHAPES))
         place = str(rng.choice([p for p in PLACES if (shape, p) not in HELD_OUT_PLACES]))
         out.append(_single(rng, colour, background, shape, place))
@@ -180,10 +180,9 @@ def place_sweeps(seeds: int = 2, seed: int = 99) -> list[list[Scene]]:
     """Groups of scenes that differ only in their place (every place of `PLACES`, one training colour pair and
     shape per group): rendered with one noise per group, a model that reads place words moves the shape."""
     rng = np.random.default_rng(seed)
-    pairs = [(a, b) for a in COLOURS for b in COLOURS if a != b and (a, b) not in HELD_OUT_COLOURS]
     groups = []
     for _ in range(seeds):
-        colour, background = pairs[int(rng.integers(len(pairs)))]
+        colour, background = SEEN_COLOURS[int(rng.integers(len(SEEN_COLOURS)))]
         shape = str(rng.choice(SHAPES))
         size = str(rng.choice(["", "large"]))
         groups.append(
