@@ -33,7 +33,7 @@ from flux_runtime.kernels.layer_norm_modulate import (
     residual_layer_norm_modulate,
     residual_layer_norm_modulate_fp8,
 )
-from flux_runtime.kernels.linear import split_linear
+from flux_runtime.kernels.linear import linear, split_linear
 from flux_runtime.kernels.modulate import modulate
 from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
 from flux_runtime.kernels.qk_norm_rope_fp32 import qk_norm_rope_fp32
@@ -58,6 +58,7 @@ __all__ = [
     "joint_token_gated_residual",
     "layer_norm_modulate",
     "layer_norm_modulate_fp8",
+    "linear",
     "modulate",
     "qk_norm_rope",
     "qk_norm_rope_fp32",

@@ -13,10 +13,33 @@ cuBLAS picks a slower kernel for the epilogue variant, so it is not mounted.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` as aten runs it when `weight` requires grad, whatever its flag here.
+
+    diffusers' parameters require grad (also under `no_grad`); ours do not. The flag changes one thing:
+    an input of 3 or more dims that `F.linear` hands to `matmul` (not contiguous, or no bias) and whose
+    leading dims cannot be flattened without a copy (a transposed or expanded view) goes through the folded
+    route, flattened with a copy into one GEMM and the bias
+    added after, instead of a batched GEMM on the view. The two round differently on some CPUs (bf16 and
+    fp32 on AVX2), so that case is spelled out; every other input is plain `F.linear`.
+    """
+    if x.dim() < 3 or (bias is not None and x.is_contiguous()) or _foldable(x):
+        return F.linear(x, weight, bias)  # aten's fused path, or a fold that needs no copy: no difference
+    out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out.add_(bias)
+
+
+def _foldable(x: Tensor) -> bool:
+    """Whether `x.view(-1, x.shape[-1])` needs no copy (aten's test for folding a batch into the rows)."""
+    strides, shape = x.stride(), x.shape
+    return all(strides[i] == strides[i + 1] * shape[i + 1] for i in range(x.dim() - 2))
 
 
 def split_linear_reference(

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flux_runtime.kernels.group_norm import group_norm_silu
+from flux_runtime.kernels.linear import linear
 
 EPS = 1e-6
 # diffusers' tiled decode: neighbouring tiles overlap by a quarter of a tile and are blended linearly.
@@ -139,10 +140,8 @@ class AttnBlock(nn.Module):
 
     Weights are BFL's 1x1 convs (`q`, `k`, `v`, `proj_out`, each `[C, C, 1, 1]`); they run as the GEMMs
     diffusers' `AttnProcessor2_0` runs with its `nn.Linear`s. The q/k/v input is a transposed view that
-    cannot be flattened without a copy; `F.linear` on it takes one of two routes in `matmul` depending on
-    whether the weight requires grad (diffusers' parameters do, even under `no_grad`): flatten with a copy,
-    one GEMM, then the bias added (`_projection`), or a batched GEMM on the view. The routes round
-    differently on some CPUs (bf16 on AVX2), so the first one is spelled out and taken whatever the flag.
+    cannot be flattened without a copy, so they run through `kernels.linear.linear`, the route aten takes for a
+    weight that requires grad, as diffusers' do.
     """
 
     def __init__(self, channels: int, groups: int) -> None:
@@ -155,21 +154,13 @@ class AttnBlock(nn.Module):
 
     @staticmethod
     def _linear(conv: nn.Conv2d, x: Tensor) -> Tensor:
-        return F.linear(x, conv.weight.flatten(1), conv.bias)
-
-    @staticmethod
-    def _projection(conv: nn.Conv2d, tokens: Tensor) -> Tensor:
-        """`F.linear(tokens, W, bias)` as `matmul` runs it for a weight that requires grad: the batch folded
-        into the rows (a copy of the transposed view), one GEMM, its output rounded, then the bias added."""
-        b, n, c = tokens.shape
-        out = torch.mm(tokens.reshape(b * n, c), conv.weight.flatten(1).t()).view(b, n, -1)
-        return out.add_(conv.bias)
+        return linear(x, conv.weight.flatten(1), conv.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         b, c, h, w = x.shape
         # GroupNorm on the (B, C, HW) view, then tokens (B, HW, C) (a transposed view, as in diffusers)
         tokens = group_norm_silu(x.view(b, c, h * w), self.norm, silu=False).transpose(1, 2)
-        q, k, v = (self._projection(conv, tokens) for conv in (self.q, self.k, self.v))
+        q, k, v = (self._linear(conv, tokens) for conv in (self.q, self.k, self.v))
         # one head of width C: (B, 1, HW, C)
         q, k, v = (t.view(b, -1, 1, c).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v)
