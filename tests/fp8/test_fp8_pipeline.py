@@ -24,14 +24,56 @@ def _record(png):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
 def test_fp8_pipeline_records_its_precision_and_stays_close(model):
-    kw = dict(height=64, width=64, num_steps=2, seed=0, output_type="pt")
+    """FP8 moves the image less than half as far as a new seed does (means over three seeds).
+
+    One seed's distance is no measure: two steps of a tiny model amplify the per-layer e4m3 error
+    unevenly (tiny-flux2, seeds 0-4: mean |diff| 0.025 to 0.12 on one CPU), so the bound is relative to
+    how far the images themselves move between seeds (measured: 0.13x for tiny, 0.33x for tiny-flux2)."""
+    kw = dict(height=64, width=64, num_steps=2, output_type="pt")
     fp8 = Pipeline.from_pretrained(model, device="cpu", dtype=torch.bfloat16, fp8=True)
     bf16 = Pipeline.from_pretrained(model, device="cpu", dtype=torch.bfloat16)
-    a, b = fp8("a red fox", **kw), bf16("a red fox", **kw)
-    assert a.info["precision"] == "fp8-dynamic" and a.info["fp8_at_load"] is True
-    assert b.info["precision"] == "bf16"
-    diff = (a.images.float() - b.images.float()).abs().mean().item()
-    assert 0 < diff < 0.05
+    a = [fp8("a red fox", seed=s, **kw) for s in range(3)]
+    b = [bf16("a red fox", seed=s, **kw) for s in range(4)]
+    assert a[0].info["precision"] == "fp8-dynamic" and a[0].info["fp8_at_load"] is True
+    assert b[0].info["precision"] == "bf16"
+
+    def dist(x, y):
+        return (x.images.float() - y.images.float()).abs().mean().item()
+
+    moved = [dist(a[s], b[s]) for s in range(3)]
+    seed_moves = [dist(b[s], b[s + 1]) for s in range(3)]
+    assert min(moved) > 0
+    assert sum(moved) < 0.5 * sum(seed_moves), (moved, seed_moves)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
+def test_every_fp8_projection_is_within_e4m3_error_of_its_bf16_weights(model):
+    """Each e4m3 projection, on the input it met in a real call, stays within e4m3's error (three mantissa
+    bits: a few %) of the bf16 checkpoint's weights in fp32 (measured 2.8-3.4 % on tiny-flux2)."""
+    fp8 = Pipeline.from_pretrained(model, device="cpu", dtype=torch.bfloat16, fp8=True)
+    bf16 = dict(
+        Pipeline.from_pretrained(model, device="cpu", dtype=torch.bfloat16).transformer.named_modules()
+    )
+    errors: dict[str, float] = {}
+
+    def watch(name):
+        def hook(mod, inputs, out):
+            x = inputs[0]
+            if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and name not in errors:
+                ref = bf16[name]
+                want = x.float() @ ref.weight.float().t()
+                if ref.bias is not None:
+                    want = want + ref.bias.float()
+                errors[name] = ((out.float() - want).norm() / want.norm()).item()
+
+        return hook
+
+    for name, mod in fp8.transformer.named_modules():
+        if isinstance(mod, Fp8Linear):
+            mod.register_forward_hook(watch(name))
+    fp8("a red fox", seed=0, height=64, width=64, num_steps=1, output_type="pt")
+    assert errors, "no FP8 projection met a 16-bit input"
+    assert all(0.005 < e < 0.06 for e in errors.values()), errors
 
 
 def test_fp8_needs_bf16_in_the_api():

@@ -28,10 +28,12 @@ THREE = [
     ("flux1", 6, torch.bfloat16, 1, 4, 5, 8, False),  # 28 tokens: 10 + 9 + 9
     ("flux2", 3, torch.bfloat16, 2, 4, 4, 8, False),  # 24 tokens: text only on rank 0, image only on 1 and 2
 ]
-# fp32 GEMMs over few rows: the CPU BLAS picks its kernel by the row count (a matrix-vector path for 1-2
-# rows; at width 192, another blocking below about 12 rows), so ranks holding 1 or 8 rows of a stream round
-# their projections differently from one process over 9 or 16 rows. Not bit-identical; the error against
-# float64 stays that of one process (measured: max |diff| 3e-6 to 7e-6, relative L2 7.2e-7 vs 7.3e-7).
+# fp32 GEMMs over few rows: the CPU BLAS may pick its kernel by the row count (on an AVX-512 CPU, a
+# matrix-vector path for 1-2 rows and, at width 192, another blocking below about 12 rows), so ranks holding
+# 1 or 8 rows of a stream can round their projections differently from one process over 9 or 16 rows.
+# Whether they do depends on the CPU (an AVX2 one gave the same bits), so these cases ask for the same bits
+# or a difference of rounding size, with the error against float64 no worse than one process's (measured
+# on AVX-512: max |diff| 3e-6 to 7e-6, relative L2 7.2e-7 vs 7.3e-7).
 INEXACT = [
     ("flux2", 3, torch.float32, 2, 3, 3, 4, False),  # 13 tokens: 5 + 4 + 4; rank 0 has 1 image token
     ("flux2", 3, torch.float32, 1, 4, 4, 8, False),  # 24 tokens: 8 image rows per rank instead of 16
@@ -74,5 +76,5 @@ def test_three_ranks():
     assert results[0][len(THREE)]["spans"][0] == ((0, 4), (0, 1))  # the one-row image stream on rank 0
     for res in results:
         for r in res[len(THREE) :]:
-            assert not r["equal"] and 0 < r["max_diff"] < 1e-4, r
+            assert r["equal"] or 0 < r["max_diff"] < 1e-4, r
             assert r["err_many"] < 1.5 * r["err_one"], r  # not less accurate than one process
