@@ -9,6 +9,7 @@
 #   bash scripts/gpu_check.sh high      all GPU tests, the decode bench
 #   bash scripts/gpu_check.sh mid       new GPU tests (LoRA, high decode), the decode, variant, LoRA and FLUX.1 step benches
 #   bash scripts/gpu_check.sh all3      all GPU tests, FLUX.3 flow-map step bench
+#   bash scripts/gpu_check.sh verify    all GPU tests, then FLUX.3 flow-map step and whole-image (distilled) bench
 #   bash scripts/gpu_check.sh flux3     FLUX.3 GPU tests, step benches (base, flow map; with and without a reference),
 #                                       the base model's whole-image denoising (50 steps, CFG) vs diffusers
 #   bash scripts/gpu_check.sh memory [flux1|flux2]  memory GPU tests, the build traced on meta, the memory-plan bench (ours, then diffusers' offloading on FLUX.1)
@@ -81,6 +82,10 @@ case "$phase" in
   all3)
     timeout 380 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
     timeout 180 python3 scripts/bench_flux3.py --models flow-map --json "$OUT/bench_flux3.json" 2>&1 | tee "$OUT/bench_flux3.txt" | tail -30 || status=1
+    ;;
+  verify)
+    timeout 350 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 || status=1
+    timeout 200 python3 scripts/bench_flux3.py --models flow-map --per-image --json "$OUT/bench_flux3.json" 2>&1 | tee "$OUT/bench_flux3.txt" | tail -30 || status=1
     ;;
   flux3)
     # the FLUX.3 GPU tests, every step bench and the base model's whole-image denoising (50 steps, CFG)
