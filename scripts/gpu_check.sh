@@ -25,6 +25,8 @@
 #                                       the FP8 bench (FLUX.1-dev, FLUX.2-dev, klein-4B)
 #   bash scripts/gpu_check.sh memory-rerun  FLUX.1-dev FP8 (ours) and FLUX.2-dev FP8 memory plans, each budget's
 #                                       second call timed (after the graph-pool planning fix)
+#   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the 28 steps
+#                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
 #                                       flux-serve FLUX.1-dev bench with 8 requests per mode
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
@@ -148,6 +150,11 @@ case "$phase" in
     unset PYTORCH_CUDA_ALLOC_CONF
     timeout 120 python3 scripts/bench_memory.py --model flux1 --fp8-flux1 --no-diffusers --json "$OUT/bench_memory_flux1_fp8.json" 2>"$OUT/bench_memory_flux1_fp8.err" | tail -6 || status=1
     timeout 400 python3 scripts/bench_memory.py --model flux2 --json "$OUT/bench_memory_flux2.json" 2>"$OUT/bench_memory_flux2.err" | tail -8 || status=1
+    ;;
+  memory-28)
+    unset PYTORCH_CUDA_ALLOC_CONF
+    timeout 120 python3 scripts/bench_memory.py --model flux1 --fp8-flux1 --no-diffusers --steps 28 --json "$OUT/bench_memory_flux1_fp8_28.json" 2>"$OUT/bench_memory_flux1_fp8_28.err" | tail -4 || status=1
+    timeout 220 python3 scripts/bench_memory.py --model flux2 --steps 28 --json "$OUT/bench_memory_flux2_28.json" 2>"$OUT/bench_memory_flux2_28.err" | tail -6 || status=1
     ;;
   flux1-reach)
     unset PYTORCH_CUDA_ALLOC_CONF
