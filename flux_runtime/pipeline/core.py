@@ -29,6 +29,7 @@ from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.memory import VAE_TILE, Plan, gib
+from flux_runtime.pipeline.placement import check_free_memory
 from flux_runtime.pipeline.provenance import provenance
 from flux_runtime.pipeline.tiers import (
     BATCHED_MODULATION,
@@ -323,6 +324,8 @@ class Recipe:
         tier = resolve_tier(call.quality, self.device, self.dtype)
         if self.placement is not None:
             self.placement.check_call(self, call)
+        else:
+            check_free_memory(self, call)
         try:
             latents, images, graphs, kernels, decode_kernels = self._generate(call, tier)
         except torch.cuda.OutOfMemoryError:

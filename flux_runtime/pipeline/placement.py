@@ -110,6 +110,53 @@ class Placement:
             )
 
 
+def check_free_memory(pipe: Any, call: Any) -> None:
+    """A FluxError before any model runs when a call made without a memory plan (on the CPU, or with
+    `memory=None`) needs more working memory at once than the device has free.
+
+    The planner's estimates are generous bounds (about twice the measured peaks, see `memory`), so the call
+    is refused only when half of the largest stage estimate (encode, denoise or decode) exceeds what is free:
+    a call that would surely run out of memory (on the CPU, be killed by the kernel's OOM killer part way),
+    never one that would fit."""
+    free = free_memory(pipe.device)
+    if free is None:
+        return
+    cfg = call.true_cfg_scale > 1
+    batch = _batch(call)
+    text_tokens, extra_tokens = pipe.planned_tokens(call)
+    text_roots, _ = pipe.text_encoder.parts()
+    stages = (
+        encode_bytes(text_roots, text_tokens, 2 if cfg else 1),
+        _denoise(pipe, call.height, call.width, text_tokens, batch, cfg, extra_tokens),
+        _decode(pipe, call.height, call.width, batch, tiled=pipe.vae_tile is not None),
+    )
+    need = max(stages) // 2
+    if need > free:
+        raise MemoryBudgetError(
+            f"{call.width}x{call.height} x {batch} image(s) in one call need at least {gib(need)} of working "
+            f"memory, more than the {gib(free)} free on {pipe.device}: make fewer images per call "
+            "(num_images_per_prompt / --num-images) or smaller ones"
+        )
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes this process can still allocate on `device`: on a GPU the free memory plus what its caching
+    allocator holds unused; on a Linux CPU `MemAvailable`; None where neither can be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _batch(call: Any) -> int:
     prompts = 1 if call.prompt is None or isinstance(call.prompt, str) else len(call.prompt)
     if call.prompt_embeds is not None:
