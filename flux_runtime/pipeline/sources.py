@@ -106,6 +106,11 @@ def find_sources(
     """
     name = MODEL_IDS.get(str(path_or_id), str(path_or_id))
     if name in BUILTIN_MODELS and not Path(name).exists():
+        if text_encoder is not None or text_encoder_2 is not None:
+            raise WeightsError(
+                f"{name} is a built-in model with its own text encoders: text_encoder / text_encoder_2 "
+                "(--text-encoder, --text-encoder-2) are for a BFL transformer file; drop them"
+            )
         return Sources(name, name, vae or name, None, None, None, None)
     root = resolve(name)
     if root.is_file():

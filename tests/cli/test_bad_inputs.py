@@ -151,6 +151,7 @@ CASES = [
     # a size past the largest side fails before the (here damaged) model is read
     (["--model", "{notes}", *TINY, "--width", "16000"], "width 16000 is more than 8192 px"),
     (["--model", "tiny-random", "--vae-tile", "20", *TINY, "--width", "92"], "leaves a 1-pixel edge tile"),
+    (["--model", "tiny", "--text-encoder", "{a_file}", *TINY], "tiny is a built-in model with its own text"),
     (["--model", "tiny", "--num-images", "1000000", *TINY], "x 1000000 image(s) in one call need at least"),
     (["--model", "tiny", "--device", "meta", *TINY], "device 'meta' is not one to run on: use 'cpu'"),
     (["--model", "tiny", "--device", "gpu", *TINY], "device 'gpu' is not one to run on"),
