@@ -23,6 +23,7 @@ from flux_runtime.models.vae import Flux1VAE, Flux2VAE
 from flux_runtime.parallel.group import ParallelConfig, as_config, join, launched_world_size
 from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline import placement
+from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_device,
     check_guidance,
@@ -316,6 +317,7 @@ class Pipeline(Recipe):
         control_image: Image.Image | None = None,
         auto_resize: bool = True,
         max_area: int | None = None,
+        **unknown: Any,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
 
@@ -332,6 +334,7 @@ class Pipeline(Recipe):
         `mask_image` are its conditioning. `control_image`: the depth map or edge image of a Depth / Canny
         checkpoint.
         """
+        reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.1")
         if max_sequence_length is None:
             max_sequence_length = self.default_max_sequence_length
         call = Call(

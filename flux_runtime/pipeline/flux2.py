@@ -39,6 +39,7 @@ from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline import placement
+from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -282,6 +283,7 @@ class Flux2Pipe(Recipe):
         prompt_embeds: Tensor | None = None,
         quality: Tier | None = None,
         progress: Progress | None = None,
+        **unknown: Any,
     ) -> PipelineOutput:
         """Generate (or, with `image`, edit) images. Arguments as `Pipeline.__call__` and diffusers' FLUX.2 pipelines.
 
@@ -294,6 +296,7 @@ class Flux2Pipe(Recipe):
         encoded). `output_type="latent"` returns in `images` what diffusers returns: [dev] the packed latents
         (B, L, 128), [klein] the decoder's input (B, 32, h, w); `latents` is always the packed (B, L, 128).
         """
+        reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.2")
         if max_sequence_length is None:
             max_sequence_length = self.default_max_sequence_length
         call = Call(

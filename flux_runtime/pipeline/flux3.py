@@ -35,6 +35,7 @@ from torch import Tensor
 from flux_runtime.models.dit.flux3 import Flux3Fixed, Flux3RoPE, Flux3Transformer
 from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.pipeline import flux3_upsample, placement
+from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
     check_prompt_embeds,
@@ -238,6 +239,7 @@ class Flux3Pipe(Recipe):
         upsample: bool | None = None,
         upsampled_prompt: str | None = None,
         boxes: list[dict[str, Any]] | None = None,
+        **unknown: Any,
     ) -> PipelineOutput:
         """Generate `num_images_per_prompt` images of one prompt (FLUX.3 takes one per call, as diffusers does).
 
@@ -258,6 +260,7 @@ class Flux3Pipe(Recipe):
         `{"id", "desc", "bbox"}` or, with references, `{"id", "desc", "from": "target" | "ref_image_N", "src_bbox",
         "tgt_bbox"}`, boxes `[y_min, x_min, y_max, x_max]` in 0-1; the caption cites them and ends with their table.
         """
+        reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.3")
         if max_sequence_length is None:
             max_sequence_length = MAX_SEQUENCE_LENGTH
         call = Call(

@@ -1,0 +1,62 @@
+"""Keyword arguments a pipeline call does not take: one FluxError naming each and what to pass instead.
+
+A call with an argument its family does not take (diffusers' `num_inference_steps`, FLUX.1's `strength` on a
+FLUX.2 model, a typo) would otherwise end in Python's bare "unexpected keyword argument" TypeError, which
+names neither the right spelling nor the model that does take it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flux_runtime.pipeline.errors import FluxError
+
+# diffusers' names for arguments this runtime spells otherwise, or does not take
+_DIFFUSERS: dict[str, str] = {
+    "num_inference_steps": "num_steps=",
+    "guidance_scale": "guidance= (FLUX.1 true CFG: true_cfg_scale=)",
+    "latents": "seed= or generator= (the start noise is drawn as diffusers draws it)",
+    "callback_on_step_end": "progress= (called with the stage, steps done and total)",
+    "callback_on_step_end_tensor_inputs": "progress=",
+    "return_dict": "nothing: the call returns a PipelineOutput (images, latents, info)",
+    "joint_attention_kwargs": "nothing: LoRAs load with pipe.load_lora(path, scale)",
+    "attention_kwargs": "nothing: LoRAs load with pipe.load_lora(path, scale)",
+    "sigmas": "num_steps= (the schedule is the model's)",
+    "timesteps": "num_steps= (the schedule is the model's)",
+    "caption_upsample_temperature": "upsampled_prompt= (a caption written beforehand) or upsample=False",
+}
+# arguments one family takes and another does not
+_FAMILY: dict[str, str] = {
+    "strength": "FLUX.1 img2img / inpainting",
+    "mask_image": "FLUX.1 inpainting and Fill",
+    "control_image": "FLUX.1 Depth / Canny",
+    "auto_resize": "FLUX.1 Kontext",
+    "max_area": "FLUX.1 Kontext",
+    "negative_prompt": "FLUX.1 true CFG",
+    "true_cfg_scale": "FLUX.1 true CFG",
+    "pooled_prompt_embeds": "FLUX.1",
+    "upsample": "FLUX.3 (its prompt upsampler)",
+    "upsampled_prompt": "FLUX.3 (its prompt upsampler)",
+    "boxes": "FLUX.3 (its prompt upsampler's layout mode)",
+}
+
+
+def reject_unknown(call: Callable[..., Any], unknown: Mapping[str, Any], model: str, family: str) -> None:
+    """Raise one FluxError for the keyword arguments in `unknown` that `call` (a recipe's `__call__`) does
+    not take; nothing when there are none. `model` and `family` ("FLUX.1", ...) name what was called."""
+    if not unknown:
+        return
+    accepted = [p for p in inspect.signature(call).parameters if p not in ("self", "unknown")]
+    hints = []
+    for name in unknown:
+        if name in _DIFFUSERS:
+            hints.append(f"{name} is diffusers' argument; here pass {_DIFFUSERS[name]}")
+        elif name in _FAMILY:
+            hints.append(f"{name} is a {_FAMILY[name]} argument and {model} is {family}")
+        else:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hints.append(f"{name} is not an argument" + (f": did you mean {close[0]}?" if close else ""))
+    raise FluxError(f"{model} does not take {', '.join(unknown)}: " + "; ".join(hints))

@@ -1,0 +1,60 @@
+"""A keyword argument a pipeline call does not take is one FluxError naming it and what to pass instead:
+diffusers' spellings, another family's options, typos."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from flux_runtime.pipeline import Pipeline, arguments
+from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.flux1 import Pipeline as Flux1Pipe
+from flux_runtime.pipeline.flux2 import Flux2Pipe
+from flux_runtime.pipeline.flux3 import Flux3Pipe
+
+RECIPES = {"FLUX.1": Flux1Pipe, "FLUX.2": Flux2Pipe, "FLUX.3": Flux3Pipe}
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-flux2", "tiny-flux3-random"])
+def pipe(request):
+    return Pipeline.from_pretrained(request.param, device="cpu")
+
+
+def _error(pipe, **kwargs) -> str:
+    with pytest.raises(FluxError) as e:
+        pipe("a red circle", height=64, width=64, num_steps=1, **kwargs)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{pipe.model_name} does not take ")
+    return message
+
+
+def test_diffusers_spellings_name_ours(pipe):
+    message = _error(pipe, num_inference_steps=3, guidance_scale=2.0)
+    assert "num_inference_steps is diffusers' argument; here pass num_steps=" in message
+    assert "guidance_scale is diffusers' argument; here pass guidance=" in message
+    assert "here pass seed= or generator=" in _error(pipe, latents=None)
+
+
+def test_a_typo_gets_the_nearest_argument(pipe):
+    assert "num_step is not an argument: did you mean num_steps?" in _error(pipe, num_step=3)
+    assert _error(pipe, colour="red").endswith("colour is not an argument")
+
+
+def test_another_familys_option_names_the_family_that_takes_it(pipe):
+    family = next(f for f, cls in RECIPES.items() if isinstance(pipe, cls))
+    for name, owner in arguments._FAMILY.items():
+        if name in inspect.signature(type(pipe).__call__).parameters:
+            continue
+        message = _error(pipe, **{name: None})
+        assert f"{name} is a {owner} argument and {pipe.model_name} is {family}" in message
+
+
+def test_the_tables_name_what_the_recipes_really_take():
+    """Each family option's hint names a family whose recipe takes it; no diffusers name is one of ours."""
+    taken = {f: set(inspect.signature(cls.__call__).parameters) for f, cls in RECIPES.items()}
+    for name, owner in arguments._FAMILY.items():
+        assert name in taken[owner.split(" ")[0]], name
+        assert any(name not in params for params in taken.values()), name  # some family refuses it
+    for name in arguments._DIFFUSERS:
+        assert all(name not in params for params in taken.values()), name
