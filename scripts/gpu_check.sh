@@ -16,10 +16,11 @@
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
-#   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH]]  both tiny models' DiTs trained on from the shipped weights (the
+#   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH [FG]]]  both tiny models' DiTs trained on from the shipped weights (the
 #                                       shipped text encoders frozen, SECONDS each [360], side by side), then their held-out scores and
 #                                       grid (the shipped weights' are in the README); the new DiTs come back as $OUT/<name>.safetensors
-#                                       (copy them over the shipped DiT files if they score better)
+#                                       (copy them over the shipped DiT files if they score better); FG > 0 weights
+#                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight)
 #   bash scripts/gpu_check.sh fp8-single   the single block's one-pass [attention | activation] FP8 producer: its GPU
 #                                       tests and the FP8 ones, kernel_check against the three kernels it replaces,
 #                                       the FP8 bench (FLUX.1-dev, FLUX.2-dev, klein-4B)
@@ -121,11 +122,11 @@ case "$phase" in
   train-tiny)
     # $OUT brings back at most 8 files: each model's DiT and loss log (its autoencoder and, frozen, its text
     # encoders are the shipped ones), the held-out scores, the grid and the two training logs
-    secs=${2:-360}; batch=${3:-128}  # 10 minutes a call: the pool's encode, training, the held-out scores
+    secs=${2:-360}; batch=${3:-128}; fg=${4:-0}  # 10 minutes a call: the pool's encode, training, the scores
     for fam in flux1 flux2; do
       name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
       timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
-        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" \
+        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" --fg-weight "$fg" \
         > "$OUT/train_$name.log" 2>&1 &
     done
     wait

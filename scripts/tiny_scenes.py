@@ -272,6 +272,21 @@ def render(scenes: list[Scene], size: int, device: torch.device | str = "cpu") -
     return image * 2 - 1
 
 
+def token_masks(scenes: list[Scene], grid: int) -> np.ndarray:
+    """(N, grid * grid) float32, row-major like the DiT's packed image tokens: 1 where a token's square can
+    hold part of a shape (its centre within the shape's circumradius, radius * sqrt(2) for a square's
+    corners, plus the token's half-diagonal), else 0. A training loss can weight these tokens up, so the
+    few that carry the shape's place and colour count for more than the background around them."""
+    centres = (np.arange(grid, dtype=np.float32) + 0.5) / grid
+    gy, gx = np.meshgrid(centres, centres, indexing="ij")
+    out = np.zeros((len(scenes), grid, grid), dtype=np.float32)
+    for i, scene in enumerate(scenes):
+        reach = scene.radius * math.sqrt(2) + math.sqrt(2) / (2 * grid)
+        for cx, cy in scene.centres:
+            out[i][(gx - cx) ** 2 + (gy - cy) ** 2 <= reach**2] = 1.0
+    return out.reshape(len(scenes), grid * grid)
+
+
 # ---- scoring ---------------------------------------------------------------------------------------------
 
 

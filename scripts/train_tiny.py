@@ -54,7 +54,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_scenes import render, sample_scenes
+from tiny_scenes import Scene, render, sample_scenes, token_masks
 
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.dit.config import TINY_FLUX2_TRAINED, TINY_TRAINED
@@ -216,8 +216,8 @@ def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, hi
 
 
 @torch.no_grad()
-def encode_pool(vae: nn.Module, n: int, seed: int, device: torch.device) -> tuple[Tensor, list[str]]:
-    """Raw posterior samples (N, z, 32, 32) bf16 of `n` fresh training scenes, and their captions."""
+def encode_pool(vae: nn.Module, n: int, seed: int, device: torch.device) -> tuple[Tensor, list[Scene]]:
+    """Raw posterior samples (N, z, 32, 32) bf16 of `n` fresh training scenes, and the scenes."""
     scenes = sample_scenes(n, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -228,7 +228,7 @@ def encode_pool(vae: nn.Module, n: int, seed: int, device: torch.device) -> tupl
         mean, logvar = torch.chunk(moments, 2, dim=1)
         std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
         out.append((mean + std * torch.randn(mean.shape, generator=gen, device=device)).to(torch.bfloat16))
-    return torch.cat(out), [s.caption for s in scenes]
+    return torch.cat(out), scenes
 
 
 # ---- phase 2: the DiT -----------------------------------------------------------------------------------
@@ -266,13 +266,18 @@ def train_dit(
     model: nn.Module,
     text: nn.Module,
     x0_pool: Tensor,
+    fg_masks: Tensor,
     tokens: tuple[Tensor, ...],
     neg_tokens: tuple[Tensor, ...] | None,
     args: argparse.Namespace,
     device: torch.device,
     history: dict,
 ) -> None:
-    """Flow matching on the pool: `x0_pool` (N, L, C) normalised packed latents, `tokens` per pool entry."""
+    """Flow matching on the pool: `x0_pool` (N, L, C) normalised packed latents, `tokens` per pool entry.
+
+    With `args.fg_weight` w > 0 each token's squared error is weighted 1 + w where `fg_masks` (N, L) marks
+    a shape (the loss normalised by the weights' sum): the shape covers a few of the 256 tokens, so an
+    unweighted loss is mostly the background's, which the models learned first and best."""
     n, length, _ = x0_pool.shape
     side = 2 * math.isqrt(length)  # latent pixels per side; a token packs 2x2 of them
     if family == "flux1":
@@ -330,7 +335,11 @@ def train_dit(
             else:
                 txt = embedded[0] if frozen else embedded
                 pred = model(xt, img_ids, txt.float(), txt_ids, t, None, pe=pe)
-        loss = F.mse_loss(pred.float(), noise - x0)
+        if args.fg_weight > 0:
+            w = 1 + args.fg_weight * fg_masks[idx]
+            loss = (w * (pred.float() - (noise - x0)).pow(2).mean(-1)).sum() / w.sum()
+        else:
+            loss = F.mse_loss(pred.float(), noise - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -451,6 +460,12 @@ def main() -> None:
     ap.add_argument("--dit-lr", type=float, default=5e-4)
     ap.add_argument("--dit-seconds", type=float, default=300.0)
     ap.add_argument("--ema", type=float, default=0.998)
+    ap.add_argument(
+        "--fg-weight",
+        type=float,
+        default=0.0,
+        help="weight the squared error of the tokens a shape covers by 1 + this (0: the plain mean)",
+    )
     ap.add_argument("--resume", type=Path, default=None, help="an earlier output folder to start from")
     ap.add_argument(
         "--freeze-text",
@@ -481,7 +496,10 @@ def main() -> None:
     save_file(bf16_state(vae), out / "ae.safetensors")  # kept if the DiT phase fails
 
     # its latents on a pool of scenes, and their statistics
-    raw, captions = encode_pool(vae, args.pool, args.seed * 1000 + 3, device)
+    raw, scenes = encode_pool(vae, args.pool, args.seed * 1000 + 3, device)
+    captions = [s.caption for s in scenes]
+    fg_masks = torch.from_numpy(token_masks(scenes, raw.shape[-1] // 2)).to(device)  # 2x2 latent px a token
+    del scenes
     stats: dict = {}
     if flux1:
         mean, std = raw.float().mean().item(), raw.float().std().item()
@@ -527,7 +545,7 @@ def main() -> None:
     if args.resume is not None:
         dit_file = "flux1-tiny.safetensors" if flux1 else "flux2-tiny.safetensors"
         model.load_state_dict({k: v.float() for k, v in load_file(args.resume / dit_file).items()})
-    train_dit(args.family, model, text, x0, tokens, neg, args, device, history)
+    train_dit(args.family, model, text, x0, fg_masks, tokens, neg, args, device, history)
 
     # write what the runtime loads
     model.eval()

@@ -3,6 +3,8 @@ ignoring (scripts/tiny_scenes.py; the numbers of scripts/eval_tiny.py rest on th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ from scripts.tiny_scenes import (
     render,
     score,
     seen_prompts,
+    token_masks,
 )
 
 
@@ -44,3 +47,17 @@ def test_place_following_is_one_for_rendered_sweeps_and_zero_for_a_fixed_shape()
     assert place_following(found, group) == pytest.approx(1.0, abs=0.03)
     assert place_following([found[0]] * len(group), group) == pytest.approx(0.0, abs=1e-9)
     assert place_following([None] * len(group), group) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_token_masks_cover_every_token_a_shape_touches_and_few_others() -> None:
+    """Rendered at 256 px and cut into the DiT's 16 x 16 tokens of 16 px: a token whose pixels differ from
+    the background holds a shape, and its mask entry is 1; the masks stay under a third of each picture."""
+    scenes = seen_prompts(14) + held_out_prompts(1)[:10]
+    masks = token_masks(scenes, 16)
+    x = render(scenes, 256)
+    for scene, image, mask in zip(scenes, x, masks, strict=True):
+        plain = render([replace(scene, centres=())], 256)[0]
+        touched = ((image - plain).abs().amax(0) > 1e-3).reshape(16, 16, 16, 16).any(dim=(1, 3))
+        assert bool((mask.reshape(16, 16)[touched.numpy()] == 1).all()), scene.caption
+        # a large shape's reach (0.19 * sqrt(2) + half a token) spans at most 0.31 of the side: 30 % of tokens
+        assert 0 < mask.sum() <= 0.32 * mask.size, (scene.caption, mask.sum())
