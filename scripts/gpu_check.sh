@@ -26,6 +26,7 @@
 #                                       the FP8 bench (FLUX.1-dev, FLUX.2-dev, klein-4B)
 #   bash scripts/gpu_check.sh memory-rerun  FLUX.1-dev FP8 (ours) and FLUX.2-dev FP8 memory plans, each budget's
 #                                       second call timed (after the graph-pool planning fix)
+#   bash scripts/gpu_check.sh fp8-profile  FLUX.2-dev's FP8 step profiled (the kernel table): what lies between it and its floor
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
@@ -151,6 +152,9 @@ case "$phase" in
     unset PYTORCH_CUDA_ALLOC_CONF
     timeout 120 python3 scripts/bench_memory.py --model flux1 --fp8-flux1 --no-diffusers --json "$OUT/bench_memory_flux1_fp8.json" 2>"$OUT/bench_memory_flux1_fp8.err" | tail -6 || status=1
     timeout 400 python3 scripts/bench_memory.py --model flux2 --json "$OUT/bench_memory_flux2.json" 2>"$OUT/bench_memory_flux2.err" | tail -8 || status=1
+    ;;
+  fp8-profile)
+    timeout 300 python3 scripts/bench_fp8.py --models flux2-dev --profile --json "$OUT/bench_fp8_flux2_profile.json" 2>&1 | tee "$OUT/bench_fp8_flux2_profile.txt" | grep -v "^\[" | tail -70 || status=1
     ;;
   memory-28)
     unset PYTORCH_CUDA_ALLOC_CONF
