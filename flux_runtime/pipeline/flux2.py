@@ -87,6 +87,7 @@ from flux_runtime.sampling import (
     preprocess_reference_images,
     unpatchify,
 )
+from flux_runtime.sampling.reference_images import not_pil
 from flux_runtime.text.flux2 import MAX_SEQUENCE_LENGTH, NEGATIVE_PROMPT, Flux2TextEncoder, KleinTextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin as builtin_files
@@ -312,7 +313,9 @@ class Flux2Pipe(Recipe):
         if image is None:
             return []
         if not isinstance(image, (Image.Image, list, tuple)):
-            raise FluxError(f"image must be a PIL image or a list of them, got {type(image).__name__}")
+            raise FluxError(
+                not_pil("image", image).replace("a PIL image", "a PIL image or a list of them", 1)
+            )
         if not isinstance(image, Image.Image) and not image:
             raise FluxError("image is an empty list: pass None for no reference images")
         try:

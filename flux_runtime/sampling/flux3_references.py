@@ -33,7 +33,7 @@ from torch import Tensor
 from flux_runtime.sampling.flux2 import bn_normalize, flux2_pack, patchify
 from flux_runtime.sampling.flux3 import flux3_image_ids
 from flux_runtime.sampling.latents import _check_positive_int
-from flux_runtime.sampling.reference_images import EncodeFn, check_references, encode_reference
+from flux_runtime.sampling.reference_images import EncodeFn, check_references, encode_reference, not_pil
 
 # BFL's limits: references per call, the single reference's canvas (area, sides), several references' area.
 MAX_REFERENCES = 10
@@ -71,14 +71,14 @@ def check_flux3_references(images: object) -> list[Image.Image]:
     """The references as a list of PIL images, or a ValueError saying what is wrong with them."""
     given = [images] if isinstance(images, Image.Image) else images
     if not isinstance(given, (list, tuple)):
-        raise ValueError(f"image must be a PIL image or a list of them, got {type(images).__name__}")
+        raise ValueError(not_pil("image", images).replace("a PIL image", "a PIL image or a list of them", 1))
     if not given:
         raise ValueError("image is an empty list: pass None for no reference images")
     if len(given) > MAX_REFERENCES:
         raise ValueError(f"{len(given)} reference images given; FLUX.3 takes at most {MAX_REFERENCES}")
     for k, image in enumerate(given):
         if not isinstance(image, Image.Image):
-            raise ValueError(f"reference image {k} must be a PIL image, got {type(image).__name__}")
+            raise ValueError(not_pil(f"reference image {k}", image))
         if image.width < 1 or image.height < 1:
             raise ValueError(f"reference image {k} is empty ({image.width}x{image.height})")
     return list(given)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,13 +44,27 @@ def reference_time(k: int) -> int:
     return REFERENCE_TIME_SCALE + REFERENCE_TIME_SCALE * k
 
 
+def not_pil(what: str, value: object) -> str:
+    """The message for `value` given where a PIL image belongs: its type, and how to make one from it."""
+    kind = type(value).__name__
+    if kind == "ndarray":
+        how = "PIL.Image.fromarray(array) (uint8, height x width x 3)"
+    elif kind == "Tensor":
+        how = "PIL.Image.fromarray(t.mul(255).round().byte().permute(1, 2, 0).cpu().numpy()) for a (3, H, W) one in [0, 1]"
+    elif isinstance(value, (str, Path)):
+        how = f"PIL.Image.open({str(value)!r})"
+    else:
+        return f"{what} must be a PIL image, got {kind}"
+    return f"{what} must be a PIL image, got {kind}: pass {how}"
+
+
 def check_reference_image(image: object) -> None:
     """Raise ValueError unless `image` is a PIL image with both sides ≥ 64 px and an aspect ratio ≤ 8.
 
     `Flux2ImageProcessor.check_image_input`, on the image as given (before any resize), in our words.
     """
     if not isinstance(image, Image.Image):
-        raise ValueError(f"reference image must be a PIL image, got {type(image).__name__}")
+        raise ValueError(not_pil("reference image", image))
     width, height = image.size
     if width < REFERENCE_MIN_SIDE or height < REFERENCE_MIN_SIDE:
         raise ValueError(

@@ -172,3 +172,23 @@ def test_encode_errors() -> None:
         )
     with pytest.raises(ValueError, match="batch 0 must be a positive integer"):
         encode_reference_images([good], ok, mean, std, batch=0, dtype=torch.float32)
+
+
+def test_a_non_pil_image_is_told_how_to_make_one_and_the_recipe_works() -> None:
+    """The message for an array, a tensor or a path names the call that makes a PIL image of it, and that
+    call, run as written, gives an image the checks take."""
+    import numpy as np
+    from PIL import Image
+
+    from flux_runtime.sampling.reference_images import not_pil
+
+    array = np.full((64, 80, 3), 200, dtype=np.uint8)
+    t = torch.rand(3, 64, 80)
+    for value, name in ((array, "array"), (t, "t")):
+        message = not_pil("image", value)
+        call = message.split(": pass ")[1].split(" (uint8")[0].split(" for a (3")[0]
+        made = eval(call, {"PIL": __import__("PIL.Image"), name: value})  # the message's own call, run as written
+        assert isinstance(made, Image.Image) and made.size == (80, 64)
+        check_reference_image(made)
+    assert not_pil("mask_image", "m.png").endswith("got str: pass PIL.Image.open('m.png')")
+    assert not_pil("image", 3) == "image must be a PIL image, got int"
