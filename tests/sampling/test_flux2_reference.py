@@ -187,7 +187,9 @@ def test_a_non_pil_image_is_told_how_to_make_one_and_the_recipe_works() -> None:
     for value, name in ((array, "array"), (t, "t")):
         message = not_pil("image", value)
         call = message.split(": pass ")[1].split(" (uint8")[0].split(" for a (3")[0]
-        made = eval(call, {"PIL": __import__("PIL.Image"), name: value})  # the message's own call, run as written
+        made = eval(
+            call, {"PIL": __import__("PIL.Image"), name: value}
+        )  # the message's own call, run as written
         assert isinstance(made, Image.Image) and made.size == (80, 64)
         check_reference_image(made)
     assert not_pil("mask_image", "m.png").endswith("got str: pass PIL.Image.open('m.png')")
