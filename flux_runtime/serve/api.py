@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # the size multiple of every FLUX model: the VAE's factor 8 times the 2x2 latent packing
 SIZE_MULTIPLE = 16
-_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+_SIZE = re.compile(r"^(\d{1,9})x(\d{1,9})$")
 
 
 class APIError(Exception):

@@ -120,8 +120,13 @@ def _error(e: APIError) -> JSONResponse:
 def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
     """The first pydantic complaint as a 400 naming its field (`n`, `size`, ...)."""
     first = e.errors()[0]
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset): no field to name
+        where = first.get("loc", ("body", "?"))[-1]
+        return APIError(400, f"the request body is not valid JSON (at character {where}): send a JSON object")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[-1] if loc else None
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object of the generation's fields")
     return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 

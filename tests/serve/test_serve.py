@@ -147,6 +147,29 @@ def test_bad_generations_name_the_field(server, body, status, param):
     assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"prompt": "x"', "the request body is not valid JSON (at character"),
+        (b"[1, 2]", "the request body must be a JSON object"),
+        (b'"a cat"', "the request body must be a JSON object"),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_says_so(server, content, message):
+    r = httpx.post(
+        server.url + GEN, content=content, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith(message) and err["param"] is None, err
+
+
+def test_a_well_formed_size_over_the_limit_is_told_the_limit(server):
+    r = _post(server, {"prompt": "x", "size": "100000x64"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size"
+    assert "width 100000 is over this server's" in r.json()["error"]["message"]
+
+
 def test_bad_uploads_name_the_field(server):
     url = server.url + "/v1/images/edits"
     r = httpx.post(
