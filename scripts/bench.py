@@ -6,6 +6,9 @@ Sections (pick with flags; default: all that exist):
               per-step ms for the library floor, diffusers eager and ours (median of >= 10 after warm-up).
   --variants  a FLUX.1 Kontext step (8192 image + reference tokens) and a Fill step (384 input channels)
               at 1024², ours lossless (eager and + CUDA graph) vs diffusers, torch.equal.
+  --fp8       the FP8 bench (bench_fp8.py): FLUX.1-dev, klein-4B, FLUX.2-dev quantized at load, against
+              our bf16 step, diffusers' and the FP8 floor; with --profile, each FP8 step's kernel table.
+  --flux2     the FLUX.2 bench (bench_flux2.py).
 Writes a JSON of every number to --json. Never a test: run it on the device, quote the ratios.
 """
 
@@ -372,6 +375,11 @@ def main() -> int:
     ap.add_argument(
         "--flux2", action="store_true", help="FLUX.2-dev and klein-4B per step instead (runs bench_flux2.py)"
     )
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FLUX.1-dev, klein-4B and FLUX.2-dev in FP8 against bf16 and the FP8 floor (runs bench_fp8.py)",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--json", type=Path, default=None)
@@ -380,6 +388,15 @@ def main() -> int:
         print("bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if args.fp8:
+        import bench_fp8
+
+        sys.argv = [
+            sys.argv[0],
+            *(["--json", str(args.json)] if args.json else []),
+            *(["--profile"] if args.profile else []),
+        ]
+        return bench_fp8.main()
     if args.flux2:
         import bench_flux2
 
