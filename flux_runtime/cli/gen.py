@@ -427,6 +427,9 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
+    # the whole recorded batch runs again: a batch's size changes its GEMMs' rounding, so image i of a
+    # smaller batch is not image i of the recorded one (by one level in some pixels on the CPU)
+    opts["_replay_batch"] = rec.get("num_images", opts["_replay_index"] + 1)
 
 
 def parse_lora(spec: str) -> tuple[str, float]:
@@ -605,7 +608,7 @@ def _generate(opts: dict[str, Any]) -> None:
             "the image will differ",
             err=True,
         )
-    num_per_prompt = opts["_replay_index"] + 1 if replaying else n
+    num_per_prompt = opts["_replay_batch"] if replaying else n
     common = dict(
         height=opts["height"],
         width=opts["width"],
@@ -657,7 +660,7 @@ def _generate(opts: dict[str, Any]) -> None:
     progress.close()
     if not main_rank:  # rank 0 writes the image
         return
-    images = out.images[-1:] if replaying else out.images
+    images = out.images[opts["_replay_index"] : opts["_replay_index"] + 1] if replaying else out.images
     for i, (image, path) in enumerate(zip(images, paths, strict=True)):
         info = {**out.info, "index": opts["_replay_index"] if replaying else i, "num_images": num_per_prompt}
         save_png(image, path, info, overwrite=opts["overwrite"])
