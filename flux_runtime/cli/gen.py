@@ -430,6 +430,8 @@ def _apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     # the whole recorded batch runs again: a batch's size changes its GEMMs' rounding, so image i of a
     # smaller batch is not image i of the recorded one (by one level in some pixels on the CPU)
     opts["_replay_batch"] = rec.get("num_images", opts["_replay_index"] + 1)
+    served = rec.get("served_batch")  # flux-serve ran this image in one call with other requests' images
+    opts["_served_batch"] = served if isinstance(served, int) and not isinstance(served, bool) else None
 
 
 def parse_lora(spec: str) -> tuple[str, float]:
@@ -606,6 +608,12 @@ def _generate(opts: dict[str, Any]) -> None:
         click.echo(
             f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
             "the image will differ",
+            err=True,
+        )
+    if main_rank and replaying and (opts["_served_batch"] or 1) > 1:
+        click.echo(
+            f"flux-gen: warning: this image was served in a batch of {opts['_served_batch']} images; the "
+            "replay runs it alone and a batch's size changes the GEMMs' rounding, so pixels may differ slightly",
             err=True,
         )
     num_per_prompt = opts["_replay_batch"] if replaying else n

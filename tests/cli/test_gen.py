@@ -63,6 +63,23 @@ def test_replaying_any_image_of_a_batch_runs_the_recorded_batch(tmp_path):
         assert (record["index"], record["num_images"]) == (i, 3)
 
 
+def test_replaying_a_served_batch_image_warns_the_pixels_may_differ(tmp_path):
+    from PIL.PngImagePlugin import PngInfo
+
+    made = tmp_path / "a.png"
+    assert _run("--prompt", "a red fox", "--out", str(made)).exit_code == 0
+    record = json.loads(Image.open(made).text["flux_runtime"])
+    meta = PngInfo()
+    meta.add_text("flux_runtime", json.dumps({**record, "served_batch": 3}))
+    served = tmp_path / "served.png"
+    Image.open(made).save(served, pnginfo=meta)
+    res = CliRunner().invoke(main, ["--replay", str(served), "--out", str(tmp_path / "b.png"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "served in a batch of 3 images; the replay runs it alone" in res.output
+    res = CliRunner().invoke(main, ["--replay", str(made), "--out", str(tmp_path / "c.png"), "--quiet"])
+    assert res.exit_code == 0 and "warning" not in res.output
+
+
 def test_never_overwrites_silently(tmp_path):
     out = tmp_path / "x.png"
     assert _run("--prompt", "a", "--out", str(out)).exit_code == 0
