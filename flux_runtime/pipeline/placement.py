@@ -111,13 +111,13 @@ class Placement:
 
 
 def check_free_memory(pipe: Any, call: Any) -> None:
-    """A FluxError before any model runs when a call made without a memory plan (on the CPU, or with
-    `memory=None`) needs more working memory at once than the device has free.
+    """A FluxError before any model runs when a CPU call (made without a memory plan) needs more working
+    memory at once than the machine has free: there the kernel's OOM killer would end the process part way,
+    with no error at all. (On a GPU an out-of-memory is caught and named, `Recipe._out_of_memory`.)
 
     The planner's estimates are generous bounds (about twice the measured peaks, see `memory`), so the call
     is refused only when half of the largest stage estimate (encode, denoise or decode) exceeds what is free:
-    a call that would surely run out of memory (on the CPU, be killed by the kernel's OOM killer part way),
-    never one that would fit."""
+    a call that would surely run out of memory, never one that would fit."""
     free = free_memory(pipe.device)
     if free is None:
         return
@@ -140,11 +140,8 @@ def check_free_memory(pipe: Any, call: Any) -> None:
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes this process can still allocate on `device`: on a GPU the free memory plus what its caching
-    allocator holds unused; on a Linux CPU `MemAvailable`; None where neither can be read."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    """Bytes this process can still allocate on a CPU `device` (Linux's `MemAvailable`); None on any other
+    device or where it cannot be read."""
     if device.type != "cpu":
         return None
     try:

@@ -1,6 +1,5 @@
-"""A call made without a memory plan (the CPU, or `memory=None`) that cannot fit the device's free memory is
-refused in one line before any model runs, instead of being killed part way (on the CPU by the kernel's OOM
-killer, which leaves no error at all)."""
+"""A CPU call that cannot fit the machine's free memory is refused in one line before any model runs, instead
+of being killed part way by the kernel's OOM killer, which leaves no error at all."""
 
 from __future__ import annotations
 
@@ -46,7 +45,17 @@ def test_the_bound_is_the_figure_the_error_names(pipe, monkeypatch):
 
 
 def test_no_reading_means_no_refusal(pipe, monkeypatch):
-    """Where free memory cannot be read (not Linux, an accelerator torch cannot query) nothing is refused."""
+    """Where free memory cannot be read (not Linux) nothing is refused."""
     monkeypatch.setattr(placement, "free_memory", lambda device: None)
     out = pipe("a red circle", height=64, width=64, num_steps=1, output_type="pt")
     assert out.images.shape[0] == 1
+
+
+def test_only_the_cpu_is_guarded():
+    """On a GPU an out-of-memory is caught and named after the fact; only the CPU has no such net."""
+    import torch
+
+    assert placement.free_memory(torch.device("cuda")) is None
+    assert placement.free_memory(torch.device("meta")) is None
+    free = placement.free_memory(torch.device("cpu"))
+    assert free is None or free > 0
