@@ -69,11 +69,19 @@ def _human(n: int) -> str:
 @click.option(
     "--device", default=None, help="quantize: where to run the calibration [default: cuda if available]."
 )
+@click.option("--vae", type=str, default=None, help="quantize: the autoencoder of a BFL transformer file.")
+@click.option(
+    "--text-encoder",
+    type=str,
+    default=None,
+    help="quantize: CLIP-L or the Mistral / Qwen3 model of a BFL file.",
+)
+@click.option("--text-encoder-2", type=str, default=None, help="quantize: T5-XXL of a FLUX.1 BFL file.")
 @click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(
     component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool,
     calibration_prompts: Path | None, calibration_steps: int | None, calibration_size: int | None,
-    device: str | None, debug: bool,
+    device: str | None, vae: str | None, text_encoder: str | None, text_encoder_2: str | None, debug: bool,
 ) -> None:  # fmt: skip
     """Convert the FLUX.1, FLUX.2 or FLUX.3 COMPONENT (transformer or vae) at SRC to the other layout, at DST.
 
@@ -88,13 +96,17 @@ def main(
     calibrated over a few generations (max |activation| per layer).
     """
     logging.basicConfig(level=logging.WARNING, format="flux-convert: %(message)s")
+    parts = {"vae": vae, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2}
     if component == "quantize":
         with one_line_errors(debug):
             _quantize(
                 src, dst, max_shard_size, overwrite, quiet,
-                calibration_prompts, calibration_steps, calibration_size, device,
+                calibration_prompts, calibration_steps, calibration_size, device, parts,
             )  # fmt: skip
         return
+    given = [f"--{k.replace('_', '-')}" for k, v in parts.items() if v is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: only for quantize (a conversion reads one component)")
     bar = None
     with one_line_errors(debug):
         try:
@@ -125,13 +137,14 @@ def main(
 def _quantize(
     src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool,
     prompts_file: Path | None, steps: int | None, size: int | None, device: str | None,
+    parts: dict[str, str | None],
 ) -> None:  # fmt: skip
     from flux_runtime.pipeline.calibrate import quantize_checkpoint, read_prompts
 
     prompts = read_prompts(prompts_file)
     files = quantize_checkpoint(
         src, dst, prompts=prompts, steps=steps, size=size, device=device,
-        max_shard_size=max_shard_size, overwrite=overwrite,
+        max_shard_size=max_shard_size, overwrite=overwrite, **parts,
     )  # fmt: skip
     if not quiet:
         click.echo(

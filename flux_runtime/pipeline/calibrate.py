@@ -56,13 +56,20 @@ def quantize_checkpoint(
     device: str | None = None,
     max_shard_size: str | int = "10GB",
     overwrite: bool = False,
+    vae: str | Path | None = None,
+    text_encoder: str | Path | None = None,
+    text_encoder_2: str | Path | None = None,
 ) -> list[Path]:
-    """Generate `prompts` with the bf16 pipeline at `src`, recording activation ranges, and write FP8 to `dst`."""
+    """Generate `prompts` with the bf16 pipeline at `src`, recording activation ranges, and write FP8 to `dst`.
+    `vae` / `text_encoder` / `text_encoder_2`: a BFL transformer file's other parts, as for `Pipeline`."""
     from flux_runtime.pipeline.flux1 import Pipeline
 
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise FluxError(f"{dst} already exists and is not empty; pass --overwrite to replace it")
-    pipe = Pipeline.from_pretrained(src, device=device, dtype=torch.bfloat16, cuda_graphs=False)
+    pipe = Pipeline.from_pretrained(
+        src, device=device, dtype=torch.bfloat16, cuda_graphs=False, vae=vae, text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+    )  # fmt: skip
     if getattr(pipe.transformer, "precision", "bf16") != "bf16":
         raise FluxError(f"{src} is already {pipe.transformer.precision}; quantize a bf16 checkpoint")
     ranges, remove = record_input_ranges(pipe.transformer)

@@ -117,7 +117,9 @@ def find_sources(
         read_header(root)  # a file that is not a safetensors checkpoint fails here, naming itself
         ae = vae or root.parent / "ae.safetensors"
         if not Path(ae).exists() and vae is None:
-            raise WeightsError(f"{root} is a transformer file; no ae.safetensors beside it: pass vae=<path>")
+            raise WeightsError(
+                f"{root} is a transformer file; no ae.safetensors beside it: pass vae=<path> (--vae)"
+            )
         return Sources(name, root, ae, None, text_encoder or CLIP_L_ID, text_encoder_2 or T5_XXL_ID, None)
     find_transformer_files(root)
     if (root / "text_encoder").is_dir() and text_encoder is None and text_encoder_2 is None:
@@ -127,7 +129,7 @@ def find_sources(
     if vae is None:
         vae = root / "vae" if (root / "vae").is_dir() else root / "ae.safetensors"
         if not Path(vae).exists():
-            raise WeightsError(f"{root} has neither vae/ nor ae.safetensors: pass vae=<path>")
+            raise WeightsError(f"{root} has neither vae/ nor ae.safetensors: pass vae=<path> (--vae)")
     scheduler = _read_checked(root / "scheduler" / "scheduler_config.json", _SCHEDULER_FIELDS)
     return Sources(
         name,

@@ -146,3 +146,25 @@ def test_quantize_writes_a_modelopt_folder_that_loads(tmp_path):
         ["quantize", "tiny", str(tmp_path / "x"), "--calibration-prompts", str(tmp_path / "nope.txt")],
     )
     assert r.exit_code == 2 and "nope.txt" in r.output
+
+
+def test_quantize_takes_a_bfl_files_other_parts(tmp_path):
+    """A BFL transformer file quantizes from the command line with its autoencoder and text encoders named
+    (--vae, --text-encoder, --text-encoder-2); without an autoencoder the error names --vae; the part options
+    on a plain conversion are a usage error."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[2] / "flux_runtime" / "assets" / "models" / "tiny"
+    bfl = tmp_path / "flux1-tiny.safetensors"
+    bfl.write_bytes((shipped / "flux1-tiny.safetensors").read_bytes())
+    dst = tmp_path / "fp8"
+    base = ["quantize", str(bfl), str(dst), "--calibration-steps", "1", "--calibration-size", "32", "-q"]
+    r = CliRunner().invoke(convert_main, [*base, "--device", "cpu"])
+    assert r.exit_code == 1 and "no ae.safetensors beside it: pass vae=<path> (--vae)" in r.output
+    parts = ["--vae", str(shipped / "ae.safetensors"), "--text-encoder", str(shipped / "text_encoder")]
+    parts += ["--text-encoder-2", str(shipped / "text_encoder_2"), "--device", "cpu"]
+    r = CliRunner().invoke(convert_main, [*base, *parts])
+    assert r.exit_code == 0, r.output
+    assert load_transformer(dst, dtype=torch.bfloat16).precision == "fp8-static"
+    r = CliRunner().invoke(convert_main, ["transformer", str(bfl), str(tmp_path / "d"), "--vae", "x"])
+    assert r.exit_code == 2 and "only for quantize" in r.output
