@@ -124,7 +124,8 @@ def check_free_memory(pipe: Any, call: Any) -> None:
     cfg = call.true_cfg_scale > 1
     batch = _batch(call)
     text_tokens, extra_tokens = pipe.planned_tokens(call)
-    text_roots, _ = pipe.text_encoder.parts()
+    # a parallel run's other ranks hold no text encoder: rank 0 encodes and shares the embeddings
+    text_roots = pipe.text_encoder.parts()[0] if pipe.text_encoder is not None else []
     stages = (
         encode_bytes(text_roots, text_tokens, 2 if cfg else 1),
         _denoise(pipe, call.height, call.width, text_tokens, batch, cfg, extra_tokens),
