@@ -495,6 +495,11 @@ def _open_image(path: Path) -> Any:
         raise click.ClickException(f"cannot read image {path}: {e} Shrink it first.") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # UnidentifiedImageError is an OSError
         raise click.ClickException(f"cannot read image {path}: {e}") from None
+    from flux_runtime.sampling.reference_images import wide_pixels
+
+    wide = wide_pixels(str(path), image)  # refused now, before any weights are read
+    if wide is not None:
+        raise click.ClickException(wide)
     return image
 
 

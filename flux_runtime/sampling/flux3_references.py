@@ -33,7 +33,13 @@ from torch import Tensor
 from flux_runtime.sampling.flux2 import bn_normalize, flux2_pack, patchify
 from flux_runtime.sampling.flux3 import flux3_image_ids
 from flux_runtime.sampling.latents import _check_positive_int
-from flux_runtime.sampling.reference_images import EncodeFn, check_references, encode_reference, not_pil
+from flux_runtime.sampling.reference_images import (
+    EncodeFn,
+    check_references,
+    encode_reference,
+    not_pil,
+    wide_pixels,
+)
 
 # BFL's limits: references per call, the single reference's canvas (area, sides), several references' area.
 MAX_REFERENCES = 10
@@ -79,6 +85,9 @@ def check_flux3_references(images: object) -> list[Image.Image]:
     for k, image in enumerate(given):
         if not isinstance(image, Image.Image):
             raise ValueError(not_pil(f"reference image {k}", image))
+        wide = wide_pixels(f"reference image {k}", image)
+        if wide is not None:
+            raise ValueError(wide)
         if image.width < 1 or image.height < 1:
             raise ValueError(f"reference image {k} is empty ({image.width}x{image.height})")
     return list(given)

@@ -58,6 +58,21 @@ def not_pil(what: str, value: object) -> str:
     return f"{what} must be a PIL image, got {kind}: pass {how}"
 
 
+# PIL modes whose pixels are not 8-bit: their convert("RGB") / convert("L") clips at 255 (16-bit, 32-bit
+# integer) or truncates floats in [0, 1] to 0, a silently white or black picture
+WIDE_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+
+
+def wide_pixels(what: str, image: Image.Image) -> str | None:
+    """The error for a PIL image whose pixels are wider than 8 bits, or None for an 8-bit one."""
+    if image.mode not in WIDE_MODES:
+        return None
+    return (
+        f"{what} has {image.mode} pixels (more than 8 bits), which RGB conversion would clip to white or black: "
+        "give an 8-bit image, e.g. Image.fromarray((a / a.max() * 255).round().astype('uint8')) of its values a"
+    )
+
+
 def check_reference_image(image: object) -> None:
     """Raise ValueError unless `image` is a PIL image with both sides ≥ 64 px and an aspect ratio ≤ 8.
 
@@ -65,6 +80,9 @@ def check_reference_image(image: object) -> None:
     """
     if not isinstance(image, Image.Image):
         raise ValueError(not_pil("reference image", image))
+    wide = wide_pixels("reference image", image)
+    if wide is not None:
+        raise ValueError(wide)
     width, height = image.size
     if width < REFERENCE_MIN_SIDE or height < REFERENCE_MIN_SIDE:
         raise ValueError(

@@ -108,6 +108,9 @@ def bad(tmp_path_factory) -> dict[str, str]:
     out["replay_typed"] = _png_with_record(root / "replay_typed.png", json.dumps({**good, "height": "32"}))
     out["replay_good"] = _png_with_record(root / "replay_good.png", json.dumps(good))
     out["a_file"] = str(notes)
+    wide = root / "i16.png"  # a 16-bit greyscale picture: PIL opens it as I;16
+    Image.fromarray((torch.arange(16 * 16).reshape(16, 16) * 256).numpy().astype("uint16")).save(wide)
+    out["i16_png"] = str(wide)
     return out
 
 
@@ -143,6 +146,7 @@ CASES = [
     # arguments
     (["--model", "tiny", "--prompt", "a \udcff fox", *TINY], "prompt is not valid UTF-8 text"),
     (["--model", "tiny-flux2", "--image", "{big_png}", *TINY], "could be decompression bomb"),
+    (["--model", "{notes}", "--image", "{i16_png}", *TINY], "i16.png has I;16 pixels (more than 8 bits)"),
     (["--model", "tiny", "--guidance", "inf", *TINY], "guidance inf must be a finite number >= 0"),
     (["--model", "{notes}", "--guidance", "1e300", *TINY], "guidance 1e+300 is more than 1000"),
     (["--model", "tiny", "--true-cfg", "1e300", *TINY], "true_cfg_scale 1e+300 is more than 1000"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from diffusers import Flux2Pipeline
@@ -194,3 +196,28 @@ def test_a_non_pil_image_is_told_how_to_make_one_and_the_recipe_works() -> None:
         check_reference_image(made)
     assert not_pil("mask_image", "m.png").endswith("got str: pass PIL.Image.open('m.png')")
     assert not_pil("image", 3) == "image must be a PIL image, got int"
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I", "F"])
+def test_pixels_wider_than_8_bits_are_refused_not_clipped(mode: str) -> None:
+    """PIL's RGB conversion clips 16- and 32-bit pixels at 255 and truncates floats in [0, 1] to 0: such a
+    picture would go in white or black without a word, so it is refused, naming its mode."""
+    import numpy as np
+
+    from flux_runtime.sampling.reference_images import wide_pixels
+
+    values = np.linspace(0, 1, 64 * 64, dtype=np.float32).reshape(64, 64)
+    image = Image.fromarray(
+        values if mode == "F" else (values * 65535).astype(np.uint16 if mode == "I;16" else np.int32)
+    )
+    if mode != "F":
+        image = image if image.mode == mode else image.convert(mode)
+    assert image.mode == mode
+    flat = np.asarray(image.convert("RGB"))
+    assert int(flat.max()) - int(flat.min()) <= 1 or (flat == 255).mean() > 0.9  # what the model would get
+    with pytest.raises(
+        ValueError, match=rf"reference image has {re.escape(mode)} pixels \(more than 8 bits\)"
+    ):
+        check_reference_image(image)
+    assert wide_pixels("image", Image.new("RGB", (8, 8))) is None
+    assert wide_pixels("image", Image.new("L", (8, 8))) is None
