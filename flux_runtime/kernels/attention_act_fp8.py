@@ -43,6 +43,20 @@ def attention_act_quantize_reference(o: Tensor, x: Tensor, act: str) -> Fp8Act:
 
 
 @jit
+def _row_pointers(o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl):
+    """This program's row (grid (L, B)): its index in the row scales and its attention, input and code rows."""
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0).to(tl.int64)
+    row = b * L + pos
+    return (
+        row,
+        o_ptr + b * stride_ob + pos * stride_ol,
+        x_ptr + b * stride_xb + pos * stride_xl,
+        q_ptr + row * (D + N),
+    )
+
+
+@jit
 def _attention_act_quant_rows_kernel(
     o_ptr,  # (B, L, H, HD) attention heads, strides (stride_ob, stride_ol, stride_oh, 1)
     x_ptr,  # (B, L, N) pre-activation, or (B, L, 2N) [gate | up] for SwiGLU; strides (stride_xb, stride_xl, 1)
@@ -65,11 +79,9 @@ def _attention_act_quant_rows_kernel(
 ):
     # grid: (L, B); one row per program: its absmax over both halves, then its codes
     DTYPE = x_ptr.dtype.element_ty
-    b = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0).to(tl.int64)
-    o_row = o_ptr + b * stride_ob + pos * stride_ol
-    x_row = x_ptr + b * stride_xb + pos * stride_xl
-    q_row = q_ptr + (b * L + pos) * (D + N)
+    row, o_row, x_row, q_row = _row_pointers(
+        o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
+    )
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), tl.float32)
     for c0 in range(0, D, BLOCK):
@@ -83,7 +95,7 @@ def _attention_act_quant_rows_kernel(
         y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
     s, inv = e4m3_row_scale(tl.max(amax, axis=0))
-    tl.store(scale_ptr + b * L + pos, s)
+    tl.store(scale_ptr + row, s)
     for c0 in range(0, D, BLOCK):
         cols = c0 + offs
         mask = cols < D
@@ -119,11 +131,9 @@ def _attention_act_quant_resident_kernel(
 ):
     # grid: (L, B); one row per program, held on chip: read once, its absmax, its codes from the same values
     DTYPE = x_ptr.dtype.element_ty
-    b = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0).to(tl.int64)
-    o_row = o_ptr + b * stride_ob + pos * stride_ol
-    x_row = x_ptr + b * stride_xb + pos * stride_xl
-    q_row = q_ptr + (b * L + pos) * (D + N)
+    row, o_row, x_row, q_row = _row_pointers(
+        o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
+    )
     cols = tl.arange(0, BLOCK)
     in_o = cols < D
     in_x = (cols >= D) & (cols < D + N)
@@ -132,7 +142,7 @@ def _attention_act_quant_resident_kernel(
     y_x = _act_value(x_row, tl.where(in_x, cols - D, 0), in_x, N, ACT, DTYPE, GPU, BETA, KAPPA)
     y = tl.where(in_o, y_o, y_x)
     s, inv = e4m3_row_scale(tl.max(tl.where(in_o | in_x, tl.abs(y), 0.0), axis=0))
-    tl.store(scale_ptr + b * L + pos, s)
+    tl.store(scale_ptr + row, s)
     tl.store(q_row + cols, e4m3_code(y * inv), mask=in_o | in_x)
 
 
@@ -173,21 +183,7 @@ def attention_act_quantize_triton(
     for name, t in (("o", o), ("x", x), ("out", q)):
         check_int32_offsets(op, name, t)
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
-    args = (
-        o,
-        x,
-        q,
-        row_scale,
-        length,
-        d,
-        n,
-        hd,
-        o.stride(0),
-        o.stride(1),
-        o.stride(2),
-        x.stride(0),
-        x.stride(1),
-    )
+    args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
     if resident:
         tile = max(4096, 1 << (d + n - 1).bit_length())

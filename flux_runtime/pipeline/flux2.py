@@ -313,9 +313,7 @@ class Flux2Pipe(Recipe):
         if image is None:
             return []
         if not isinstance(image, (Image.Image, list, tuple)):
-            raise FluxError(
-                not_pil("image", image).replace("a PIL image", "a PIL image or a list of them", 1)
-            )
+            raise FluxError(not_pil("image", image, "a PIL image or a list of them"))
         if not isinstance(image, Image.Image) and not image:
             raise FluxError("image is an empty list: pass None for no reference images")
         try:

@@ -37,8 +37,8 @@ from flux_runtime.sampling.reference_images import (
     EncodeFn,
     check_references,
     encode_reference,
+    image_problem,
     not_pil,
-    wide_pixels,
 )
 
 # BFL's limits: references per call, the single reference's canvas (area, sides), several references' area.
@@ -77,17 +77,15 @@ def check_flux3_references(images: object) -> list[Image.Image]:
     """The references as a list of PIL images, or a ValueError saying what is wrong with them."""
     given = [images] if isinstance(images, Image.Image) else images
     if not isinstance(given, (list, tuple)):
-        raise ValueError(not_pil("image", images).replace("a PIL image", "a PIL image or a list of them", 1))
+        raise ValueError(not_pil("image", images, "a PIL image or a list of them"))
     if not given:
         raise ValueError("image is an empty list: pass None for no reference images")
     if len(given) > MAX_REFERENCES:
         raise ValueError(f"{len(given)} reference images given; FLUX.3 takes at most {MAX_REFERENCES}")
     for k, image in enumerate(given):
-        if not isinstance(image, Image.Image):
-            raise ValueError(not_pil(f"reference image {k}", image))
-        wide = wide_pixels(f"reference image {k}", image)
-        if wide is not None:
-            raise ValueError(wide)
+        problem = image_problem(f"reference image {k}", image)
+        if problem is not None:
+            raise ValueError(problem)
         if image.width < 1 or image.height < 1:
             raise ValueError(f"reference image {k} is empty ({image.width}x{image.height})")
     return list(given)

@@ -44,8 +44,8 @@ def reference_time(k: int) -> int:
     return REFERENCE_TIME_SCALE + REFERENCE_TIME_SCALE * k
 
 
-def not_pil(what: str, value: object) -> str:
-    """The message for `value` given where a PIL image belongs: its type, and how to make one from it."""
+def not_pil(what: str, value: object, expected: str = "a PIL image") -> str:
+    """The message for `value` given where `expected` belongs: its type, and how to make a PIL image of it."""
     kind = type(value).__name__
     if kind == "ndarray":
         how = "PIL.Image.fromarray(array) (uint8, height x width x 3)"
@@ -54,8 +54,8 @@ def not_pil(what: str, value: object) -> str:
     elif isinstance(value, (str, Path)):
         how = f"PIL.Image.open({str(value)!r})"
     else:
-        return f"{what} must be a PIL image, got {kind}"
-    return f"{what} must be a PIL image, got {kind}: pass {how}"
+        return f"{what} must be {expected}, got {kind}"
+    return f"{what} must be {expected}, got {kind}: pass {how}"
 
 
 # PIL modes whose pixels are not 8-bit: their convert("RGB") / convert("L") clips at 255 (16-bit, 32-bit
@@ -73,16 +73,20 @@ def wide_pixels(what: str, image: Image.Image) -> str | None:
     )
 
 
+def image_problem(what: str, value: object) -> str | None:
+    """Why `value` cannot be the picture `what` (not a PIL image, or pixels wider than 8 bits), or None."""
+    return not_pil(what, value) if not isinstance(value, Image.Image) else wide_pixels(what, value)
+
+
 def check_reference_image(image: object) -> None:
     """Raise ValueError unless `image` is a PIL image with both sides ≥ 64 px and an aspect ratio ≤ 8.
 
     `Flux2ImageProcessor.check_image_input`, on the image as given (before any resize), in our words.
     """
-    if not isinstance(image, Image.Image):
-        raise ValueError(not_pil("reference image", image))
-    wide = wide_pixels("reference image", image)
-    if wide is not None:
-        raise ValueError(wide)
+    problem = image_problem("reference image", image)
+    if problem is not None:
+        raise ValueError(problem)
+    assert isinstance(image, Image.Image)
     width, height = image.size
     if width < REFERENCE_MIN_SIDE or height < REFERENCE_MIN_SIDE:
         raise ValueError(
