@@ -345,7 +345,6 @@ def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
             "attention_act_fp8", f"{model} single 1024² B1", dtype, make,
             {
                 "one pass": lambda o, x, a: _fp8_bits(attention_act_quantize_triton(o, x, a)),
-                "resident": lambda o, x, a: _fp8_bits(attention_act_quantize_triton(o, x, a, resident=True)),
                 "three": _three_passes,
             },
             lambda o, x, a: _fp8_bits(attention_act_quantize_reference(o, x, a)),

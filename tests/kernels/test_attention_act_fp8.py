@@ -69,26 +69,6 @@ def test_both_halves_share_each_rows_scale(act, dtype):
 
 
 @interpreter
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("act", aa.ATTENTION_ACTS)
-def test_the_resident_row_variant_gives_the_same_bits(act, dtype):
-    """The whole row in one tile (read once) against the reference, on rows whose absmax sits in either half
-    and a row of zeros; a row wider than the tile is refused by name."""
-    o, x = heads(2, 5, 3, 32, dtype, "cpu"), pre_activation(2, 5, 96, 80, act, dtype, "cpu")
-    o[1, 2] = 0
-    x[1, 2] = 0
-    o[0, 1, 0, 3] = 40
-    x[0, 3, 7] = 60
-    assert_same(
-        aa.attention_act_quantize_triton(o, x, act, resident=True),
-        aa.attention_act_quantize_reference(o, x, act),
-    )
-    wide = pre_activation(1, 1, 96, aa.RESIDENT_MAX, act, dtype, "cpu")
-    with pytest.raises(UnsupportedInput, match="wider than the resident tile"):
-        aa.attention_act_quantize_triton(heads(1, 1, 3, 32, dtype, "cpu"), wide, act, resident=True)
-
-
-@interpreter
 def test_the_reference_is_the_eager_buffer_then_quantize():
     """What the block did before: write both halves into one 16-bit buffer, then quantize it."""
     o, x = (
@@ -128,7 +108,6 @@ def test_gpu_single_block_sites(site, n, dtype):
     o, x = heads(1, n, d // 128, 128, dtype, "cuda"), pre_activation(1, n, d, m, act, dtype, "cuda")
     want = aa.attention_act_quantize_reference(o, x, act)
     assert_same(aa.attention_act_quantize_triton(o, x, act), want)
-    assert_same(aa.attention_act_quantize_triton(o, x, act, resident=True), want)
 
 
 @gpu
