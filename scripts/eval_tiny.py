@@ -15,6 +15,11 @@ generalise.
 Usage: python scripts/eval_tiny.py [--model tiny --model tiny-flux2] [--seeds 2] [--json out.json] [--grid g.png]
        python scripts/eval_tiny.py --seen --sweeps 4
        python scripts/eval_tiny.py --dtype bfloat16; python scripts/eval_tiny.py --fp8-text   # FP8 encoders vs bf16
+       python scripts/eval_tiny.py --device cuda --variants   # lossless bf16 against high and FP8, PSNR + scores
+
+`--variants` is the image-quality check of the paths that are not bit-exact: the held-out prompts rendered by
+the bf16 `lossless` model, then by `quality="high"`, by the DiT quantized to FP8 at load (`fp8=True`), and by
+both, each scored as above and compared with the lossless pictures of the same noise (PSNR over all of them).
 """
 
 from __future__ import annotations
@@ -61,12 +66,20 @@ def hit_rates(images: list[np.ndarray], scenes: list[Scene]) -> dict[str, float]
 def evaluate(
     model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
     dtype: torch.dtype = torch.float32, fp8_text: bool = False, seen: bool = False, sweeps: int = 0,
+    quality: str = "lossless", fp8: bool = False,
 ) -> tuple[dict, list]:  # fmt: skip
     """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures (`fp8_text`: the
     text encoders quantized to FP8 at load, which computes in bf16). `seen` adds the same rates on prompts of
     the training distribution (`seen_prompts`); `sweeps` adds that many place sweeps (`place_sweeps`: one
     noise, every place word), whose `place_following` is 0 for a model that ignores place words."""
-    pipe = Pipeline.from_pretrained(model, device=device, dtype=dtype, fp8_text=fp8_text)
+    pipe = Pipeline.from_pretrained(
+        model,
+        device=device,
+        dtype=dtype,
+        fp8_text=fp8_text,
+        quality=quality,
+        fp8=fp8,  # type: ignore[arg-type]
+    )
     start = time.time()
     asked = [s for _ in range(seeds) for s in scenes]
     noise = [1000 * seed + i for seed in range(seeds) for i in range(len(scenes))]
@@ -74,6 +87,7 @@ def evaluate(
     report: dict = {**hit_rates(images, asked), "images": len(images)}
     report["seconds_per_image"] = round((time.time() - start) / len(images), 2)
     report.update(weights=pipe.weights_id, dtype=str(dtype).removeprefix("torch."), fp8_text=fp8_text)
+    report.update(quality=quality, fp8=fp8)
     if seen:
         familiar = seen_prompts(len(scenes))
         report["seen"] = hit_rates(render_all(pipe, familiar, list(range(len(familiar))), batch), familiar)
@@ -85,6 +99,29 @@ def evaluate(
             follow.append(place_following(found, group))
         report["place_following"] = round(float(np.mean(follow)), 3)
     return report, list(zip([s.caption for s in asked], images, strict=True))
+
+
+VARIANTS = {"high": ("high", False), "fp8": ("lossless", True), "fp8 high": ("high", True)}
+
+
+def psnr(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """PSNR in dB of pictures `b` against `a` over all their pixels (8-bit; inf when equal)."""
+    mse = float(np.mean([((x.astype(np.float64) - y) ** 2).mean() for x, y in zip(a, b, strict=True)]))
+    return float("inf") if mse == 0 else 10 * float(np.log10(255**2 / mse))
+
+
+def compare_variants(model: str, scenes: list[Scene], device: str) -> dict:
+    """The held-out scores of bf16 `lossless` and of each entry of `VARIANTS`, each variant's PSNR against the
+    lossless pictures of the same noise and its scores' change (percentage points)."""
+    base, base_pics = evaluate(model, scenes, 1, device, dtype=torch.bfloat16)
+    ref = [image for _, image in base_pics]
+    out: dict = {"lossless": {k: base[k] for k in TARGETS}}
+    for name, (quality, fp8) in VARIANTS.items():
+        rates, pics = evaluate(model, scenes, 1, device, dtype=torch.bfloat16, quality=quality, fp8=fp8)
+        out[name] = {k: rates[k] for k in TARGETS}
+        out[name]["psnr_db"] = round(psnr(ref, [image for _, image in pics]), 2)
+        out[name]["change_points"] = {k: round(100 * (rates[k] - base[k]), 1) for k in TARGETS}
+    return out
 
 
 def write_grid(rows: list[tuple[str, list[tuple[str, np.ndarray]]]], path: Path, cell: int = 128) -> None:
@@ -130,6 +167,11 @@ def main() -> None:
         default=0,
         help="also measure how far shapes follow their place words over N sweeps (one noise, every place)",
     )
+    ap.add_argument(
+        "--variants",
+        action="store_true",
+        help="also render in bf16 lossless, high, FP8 and FP8 high: scores and PSNR against lossless",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--grid", type=Path, default=None)
     args = ap.parse_args()
@@ -155,6 +197,11 @@ def main() -> None:
             print(
                 f"{model}: place following {rates['place_following']:.2f} (1 follows the place words, 0 ignores them)"
             )
+        if args.variants:
+            rates["variants"] = compare_variants(model, scenes, args.device)
+            for name, row in rates["variants"].items():
+                print(f"{model} {name}: " + ", ".join(f"{k} {row[k]:.1%}" for k in TARGETS), end="")
+                print(f", PSNR {row['psnr_db']} dB vs lossless" if "psnr_db" in row else "")
     if args.json is not None:
         args.json.write_text(
             json.dumps({"targets": TARGETS, "held_out_prompts": len(scenes), **report}, indent=1)

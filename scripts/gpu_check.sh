@@ -21,12 +21,15 @@
 #                                       grid (the shipped weights' are in the README); the new DiTs come back as $OUT/<name>.safetensors
 #                                       (copy them over the shipped DiT files if they score better); FG > 0 weights
 #                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight)
+#   bash scripts/gpu_check.sh tiny-final [SECONDS]  train-tiny with FG 4, then the new DiTs' image-quality check of the
+#                                       paths that are not bit-exact (eval_tiny.py --variants: high, FP8, both against
+#                                       bf16 lossless) and the GPU tests of the pipelines that run the tiny models
 #   bash scripts/gpu_check.sh fp8-single   the single block's one-pass [attention | activation] FP8 producer: its GPU
 #                                       tests and the FP8 ones, kernel_check against the three kernels it replaces,
 #                                       the FP8 bench (FLUX.1-dev, FLUX.2-dev, klein-4B)
 #   bash scripts/gpu_check.sh memory-rerun  FLUX.1-dev FP8 (ours) and FLUX.2-dev FP8 memory plans, each budget's
 #                                       second call timed (after the graph-pool planning fix)
-#   bash scripts/gpu_check.sh fp8-profile  attention_act_fp8's GPU tests and its variants timed (two sweeps, resident row,
+#   bash scripts/gpu_check.sh fp8-profile  attention_act_fp8's GPU tests and its variants timed (two sweeps against
 #                                       the three kernels), then FLUX.2-dev's FP8 step profiled (the kernel table)
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
@@ -143,6 +146,28 @@ case "$phase" in
       fi
     done
     timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
+    ;;
+  tiny-final)
+    secs=${2:-300}
+    for fam in flux1 flux2; do
+      name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
+      timeout $((secs + 120)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
+        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 --fg-weight 4 \
+        > "$OUT/train_$name.log" 2>&1 &
+    done
+    wait
+    for name in tiny tiny-flux2; do
+      dit=$([ $name = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
+      if [ -f "/tmp/train/$name/loss.json" ]; then
+        cp "/tmp/train/$name/$dit" "$OUT/$name.safetensors"; cp "/tmp/train/$name/loss.json" "$OUT/${name}_loss.json"
+        cp "/tmp/train/$name/$dit" "flux_runtime/assets/models/$name/$dit"
+      else
+        echo "$name: training wrote no weights"; status=1
+      fi
+    done
+    timeout 100 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
+    timeout 80 python3 scripts/eval_tiny.py --device cuda --variants --json "$OUT/eval_variants.json" 2>&1 | grep -v "^\[" | tail -12 || status=1
+    timeout 90 python3 -m pytest -q -m gpu tests/pipeline/test_flux1_pipeline.py tests/pipeline/test_flux2_pipeline.py tests/lora/test_fp8_lora.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     ;;
   fp8-single)
     timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py tests/kernels/test_fp8.py tests/fp8/test_fp8_pipeline.py tests/fp8/test_fp8_loading.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_single.txt" | tail -6 || status=1
