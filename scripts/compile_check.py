@@ -30,7 +30,10 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flux_runtime.kernels.attention_act_fp8 import _attention_act_quant_rows_kernel
+from flux_runtime.kernels.attention_act_fp8 import (
+    _attention_act_quant_persistent_kernel,
+    _attention_act_quant_rows_kernel,
+)
 from flux_runtime.kernels.fp8 import _act_quant_rows_kernel
 from flux_runtime.kernels.gelu import K_BETA, K_KAPPA
 from flux_runtime.kernels.layer_norm_modulate import _layer_norm_modulate_rows_kernel
@@ -92,6 +95,7 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"residual_layer_norm_modulate D1000 fp8 per-row {dt}", _layer_norm_modulate_rows_kernel, rows8_sig, {"ITERS": 2, "EVEN": False, "HAS_RESIDUAL": True, "QUANT": 2, **rows}),
         (f"attention_act_fp8 gelu_tanh {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa}),
         (f"attention_act_fp8 swiglu {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 2, **aa}),
+        (f"attention_act_fp8 persistent swiglu {dt}", _attention_act_quant_persistent_kernel, aa_sig | _ints("ROWS"), {"ACT": 2, **aa}),
         (f"fp8_quantize per-row one block {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 0, "BLOCK_N": 16384, "ONE_BLOCK": True, **aq}),
         (f"swiglu_fp8 per-row blocks {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 2, "BLOCK_N": 2048, "ONE_BLOCK": False, **aq}),
         (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
