@@ -42,14 +42,18 @@ TARGETS = {"background": 0.95, "colour": 0.90, "place": 0.80}
 
 
 def render_all(
-    pipe: Pipeline, scenes: list[Scene], seeds: list[int], batch: int = 8
+    pipe: Pipeline, scenes: list[Scene], seeds: list[int], batch: int = 8, ran: dict | None = None
 ) -> list[np.ndarray]:  # fmt: skip
-    """One picture per scene at the model's defaults, scene `k` drawn with generator seed `seeds[k]`."""
+    """One picture per scene at the model's defaults, scene `k` drawn with generator seed `seeds[k]`; `ran`
+    receives the provenance's tier and precision (what actually ran, e.g. `lossless` where `high` needs a
+    GPU)."""
     images: list[np.ndarray] = []
     for i in range(0, len(scenes), batch):
         gens = [torch.Generator().manual_seed(s) for s in seeds[i : i + batch]]
         out = pipe([s.caption for s in scenes[i : i + batch]], generator=gens, output_type="np")
         images.extend(out.images)
+        if ran is not None:
+            ran.update(quality=out.info["quality"], precision=out.info["precision"])
     return images
 
 
@@ -83,8 +87,9 @@ def evaluate(
     start = time.time()
     asked = [s for _ in range(seeds) for s in scenes]
     noise = [1000 * seed + i for seed in range(seeds) for i in range(len(scenes))]
-    images = render_all(pipe, asked, noise, batch)
-    report: dict = {**hit_rates(images, asked), "images": len(images)}
+    ran: dict = {}
+    images = render_all(pipe, asked, noise, batch, ran)
+    report: dict = {**hit_rates(images, asked), "images": len(images), "ran": ran}
     report["seconds_per_image"] = round((time.time() - start) / len(images), 2)
     report.update(weights=pipe.weights_id, dtype=str(dtype).removeprefix("torch."), fp8_text=fp8_text)
     report.update(quality=quality, fp8=fp8)
@@ -115,10 +120,10 @@ def compare_variants(model: str, scenes: list[Scene], device: str) -> dict:
     lossless pictures of the same noise and its scores' change (percentage points)."""
     base, base_pics = evaluate(model, scenes, 1, device, dtype=torch.bfloat16)
     ref = [image for _, image in base_pics]
-    out: dict = {"lossless": {k: base[k] for k in TARGETS}}
+    out: dict = {"lossless": {k: base[k] for k in TARGETS} | {"ran": base["ran"]}}
     for name, (quality, fp8) in VARIANTS.items():
         rates, pics = evaluate(model, scenes, 1, device, dtype=torch.bfloat16, quality=quality, fp8=fp8)
-        out[name] = {k: rates[k] for k in TARGETS}
+        out[name] = {k: rates[k] for k in TARGETS} | {"ran": rates["ran"]}
         out[name]["psnr_db"] = round(psnr(ref, [image for _, image in pics]), 2)
         out[name]["change_points"] = {k: round(100 * (rates[k] - base[k]), 1) for k in TARGETS}
     return out
@@ -201,7 +206,8 @@ def main() -> None:
             rates["variants"] = compare_variants(model, scenes, args.device)
             for name, row in rates["variants"].items():
                 print(f"{model} {name}: " + ", ".join(f"{k} {row[k]:.1%}" for k in TARGETS), end="")
-                print(f", PSNR {row['psnr_db']} dB vs lossless" if "psnr_db" in row else "")
+                print(f", PSNR {row['psnr_db']} dB vs lossless" if "psnr_db" in row else "", end="")
+                print(f" (ran {row['ran']['quality']}, {row['ran']['precision']})" if "ran" in row else "")
     if args.json is not None:
         args.json.write_text(
             json.dumps({"targets": TARGETS, "held_out_prompts": len(scenes), **report}, indent=1)

@@ -157,5 +157,7 @@ def test_high_and_fp8_draw_what_lossless_draws(name: str) -> None:
     got = eval_tiny.compare_variants(name, eval_tiny.held_out_prompts(), "cuda")
     for variant, floor_db in (("high", 45.0), ("fp8", 30.0), ("fp8 high", 30.0)):
         row = got[variant]
+        assert row["ran"]["quality"] == ("high" if "high" in variant else "lossless"), row
+        assert row["ran"]["precision"].startswith("fp8") == ("fp8" in variant), row
         assert row["psnr_db"] >= floor_db, f"{name} {variant}: {row}"
         assert all(abs(v) <= 5.0 for v in row["change_points"].values()), f"{name} {variant}: {row}"
