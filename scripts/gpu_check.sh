@@ -125,10 +125,10 @@ case "$phase" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
     timeout 560 python3 scripts/bench_serve.py --model flux1-dev --random-weights --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
     ;;
-  train-tiny)
+  train-tiny|tiny-final)
     # $OUT brings back at most 8 files: each model's DiT and loss log (its autoencoder and, frozen, its text
-    # encoders are the shipped ones), the held-out scores, the grid and the two training logs
-    secs=${2:-360}; batch=${3:-128}; fg=${4:-0}  # 10 minutes a call: the pool's encode, training, the scores
+    # encoders are the shipped ones), the held-out scores, the grid and the training logs
+    if [ "$phase" = tiny-final ]; then secs=${2:-300}; batch=128; fg=4; else secs=${2:-360}; batch=${3:-128}; fg=${4:-0}; fi
     for fam in flux1 flux2; do
       name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
       timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
@@ -136,8 +136,8 @@ case "$phase" in
         > "$OUT/train_$name.log" 2>&1 &
     done
     wait
-    tail -3 "$OUT"/train_*.log
     for name in tiny tiny-flux2; do
+      tail -n 3 "$OUT/train_$name.log"
       dit=$([ $name = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
       if [ -f "/tmp/train/$name/loss.json" ]; then
         cp "/tmp/train/$name/$dit" "$OUT/$name.safetensors"; cp "/tmp/train/$name/loss.json" "$OUT/${name}_loss.json"
@@ -147,28 +147,10 @@ case "$phase" in
       fi
     done
     timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
-    ;;
-  tiny-final)
-    secs=${2:-300}
-    for fam in flux1 flux2; do
-      name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
-      timeout $((secs + 120)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
-        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 --fg-weight 4 \
-        > "$OUT/train_$name.log" 2>&1 &
-    done
-    wait
-    for name in tiny tiny-flux2; do
-      dit=$([ $name = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
-      if [ -f "/tmp/train/$name/loss.json" ]; then
-        cp "/tmp/train/$name/$dit" "$OUT/$name.safetensors"; cp "/tmp/train/$name/loss.json" "$OUT/${name}_loss.json"
-        cp "/tmp/train/$name/$dit" "flux_runtime/assets/models/$name/$dit"
-      else
-        echo "$name: training wrote no weights"; status=1
-      fi
-    done
-    timeout 100 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --json "$OUT/eval_after.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
-    timeout 80 python3 scripts/eval_tiny.py --device cuda --variants --json "$OUT/eval_variants.json" 2>&1 | grep -v "^\[" | tail -12 || status=1
-    timeout 90 python3 -m pytest -q -m gpu tests/pipeline/test_flux1_pipeline.py tests/pipeline/test_flux2_pipeline.py tests/lora/test_fp8_lora.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    if [ "$phase" = tiny-final ]; then
+      timeout 80 python3 scripts/eval_tiny.py --device cuda --variants --json "$OUT/eval_variants.json" 2>&1 | grep -v "^\[" | tail -12 || status=1
+      timeout 90 python3 -m pytest -q -m gpu tests/pipeline/test_flux1_pipeline.py tests/pipeline/test_flux2_pipeline.py tests/pipeline/test_tiny_models.py tests/lora/test_fp8_lora.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    fi
     ;;
   fp8-single)
     timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py tests/kernels/test_fp8.py tests/fp8/test_fp8_pipeline.py tests/fp8/test_fp8_loading.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_single.txt" | tail -6 || status=1
