@@ -16,8 +16,10 @@
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
-#   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH [FG]]]  both tiny models' DiTs trained on from the shipped weights (the
-#                                       shipped text encoders frozen, SECONDS each [360], side by side), then their held-out scores and
+#   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH [FG [TEXT]]]]  both tiny models' DiTs trained on from the shipped weights
+#                                       (the shipped text encoders frozen, or trained too with TEXT=train; SECONDS each [360],
+#                                       side by side; with TEXT=train each model's DiT, loss log and text encoders come
+#                                       back as one $OUT/<name>.tar), then their held-out scores and
 #                                       grid (the shipped weights' are in the README); the new DiTs come back as $OUT/<name>.safetensors
 #                                       (copy them over the shipped DiT files if they score better); FG > 0 weights
 #                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight)
@@ -128,11 +130,12 @@ case "$phase" in
   train-tiny|tiny-final)
     # $OUT brings back at most 8 files: each model's DiT and loss log (its autoencoder and, frozen, its text
     # encoders are the shipped ones), the held-out scores, the grid and the training logs
-    if [ "$phase" = tiny-final ]; then secs=${2:-300}; batch=128; fg=4; else secs=${2:-360}; batch=${3:-128}; fg=${4:-0}; fi
+    if [ "$phase" = tiny-final ]; then secs=${2:-300}; batch=128; fg=4; text=frozen; else secs=${2:-360}; batch=${3:-128}; fg=${4:-0}; text=${5:-frozen}; fi
+    freeze=$([ "$text" = train ] && echo "" || echo --freeze-text)  # TEXT=train: the text encoders train with the DiT
     for fam in flux1 flux2; do
       name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
       timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
-        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --freeze-text --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" --fg-weight "$fg" \
+        --resume "flux_runtime/assets/models/$name" --vae-steps 0 $freeze --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" --fg-weight "$fg" \
         > "$OUT/train_$name.log" 2>&1 &
     done
     wait
@@ -140,7 +143,12 @@ case "$phase" in
       tail -n 3 "$OUT/train_$name.log"
       dit=$([ $name = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
       if [ -f "/tmp/train/$name/loss.json" ]; then
-        cp "/tmp/train/$name/$dit" "$OUT/$name.safetensors"; cp "/tmp/train/$name/loss.json" "$OUT/${name}_loss.json"
+        if [ "$text" = train ]; then  # the DiT, the loss log and the text encoders, one file (8 come back at most)
+          tar -C "/tmp/train/$name" -cf "$OUT/$name.tar" "$dit" loss.json $(cd "/tmp/train/$name" && ls -d text_encoder*)
+          cp -r "/tmp/train/$name"/text_encoder* "flux_runtime/assets/models/$name/"
+        else
+          cp "/tmp/train/$name/$dit" "$OUT/$name.safetensors"; cp "/tmp/train/$name/loss.json" "$OUT/${name}_loss.json"
+        fi
         cp "/tmp/train/$name/$dit" "flux_runtime/assets/models/$name/$dit"  # scored below in place of the shipped DiT
       else
         echo "$name: training wrote no weights"; status=1
