@@ -26,6 +26,7 @@ Usage: `python scripts/kernel_check.py [--no-bench] [--bench-fp16] [--tune] [--o
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 import time
@@ -327,8 +328,9 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
 
 
+@functools.cache
 def _sms() -> int:
-    """The GPU's streaming multiprocessors (132 on an H200)."""
+    """The GPU's streaming multiprocessors (132 on an H200), read once: it is called inside timed launches."""
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 

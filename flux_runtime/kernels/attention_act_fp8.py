@@ -101,53 +101,31 @@ def _attention_act_quant_rows_kernel(
     stride_oh,
     stride_xb,
     stride_xl,
+    ROWS,  # B * L
     ACT: tl.constexpr,  # 1 tanh-GELU, 2 SwiGLU (fp8.ACTS)
     BLOCK: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     GPU: tl.constexpr,
     BETA: tl.constexpr,
     KAPPA: tl.constexpr,
 ):
-    # grid: (L, B); one row per program
+    # grid (L, B): one row per program. PERSISTENT, grid (P,): each program takes every P-th row, so only P
+    # rows are in flight and the second sweep's re-reads can come from L2
     DTYPE = x_ptr.dtype.element_ty
-    b = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0).to(tl.int64)
-    row, o_row, x_row, q_row = _row_pointers(
-        o_ptr, x_ptr, q_ptr, b, pos, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
-    )
-    _quantize_row(
-        o_row, x_row, q_row, scale_ptr, row, D, N, HD, stride_oh, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA
-    )
-
-
-@jit
-def _attention_act_quant_persistent_kernel(
-    o_ptr,  # as `_attention_act_quant_rows_kernel`
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    L,
-    D,
-    N,
-    HD,
-    stride_ob,
-    stride_ol,
-    stride_oh,
-    stride_xb,
-    stride_xl,
-    ROWS,  # B * L
-    ACT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    GPU: tl.constexpr,
-    BETA: tl.constexpr,
-    KAPPA: tl.constexpr,
-):
-    # grid: (programs,); each program takes every programs-th row, so only that many rows are in flight and
-    # the second sweep's re-reads can come from L2
-    DTYPE = x_ptr.dtype.element_ty
-    for r in range(tl.program_id(0), ROWS, tl.num_programs(0)):
-        r64 = tl.cast(r, tl.int64)
+    if PERSISTENT:
+        for r in range(tl.program_id(0), ROWS, tl.num_programs(0)):
+            r64 = tl.cast(r, tl.int64)
+            row, o_row, x_row, q_row = _row_pointers(
+                o_ptr, x_ptr, q_ptr, r64 // L, r64 % L, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
+            )
+            _quantize_row(
+                o_row, x_row, q_row, scale_ptr, row, D, N, HD, stride_oh, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA
+            )
+    else:
+        b = tl.program_id(1).to(tl.int64)
+        pos = tl.program_id(0).to(tl.int64)
         row, o_row, x_row, q_row = _row_pointers(
-            o_ptr, x_ptr, q_ptr, r64 // L, r64 % L, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
+            o_ptr, x_ptr, q_ptr, b, pos, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
         )
         _quantize_row(
             o_row, x_row, q_row, scale_ptr, row, D, N, HD, stride_oh, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA
@@ -191,13 +169,12 @@ def attention_act_quantize_triton(
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
-    if programs is None:
-        _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=4, **consts)
-    else:
-        if programs < 1:
-            raise ValueError(f"{op}: programs must be a positive count, got {programs}")
-        grid = (min(programs, b * length),)
-        _attention_act_quant_persistent_kernel[grid](*args, b * length, BLOCK=block, num_warps=4, **consts)
+    if programs is not None and programs < 1:
+        raise ValueError(f"{op}: programs must be a positive count, got {programs}")
+    grid = (length, b) if programs is None else (min(programs, b * length),)
+    _attention_act_quant_rows_kernel[grid](
+        *args, b * length, BLOCK=block, PERSISTENT=programs is not None, num_warps=4, **consts
+    )
     return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))
 
 
