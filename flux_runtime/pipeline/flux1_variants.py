@@ -29,7 +29,7 @@ from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.sources import Sources
 from flux_runtime.registry import Variant, spec_for
 from flux_runtime.sampling import draw_noise, image_ids, latent_size, pack
-from flux_runtime.sampling.reference_images import image_problem
+from flux_runtime.sampling.reference_images import require_image
 
 if TYPE_CHECKING:
     from flux_runtime.pipeline.flux1 import Pipeline
@@ -127,9 +127,8 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
     call.true_cfg_scale = float(scale) if scale > 1 and negative is not None else 1.0
     image, mask, strength = inputs["image"], inputs["mask_image"], inputs["strength"]
     for arg in ("image", "mask_image", "control_image"):
-        problem = None if inputs[arg] is None else image_problem(arg, inputs[arg])
-        if problem is not None:
-            raise FluxError(problem)
+        if inputs[arg] is not None:
+            require_image(arg, inputs[arg], FluxError)
     if inputs["max_area"] is not None and pipe.variant != "kontext":
         raise FluxError(f"max_area is a Kontext setting; {pipe.model_name} is not a Kontext checkpoint")
     if pipe.variant == "kontext":

@@ -37,8 +37,8 @@ from flux_runtime.sampling.reference_images import (
     EncodeFn,
     check_references,
     encode_reference,
-    image_problem,
     not_pil,
+    require_image,
 )
 
 # BFL's limits: references per call, the single reference's canvas (area, sides), several references' area.
@@ -82,10 +82,8 @@ def check_flux3_references(images: object) -> list[Image.Image]:
         raise ValueError("image is an empty list: pass None for no reference images")
     if len(given) > MAX_REFERENCES:
         raise ValueError(f"{len(given)} reference images given; FLUX.3 takes at most {MAX_REFERENCES}")
-    for k, image in enumerate(given):
-        problem = image_problem(f"reference image {k}", image)
-        if problem is not None:
-            raise ValueError(problem)
+    for k, value in enumerate(given):
+        image = require_image(f"reference image {k}", value)
         if image.width < 1 or image.height < 1:
             raise ValueError(f"reference image {k} is empty ({image.width}x{image.height})")
     return list(given)

@@ -73,9 +73,15 @@ def wide_pixels(what: str, image: Image.Image) -> str | None:
     )
 
 
-def image_problem(what: str, value: object) -> str | None:
-    """Why `value` cannot be the picture `what` (not a PIL image, or pixels wider than 8 bits), or None."""
-    return not_pil(what, value) if not isinstance(value, Image.Image) else wide_pixels(what, value)
+def require_image(what: str, value: object, error: type[Exception] = ValueError) -> Image.Image:
+    """`value` if it can be the picture `what`; else `error` saying why (not a PIL image, or pixels wider
+    than 8 bits)."""
+    if not isinstance(value, Image.Image):
+        raise error(not_pil(what, value))
+    wide = wide_pixels(what, value)
+    if wide is not None:
+        raise error(wide)
+    return value
 
 
 def check_reference_image(image: object) -> None:
@@ -83,10 +89,7 @@ def check_reference_image(image: object) -> None:
 
     `Flux2ImageProcessor.check_image_input`, on the image as given (before any resize), in our words.
     """
-    problem = image_problem("reference image", image)
-    if problem is not None:
-        raise ValueError(problem)
-    assert isinstance(image, Image.Image)
+    image = require_image("reference image", image)
     width, height = image.size
     if width < REFERENCE_MIN_SIDE or height < REFERENCE_MIN_SIDE:
         raise ValueError(
