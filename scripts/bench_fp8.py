@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench
 import bench_flux2
 
+from flux_runtime.kernels.attention_act_fp8 import set_programs_per_sm
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.fp8 import E4M3
 from flux_runtime.models.dit import FLUX1_DEV
@@ -46,6 +47,7 @@ DEV = torch.device("cuda")
 cuda_time = bench.cuda_time
 RESULTS: dict[str, object] = {}
 PROFILE = False
+ATTENTION_ACT_PROGRAMS: list[int] = []
 
 
 def print_fp8_table(
@@ -60,11 +62,16 @@ def print_fp8_table(
         f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
         f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
     )
-    if "attention_step_layout" in floor:
-        print(
-            f"| (attention on the step's strided q, k, v: {floor['attention_step_layout']:.1f}; not in the floor) "
-            "| | | | | | |"
-        )
+    for key, label in (
+        ("step_layout", "the step's strided q, k, v"),
+        ("qk_bhld", "q, k contiguous (B, H, L, Dh), v strided"),
+        ("all_bhld", "q, k, v contiguous"),
+    ):
+        if f"attention_{key}" in floor:
+            same = "same bits" if floor[f"attention_{key}_equal"] else "different bits"
+            print(
+                f"| (attention, {label}: {floor[f'attention_{key}']:.1f}, {same}; not in the floor) | | | | | | |"
+            )
     d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
     for label, ms in times.items():
         print(
@@ -131,24 +138,34 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
     out["attention"] = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
         lambda: F.scaled_dot_product_attention(q, k, v), iters=20
     )
-    out["attention_step_layout"] = (cfg.depth + cfg.depth_single_blocks) * step_layout_attention_ms(
-        cfg, L, 3 * d + up
-    )
+    layouts = step_layout_attention(cfg, L, 3 * d + up)
+    for key, (ms, same) in layouts.items():
+        out[f"attention_{key}"] = (cfg.depth + cfg.depth_single_blocks) * ms
+        out[f"attention_{key}_equal"] = same
     out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
     return out
 
 
-def step_layout_attention_ms(cfg, length: int, width: int) -> float:
+def step_layout_attention(cfg, length: int, width: int) -> dict[str, tuple[float, bool]]:
     """One SDPA call as the single block makes it (and diffusers does): q and k (B, L, H, Dh) tensors and v a
-    column slice of `linear1`'s (B, L, `width`) output, each seen as (B, H, L, Dh). Beside the floor's
-    contiguous (B, H, L, Dh) call it says what the layout costs (not part of the floor's total)."""
+    column slice of `linear1`'s (B, L, `width`) output, each seen as (B, H, L, Dh); then the same values with
+    q and k contiguous in (B, H, L, Dh) (what a RoPE kernel could write), and with all three contiguous.
+    Each entry is (ms, whether its output is `torch.equal` to the step layout's): a layout change can only
+    enter `lossless` if it keeps the bits. Not part of the floor's total."""
     shape = (1, length, cfg.num_heads, cfg.head_dim)
     q, k = (torch.randn(shape, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     packed = torch.randn(1, length, width, device=DEV, dtype=torch.bfloat16)
     d = cfg.num_heads * cfg.head_dim
     v = packed[..., 2 * d : 3 * d].unflatten(-1, (cfg.num_heads, cfg.head_dim))
-    args = [t.permute(0, 2, 1, 3) for t in (q, k, v)]
-    return cuda_time(lambda: F.scaled_dot_product_attention(*args), iters=20)
+    step = [t.permute(0, 2, 1, 3) for t in (q, k, v)]
+    qk_bhld = [step[0].contiguous(), step[1].contiguous(), step[2]]
+    all_bhld = [t.contiguous() for t in step]
+    ref = F.scaled_dot_product_attention(*step)
+    out = {}
+    for key, args in (("step_layout", step), ("qk_bhld", qk_bhld), ("all_bhld", all_bhld)):
+        ms = cuda_time(lambda args=args: F.scaled_dot_product_attention(*args), iters=20)
+        out[key] = (ms, bool(torch.equal(F.scaled_dot_product_attention(*args), ref)))
+    return out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -244,6 +261,13 @@ def bench_model(name: str, iters: int) -> bool:
     expected_fp8 = measure("ours fp8 eager reference", ours_step(ours, "off"))
     measure("ours fp8 lossless eager", ours_step(ours, "lossless"), expected_fp8)
     out_fp8 = measure("ours fp8 lossless + graph", graphed(ours, "lossless"), expected_fp8)
+    for (
+        per_sm
+    ) in ATTENTION_ACT_PROGRAMS:  # the single block's [attention | act] producer, persistent launches
+        set_programs_per_sm(per_sm)
+        label = f"ours fp8 lossless + graph, attention_act_fp8 {per_sm} programs/SM"
+        measure(label, graphed(ours, "lossless"), expected_fp8)
+    set_programs_per_sm(None)
     print(fused_ops_report(), flush=True)
     if PROFILE:
         bench.profile_step(ours_step(ours, "lossless"))
@@ -437,9 +461,16 @@ def main() -> int:
     ap.add_argument(
         "--flux3-cases", default="t2i,ref", help="FLUX.3: t2i (text to image), ref (one reference)"
     )
+    ap.add_argument(
+        "--attention-act-programs",
+        default="",
+        help="comma-separated programs per SM: the FP8 lossless + graph step again with the single block's "
+        "[attention | act] producer launched persistent at each (same bits; a row per setting)",
+    )
     args = ap.parse_args()
     global PROFILE
     PROFILE = args.profile
+    ATTENTION_ACT_PROGRAMS[:] = [int(p) for p in args.attention_act_programs.split(",") if p]
     if not torch.cuda.is_available():
         print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -178,8 +178,31 @@ def attention_act_quantize_triton(
     return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))
 
 
+# Programs per SM of the dispatched launch; None is one program per row. A measured choice, settable for
+# timing the alternatives inside a whole step (`scripts/bench_fp8.py --attention-act-programs`).
+PROGRAMS_PER_SM: int | None = None
+
+
+def set_programs_per_sm(per_sm: int | None) -> None:
+    """Launch the dispatched kernel with `per_sm` programs per SM (persistent), or one per row (None).
+
+    Every setting gives the same bits (the kernel's tests check each); only the time differs."""
+    global PROGRAMS_PER_SM
+    if per_sm is not None and per_sm < 1:
+        raise ValueError(f"attention_act_fp8: programs per SM must be a positive count, got {per_sm}")
+    PROGRAMS_PER_SM = per_sm
+
+
+def _dispatched(o: Tensor, x: Tensor, act: str) -> Fp8Act:
+    """`attention_act_quantize_triton` with the launch `PROGRAMS_PER_SM` picks."""
+    if PROGRAMS_PER_SM is None:
+        return attention_act_quantize_triton(o, x, act)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return attention_act_quantize_triton(o, x, act, programs=PROGRAMS_PER_SM * sms)
+
+
 _ATTENTION_ACT_FP8 = FusedOp(
-    "attention_act_fp8", fused=attention_act_quantize_triton, reference=attention_act_quantize_reference
+    "attention_act_fp8", fused=_dispatched, reference=attention_act_quantize_reference
 )
 
 
