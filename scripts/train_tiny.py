@@ -24,7 +24,7 @@ and its latent statistics (FLUX.1's preset factors, FLUX.2's BatchNorm) stay, so
 encoders train on.
 
 `--freeze-text` keeps the text encoders as they are and embeds the pool's captions once: a step then runs no
-encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the shipped
+encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the first
 run FLUX.2's DiT (the same width and depth as FLUX.1's) made 1,700 steps in the 285 s FLUX.1's made 4,850 in.
 
 Usage (one H200, both families side by side, about 7 minutes):
