@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench
 import bench_flux2
 
-from flux_runtime.kernels.attention_act_fp8 import set_programs_per_sm
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.fp8 import E4M3
 from flux_runtime.models.dit import FLUX1_DEV
@@ -47,7 +46,6 @@ DEV = torch.device("cuda")
 cuda_time = bench.cuda_time
 RESULTS: dict[str, object] = {}
 PROFILE = False
-ATTENTION_ACT_PROGRAMS: list[int] = []
 
 
 def print_fp8_table(
@@ -261,13 +259,6 @@ def bench_model(name: str, iters: int) -> bool:
     expected_fp8 = measure("ours fp8 eager reference", ours_step(ours, "off"))
     measure("ours fp8 lossless eager", ours_step(ours, "lossless"), expected_fp8)
     out_fp8 = measure("ours fp8 lossless + graph", graphed(ours, "lossless"), expected_fp8)
-    for (
-        per_sm
-    ) in ATTENTION_ACT_PROGRAMS:  # the single block's [attention | act] producer, persistent launches
-        set_programs_per_sm(per_sm)
-        label = f"ours fp8 lossless + graph, attention_act_fp8 {per_sm} programs/SM"
-        measure(label, graphed(ours, "lossless"), expected_fp8)
-    set_programs_per_sm(None)
     print(fused_ops_report(), flush=True)
     if PROFILE:
         bench.profile_step(ours_step(ours, "lossless"))
@@ -461,16 +452,9 @@ def main() -> int:
     ap.add_argument(
         "--flux3-cases", default="t2i,ref", help="FLUX.3: t2i (text to image), ref (one reference)"
     )
-    ap.add_argument(
-        "--attention-act-programs",
-        default="",
-        help="comma-separated programs per SM: the FP8 lossless + graph step again with the single block's "
-        "[attention | act] producer launched persistent at each (same bits; a row per setting)",
-    )
     args = ap.parse_args()
     global PROFILE
     PROFILE = args.profile
-    ATTENTION_ACT_PROGRAMS[:] = [int(p) for p in args.attention_act_programs.split(",") if p]
     if not torch.cuda.is_available():
         print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -62,10 +62,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     rows_sig |= _ints(*(f"stride_{n}" for n in ("xb", "xl", "gate", "ub", "ul", "shift", "scale")))
     rows8_sig = rows_sig | {"y_out_ptr": "*u8"}
     aa_sig = {"o_ptr": f"*{dt}", "x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32"}
-    aa_sig |= _ints(
-        "L", "D", "N", "HD", "stride_ob", "stride_ol", "stride_oh", "stride_xb", "stride_xl", "ROWS"
-    )
-    aa = {"BLOCK": 2048, "PERSISTENT": False, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
+    aa_sig |= _ints("L", "D", "N", "HD", "stride_ob", "stride_ol", "stride_oh", "stride_xb", "stride_xl")
+    aa = {"BLOCK": 2048, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
     aq_sig = {"x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32", "inv_ptr": "*fp32"}
     aq_sig |= _ints("L", "N", "stride_xb", "stride_xl", "stride_qb", "stride_ql")
     aq = {"DYNAMIC": True, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
@@ -94,7 +92,6 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"residual_layer_norm_modulate D1000 fp8 per-row {dt}", _layer_norm_modulate_rows_kernel, rows8_sig, {"ITERS": 2, "EVEN": False, "HAS_RESIDUAL": True, "QUANT": 2, **rows}),
         (f"attention_act_fp8 gelu_tanh {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa}),
         (f"attention_act_fp8 swiglu {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 2, **aa}),
-        (f"attention_act_fp8 persistent swiglu {dt}", _attention_act_quant_rows_kernel, aa_sig, {**aa, "ACT": 2, "PERSISTENT": True}),
         (f"fp8_quantize per-row one block {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 0, "BLOCK_N": 16384, "ONE_BLOCK": True, **aq}),
         (f"swiglu_fp8 per-row blocks {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 2, "BLOCK_N": 2048, "ONE_BLOCK": False, **aq}),
         (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),

@@ -31,10 +31,9 @@
 #                                       the FP8 bench (FLUX.1-dev, FLUX.2-dev, klein-4B)
 #   bash scripts/gpu_check.sh memory-rerun  FLUX.1-dev FP8 (ours) and FLUX.2-dev FP8 memory plans, each budget's
 #                                       second call timed (after the graph-pool planning fix)
-#   bash scripts/gpu_check.sh fp8-profile  attention_act_fp8's GPU tests and its variants timed (a program per row, 2/4/8
-#                                       programs per SM, the three kernels), then FLUX.2-dev's FP8 step profiled (the
-#                                       kernel table), the step again with the persistent launch at 1/2/4/8 programs
-#                                       per SM, and SDPA timed on the step's strided q, k, v and two contiguous layouts
+#   bash scripts/gpu_check.sh fp8-profile  attention_act_fp8's GPU tests and kernel_check (against the three kernels it
+#                                       replaces), then FLUX.2-dev's FP8 step profiled (the kernel table), with SDPA
+#                                       timed on the step's strided q, k, v and two contiguous layouts
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
@@ -174,7 +173,7 @@ case "$phase" in
   fp8-profile)
     timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     timeout 60 python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | head -24 || status=1
-    timeout 300 python3 scripts/bench_fp8.py --models flux2-dev --profile --attention-act-programs 1,2,4,8 --json "$OUT/bench_fp8_flux2_profile.json" 2>&1 | tee "$OUT/bench_fp8_flux2_profile.txt" | grep -v "^\[" | tail -70 || status=1
+    timeout 300 python3 scripts/bench_fp8.py --models flux2-dev --profile --json "$OUT/bench_fp8_flux2_profile.json" 2>&1 | tee "$OUT/bench_fp8_flux2_profile.txt" | grep -v "^\[" | tail -70 || status=1
     ;;
   memory-28)
     unset PYTORCH_CUDA_ALLOC_CONF

@@ -26,7 +26,6 @@ Usage: `python scripts/kernel_check.py [--no-bench] [--bench-fp16] [--tune] [--o
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import sys
 import time
@@ -328,16 +327,9 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
 
 
-@functools.cache
-def _sms() -> int:
-    """The GPU's streaming multiprocessors (132 on an H200), read once: it is called inside timed launches."""
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
 def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
     """The single block's `[attention | activation]` e4m3 input with per-row scales at 1024², B1: the one
-    kernel (one program per row, and 2, 4 or 8 programs per SM each taking a row at a time) against the
-    three it replaces and the eager chain."""
+    kernel against the three it replaces and the eager chain."""
     tokens = TXT + IMAGES["1024²"]
     sites = [("flux1", 3072, FF_INNER, "gelu_tanh"), *((k, d, m, "swiglu") for k, (d, m) in SWIGLU.items())]
     for model, d, m, act in sites:
@@ -353,12 +345,6 @@ def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
             "attention_act_fp8", f"{model} single 1024² B1", dtype, make,
             {
                 "one pass": lambda o, x, a: _fp8_bits(attention_act_quantize_triton(o, x, a)),
-                **{
-                    f"{per}/SM rows": lambda o, x, a, per=per: _fp8_bits(
-                        attention_act_quantize_triton(o, x, a, programs=per * _sms())
-                    )
-                    for per in (2, 4, 8)
-                },
                 "three": _three_passes,
             },
             lambda o, x, a: _fp8_bits(attention_act_quantize_reference(o, x, a)),

@@ -43,8 +43,10 @@ def attention_act_quantize_reference(o: Tensor, x: Tensor, act: str) -> Fp8Act:
 
 
 @jit
-def _row_pointers(o_ptr, x_ptr, q_ptr, b, pos, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl):
-    """Row `pos` of batch `b` (int64): its index in the row scales and its attention, input and code rows."""
+def _row_pointers(o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl):
+    """This program's row (grid (L, B)): its index in the row scales and its attention, input and code rows."""
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0).to(tl.int64)
     row = b * L + pos
     return (
         row,
@@ -55,11 +57,31 @@ def _row_pointers(o_ptr, x_ptr, q_ptr, b, pos, L, D, N, stride_ob, stride_ol, st
 
 
 @jit
-def _quantize_row(
-    o_row, x_row, q_row, scale_ptr, row, D, N, HD, stride_oh, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA
+def _attention_act_quant_rows_kernel(
+    o_ptr,  # (B, L, H, HD) attention heads, strides (stride_ob, stride_ol, stride_oh, 1)
+    x_ptr,  # (B, L, N) pre-activation, or (B, L, 2N) [gate | up] for SwiGLU; strides (stride_xb, stride_xl, 1)
+    q_ptr,  # (B, L, D + N) uint8 (e4m3 bits), contiguous
+    scale_ptr,  # (B * L,) fp32 row scales (written)
+    L,
+    D,  # H * HD
+    N,
+    HD,
+    stride_ob,
+    stride_ol,
+    stride_oh,
+    stride_xb,
+    stride_xl,
+    ACT: tl.constexpr,  # 1 tanh-GELU, 2 SwiGLU (fp8.ACTS)
+    BLOCK: tl.constexpr,
+    GPU: tl.constexpr,
+    BETA: tl.constexpr,
+    KAPPA: tl.constexpr,
 ):
-    """One row: its absmax over both halves (attention values, then the activation as eager rounds it),
-    its scale, then its codes from a second sweep over the same inputs."""
+    # grid: (L, B); one row per program: its absmax over both halves, then its codes
+    DTYPE = x_ptr.dtype.element_ty
+    row, o_row, x_row, q_row = _row_pointers(
+        o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
+    )
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), tl.float32)
     for c0 in range(0, D, BLOCK):
@@ -86,65 +108,16 @@ def _quantize_row(
         tl.store(q_row + D + cols, e4m3_code(y * inv), mask=mask)
 
 
-@jit
-def _attention_act_quant_rows_kernel(
-    o_ptr,  # (B, L, H, HD) attention heads, strides (stride_ob, stride_ol, stride_oh, 1)
-    x_ptr,  # (B, L, N) pre-activation, or (B, L, 2N) [gate | up] for SwiGLU; strides (stride_xb, stride_xl, 1)
-    q_ptr,  # (B, L, D + N) uint8 (e4m3 bits), contiguous
-    scale_ptr,  # (B * L,) fp32 row scales (written)
-    L,
-    D,  # H * HD
-    N,
-    HD,
-    stride_ob,
-    stride_ol,
-    stride_oh,
-    stride_xb,
-    stride_xl,
-    ROWS,  # B * L
-    ACT: tl.constexpr,  # 1 tanh-GELU, 2 SwiGLU (fp8.ACTS)
-    BLOCK: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    GPU: tl.constexpr,
-    BETA: tl.constexpr,
-    KAPPA: tl.constexpr,
-):
-    # grid (L, B): one row per program. PERSISTENT, grid (P,): each program takes every P-th row, so only P
-    # rows are in flight and the second sweep's re-reads can come from L2
-    DTYPE = x_ptr.dtype.element_ty
-    if PERSISTENT:
-        for r in range(tl.program_id(0), ROWS, tl.num_programs(0)):
-            r64 = tl.cast(r, tl.int64)
-            row, o_row, x_row, q_row = _row_pointers(
-                o_ptr, x_ptr, q_ptr, r64 // L, r64 % L, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
-            )
-            _quantize_row(
-                o_row, x_row, q_row, scale_ptr, row, D, N, HD, stride_oh, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA
-            )
-    else:
-        b = tl.program_id(1).to(tl.int64)
-        pos = tl.program_id(0).to(tl.int64)
-        row, o_row, x_row, q_row = _row_pointers(
-            o_ptr, x_ptr, q_ptr, b, pos, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl
-        )
-        _quantize_row(
-            o_row, x_row, q_row, scale_ptr, row, D, N, HD, stride_oh, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA
-        )
-
-
-def attention_act_quantize_triton(
-    o: Tensor, x: Tensor, act: str, *, block: int = 2048, programs: int | None = None
-) -> Fp8Act:
+def attention_act_quantize_triton(o: Tensor, x: Tensor, act: str, *, block: int = 2048) -> Fp8Act:
     """Fused `attention_act_quantize_reference`: `o` (B, L, H, Dh) with a unit last stride (SDPA's heads as
     they come out), `x` (B, L, M or 2M) with a unit last stride (a column slice of `linear1`'s output).
 
-    Each row is swept twice in `block`-wide tiles: its absmax, then its codes, re-reading the inputs (the
-    second read hits L2 only while the row is still there). By default one program per row (grid (L, B));
-    `programs=P` launches P programs that each take every P-th row, so at most P rows are in flight and their
-    re-reads can come from L2 (the same bits; which is faster is the GPU's to say, `kernel_check.py --op
-    attention_act_fp8`, and the dispatch takes the default). Holding the whole row on chip and reading it once
-    measured slower at every FLUX shape on an H200 (FLUX.2 [dev]: 1.66 ms against 0.29; the 24576-value tile
-    spills) and was dropped."""
+    Each row is swept twice in `block`-wide tiles, one program per row (grid (L, B)): its absmax, then its
+    codes, re-reading the inputs. Two alternatives measured slower on an H200 at every FLUX shape and were
+    dropped: holding the whole row on chip and reading it once (FLUX.2 [dev]:
+    1.66 ms against 0.29; the 24576-value tile spills), and a persistent launch of 2, 4 or 8 programs per SM
+    taking a row at a time (FLUX.2 [dev]: 0.49 / 0.36 / 0.37 ms against 0.29; the whole FP8 step 303 / 300 /
+    299 ms against 297)."""
     op = f"attention_{act}_fp8"
     if act not in ATTENTION_ACTS:
         raise ValueError(
@@ -169,40 +142,12 @@ def attention_act_quantize_triton(
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
-    if programs is not None and programs < 1:
-        raise ValueError(f"{op}: programs must be a positive count, got {programs}")
-    grid = (length, b) if programs is None else (min(programs, b * length),)
-    _attention_act_quant_rows_kernel[grid](
-        *args, b * length, BLOCK=block, PERSISTENT=programs is not None, num_warps=4, **consts
-    )
+    _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=4, **consts)
     return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))
 
 
-# Programs per SM of the dispatched launch; None is one program per row. A measured choice, settable for
-# timing the alternatives inside a whole step (`scripts/bench_fp8.py --attention-act-programs`).
-PROGRAMS_PER_SM: int | None = None
-
-
-def set_programs_per_sm(per_sm: int | None) -> None:
-    """Launch the dispatched kernel with `per_sm` programs per SM (persistent), or one per row (None).
-
-    Every setting gives the same bits (the kernel's tests check each); only the time differs."""
-    global PROGRAMS_PER_SM
-    if per_sm is not None and per_sm < 1:
-        raise ValueError(f"attention_act_fp8: programs per SM must be a positive count, got {per_sm}")
-    PROGRAMS_PER_SM = per_sm
-
-
-def _dispatched(o: Tensor, x: Tensor, act: str) -> Fp8Act:
-    """`attention_act_quantize_triton` with the launch `PROGRAMS_PER_SM` picks."""
-    if PROGRAMS_PER_SM is None:
-        return attention_act_quantize_triton(o, x, act)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return attention_act_quantize_triton(o, x, act, programs=PROGRAMS_PER_SM * sms)
-
-
 _ATTENTION_ACT_FP8 = FusedOp(
-    "attention_act_fp8", fused=_dispatched, reference=attention_act_quantize_reference
+    "attention_act_fp8", fused=attention_act_quantize_triton, reference=attention_act_quantize_reference
 )
 
 

@@ -69,24 +69,6 @@ def test_both_halves_share_each_rows_scale(act, dtype):
 
 
 @interpreter
-@pytest.mark.parametrize("programs", [1, 3, 64])
-@pytest.mark.parametrize("act", aa.ATTENTION_ACTS)
-def test_fewer_programs_than_rows_give_the_same_bits(act, programs):
-    """The persistent launch (each program takes every P-th row of every batch entry; P more than the rows
-    launches one per row) writes what the one-program-per-row launch writes."""
-    o, x = heads(2, 5, 3, 32, torch.bfloat16, "cpu"), pre_activation(2, 5, 96, 80, act, torch.bfloat16, "cpu")
-    o[1, 4] = 0
-    x[1, 4] = 0
-    x[0, 3, 7] = 60
-    assert_same(
-        aa.attention_act_quantize_triton(o, x, act, block=64, programs=programs),
-        aa.attention_act_quantize_triton(o, x, act, block=64),
-    )
-    with pytest.raises(ValueError, match="programs must be a positive count"):
-        aa.attention_act_quantize_triton(o, x, act, programs=0)
-
-
-@interpreter
 def test_the_reference_is_the_eager_buffer_then_quantize():
     """What the block did before: write both halves into one 16-bit buffer, then quantize it."""
     o, x = (
@@ -126,8 +108,6 @@ def test_gpu_single_block_sites(site, n, dtype):
     o, x = heads(1, n, d // 128, 128, dtype, "cuda"), pre_activation(1, n, d, m, act, dtype, "cuda")
     want = aa.attention_act_quantize_reference(o, x, act)
     assert_same(aa.attention_act_quantize_triton(o, x, act), want)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert_same(aa.attention_act_quantize_triton(o, x, act, programs=2 * sms), want)
 
 
 @gpu
