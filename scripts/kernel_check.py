@@ -327,9 +327,14 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
 
 
+# (tile, warps) tried beside the default (2048 values, 4 warps) for the `[attention | act]` producer
+ATTENTION_ACT_TILES = ((1024, 2), (1024, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 16))
+
+
 def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
     """The single block's `[attention | activation]` e4m3 input with per-row scales at 1024², B1: the one
-    kernel against the three it replaces and the eager chain."""
+    kernel (its default tile and warps, and `ATTENTION_ACT_TILES`) against the three it replaces and the
+    eager chain."""
     tokens = TXT + IMAGES["1024²"]
     sites = [("flux1", 3072, FF_INNER, "gelu_tanh"), *((k, d, m, "swiglu") for k, (d, m) in SWIGLU.items())]
     for model, d, m, act in sites:
@@ -345,6 +350,12 @@ def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
             "attention_act_fp8", f"{model} single 1024² B1", dtype, make,
             {
                 "one pass": lambda o, x, a: _fp8_bits(attention_act_quantize_triton(o, x, a)),
+                **{
+                    f"{blk}/{w}w": lambda o, x, a, blk=blk, w=w: _fp8_bits(
+                        attention_act_quantize_triton(o, x, a, block=blk, num_warps=w)
+                    )
+                    for blk, w in ATTENTION_ACT_TILES
+                },
                 "three": _three_passes,
             },
             lambda o, x, a: _fp8_bits(attention_act_quantize_reference(o, x, a)),

@@ -108,12 +108,15 @@ def _attention_act_quant_rows_kernel(
         tl.store(q_row + D + cols, e4m3_code(y * inv), mask=mask)
 
 
-def attention_act_quantize_triton(o: Tensor, x: Tensor, act: str, *, block: int = 2048) -> Fp8Act:
+def attention_act_quantize_triton(
+    o: Tensor, x: Tensor, act: str, *, block: int = 2048, num_warps: int = 4
+) -> Fp8Act:
     """Fused `attention_act_quantize_reference`: `o` (B, L, H, Dh) with a unit last stride (SDPA's heads as
     they come out), `x` (B, L, M or 2M) with a unit last stride (a column slice of `linear1`'s output).
 
-    Each row is swept twice in `block`-wide tiles, one program per row (grid (L, B)): its absmax, then its
-    codes, re-reading the inputs. Two alternatives measured slower on an H200 at every FLUX shape and were
+    Each row is swept twice in `block`-wide tiles, one program of `num_warps` warps per row (grid (L, B)):
+    its absmax, then its codes, re-reading the inputs. The tile and warp count change the time, not the bits
+    (a max is exact in any order; `kernel_check.py --op attention_act_fp8` times the alternatives). Two alternatives measured slower on an H200 at every FLUX shape and were
     dropped: holding the whole row on chip and reading it once (FLUX.2 [dev]:
     1.66 ms against 0.29; the 24576-value tile spills), and a persistent launch of 2, 4 or 8 programs per SM
     taking a row at a time (FLUX.2 [dev]: 0.49 / 0.36 / 0.37 ms against 0.29; the whole FP8 step 303 / 300 /
@@ -142,7 +145,7 @@ def attention_act_quantize_triton(o: Tensor, x: Tensor, act: str, *, block: int 
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
-    _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=4, **consts)
+    _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=num_warps, **consts)
     return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))
 
 
