@@ -8,6 +8,8 @@ colours or noise.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -34,9 +36,15 @@ def _scene(colour: str, shape: str, place: str | None, background: str) -> Scene
     return Scene(1, "large", colour, shape, place, background, False, (centre,), 0.19)
 
 
+@functools.cache
+def _cpu_pipeline(name: str) -> Pipeline:
+    """One fp32 CPU pipeline per model for the whole module (the fixture and the tests that need one model)."""
+    return Pipeline.from_pretrained(name, device="cpu", dtype=torch.float32)
+
+
 @pytest.fixture(scope="module", params=["tiny", "tiny-flux2"])
 def pipe(request: pytest.FixtureRequest) -> Pipeline:
-    return Pipeline.from_pretrained(request.param, device="cpu", dtype=torch.float32)
+    return _cpu_pipeline(request.param)
 
 
 def test_shipped_files_load_with_the_real_loaders() -> None:
@@ -71,7 +79,7 @@ def test_draws_what_it_is_asked(pipe: Pipeline, parts: tuple, checks: tuple[str,
 
 def test_tiny_flux2_follows_every_place_word() -> None:
     """One noise, the nine place words: the shape lands where each of them asks."""
-    pipe = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
+    pipe = _cpu_pipeline("tiny-flux2")
     wrong = []
     for place in PLACES:
         scene = _scene("orange", "square", place, "black")
