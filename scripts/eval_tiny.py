@@ -7,10 +7,10 @@ colour (the most common other palette colour), place (where the pixels of the as
 three rates per model beside the targets (95 %, 90 %, 80 %) and, with `--grid`, writes a labelled grid of some
 of the pictures.
 
-`--seen` adds the same rates on prompts of the training distribution, and `--sweeps N` renders N sweeps of
-one noise through every place word and measures how far the shape follows them (`place_following`: 0 when the
-place words change nothing): together they tell a word the model never learned from one it does not
-generalise.
+The JSON report lists each held-out miss with the colour the shape came out in. `--seen` adds the same rates
+on prompts of the training distribution, and `--sweeps N` renders N sweeps of one noise through every place
+word and measures how far the shape follows them (`place_following`: 0 when the place words change nothing):
+together they tell a word the model never learned from one it does not generalise.
 
 Usage: python scripts/eval_tiny.py [--model tiny --model tiny-flux2] [--seeds 2] [--json out.json] [--grid g.png]
        python scripts/eval_tiny.py --seen --sweeps 4
@@ -34,7 +34,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_scenes import Scene, centre, held_out_prompts, place_following, place_sweeps, score, seen_prompts
+from tiny_scenes import (
+    Scene,
+    centre,
+    held_out_prompts,
+    place_following,
+    place_sweeps,
+    score,
+    seen_prompts,
+    shape_colour,
+)
 
 from flux_runtime.pipeline import Pipeline
 
@@ -67,6 +76,24 @@ def hit_rates(images: list[np.ndarray], scenes: list[Scene]) -> dict[str, float]
     }
 
 
+def misses(images: list[np.ndarray], scenes: list[Scene]) -> list[dict]:
+    """The pictures that got something wrong: the caption, what was wrong, and the colour the shape came out
+    in (None: no shape found), so a run's log says where the colour binding fails, not only how often."""
+    out = []
+    for image, scene in zip(images, scenes, strict=True):
+        got = score(image, scene)
+        wrong = [k for k in ("background", "colour", "place") if getattr(got, k) is False]
+        if wrong:
+            out.append(
+                {
+                    "caption": scene.caption,
+                    "wrong": wrong,
+                    "shape_colour": shape_colour(image, scene.background),
+                }
+            )
+    return out
+
+
 def evaluate(
     model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
     dtype: torch.dtype = torch.float32, fp8_text: bool = False, seen: bool = False, sweeps: int = 0,
@@ -90,6 +117,7 @@ def evaluate(
     ran: dict = {}
     images = render_all(pipe, asked, noise, batch, ran)
     report: dict = {**hit_rates(images, asked), "images": len(images), "ran": ran}
+    report["misses"] = misses(images, asked)
     report["seconds_per_image"] = round((time.time() - start) / len(images), 2)
     report.update(weights=pipe.weights_id, dtype=str(dtype).removeprefix("torch."), fp8_text=fp8_text)
     report.update(quality=quality, fp8=fp8)

@@ -314,23 +314,34 @@ def score(image: np.ndarray, scene: Scene) -> Score:
     is the one asked. Place: the centre of mass of the pixels of the asked colour lies within 0.17 of the
     side from where the caption put the shape (the places are 0.25 apart).
     """
-    h, w, _ = image.shape
+    h = image.shape[0]
     labels = classify(image)
     m = max(1, h // 8)
     border = np.concatenate(
         [labels[:m].ravel(), labels[-m:].ravel(), labels[:, :m].ravel(), labels[:, -m:].ravel()]
     )
-    bg_idx = COLOURS.index(scene.background)
     fg_idx = COLOURS.index(scene.colour)
-    background = np.bincount(border, minlength=len(COLOURS)).argmax() == bg_idx
-    fg = labels[labels != bg_idx]
-    colour = fg.size >= 0.003 * h * w and np.bincount(fg, minlength=len(COLOURS)).argmax() == fg_idx
+    background = np.bincount(border, minlength=len(COLOURS)).argmax() == COLOURS.index(scene.background)
+    colour = _shape_colour(labels, scene.background) == scene.colour
     place = None
     if scene.place is not None:
         found = _centre(labels, fg_idx)
         _, x, y = PLACES[scene.place]
         place = found is not None and abs(found[0] - x) < 0.17 and abs(found[1] - y) < 0.17
     return Score(bool(background), bool(colour), place)
+
+
+def _shape_colour(labels: np.ndarray, background: str) -> str | None:
+    """The most common palette colour of the pixels not of `background`; None below 0.3 % of the picture."""
+    fg = labels[labels != COLOURS.index(background)]
+    if fg.size < 0.003 * labels.size:
+        return None
+    return COLOURS[int(np.bincount(fg, minlength=len(COLOURS)).argmax())]
+
+
+def shape_colour(image: np.ndarray, background: str) -> str | None:
+    """What colour an (H, W, 3) uint8 picture painted its shape, as `score` reads it against `background`."""
+    return _shape_colour(classify(image), background)
 
 
 def _centre(labels: np.ndarray, idx: int) -> tuple[float, float] | None:

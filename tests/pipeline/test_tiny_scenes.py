@@ -18,6 +18,7 @@ from scripts.tiny_scenes import (
     render,
     score,
     seen_prompts,
+    shape_colour,
     token_masks,
 )
 
@@ -32,6 +33,26 @@ def test_scorer_passes_the_rendered_scenes(scenes: list) -> None:
     for image, scene in zip(_pictures(scenes), scenes, strict=True):
         got = score(image, scene)
         assert got.background and got.colour and got.place, (scene.caption, got)
+
+
+def test_shape_colour_reads_the_painted_colour_and_the_misses_name_it() -> None:
+    """A scene rendered in another colour than its caption asks: the scorer marks the colour wrong, and
+    `shape_colour` (what eval_tiny.py's misses report) says which colour it came out in."""
+    from scripts import eval_tiny
+
+    asked = held_out_prompts(1)[:3]
+    other = [next(c for c in ("green", "red", "blue") if c not in (s.colour, s.background)) for s in asked]
+    painted = [replace(s, colour=c) for s, c in zip(asked, other, strict=True)]
+    pictures = _pictures(painted)
+    for image, scene, drawn in zip(pictures, asked, painted, strict=True):
+        assert shape_colour(image, scene.background) == drawn.colour
+    blank = np.zeros_like(pictures[0])  # all black: no shape on a black background
+    assert shape_colour(blank, "black") is None
+    missed = eval_tiny.misses(pictures, asked)
+    assert [m["caption"] for m in missed] == [s.caption for s in asked]
+    assert all("colour" in m["wrong"] for m in missed)
+    assert [m["shape_colour"] for m in missed] == [s.colour for s in painted]
+    assert eval_tiny.misses(_pictures(asked), asked) == []
 
 
 def test_seen_prompts_are_placed_training_combinations() -> None:
