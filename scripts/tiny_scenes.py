@@ -95,9 +95,14 @@ class Scene:
         words = [COUNT_WORDS[self.count], self.size, self.colour, noun]
         if self.place is not None:
             words.append(PLACES[self.place][0])
-        words.append(f"on a {self.background} {'gradient' if self.gradient else 'background'}")
+        words.append(f"on {_article(self.background)} {'gradient' if self.gradient else 'background'}")
         text = " ".join(w for w in words if w)
         return "an" + text[1:] if text.startswith("a o") else text
+
+
+def _article(word: str) -> str:
+    """English's indefinite article before `word` ("an orange", "a red")."""
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
 def is_held_out(scene: Scene) -> bool:

@@ -10,6 +10,7 @@ import pytest
 
 from scripts.tiny_scenes import (
     PLACES,
+    Scene,
     centre,
     held_out_prompts,
     is_held_out,
@@ -53,6 +54,12 @@ def test_shape_colour_reads_the_painted_colour_and_the_misses_name_it() -> None:
     assert all("colour" in m["wrong"] for m in missed)
     assert [m["shape_colour"] for m in missed] == [s.colour for s in painted]
     assert eval_tiny.misses(_pictures(asked), asked) == []
+
+
+def test_captions_take_the_right_article() -> None:
+    scene = Scene(1, "", "orange", "cross", None, "orange", True, ((0.5, 0.5),), 0.13)
+    assert scene.caption == "an orange cross on an orange gradient"
+    assert replace(scene, background="red", size="small").caption == "a small orange cross on a red gradient"
 
 
 def test_seen_prompts_are_placed_training_combinations() -> None:
