@@ -14,12 +14,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from flux_runtime.weights.dtype_names import FLOAT_KINDS
 from flux_runtime.weights.errors import WeightsError
 
 # Stored dtypes a FLUX weight may have: the floating-point safetensors kinds. The float8 kinds are let
 # through so that a loader which pairs them with their scales can read them; a loader that must refuse
 # them passes its own `allowed`.
-WEIGHT_DTYPES: frozenset[str] = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+WEIGHT_DTYPES: frozenset[str] = FLOAT_KINDS
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 

@@ -48,13 +48,13 @@ from flux_runtime.weights.diffusers_config import (
     transformer_diffusers_config,
     vae_diffusers_config,
 )
+from flux_runtime.weights.dtype_names import TORCH_DTYPES
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_transformer import detect_layout, infer_config
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.keys import KeyView
 from flux_runtime.weights.safetensors_io import TensorSource
 from flux_runtime.weights.safetensors_writer import (
-    TORCH_DTYPES,
     Output,
     SafetensorsWriter,
     parse_size,

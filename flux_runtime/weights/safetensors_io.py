@@ -19,48 +19,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from flux_runtime.weights.dtype_names import FLOAT_KINDS, ITEMSIZE, TORCH_DTYPES
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import safetensors_files
 
 _MAX_HEADER = 100 * 1024 * 1024
-# Bytes per element of the safetensors dtypes read here (the sub-byte F4 / F6 kinds are not).
-ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 # The floating-point kinds a load casts to the model's dtype (FP8 weights keep their own bytes).
-CAST_KINDS = frozenset(k for k in ITEMSIZE if k.startswith(("F", "BF")) and not k.startswith("F8"))
-
-
-# safetensors dtype names as torch dtypes (all FLUX checkpoints use; anything else goes through safetensors)
-_TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I16": torch.int16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "F64": torch.float64,
-}
+CAST_KINDS = frozenset(k for k in FLOAT_KINDS if not k.startswith("F8"))
 
 
 def _cast(dtype: torch.dtype | None, kind: str) -> torch.dtype | None:
@@ -204,7 +169,7 @@ class TensorSource:
         nearly doubling the host memory a load takes.
         """
         path = self._where[key]
-        torch_dtype = _TORCH_DTYPES.get(self._dtypes[key])
+        torch_dtype = TORCH_DTYPES.get(self._dtypes[key])
         if torch_dtype is None:  # a dtype torch reads only through safetensors (none FLUX uses)
             return self._get_mapped(key).to(device=device, dtype=_cast(dtype, self._dtypes[key]))
         begin, end = self._spans[key]
