@@ -18,7 +18,8 @@ joint) and bf16 and fp16:
   . `*` marks the variant the op uses now (its module's `VARIANT`).
 
 GELU and SiLU (SwiGLU's first op) are also checked exhaustively over all 65,536 inputs of each
-dtype. `--tune` adds a sweep of the v2 tile sizes at the 1024² joint shapes. Exits 1 on any
+dtype. `--tune` adds a sweep of the v2 tile sizes at the 1024² joint shapes and of the `[attention | act]`
+producer's tile and warps. Exits 1 on any
 mismatch or any shape a kernel's guards reject.
 Usage: `python scripts/kernel_check.py [--no-bench] [--bench-fp16] [--tune] [--op NAME]`.
 """
@@ -327,14 +328,16 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
 
 
-# (tile, warps) tried beside the default (2048 values, 4 warps) for the `[attention | act]` producer
+# (tile, warps) `--tune` tries beside the default (2048 values, 4 warps) for the `[attention | act]` producer
 ATTENTION_ACT_TILES = ((1024, 2), (1024, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 16))
 
 
-def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
+def _attention_act_cases(
+    dtype: torch.dtype, s: int, tiles: tuple[tuple[int, int], ...] = ()
+) -> Iterator[Case]:
     """The single block's `[attention | activation]` e4m3 input with per-row scales at 1024², B1: the one
-    kernel (its default tile and warps, and `ATTENTION_ACT_TILES`) against the three it replaces and the
-    eager chain."""
+    kernel (its default tile and warps, and each (tile, warps) of `tiles`) against the three it replaces and
+    the eager chain."""
     tokens = TXT + IMAGES["1024²"]
     sites = [("flux1", 3072, FF_INNER, "gelu_tanh"), *((k, d, m, "swiglu") for k, (d, m) in SWIGLU.items())]
     for model, d, m, act in sites:
@@ -354,7 +357,7 @@ def _attention_act_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
                     f"{blk}/{w}w": lambda o, x, a, blk=blk, w=w: _fp8_bits(
                         attention_act_quantize_triton(o, x, a, block=blk, num_warps=w)
                     )
-                    for blk, w in ATTENTION_ACT_TILES
+                    for blk, w in tiles
                 },
                 "three": _three_passes,
             },
@@ -443,8 +446,10 @@ def cases(dtype: torch.dtype) -> Iterator[Case]:
 
 
 def tune_cases() -> Iterator[Case]:
-    """v2 tile sizes at the 1024² joint shapes (bf16, batch 1): `--tune`."""
+    """v2 tile sizes at the 1024² joint shapes (bf16, batch 1), and the `[attention | act]` producer's
+    `ATTENTION_ACT_TILES`: `--tune`."""
     dtype, s, n = torch.bfloat16, 2, TXT + IMAGES["1024²"]
+    yield from _attention_act_cases(dtype, s, ATTENTION_ACT_TILES)
     for d in WIDTHS:
 
         def ln_in(d: int = d) -> tuple[Any, ...]:

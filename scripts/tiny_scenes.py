@@ -36,7 +36,7 @@ COLOURS = tuple(PALETTE)
 SHAPES = ("circle", "square", "triangle", "diamond", "star", "cross")
 PLURALS = {"cross": "crosses"}
 SIZES = {"small": 0.085, "": 0.13, "large": 0.19}  # shape radius, as a fraction of the image side
-COUNT_WORDS = {1: "a", 2: "two", 3: "three"}
+COUNT_WORDS = {2: "two", 3: "three"}  # one shape takes the article ("a", "an")
 # where a single shape goes: phrase, centre (x, y) as fractions of the side (y grows downwards)
 PLACES: dict[str, tuple[str, float, float]] = {
     "left": ("on the left", 0.25, 0.5),
@@ -92,12 +92,12 @@ class Scene:
     @property
     def caption(self) -> str:
         noun = self.shape if self.count == 1 else PLURALS.get(self.shape, self.shape + "s")
-        words = [COUNT_WORDS[self.count], self.size, self.colour, noun]
+        phrase = " ".join(w for w in (self.size, self.colour, noun) if w)
+        words = [_article(phrase) if self.count == 1 else f"{COUNT_WORDS[self.count]} {phrase}"]
         if self.place is not None:
             words.append(PLACES[self.place][0])
         words.append(f"on {_article(self.background)} {'gradient' if self.gradient else 'background'}")
-        text = " ".join(w for w in words if w)
-        return "an" + text[1:] if text.startswith("a o") else text
+        return " ".join(words)
 
 
 def _article(word: str) -> str:

@@ -116,11 +116,11 @@ def attention_act_quantize_triton(
 
     Each row is swept twice in `block`-wide tiles, one program of `num_warps` warps per row (grid (L, B)):
     its absmax, then its codes, re-reading the inputs. The tile and warp count change the time, not the bits
-    (a max is exact in any order; `kernel_check.py --op attention_act_fp8` times the alternatives). Two alternatives measured slower on an H200 at every FLUX shape and were
-    dropped: holding the whole row on chip and reading it once (FLUX.2 [dev]:
-    1.66 ms against 0.29; the 24576-value tile spills), and a persistent launch of 2, 4 or 8 programs per SM
-    taking a row at a time (FLUX.2 [dev]: 0.49 / 0.36 / 0.37 ms against 0.29; the whole FP8 step 303 / 300 /
-    299 ms against 297)."""
+    (a max is exact in any order; `kernel_check.py --op attention_act_fp8 --tune` times the alternatives).
+    Two alternatives measured slower on an H200 at every FLUX shape and were dropped: holding the whole row on
+    chip and reading it once (FLUX.2 [dev]: 1.66 ms against 0.29; the 24576-value tile spills), and a
+    persistent launch of 2, 4 or 8 programs per SM taking a row at a time (FLUX.2 [dev]: 0.49 / 0.36 /
+    0.37 ms against 0.29; the whole FP8 step 303 / 300 / 299 ms against 297)."""
     op = f"attention_{act}_fp8"
     if act not in ATTENTION_ACTS:
         raise ValueError(
