@@ -67,6 +67,7 @@ def print_fp8_table(
     ):
         if f"attention_{key}" in floor:
             same = "same bits" if floor[f"attention_{key}_equal"] else "different bits"
+            same += " run to run" if key == "step_layout" else " as the step's"
             print(
                 f"| (attention, {label}: {floor[f'attention_{key}']:.1f}, {same}; not in the floor) | | | | | | |"
             )
@@ -148,8 +149,9 @@ def step_layout_attention(cfg, length: int, width: int) -> dict[str, tuple[float
     """One SDPA call as the single block makes it (and diffusers does): q and k (B, L, H, Dh) tensors and v a
     column slice of `linear1`'s (B, L, `width`) output, each seen as (B, H, L, Dh); then the same values with
     q and k contiguous in (B, H, L, Dh) (what a RoPE kernel could write), and with all three contiguous.
-    Each entry is (ms, whether its output is `torch.equal` to the step layout's): a layout change can only
-    enter `lossless` if it keeps the bits. Not part of the floor's total."""
+    Each entry is (ms, whether its output is `torch.equal` to a first call on the step layout; for the step
+    layout itself, whether SDPA repeats its bits): a layout change can only enter `lossless` if it keeps the
+    bits. Not part of the floor's total."""
     shape = (1, length, cfg.num_heads, cfg.head_dim)
     q, k = (torch.randn(shape, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     packed = torch.randn(1, length, width, device=DEV, dtype=torch.bfloat16)
