@@ -16,13 +16,17 @@
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
-#   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH [FG [TEXT]]]]  both tiny models' DiTs trained on from the shipped weights
+#   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH [FG [TEXT [SEED]]]]]  both tiny models' DiTs trained on from the shipped weights
 #                                       (the shipped text encoders frozen, or trained too with TEXT=train; SECONDS each [360],
 #                                       side by side; with TEXT=train each model's DiT, loss log and text encoders come
 #                                       back as one $OUT/<name>.tar), then their held-out scores and
 #                                       grid (the shipped weights' are in the README); the new DiTs come back as $OUT/<name>.safetensors
 #                                       (copy them over the shipped DiT files if they score better); FG > 0 weights
-#                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight)
+#                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight); SEED [0] picks the run's
+#                                       pool of scenes and its noise (train_tiny.py --seed), so successive runs see new scenes
+#   bash scripts/gpu_check.sh tiny-verify  the shipped tiny models' scores and grid (eval_tiny.py --seen --sweeps 4), the
+#                                       image-quality check of the paths that are not bit-exact (--variants) and the GPU tests
+#                                       of the pipelines that run the tiny models; no training
 #   bash scripts/gpu_check.sh tiny-final [SECONDS]  train-tiny with FG 4, then the new DiTs' image-quality check of the
 #                                       paths that are not bit-exact (eval_tiny.py --variants: high, FP8, both against
 #                                       bf16 lossless) and the GPU tests of the pipelines that run the tiny models
@@ -131,11 +135,12 @@ case "$phase" in
     # $OUT brings back at most 8 files: each model's DiT and loss log (its autoencoder and, frozen, its text
     # encoders are the shipped ones), the held-out scores, the grid and the training logs
     if [ "$phase" = tiny-final ]; then secs=${2:-300}; batch=128; fg=4; text=frozen; else secs=${2:-360}; batch=${3:-128}; fg=${4:-0}; text=${5:-frozen}; fi
+    seed=${6:-0}
     freeze=$([ "$text" = train ] && echo "" || echo --freeze-text)  # TEXT=train: the text encoders train with the DiT
     for fam in flux1 flux2; do
       name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
       timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
-        --resume "flux_runtime/assets/models/$name" --vae-steps 0 $freeze --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" --fg-weight "$fg" \
+        --resume "flux_runtime/assets/models/$name" --vae-steps 0 $freeze --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" --fg-weight "$fg" --seed "$seed" \
         > "$OUT/train_$name.log" 2>&1 &
     done
     wait
@@ -159,6 +164,11 @@ case "$phase" in
       timeout 80 python3 scripts/eval_tiny.py --device cuda --variants --json "$OUT/eval_variants.json" 2>&1 | grep -v "^\[" | tail -12 || status=1
       timeout 90 python3 -m pytest -q -m gpu tests/pipeline/test_flux1_pipeline.py tests/pipeline/test_flux2_pipeline.py tests/pipeline/test_tiny_models.py tests/lora/test_fp8_lora.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     fi
+    ;;
+  tiny-verify)
+    timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --json "$OUT/eval_final.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
+    timeout 80 python3 scripts/eval_tiny.py --device cuda --variants --json "$OUT/eval_variants.json" 2>&1 | grep -v "^\[" | tail -12 || status=1
+    timeout 90 python3 -m pytest -q -m gpu tests/pipeline/test_flux1_pipeline.py tests/pipeline/test_flux2_pipeline.py tests/pipeline/test_tiny_models.py tests/lora/test_fp8_lora.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     ;;
   fp8-single)
     timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py tests/kernels/test_fp8.py tests/fp8/test_fp8_pipeline.py tests/fp8/test_fp8_loading.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_single.txt" | tail -6 || status=1
