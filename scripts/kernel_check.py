@@ -328,7 +328,8 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
 
 
-# (tile, warps) `--tune` tries beside the default (2048 values, 4 warps) for the `[attention | act]` producer
+# (tile, warps) `--tune` tries beside the default (1024 or 2048 values by the row's width, 4 warps) for the
+# `[attention | act]` producer
 ATTENTION_ACT_TILES = ((1024, 2), (1024, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 16))
 
 

@@ -108,15 +108,23 @@ def _attention_act_quant_rows_kernel(
         tl.store(q_row + D + cols, e4m3_code(y * inv), mask=mask)
 
 
+# The tile of `attention_act_quantize_triton` by output row width (H200, kernel_check --tune, 4 warps): rows up to
+# NARROW_ROW values sweep faster in 1024-wide tiles (klein-4B's 12288: 153.5 us against 179.0; FLUX.1's 15360:
+# 202.8 against 211.0), wider ones in 2048-wide tiles (FLUX.2 [dev]'s 24576: 289.1 against 295.8; klein-9B's
+# 16384: 195.4 against 201.4).
+NARROW_ROW, NARROW_BLOCK, WIDE_BLOCK = 15360, 1024, 2048
+
+
 def attention_act_quantize_triton(
-    o: Tensor, x: Tensor, act: str, *, block: int = 2048, num_warps: int = 4
+    o: Tensor, x: Tensor, act: str, *, block: int | None = None, num_warps: int = 4
 ) -> Fp8Act:
     """Fused `attention_act_quantize_reference`: `o` (B, L, H, Dh) with a unit last stride (SDPA's heads as
     they come out), `x` (B, L, M or 2M) with a unit last stride (a column slice of `linear1`'s output).
 
-    Each row is swept twice in `block`-wide tiles, one program of `num_warps` warps per row (grid (L, B)):
-    its absmax, then its codes, re-reading the inputs. The tile and warp count change the time, not the bits
-    (a max is exact in any order; `kernel_check.py --op attention_act_fp8 --tune` times the alternatives).
+    Each row is swept twice in `block`-wide tiles (None: chosen by the row's width, see `NARROW_ROW`), one
+    program of `num_warps` warps per row (grid (L, B)): its absmax, then its codes, re-reading the inputs.
+    The tile and warp count change the time, not the bits (a max is exact in any order; `kernel_check.py --op
+    attention_act_fp8 --tune` times the alternatives).
     Two alternatives measured slower on an H200 at every FLUX shape and were dropped: holding the whole row on
     chip and reading it once (FLUX.2 [dev]: 1.66 ms against 0.29; the 24576-value tile spills), and a
     persistent launch of 2, 4 or 8 programs per SM taking a row at a time (FLUX.2 [dev]: 0.49 / 0.36 /
@@ -140,6 +148,8 @@ def attention_act_quantize_triton(
     d = heads * hd
     n = x.shape[-1] // 2 if act == "swiglu" else x.shape[-1]
     q = torch.empty(b, length, d + n, dtype=torch.uint8, device=x.device)
+    if block is None:
+        block = NARROW_BLOCK if d + n <= NARROW_ROW else WIDE_BLOCK
     for name, t in (("o", o), ("x", x), ("out", q)):
         check_int32_offsets(op, name, t)
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
