@@ -66,9 +66,15 @@ def render_all(
     return images
 
 
-def hit_rates(images: list[np.ndarray], scenes: list[Scene]) -> dict[str, float]:
-    """Fractions of pictures with the asked background colour, shape colour and place."""
-    results = [score(image, s) for image, s in zip(images, scenes, strict=True)]
+def scores(images: list[np.ndarray], scenes: list[Scene]) -> list:
+    """Each picture's `tiny_scenes.score` against its scene."""
+    return [score(image, s) for image, s in zip(images, scenes, strict=True)]
+
+
+def hit_rates(images: list[np.ndarray], scenes: list[Scene], scored: list | None = None) -> dict[str, float]:
+    """Fractions of pictures with the asked background colour, shape colour and place (`scored`: their
+    `scores`, when the caller has them already)."""
+    results = scores(images, scenes) if scored is None else scored
     return {
         "background": float(np.mean([r.background for r in results])),
         "colour": float(np.mean([r.colour for r in results])),
@@ -76,12 +82,12 @@ def hit_rates(images: list[np.ndarray], scenes: list[Scene]) -> dict[str, float]
     }
 
 
-def misses(images: list[np.ndarray], scenes: list[Scene]) -> list[dict]:
+def misses(images: list[np.ndarray], scenes: list[Scene], scored: list | None = None) -> list[dict]:
     """The pictures that got something wrong: the caption, what was wrong, and the colour the shape came out
     in (None: no shape found), so a run's log says where the colour binding fails, not only how often."""
     out = []
-    for image, scene in zip(images, scenes, strict=True):
-        got = score(image, scene)
+    results = scores(images, scenes) if scored is None else scored
+    for image, scene, got in zip(images, scenes, results, strict=True):
         wrong = [k for k in ("background", "colour", "place") if getattr(got, k) is False]
         if wrong:
             out.append(
@@ -116,8 +122,9 @@ def evaluate(
     noise = [1000 * seed + i for seed in range(seeds) for i in range(len(scenes))]
     ran: dict = {}
     images = render_all(pipe, asked, noise, batch, ran)
-    report: dict = {**hit_rates(images, asked), "images": len(images), "ran": ran}
-    report["misses"] = misses(images, asked)
+    scored = scores(images, asked)
+    report: dict = {**hit_rates(images, asked, scored), "images": len(images), "ran": ran}
+    report["misses"] = misses(images, asked, scored)
     report["seconds_per_image"] = round((time.time() - start) / len(images), 2)
     report.update(weights=pipe.weights_id, dtype=str(dtype).removeprefix("torch."), fp8_text=fp8_text)
     report.update(quality=quality, fp8=fp8)
