@@ -40,6 +40,7 @@ from tiny_scenes import (
     held_out_prompts,
     place_following,
     place_sweeps,
+    round_trip,
     score,
     seen_prompts,
     shape_colour,
@@ -103,12 +104,14 @@ def misses(images: list[np.ndarray], scenes: list[Scene], scored: list | None = 
 def evaluate(
     model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
     dtype: torch.dtype = torch.float32, fp8_text: bool = False, seen: bool = False, sweeps: int = 0,
-    quality: str = "lossless", fp8: bool = False,
+    quality: str = "lossless", fp8: bool = False, autoencoder: bool = False,
 ) -> tuple[dict, list]:  # fmt: skip
     """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures (`fp8_text`: the
     text encoders quantized to FP8 at load, which computes in bf16). `seen` adds the same rates on prompts of
     the training distribution (`seen_prompts`); `sweeps` adds that many place sweeps (`place_sweeps`: one
-    noise, every place word), whose `place_following` is 0 for a model that ignores place words."""
+    noise, every place word), whose `place_following` is 0 for a model that ignores place words.
+    `autoencoder` adds the rates of the held-out and seen scenes rendered and passed through the model's
+    autoencoder alone (`tiny_scenes.round_trip`): what its decoder can paint at all."""
     pipe = Pipeline.from_pretrained(
         model,
         device=device,
@@ -131,6 +134,12 @@ def evaluate(
     if seen:
         familiar = seen_prompts(len(scenes))
         report["seen"] = hit_rates(render_all(pipe, familiar, list(range(len(familiar))), batch), familiar)
+    if autoencoder:  # the same scenes rendered and passed through the autoencoder alone
+        size = pipe.default_size
+        trip = {"held_out": scenes, "seen": seen_prompts(len(scenes))}
+        report["autoencoder"] = {
+            k: hit_rates(round_trip(pipe.vae.encoder, pipe.vae.decoder, v, size), v) for k, v in trip.items()
+        }
     if sweeps:
         follow = []
         for k, group in enumerate(place_sweeps(sweeps)):
@@ -208,6 +217,11 @@ def main() -> None:
         help="also measure how far shapes follow their place words over N sweeps (one noise, every place)",
     )
     ap.add_argument(
+        "--autoencoder",
+        action="store_true",
+        help="also score the held-out and seen scenes passed through the autoencoder alone (no DiT)",
+    )
+    ap.add_argument(
         "--variants",
         action="store_true",
         help="also render in bf16 lossless, high, FP8 and FP8 high: scores and PSNR against lossless",
@@ -221,7 +235,7 @@ def main() -> None:
         dtype = torch.bfloat16 if args.fp8_text else getattr(torch, args.dtype)
         rates, pictures = evaluate(
             model, scenes, args.seeds, args.device, dtype=dtype, fp8_text=args.fp8_text, seen=args.seen,
-            sweeps=args.sweeps,
+            sweeps=args.sweeps, autoencoder=args.autoencoder,
         )  # fmt: skip
         report[model] = rates
         rows.append((model, pictures[:: max(1, len(pictures) // 8)][:8]))
@@ -233,6 +247,11 @@ def main() -> None:
         if "seen" in rates:
             seen = rates["seen"]
             print(f"{model}: seen prompts: " + ", ".join(f"{k} {v:.1%}" for k, v in seen.items()))
+        for k, row in rates.get("autoencoder", {}).items():
+            print(
+                f"{model}: autoencoder round trip, {k} scenes: "
+                + ", ".join(f"{n} {v:.1%}" for n, v in row.items())
+            )
         if "place_following" in rates:
             print(
                 f"{model}: place following {rates['place_following']:.2f} (1 follows the place words, 0 ignores them)"

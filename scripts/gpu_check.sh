@@ -24,6 +24,12 @@
 #                                       (copy them over the shipped DiT files if they score better); FG > 0 weights
 #                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight); SEED [0] picks the run's
 #                                       pool of scenes and its noise (train_tiny.py --seed), so successive runs see new scenes
+#   bash scripts/gpu_check.sh tiny-fresh [SECONDS]  both tiny models trained from scratch with the autoencoders'
+#                                       batches half in random colours (train_tiny.py --vae-rgb 0.5), the text encoders
+#                                       trained, shapes' tokens weighted 5x; SECONDS of DiT each [290]. Each model's whole
+#                                       folder comes back as $OUT/<name>.tar; the logs print each autoencoder's round trip.
+#                                       FLUX.1's new latent shift/scale (its stats.json) must go into TINY_TRAINED_VAE
+#                                       before `tiny` can be scored, so only tiny-flux2 is scored here
 #   bash scripts/gpu_check.sh tiny-verify  the shipped tiny models' scores and grid (eval_tiny.py --seen --sweeps 4), the
 #                                       image-quality check of the paths that are not bit-exact (--variants) and the GPU tests
 #                                       of the pipelines that run the tiny models; no training
@@ -165,8 +171,28 @@ case "$phase" in
       timeout 90 python3 -m pytest -q -m gpu tests/pipeline/test_flux1_pipeline.py tests/pipeline/test_flux2_pipeline.py tests/pipeline/test_tiny_models.py tests/lora/test_fp8_lora.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     fi
     ;;
+  tiny-fresh)
+    secs=${2:-290}
+    for fam in flux1 flux2; do
+      name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
+      timeout $((secs + 260)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" --vae-rgb 0.5 \
+        --vae-seconds 100 --dit-steps 100000 --dit-seconds "$secs" --fg-weight 4 > "$OUT/train_$name.log" 2>&1 &
+    done
+    wait
+    for name in tiny tiny-flux2; do
+      grep "round trip\|latent statistics\|budget reached" "$OUT/train_$name.log"
+      if [ -f "/tmp/train/$name/loss.json" ]; then
+        tar -C "/tmp/train/$name" -cf "$OUT/$name.tar" .
+        cp /tmp/train/$name/*.safetensors "flux_runtime/assets/models/$name/"
+        rm -rf flux_runtime/assets/models/$name/text_encoder*; cp -r /tmp/train/$name/text_encoder* "flux_runtime/assets/models/$name/"
+      else
+        echo "$name: training wrote no weights"; status=1
+      fi
+    done
+    timeout 120 python3 scripts/eval_tiny.py --model tiny-flux2 --device cuda --seen --autoencoder --json "$OUT/eval_fresh.json" 2>&1 | tail -5 || status=1
+    ;;
   tiny-verify)
-    timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --json "$OUT/eval_final.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
+    timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --autoencoder --json "$OUT/eval_final.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
     timeout 80 python3 scripts/eval_tiny.py --device cuda --variants --json "$OUT/eval_variants.json" 2>&1 | grep -v "^\[" | tail -12 || status=1
     timeout 90 python3 -m pytest -q -m gpu tests/pipeline/test_flux1_pipeline.py tests/pipeline/test_flux2_pipeline.py tests/pipeline/test_tiny_models.py tests/lora/test_fp8_lora.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     ;;

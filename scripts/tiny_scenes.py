@@ -242,14 +242,26 @@ def _shape_sdf(shape: str, px: Tensor, py: Tensor, r: Tensor) -> Tensor:
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def render(scenes: list[Scene], size: int, device: torch.device | str = "cpu") -> Tensor:
-    """Render scenes to images (B, 3, size, size) in [-1, 1], fp32, antialiased over about one pixel."""
+def render(
+    scenes: list[Scene],
+    size: int,
+    device: torch.device | str = "cpu",
+    *,
+    rgb: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Render scenes to images (B, 3, size, size) in [-1, 1], fp32, antialiased over about one pixel.
+
+    `rgb` (shape colours, background colours), each (B, 3) in [0, 1], paints the scenes in those colours in
+    place of their palette names' (`random_rgb`: the autoencoder's decoder learns any colour on any other)."""
     device = torch.device(device)
     b = len(scenes)
     coords = (torch.arange(size, device=device, dtype=torch.float32) + 0.5) / size
     gy, gx = torch.meshgrid(coords, coords, indexing="ij")  # (S, S)
-    colour = torch.tensor([PALETTE[s.colour] for s in scenes], device=device, dtype=torch.float32) / 255
-    bg = torch.tensor([PALETTE[s.background] for s in scenes], device=device, dtype=torch.float32) / 255
+    if rgb is None:
+        colour = torch.tensor([PALETTE[s.colour] for s in scenes], device=device, dtype=torch.float32) / 255
+        bg = torch.tensor([PALETTE[s.background] for s in scenes], device=device, dtype=torch.float32) / 255
+    else:
+        colour, bg = (c.to(device=device, dtype=torch.float32) for c in rgb)
     # gradient: towards white for dark colours, towards black for light ones, top to bottom
     light = (bg.mean(dim=1, keepdim=True) > 0.5).float()
     target = 1.0 - light
@@ -275,6 +287,45 @@ def render(scenes: list[Scene], size: int, device: torch.device | str = "cpu") -
             alpha[idx] = torch.maximum(alpha[idx], a)
     image = image * (1 - alpha[:, None]) + colour[:, :, None, None] * alpha[:, None]
     return image * 2 - 1
+
+
+def palette_rgb(scenes: list[Scene]) -> tuple[Tensor, Tensor]:
+    """The scenes' shape and background colours (B, 3) in [0, 1], as `render` paints them by default."""
+    shape = torch.tensor([PALETTE[s.colour] for s in scenes], dtype=torch.float32) / 255
+    background = torch.tensor([PALETTE[s.background] for s in scenes], dtype=torch.float32) / 255
+    return shape, background
+
+
+def random_rgb(n: int, seed: int, min_distance: float = 0.3) -> tuple[Tensor, Tensor]:
+    """`n` (shape, background) colour pairs uniform in RGB [0, 1]^3, each pair at least `min_distance` apart
+    (so the shape shows), drawn from `seed`. Painting training scenes in them teaches an autoencoder to code
+    any colour on any other, rather than only the palette pairs its training scenes combine (an autoencoder
+    trained on palette scenes alone miscolours the held-out pairs: red on blue comes back orange)."""
+    rng = np.random.default_rng(seed)
+    shape, background = rng.uniform(size=(n, 3)), rng.uniform(size=(n, 3))
+    while True:
+        close = np.linalg.norm(shape - background, axis=1) < min_distance
+        if not close.any():
+            break
+        background[close] = rng.uniform(size=(int(close.sum()), 3))
+    return torch.from_numpy(shape).float(), torch.from_numpy(background).float()
+
+
+@torch.no_grad()
+def round_trip(
+    encoder: torch.nn.Module, decoder: torch.nn.Module, scenes: list[Scene], size: int, batch: int = 32
+) -> list[np.ndarray]:
+    """The scenes rendered, encoded to their posterior means and decoded again, as (size, size, 3) uint8
+    pictures: scored like generated ones, they are the most a DiT on this autoencoder's latents can get."""
+    device = next(decoder.parameters()).device
+    dtype = next(decoder.parameters()).dtype
+    out: list[np.ndarray] = []
+    for i in range(0, len(scenes), batch):
+        x = render(scenes[i : i + batch], size, device).to(dtype)
+        mean = torch.chunk(encoder(x), 2, dim=1)[0]
+        y = decoder(mean).float().clamp(-1, 1)
+        out.extend(((y + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy())
+    return out
 
 
 def token_masks(scenes: list[Scene], grid: int) -> np.ndarray:

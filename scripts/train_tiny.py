@@ -54,7 +54,18 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_scenes import Scene, render, sample_scenes, token_masks
+from tiny_scenes import (
+    Scene,
+    held_out_prompts,
+    palette_rgb,
+    random_rgb,
+    render,
+    round_trip,
+    sample_scenes,
+    score,
+    seen_prompts,
+    token_masks,
+)
 
 from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
 from flux_runtime.models.dit.config import TINY_FLUX2_TRAINED, TINY_TRAINED
@@ -193,7 +204,13 @@ def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, hi
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.vae_steps, elapsed, args.vae_seconds, args.vae_lr, 100)
-        x = render(sample_scenes(args.vae_batch, seed + step), SIZE, device)
+        scenes = sample_scenes(args.vae_batch, seed + step)
+        rgb = None
+        if args.vae_rgb > 0:  # the first part of the batch in random colours (`random_rgb`), the rest palette
+            k = round(args.vae_batch * args.vae_rgb)
+            rnd, pal = random_rgb(args.vae_batch, seed + step), palette_rgb(scenes)
+            rgb = (torch.cat([rnd[0][:k], pal[0][k:]]), torch.cat([rnd[1][:k], pal[1][k:]]))
+        x = render(scenes, SIZE, device, rgb=rgb)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
             moments = vae.encoder(x)
             mean, logvar = torch.chunk(moments.float(), 2, dim=1)
@@ -213,6 +230,19 @@ def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, hi
             )
         if step % 200 == 0:
             log(f"vae step {step}: rec {rec.item():.4f} kl {kl.item():.3f}")
+
+
+def log_round_trip(vae: nn.Module, history: dict) -> None:
+    """The autoencoder's round trip of the held-out and seen prompts' scenes, scored like generated pictures
+    (logged and kept in `loss.json`). The DiT's pictures come out of the same decoder, so a colour pair the
+    round trip miscolours is one the DiT will mostly miss too, whatever it learned."""
+    rates = {}
+    for name, scenes in (("held_out", held_out_prompts()), ("seen", seen_prompts())):
+        pictures = round_trip(vae.encoder, vae.decoder, scenes, SIZE)
+        results = [score(p, s) for p, s in zip(pictures, scenes, strict=True)]
+        rates[name] = {k: float(np.mean([getattr(r, k) for r in results])) for k in ("background", "colour")}
+    history["round_trip"] = rates
+    log(f"autoencoder round trip (background, shape colour): {rates}")
 
 
 @torch.no_grad()
@@ -259,6 +289,8 @@ def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> Non
     history["dit"] = list(earlier.get("dit", []))
     if args.vae_steps == 0:
         history["vae"] = list(earlier.get("vae", []))
+        if "round_trip" in earlier:
+            history["round_trip"] = earlier["round_trip"]
 
 
 def train_dit(
@@ -454,6 +486,13 @@ def main() -> None:
     ap.add_argument("--vae-lr", type=float, default=1e-3)
     ap.add_argument("--vae-seconds", type=float, default=110.0)
     ap.add_argument("--kl-weight", type=float, default=1e-4)
+    ap.add_argument(
+        "--vae-rgb",
+        type=float,
+        default=0.0,
+        help="fraction of each autoencoder batch painted in random colours (tiny_scenes.random_rgb), so it "
+        "codes colour pairs its scenes never combine",
+    )
     ap.add_argument("--pool", type=int, default=60000)
     ap.add_argument("--dit-steps", type=int, default=6000)
     ap.add_argument("--dit-batch", type=int, default=128)
@@ -493,6 +532,8 @@ def main() -> None:
         vae.load_state_dict({k: v.float() for k, v in load_file(args.resume / "ae.safetensors").items()})
     train_vae(vae, args, device, history)
     vae.eval().requires_grad_(False)
+    if args.vae_steps > 0:  # a kept autoencoder's: eval_tiny.py --autoencoder
+        log_round_trip(vae, history)
     save_file(bf16_state(vae), out / "ae.safetensors")  # kept if the DiT phase fails
 
     # its latents on a pool of scenes, and their statistics

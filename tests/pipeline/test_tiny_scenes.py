@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from scripts.tiny_scenes import (
     PLACES,
@@ -16,7 +17,9 @@ from scripts.tiny_scenes import (
     is_held_out,
     place_following,
     place_sweeps,
+    random_rgb,
     render,
+    round_trip,
     score,
     seen_prompts,
     shape_colour,
@@ -89,3 +92,40 @@ def test_token_masks_cover_every_token_a_shape_touches_and_few_others() -> None:
         assert bool((mask.reshape(16, 16)[touched.numpy()] == 1).all()), scene.caption
         # a large shape's reach (0.19 * sqrt(2) + half a token) spans at most 0.31 of the side: 30 % of tokens
         assert 0 < mask.sum() <= 0.32 * mask.size, (scene.caption, mask.sum())
+
+
+def test_random_colours_are_apart_and_paint_the_scene() -> None:
+    shape, background = random_rgb(64, seed=3)
+    again = random_rgb(64, seed=3)
+    assert torch.equal(shape, again[0]) and torch.equal(background, again[1])
+    assert shape.shape == background.shape == (64, 3) and shape.min() >= 0 and shape.max() <= 1
+    assert ((shape - background).norm(dim=1) >= 0.3).all()
+    scene = Scene(1, "large", "red", "square", "centre", "blue", False, ((0.5, 0.5),), 0.19)
+    x = render([scene], 64, rgb=(shape[:1], background[:1]))
+    assert torch.allclose((x[0, :, 32, 32] + 1) / 2, shape[0], atol=1e-6)  # the shape's middle
+    assert torch.allclose((x[0, :, 1, 1] + 1) / 2, background[0], atol=1e-6)  # a corner
+
+
+class _Halves(torch.nn.Module):
+    """An encoder whose posterior mean is its input (the log-variance half zeros)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.zeros_like(x)], dim=1)
+
+
+def test_round_trip_through_a_lossless_autoencoder_scores_like_the_scenes() -> None:
+    """The round trip keeps the means and decodes them: with an identity decoder every held-out scene comes
+    back scoring right, and a decoder that swaps red and blue gets the colours wrong."""
+    scenes = held_out_prompts(1)
+    identity = torch.nn.Conv2d(3, 3, 1, bias=False)
+    with torch.no_grad():
+        identity.weight.copy_(torch.eye(3)[:, :, None, None])
+    for image, scene in zip(round_trip(_Halves(), identity, scenes, 128), scenes, strict=True):
+        assert image.dtype == np.uint8 and image.shape == (128, 128, 3)
+        got = score(image, scene)
+        assert got.background and got.colour, scene.caption
+    swap = torch.nn.Conv2d(3, 3, 1, bias=False)
+    with torch.no_grad():
+        swap.weight.copy_(torch.eye(3)[[2, 1, 0]][:, :, None, None])
+    swapped = round_trip(_Halves(), swap, scenes, 128)
+    assert not all(score(p, s).colour for p, s in zip(swapped, scenes, strict=True))
