@@ -38,10 +38,11 @@ from tiny_scenes import (
     Scene,
     centre,
     held_out_prompts,
+    hit_rates,
     place_following,
     place_sweeps,
     round_trip,
-    score,
+    scores,
     seen_prompts,
     shape_colour,
 )
@@ -65,22 +66,6 @@ def render_all(
         if ran is not None:
             ran.update(quality=out.info["quality"], precision=out.info["precision"])
     return images
-
-
-def scores(images: list[np.ndarray], scenes: list[Scene]) -> list:
-    """Each picture's `tiny_scenes.score` against its scene."""
-    return [score(image, s) for image, s in zip(images, scenes, strict=True)]
-
-
-def hit_rates(images: list[np.ndarray], scenes: list[Scene], scored: list | None = None) -> dict[str, float]:
-    """Fractions of pictures with the asked background colour, shape colour and place (`scored`: their
-    `scores`, when the caller has them already)."""
-    results = scores(images, scenes) if scored is None else scored
-    return {
-        "background": float(np.mean([r.background for r in results])),
-        "colour": float(np.mean([r.colour for r in results])),
-        "place": float(np.mean([r.place for r in results if r.place is not None])),
-    }
 
 
 def misses(images: list[np.ndarray], scenes: list[Scene], scored: list | None = None) -> list[dict]:

@@ -257,11 +257,9 @@ def render(
     b = len(scenes)
     coords = (torch.arange(size, device=device, dtype=torch.float32) + 0.5) / size
     gy, gx = torch.meshgrid(coords, coords, indexing="ij")  # (S, S)
-    if rgb is None:
-        colour = torch.tensor([PALETTE[s.colour] for s in scenes], device=device, dtype=torch.float32) / 255
-        bg = torch.tensor([PALETTE[s.background] for s in scenes], device=device, dtype=torch.float32) / 255
-    else:
-        colour, bg = (c.to(device=device, dtype=torch.float32) for c in rgb)
+    colour, bg = (
+        c.to(device=device, dtype=torch.float32) for c in (palette_rgb(scenes) if rgb is None else rgb)
+    )
     # gradient: towards white for dark colours, towards black for light ones, top to bottom
     light = (bg.mean(dim=1, keepdim=True) > 0.5).float()
     target = 1.0 - light
@@ -316,7 +314,8 @@ def round_trip(
     encoder: torch.nn.Module, decoder: torch.nn.Module, scenes: list[Scene], size: int, batch: int = 32
 ) -> list[np.ndarray]:
     """The scenes rendered, encoded to their posterior means and decoded again, as (size, size, 3) uint8
-    pictures: scored like generated ones, they are the most a DiT on this autoencoder's latents can get."""
+    pictures: scored like generated ones, they say which colours the decoder can paint at all (a DiT's
+    pictures come out of the same decoder)."""
     device = next(decoder.parameters()).device
     dtype = next(decoder.parameters()).dtype
     out: list[np.ndarray] = []
@@ -385,6 +384,24 @@ def score(image: np.ndarray, scene: Scene) -> Score:
         _, x, y = PLACES[scene.place]
         place = found is not None and abs(found[0] - x) < 0.17 and abs(found[1] - y) < 0.17
     return Score(bool(background), bool(colour), place)
+
+
+def scores(images: list[np.ndarray], scenes: list[Scene]) -> list[Score]:
+    """Each picture's `score` against its scene."""
+    return [score(image, s) for image, s in zip(images, scenes, strict=True)]
+
+
+def hit_rates(
+    images: list[np.ndarray], scenes: list[Scene], scored: list[Score] | None = None
+) -> dict[str, float]:
+    """Fractions of pictures with the asked background colour, shape colour and place (`scored`: their
+    `scores`, when the caller has them already)."""
+    results = scores(images, scenes) if scored is None else scored
+    return {
+        "background": float(np.mean([r.background for r in results])),
+        "colour": float(np.mean([r.colour for r in results])),
+        "place": float(np.mean([r.place for r in results if r.place is not None])),
+    }
 
 
 def _shape_colour(labels: np.ndarray, background: str) -> str | None:

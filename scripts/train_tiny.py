@@ -57,12 +57,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_scenes import (
     Scene,
     held_out_prompts,
+    hit_rates,
     palette_rgb,
     random_rgb,
     render,
     round_trip,
     sample_scenes,
-    score,
     seen_prompts,
     token_masks,
 )
@@ -208,8 +208,8 @@ def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, hi
         rgb = None
         if args.vae_rgb > 0:  # the first part of the batch in random colours (`random_rgb`), the rest palette
             k = round(args.vae_batch * args.vae_rgb)
-            rnd, pal = random_rgb(args.vae_batch, seed + step), palette_rgb(scenes)
-            rgb = (torch.cat([rnd[0][:k], pal[0][k:]]), torch.cat([rnd[1][:k], pal[1][k:]]))
+            rnd, pal = random_rgb(k, seed + step), palette_rgb(scenes)
+            rgb = (torch.cat([rnd[0], pal[0][k:]]), torch.cat([rnd[1], pal[1][k:]]))
         x = render(scenes, SIZE, device, rgb=rgb)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
             moments = vae.encoder(x)
@@ -238,11 +238,9 @@ def log_round_trip(vae: nn.Module, history: dict) -> None:
     round trip miscolours is one the DiT will mostly miss too, whatever it learned."""
     rates = {}
     for name, scenes in (("held_out", held_out_prompts()), ("seen", seen_prompts())):
-        pictures = round_trip(vae.encoder, vae.decoder, scenes, SIZE)
-        results = [score(p, s) for p, s in zip(pictures, scenes, strict=True)]
-        rates[name] = {k: float(np.mean([getattr(r, k) for r in results])) for k in ("background", "colour")}
+        rates[name] = hit_rates(round_trip(vae.encoder, vae.decoder, scenes, SIZE), scenes)
     history["round_trip"] = rates
-    log(f"autoencoder round trip (background, shape colour): {rates}")
+    log(f"autoencoder round trip (background, shape colour, place): {rates}")
 
 
 @torch.no_grad()
