@@ -30,6 +30,10 @@
 #                                       folder comes back as $OUT/<name>.tar; the logs print each autoencoder's round trip.
 #                                       FLUX.1's new latent shift/scale (its stats.json) must go into TINY_TRAINED_VAE
 #                                       before `tiny` can be scored, so only tiny-flux2 is scored here
+#   bash scripts/gpu_check.sh tiny-decoder [SECONDS]  each shipped autoencoder's decoder fine-tuned alone for SECONDS [280]
+#                                       with half of each batch in random colours (train_tiny.py --decoder-only --vae-rgb 0.5),
+#                                       the encoder, DiT and text encoders kept; the new decoders' files come back as
+#                                       $OUT/<name>.tar and both models are scored with them (eval_tiny.py --seen --autoencoder)
 #   bash scripts/gpu_check.sh tiny-verify  the shipped tiny models' scores and grid (eval_tiny.py --seen --sweeps 4), the
 #                                       image-quality check of the paths that are not bit-exact (--variants) and the GPU tests
 #                                       of the pipelines that run the tiny models; no training
@@ -190,6 +194,26 @@ case "$phase" in
       fi
     done
     timeout 120 python3 scripts/eval_tiny.py --model tiny-flux2 --device cuda --seen --autoencoder --json "$OUT/eval_fresh.json" 2>&1 | tail -5 || status=1
+    ;;
+  tiny-decoder)
+    secs=${2:-280}
+    for name in tiny tiny-flux2; do
+      fam=$([ $name = tiny ] && echo flux1 || echo flux2)
+      timeout $((secs + 120)) python3 scripts/train_tiny.py --family $fam --resume "flux_runtime/assets/models/$name" \
+        --decoder-only --vae-rgb 0.5 --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$secs" --out "/tmp/train/$name" \
+        > "$OUT/train_$name.log" 2>&1 &
+    done
+    wait
+    for name in tiny tiny-flux2; do
+      grep "round trip\|budget reached\|Error" "$OUT/train_$name.log"
+      if [ -f "/tmp/train/$name/loss.json" ]; then
+        tar -C "/tmp/train/$name" -cf "$OUT/$name.tar" ae.safetensors loss.json loss.png
+        cp "/tmp/train/$name/ae.safetensors" "flux_runtime/assets/models/$name/"
+      else
+        echo "$name: training wrote no weights"; status=1
+      fi
+    done
+    timeout 150 python3 scripts/eval_tiny.py --device cuda --seen --autoencoder --json "$OUT/eval_decoder.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -8 || status=1
     ;;
   tiny-verify)
     timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --autoencoder --json "$OUT/eval_final.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1

@@ -193,8 +193,12 @@ def shifted_t(u: Tensor, mu: float) -> Tensor:
 # ---- phase 1: the autoencoder ---------------------------------------------------------------------------
 
 
-def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, history: dict) -> None:
-    params = [p for p in vae.parameters()]
+def train_vae(
+    vae: nn.Module, args: argparse.Namespace, device: torch.device, history: dict, first_step: int = 0
+) -> None:
+    """Reconstruction + KL on freshly rendered batches; with `args.decoder_only` the encoder is frozen and
+    only the decoder learns (log rows count on from `first_step`)."""
+    params = [p for p in (vae.decoder if args.decoder_only else vae).parameters()]
     opt = torch.optim.AdamW(params, lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
     start, seed = time.time(), args.seed * 1000 + 1
     for step in range(args.vae_steps):
@@ -212,7 +216,8 @@ def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, hi
             rgb = (torch.cat([rnd[0], pal[0][k:]]), torch.cat([rnd[1], pal[1][k:]]))
         x = render(scenes, SIZE, device, rgb=rgb)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
-            moments = vae.encoder(x)
+            with torch.set_grad_enabled(not args.decoder_only):
+                moments = vae.encoder(x)
             mean, logvar = torch.chunk(moments.float(), 2, dim=1)
             logvar = logvar.clamp(-30.0, 20.0)
             z = mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
@@ -226,7 +231,7 @@ def train_vae(vae: nn.Module, args: argparse.Namespace, device: torch.device, hi
         opt.step()
         if step % 25 == 0:
             history["vae"].append(
-                {"step": step, "time": round(elapsed, 1), "rec": rec.item(), "kl": kl.item()}
+                {"step": first_step + step, "time": round(elapsed, 1), "rec": rec.item(), "kl": kl.item()}
             )
         if step % 200 == 0:
             log(f"vae step {step}: rec {rec.item():.4f} kl {kl.item():.3f}")
@@ -276,6 +281,30 @@ def embed_pool(
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
+def finish_decoder_only(vae: nn.Module, resumed: Path, out: Path, history: dict, flux1: bool) -> None:
+    """Write the fine-tuned autoencoder beside unchanged copies of the resumed DiT, text encoders and
+    statistics: the encoder did not move, so the latents the DiT was trained on mean what they meant."""
+    earlier = json.loads((resumed / "loss.json").read_text())
+    history["decoder_fine_tune"] = {
+        "from_step": history["resumed"]["dit_step"],
+        "vae_rgb": history["args"]["vae_rgb"],
+    }
+    for key in ("stats", "configs"):
+        history[key] = earlier[key]
+    meta = {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": history["args"]["seed"]}
+    save_file(bf16_state(vae, buffers=not flux1), out / "ae.safetensors", meta)
+    for item in resumed.iterdir():
+        if item.name in ("ae.safetensors", "loss.json", "loss.png"):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, out / item.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, out / item.name)
+    (out / "loss.json").write_text(json.dumps(history, indent=1))
+    plot_loss(history, out / "loss.png", f"tiny {'FLUX.1' if flux1 else 'FLUX.2'}: decoder fine-tuned")
+    log(f"wrote {out} (decoder fine-tuned, the rest as in {resumed})")
+
+
 def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> None:
     """A resumed run's log continues the earlier one: its DiT rows (and, with the autoencoder kept, its VAE
     rows) come first, and this run's steps and seconds count on from where they ended."""
@@ -285,7 +314,7 @@ def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> Non
         "dit_time": last[0]["time"],
     }  # fmt: skip
     history["dit"] = list(earlier.get("dit", []))
-    if args.vae_steps == 0:
+    if args.vae_steps == 0 or args.decoder_only:
         history["vae"] = list(earlier.get("vae", []))
         if "round_trip" in earlier:
             history["round_trip"] = earlier["round_trip"]
@@ -491,6 +520,12 @@ def main() -> None:
         help="fraction of each autoencoder batch painted in random colours (tiny_scenes.random_rgb), so it "
         "codes colour pairs its scenes never combine",
     )
+    ap.add_argument(
+        "--decoder-only",
+        action="store_true",
+        help="with --resume: train the autoencoder's decoder alone and keep everything else as resumed (the "
+        "encoder, so the latents and statistics the DiT learned, the DiT and the text encoders)",
+    )
     ap.add_argument("--pool", type=int, default=60000)
     ap.add_argument("--dit-steps", type=int, default=6000)
     ap.add_argument("--dit-batch", type=int, default=128)
@@ -528,10 +563,16 @@ def main() -> None:
     vae = (Flux1VAE if flux1 else Flux2VAE)(vae_cfg).to(device)
     if args.resume is not None:
         vae.load_state_dict({k: v.float() for k, v in load_file(args.resume / "ae.safetensors").items()})
-    train_vae(vae, args, device, history)
+    if args.decoder_only and args.resume is None:
+        ap.error("--decoder-only fine-tunes a resumed autoencoder: add --resume FOLDER")
+    first = history["vae"][-1]["step"] + 25 if args.decoder_only and history["vae"] else 0
+    train_vae(vae, args, device, history, first)
     vae.eval().requires_grad_(False)
     if args.vae_steps > 0:  # a kept autoencoder's: eval_tiny.py --autoencoder
         log_round_trip(vae, history)
+    if args.decoder_only:
+        finish_decoder_only(vae, args.resume, out, history, flux1)
+        return
     save_file(bf16_state(vae), out / "ae.safetensors")  # kept if the DiT phase fails
 
     # its latents on a pool of scenes, and their statistics
