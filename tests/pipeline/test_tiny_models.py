@@ -153,6 +153,38 @@ def test_training_with_the_shapes_weighted_takes_steps(tmp_path) -> None:
     assert any(not torch.equal(want[k], got[k]) for k in want)
 
 
+@pytest.mark.slow
+def test_decoder_only_fine_tune_moves_only_the_decoder(tmp_path) -> None:
+    """`--decoder-only` (two steps on the CPU from the shipped FLUX.2 files): the decoder moves; the encoder,
+    the latent BatchNorm statistics, the DiT and the text encoder come back bit for bit, and the loss log
+    keeps the shipped autoencoder rows with this run's counting on after them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[2]
+    shipped = root / "flux_runtime" / "assets" / "models" / "tiny-flux2"
+    cmd = [
+        sys.executable, str(root / "scripts" / "train_tiny.py"), "--family", "flux2", "--out", str(tmp_path),
+        "--resume", str(shipped), "--decoder-only", "--vae-rgb", "0.5", "--vae-steps", "2", "--vae-batch", "2",
+        "--device", "cpu",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, cwd=root, timeout=600)
+    want, got = load_file(shipped / "ae.safetensors"), load_file(tmp_path / "ae.safetensors")
+    assert want.keys() == got.keys()
+    kept = [k for k in want if not k.startswith("decoder.")]
+    assert kept and all(torch.equal(want[k], got[k]) for k in kept)
+    assert any(not torch.equal(want[k], got[k]) for k in want if k.startswith("decoder."))
+    for f in ("flux2-tiny.safetensors", "text_encoder/model.safetensors"):
+        assert (shipped / f).read_bytes() == (tmp_path / f).read_bytes(), f
+    old = json.loads((shipped / "loss.json").read_text())["vae"]
+    rows = json.loads((tmp_path / "loss.json").read_text())["vae"]
+    assert rows[: len(old)] == old and rows[len(old)]["step"] > old[-1]["step"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-flux2"])
 def test_high_and_fp8_draw_what_lossless_draws(name: str) -> None:
