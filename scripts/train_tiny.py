@@ -21,7 +21,9 @@ a device budget, and the learning rate anneals on whichever of steps or time run
 starts from the weights in an earlier output folder (the shipped `flux_runtime/assets/models/tiny*` folders
 are such folders): autoencoder, DiT and text encoders; with `--vae-steps 0` the autoencoder stays as it is
 and its latent statistics (FLUX.1's preset factors, FLUX.2's BatchNorm) stay, so only the DiT and the text
-encoders train on.
+encoders train on. `--decoder-only` (with `--resume`) trains the autoencoder's decoder alone and copies the
+rest: the encoder does not move, so neither do the latents the DiT learned; with `--vae-rgb` it learns to paint
+colour pairs the scenes never combine.
 
 `--freeze-text` keeps the text encoders as they are and embeds the pool's captions once: a step then runs no
 encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the first
@@ -281,18 +283,21 @@ def embed_pool(
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
-def finish_decoder_only(vae: nn.Module, resumed: Path, out: Path, history: dict, flux1: bool) -> None:
+def file_meta(seed: int) -> dict[str, str]:
+    """The safetensors metadata of every weight file a run writes."""
+    return {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": str(seed)}
+
+
+def finish_decoder_only(
+    vae: nn.Module, resumed: Path, earlier: dict, out: Path, history: dict, args: argparse.Namespace
+) -> None:
     """Write the fine-tuned autoencoder beside unchanged copies of the resumed DiT, text encoders and
-    statistics: the encoder did not move, so the latents the DiT was trained on mean what they meant."""
-    earlier = json.loads((resumed / "loss.json").read_text())
-    history["decoder_fine_tune"] = {
-        "from_step": history["resumed"]["dit_step"],
-        "vae_rgb": history["args"]["vae_rgb"],
-    }
+    statistics (`earlier`: the resumed run's log): the encoder did not move, so the latents the DiT was
+    trained on mean what they meant."""
+    flux1 = args.family == "flux1"
     for key in ("stats", "configs"):
         history[key] = earlier[key]
-    meta = {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": history["args"]["seed"]}
-    save_file(bf16_state(vae, buffers=not flux1), out / "ae.safetensors", meta)
+    save_file(bf16_state(vae, buffers=not flux1), out / "ae.safetensors", file_meta(args.seed))
     for item in resumed.iterdir():
         if item.name in ("ae.safetensors", "loss.json", "loss.png"):
             continue
@@ -546,6 +551,11 @@ def main() -> None:
         "captions once, so each DiT step runs no encoder",
     )
     args = ap.parse_args()
+    if args.decoder_only and (args.resume is None or not (args.resume / "loss.json").is_file()):
+        ap.error(
+            "--decoder-only fine-tunes an earlier run's autoencoder: add --resume FOLDER (a folder this "
+            "script wrote, with its loss.json)"
+        )
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -554,8 +564,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     history: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "vae": [], "dit": []}
     flux1 = args.family == "flux1"
+    earlier: dict = {}
     if args.resume is not None and (args.resume / "loss.json").is_file():
-        carry_history(history, json.loads((args.resume / "loss.json").read_text()), args)
+        earlier = json.loads((args.resume / "loss.json").read_text())
+        carry_history(history, earlier, args)
 
     # the autoencoder
     vae_cfg = TINY_TRAINED_VAE if flux1 else TINY_FLUX2_TRAINED_VAE
@@ -563,15 +575,13 @@ def main() -> None:
     vae = (Flux1VAE if flux1 else Flux2VAE)(vae_cfg).to(device)
     if args.resume is not None:
         vae.load_state_dict({k: v.float() for k, v in load_file(args.resume / "ae.safetensors").items()})
-    if args.decoder_only and args.resume is None:
-        ap.error("--decoder-only fine-tunes a resumed autoencoder: add --resume FOLDER")
     first = history["vae"][-1]["step"] + 25 if args.decoder_only and history["vae"] else 0
     train_vae(vae, args, device, history, first)
     vae.eval().requires_grad_(False)
     if args.vae_steps > 0:  # a kept autoencoder's: eval_tiny.py --autoencoder
         log_round_trip(vae, history)
     if args.decoder_only:
-        finish_decoder_only(vae, args.resume, out, history, flux1)
+        finish_decoder_only(vae, args.resume, earlier, out, history, args)
         return
     save_file(bf16_state(vae), out / "ae.safetensors")  # kept if the DiT phase fails
 
@@ -629,7 +639,7 @@ def main() -> None:
 
     # write what the runtime loads
     model.eval()
-    meta = {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": str(args.seed)}
+    meta = file_meta(args.seed)
     save_file(
         bf16_state(model), out / ("flux1-tiny.safetensors" if flux1 else "flux2-tiny.safetensors"), meta
     )
