@@ -34,6 +34,12 @@
 #                                       with half of each batch in random colours (train_tiny.py --decoder-only --vae-rgb 0.5),
 #                                       the encoder, DiT and text encoders kept; the new decoders' files come back as
 #                                       $OUT/<name>.tar and both models are scored with them (eval_tiny.py --seen --autoencoder)
+#   bash scripts/gpu_check.sh tiny-anchor [SECONDS [W ...]]  each shipped autoencoder fine-tuned whole for SECONDS [230]
+#                                       once per anchor weight W [1 10], side by side (train_tiny.py --encoder-anchor W
+#                                       --vae-rgb 0.5: the encoder learns random colour pairs too, held near its old
+#                                       latents on palette scenes); each is scored with the shipped DiT
+#                                       (eval_tiny.py --seen --autoencoder, $OUT/eval_<name>_<W>.json); each model's
+#                                       autoencoders, logs and loss curves come back as $OUT/<name>.tar
 #   bash scripts/gpu_check.sh tiny-verify  the shipped tiny models' scores and grid (eval_tiny.py --seen --sweeps 4), the
 #                                       image-quality check of the paths that are not bit-exact (--variants) and the GPU tests
 #                                       of the pipelines that run the tiny models; no training
@@ -214,6 +220,34 @@ case "$phase" in
       fi
     done
     timeout 150 python3 scripts/eval_tiny.py --device cuda --seen --autoencoder --json "$OUT/eval_decoder.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -8 || status=1
+    ;;
+  tiny-anchor)
+    secs=${2:-230}; shift $(( $# > 1 ? 2 : $# )); weights=${*:-1 10}
+    for name in tiny tiny-flux2; do
+      fam=$([ $name = tiny ] && echo flux1 || echo flux2)
+      for w in $weights; do
+        timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --resume "flux_runtime/assets/models/$name" \
+          --encoder-anchor "$w" --vae-rgb 0.5 --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$secs" \
+          --out "/tmp/train/${name}_$w" > "/tmp/train_${name}_$w.log" 2>&1 &
+      done
+    done
+    wait
+    for name in tiny tiny-flux2; do
+      mkdir -p "/tmp/pack/$name"; cp flux_runtime/assets/models/$name/ae.safetensors /tmp/ae_shipped_$name.safetensors
+      for w in $weights; do
+        echo "== $name W=$w"; grep "round trip\|budget reached\|drift on\|Error" "/tmp/train_${name}_$w.log"
+        cp "/tmp/train_${name}_$w.log" "/tmp/pack/$name/train_$w.log"
+        if [ -f "/tmp/train/${name}_$w/loss.json" ]; then
+          for f in ae.safetensors loss.json loss.png; do cp "/tmp/train/${name}_$w/$f" "/tmp/pack/$name/${f%%.*}_$w.${f#*.}"; done
+          cp "/tmp/train/${name}_$w/ae.safetensors" "flux_runtime/assets/models/$name/"
+          timeout 90 python3 scripts/eval_tiny.py --model $name --device cuda --seen --autoencoder --json "$OUT/eval_${name}_$w.json" 2>&1 | grep "^$name" || status=1
+        else
+          echo "$name W=$w: training wrote no weights"; status=1
+        fi
+      done
+      cp /tmp/ae_shipped_$name.safetensors "flux_runtime/assets/models/$name/ae.safetensors"
+      tar -C "/tmp/pack/$name" -cf "$OUT/$name.tar" .
+    done
     ;;
   tiny-verify)
     timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --autoencoder --json "$OUT/eval_final.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1

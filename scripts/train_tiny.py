@@ -23,7 +23,9 @@ are such folders): autoencoder, DiT and text encoders; with `--vae-steps 0` the 
 and its latent statistics (FLUX.1's preset factors, FLUX.2's BatchNorm) stay, so only the DiT and the text
 encoders train on. `--decoder-only` (with `--resume`) trains the autoencoder's decoder alone and copies the
 rest: the encoder does not move, so neither do the latents the DiT learned; with `--vae-rgb` it learns to paint
-colour pairs the scenes never combine.
+colour pairs the scenes never combine. `--encoder-anchor W` (with `--resume`) trains the encoder too, so it can
+learn to code such pairs, while a loss term W times its drift on palette scenes keeps the latents of the
+training distribution near the ones the DiT learned (the final drift is logged and kept in `loss.json`).
 
 `--freeze-text` keeps the text encoders as they are and embeds the pool's captions once: a step then runs no
 encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the first
@@ -40,6 +42,7 @@ Training on from the shipped weights (the DiT only, e.g. for another 7 minutes):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -199,10 +202,14 @@ def train_vae(
     vae: nn.Module, args: argparse.Namespace, device: torch.device, history: dict, first_step: int = 0
 ) -> None:
     """Reconstruction + KL on freshly rendered batches; with `args.decoder_only` the encoder is frozen and
-    only the decoder learns (log rows count on from `first_step`)."""
+    only the decoder learns; with `args.encoder_anchor` both learn, and the encoder's posterior means on the
+    batch's palette scenes are pulled towards those of the encoder it started from (log rows count on from
+    `first_step`)."""
     params = [p for p in (vae.decoder if args.decoder_only else vae).parameters()]
     opt = torch.optim.AdamW(params, lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
     start, seed = time.time(), args.seed * 1000 + 1
+    anchor = copy.deepcopy(vae.encoder).eval().requires_grad_(False) if args.encoder_anchor > 0 else None
+    k = round(args.vae_batch * args.vae_rgb)  # the batch's first k scenes in random colours
     for step in range(args.vae_steps):
         elapsed = time.time() - start
         if elapsed > args.vae_seconds:
@@ -212,8 +219,7 @@ def train_vae(
             g["lr"] = lr_at(step, args.vae_steps, elapsed, args.vae_seconds, args.vae_lr, 100)
         scenes = sample_scenes(args.vae_batch, seed + step)
         rgb = None
-        if args.vae_rgb > 0:  # the first part of the batch in random colours (`random_rgb`), the rest palette
-            k = round(args.vae_batch * args.vae_rgb)
+        if k > 0:  # the first part of the batch in random colours (`random_rgb`), the rest palette
             rnd, pal = random_rgb(k, seed + step), palette_rgb(scenes)
             rgb = (torch.cat([rnd[0], pal[0][k:]]), torch.cat([rnd[1], pal[1][k:]]))
         x = render(scenes, SIZE, device, rgb=rgb)
@@ -224,19 +230,40 @@ def train_vae(
             logvar = logvar.clamp(-30.0, 20.0)
             z = mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
             recon = vae.decoder(z).float()
+            drift = torch.zeros((), device=device)
+            if anchor is not None and k < args.vae_batch:
+                with torch.no_grad():
+                    before = torch.chunk(anchor(x[k:]).float(), 2, dim=1)[0]
+                drift = (mean[k:] - before).pow(2).mean() / before.var()
         rec = (recon - x).abs().mean() + F.mse_loss(recon, x)
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
-        loss = rec + args.kl_weight * kl
+        loss = rec + args.kl_weight * kl + args.encoder_anchor * drift
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 25 == 0:
-            history["vae"].append(
-                {"step": first_step + step, "time": round(elapsed, 1), "rec": rec.item(), "kl": kl.item()}
-            )
+            row = {"step": first_step + step, "time": round(elapsed, 1), "rec": rec.item(), "kl": kl.item()}
+            history["vae"].append(row | ({"drift": drift.item()} if anchor is not None else {}))
         if step % 200 == 0:
-            log(f"vae step {step}: rec {rec.item():.4f} kl {kl.item():.3f}")
+            more = f" drift {drift.item():.5f}" if anchor is not None else ""
+            log(f"vae step {step}: rec {rec.item():.4f} kl {kl.item():.3f}{more}")
+    if anchor is not None:
+        history["encoder_drift"] = encoder_drift(anchor, vae.encoder, device)
+        log(
+            f"encoder drift on fresh palette scenes (relative mean squared change): {history['encoder_drift']}"
+        )
+
+
+@torch.no_grad()
+def encoder_drift(before: nn.Module, after: nn.Module, device: torch.device, n: int = 256) -> float:
+    """How far a fine-tuned encoder's posterior means on `n` fresh training scenes moved from the encoder it
+    started from: their mean squared difference over the old means' variance (0: the latents the DiT was
+    trained on are unchanged)."""
+    x = render(sample_scenes(n, 424242), SIZE, device)
+    old = torch.cat([torch.chunk(before(x[i : i + 64]).float(), 2, dim=1)[0] for i in range(0, n, 64)])
+    new = torch.cat([torch.chunk(after(x[i : i + 64]).float(), 2, dim=1)[0] for i in range(0, n, 64)])
+    return round(((new - old).pow(2).mean() / old.var()).item(), 6)
 
 
 def log_round_trip(vae: nn.Module, history: dict) -> None:
@@ -288,12 +315,13 @@ def file_meta(seed: int) -> dict[str, str]:
     return {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": str(seed)}
 
 
-def finish_decoder_only(
+def finish_autoencoder_only(
     vae: nn.Module, resumed: Path, earlier: dict, out: Path, history: dict, args: argparse.Namespace
 ) -> None:
     """Write the fine-tuned autoencoder beside unchanged copies of the resumed DiT, text encoders and
-    statistics (`earlier`: the resumed run's log): the encoder did not move, so the latents the DiT was
-    trained on mean what they meant."""
+    statistics (`earlier`: the resumed run's log): the encoder did not move (`--decoder-only`) or was held
+    near where it was on the training scenes (`--encoder-anchor`), so the latents the DiT was trained on
+    mean what they meant."""
     flux1 = args.family == "flux1"
     for key in ("stats", "configs"):
         history[key] = earlier[key]
@@ -306,8 +334,9 @@ def finish_decoder_only(
         else:
             shutil.copy2(item, out / item.name)
     (out / "loss.json").write_text(json.dumps(history, indent=1))
-    plot_loss(history, out / "loss.png", f"tiny {'FLUX.1' if flux1 else 'FLUX.2'}: decoder fine-tuned")
-    log(f"wrote {out} (decoder fine-tuned, the rest as in {resumed})")
+    what = "decoder" if args.decoder_only else "autoencoder"
+    plot_loss(history, out / "loss.png", f"tiny {'FLUX.1' if flux1 else 'FLUX.2'}: {what} fine-tuned")
+    log(f"wrote {out} ({what} fine-tuned, the rest as in {resumed})")
 
 
 def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> None:
@@ -319,7 +348,7 @@ def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> Non
         "dit_time": last[0]["time"],
     }  # fmt: skip
     history["dit"] = list(earlier.get("dit", []))
-    if args.vae_steps == 0 or args.decoder_only:
+    if args.vae_steps == 0 or args.decoder_only or args.encoder_anchor > 0:
         history["vae"] = list(earlier.get("vae", []))
         if "round_trip" in earlier:
             history["round_trip"] = earlier["round_trip"]
@@ -531,6 +560,15 @@ def main() -> None:
         help="with --resume: train the autoencoder's decoder alone and keep everything else as resumed (the "
         "encoder, so the latents and statistics the DiT learned, the DiT and the text encoders)",
     )
+    ap.add_argument(
+        "--encoder-anchor",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="with --resume: train the whole autoencoder, adding W times the encoder's relative drift on the "
+        "batch's palette scenes (mean squared change of its posterior means over their variance) to the loss, "
+        "so the latents the DiT learned stay near what they were; the rest is kept as resumed",
+    )
     ap.add_argument("--pool", type=int, default=60000)
     ap.add_argument("--dit-steps", type=int, default=6000)
     ap.add_argument("--dit-batch", type=int, default=128)
@@ -551,11 +589,16 @@ def main() -> None:
         "captions once, so each DiT step runs no encoder",
     )
     args = ap.parse_args()
-    if args.decoder_only and (args.resume is None or not (args.resume / "loss.json").is_file()):
+    tune = "--decoder-only" if args.decoder_only else "--encoder-anchor" if args.encoder_anchor > 0 else None
+    if args.decoder_only and args.encoder_anchor > 0:
+        ap.error("--decoder-only keeps the encoder frozen and --encoder-anchor trains it: pick one")
+    if tune and (args.resume is None or not (args.resume / "loss.json").is_file()):
         ap.error(
-            "--decoder-only fine-tunes an earlier run's autoencoder: add --resume FOLDER (a folder this "
+            f"{tune} fine-tunes an earlier run's autoencoder: add --resume FOLDER (a folder this "
             "script wrote, with its loss.json)"
         )
+    if args.encoder_anchor < 0:
+        ap.error(f"--encoder-anchor must be >= 0 (got {args.encoder_anchor}); 0 turns it off")
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -575,13 +618,14 @@ def main() -> None:
     vae = (Flux1VAE if flux1 else Flux2VAE)(vae_cfg).to(device)
     if args.resume is not None:
         vae.load_state_dict({k: v.float() for k, v in load_file(args.resume / "ae.safetensors").items()})
-    first = history["vae"][-1]["step"] + 25 if args.decoder_only and history["vae"] else 0
+    ae_only = args.decoder_only or args.encoder_anchor > 0  # the autoencoder fine-tuned, the rest copied
+    first = history["vae"][-1]["step"] + 25 if ae_only and history["vae"] else 0
     train_vae(vae, args, device, history, first)
     vae.eval().requires_grad_(False)
     if args.vae_steps > 0:  # a kept autoencoder's: eval_tiny.py --autoencoder
         log_round_trip(vae, history)
-    if args.decoder_only:
-        finish_decoder_only(vae, args.resume, earlier, out, history, args)
+    if ae_only:
+        finish_autoencoder_only(vae, args.resume, earlier, out, history, args)
         return
     save_file(bf16_state(vae), out / "ae.safetensors")  # kept if the DiT phase fails
 
