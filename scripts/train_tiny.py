@@ -350,8 +350,9 @@ def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> Non
     history["dit"] = list(earlier.get("dit", []))
     if args.vae_steps == 0 or args.decoder_only or args.encoder_anchor > 0:
         history["vae"] = list(earlier.get("vae", []))
-        if "round_trip" in earlier:
-            history["round_trip"] = earlier["round_trip"]
+        for key in ("round_trip", "encoder_drift"):  # what the kept autoencoder's own run measured
+            if key in earlier:
+                history[key] = earlier[key]
 
 
 def train_dit(

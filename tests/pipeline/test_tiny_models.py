@@ -185,6 +185,41 @@ def test_decoder_only_fine_tune_moves_only_the_decoder(tmp_path) -> None:
     assert rows[: len(old)] == old and rows[len(old)]["step"] > old[-1]["step"]
 
 
+@pytest.mark.slow
+def test_encoder_anchor_fine_tune_moves_the_autoencoder_and_keeps_the_rest(tmp_path) -> None:
+    """`--encoder-anchor` (two steps on the CPU from the shipped FLUX.1 files): encoder and decoder both move,
+    the DiT and text encoders come back bit for bit, the log keeps the shipped autoencoder rows with this run's
+    counting on after them and records the encoder's final drift; combined with `--decoder-only` it is a
+    one-line usage error before any model work."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[2]
+    shipped = root / "flux_runtime" / "assets" / "models" / "tiny"
+    cmd = [
+        sys.executable, str(root / "scripts" / "train_tiny.py"), "--family", "flux1", "--out", str(tmp_path),
+        "--resume", str(shipped), "--encoder-anchor", "10", "--vae-rgb", "0.5", "--vae-steps", "2",
+        "--vae-batch", "2", "--device", "cpu",
+    ]  # fmt: skip
+    clash = subprocess.run([*cmd, "--decoder-only"], capture_output=True, text=True, cwd=root, timeout=120)
+    assert clash.returncode == 2 and "pick one" in clash.stderr.strip().splitlines()[-1]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=root, timeout=600)
+    want, got = load_file(shipped / "ae.safetensors"), load_file(tmp_path / "ae.safetensors")
+    assert want.keys() == got.keys()
+    for part in ("encoder.", "decoder."):
+        assert any(not torch.equal(want[k], got[k]) for k in want if k.startswith(part)), part
+    for f in ("flux1-tiny.safetensors", "text_encoder/model.safetensors", "text_encoder_2/model.safetensors"):
+        assert (shipped / f).read_bytes() == (tmp_path / f).read_bytes(), f
+    log = json.loads((tmp_path / "loss.json").read_text())
+    old = json.loads((shipped / "loss.json").read_text())["vae"]
+    assert log["vae"][: len(old)] == old and log["vae"][len(old)]["step"] > old[-1]["step"]
+    assert "drift" in log["vae"][-1] and 0 < log["encoder_drift"] < 0.01
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-flux2"])
 def test_high_and_fp8_draw_what_lossless_draws(name: str) -> None:
