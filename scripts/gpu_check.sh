@@ -24,6 +24,7 @@
 #                                       (copy them over the shipped DiT files if they score better); FG > 0 weights
 #                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight); SEED [0] picks the run's
 #                                       pool of scenes and its noise (train_tiny.py --seed), so successive runs see new scenes
+#                                       TRAIN_ARGS="..." in the environment adds train_tiny.py options (e.g. --caption-drop 0.3)
 #   bash scripts/gpu_check.sh tiny-fresh [SECONDS]  both tiny models trained from scratch with the autoencoders'
 #                                       batches half in random colours (train_tiny.py --vae-rgb 0.5), the text encoders
 #                                       trained, shapes' tokens weighted 5x; SECONDS of DiT each [290]. Each model's whole
@@ -156,7 +157,7 @@ case "$phase" in
     for fam in flux1 flux2; do
       name=$([ $fam = flux1 ] && echo tiny || echo tiny-flux2)
       timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/$name" \
-        --resume "flux_runtime/assets/models/$name" --vae-steps 0 $freeze --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" --fg-weight "$fg" --seed "$seed" \
+        --resume "flux_runtime/assets/models/$name" --vae-steps 0 $freeze --dit-steps 100000 --dit-seconds "$secs" --dit-batch "$batch" --fg-weight "$fg" --seed "$seed" ${TRAIN_ARGS:-} \
         > "$OUT/train_$name.log" 2>&1 &
     done
     wait

@@ -91,13 +91,33 @@ class Scene:
 
     @property
     def caption(self) -> str:
+        return self.describe()
+
+    def describe(self, omit: str | None = None) -> str:
+        """The caption; `omit` (one of `OMITTABLE`) leaves that part out: the shape colour word, the background
+        phrase, or the place phrase (a scene with no place has none to leave out)."""
         noun = self.shape if self.count == 1 else PLURALS.get(self.shape, self.shape + "s")
-        phrase = " ".join(w for w in (self.size, self.colour, noun) if w)
+        colour = None if omit == "colour" else self.colour
+        phrase = " ".join(w for w in (self.size, colour, noun) if w)
         words = [_article(phrase) if self.count == 1 else f"{COUNT_WORDS[self.count]} {phrase}"]
-        if self.place is not None:
+        if self.place is not None and omit != "place":
             words.append(PLACES[self.place][0])
-        words.append(f"on {_article(self.background)} {'gradient' if self.gradient else 'background'}")
+        if omit != "background":
+            words.append(f"on {_article(self.background)} {'gradient' if self.gradient else 'background'}")
         return " ".join(words)
+
+
+OMITTABLE = ("colour", "background", "place")  # the parts `Scene.describe` can leave out
+
+
+def partial_captions(scenes: list[Scene], fraction: float, seed: int) -> list[str]:
+    """The scenes' captions, a random `fraction` of them with one part left out (`OMITTABLE`, drawn uniformly):
+    a DiT trained on them learns what each part alone says, e.g. that the colour word alone sets the shape's
+    colour, whatever the background; every caption still describes its picture."""
+    rng = np.random.default_rng(seed)
+    drop = rng.random(len(scenes)) < fraction
+    parts = rng.integers(len(OMITTABLE), size=len(scenes))
+    return [s.describe(OMITTABLE[k] if d else None) for s, d, k in zip(scenes, drop, parts, strict=True)]
 
 
 def _article(word: str) -> str:

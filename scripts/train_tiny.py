@@ -27,6 +27,10 @@ colour pairs the scenes never combine. `--encoder-anchor W` (with `--resume`) tr
 learn to code such pairs, while a loss term W times its drift on palette scenes keeps the latents of the
 training distribution near the ones the DiT learned (the final drift is logged and kept in `loss.json`).
 
+`--caption-drop F` leaves one part out of a fraction F of the pool's captions (the shape colour word, the
+background phrase or the place phrase; each caption still true of its picture), so that each part alone says
+what it says: a held-out pair's colour word should set the shape's colour whatever background it is asked on.
+
 `--freeze-text` keeps the text encoders as they are and embeds the pool's captions once: a step then runs no
 encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the first
 run FLUX.2's DiT (the same width and depth as FLUX.1's) made 1,700 steps in the 285 s FLUX.1's made 4,850 in.
@@ -64,6 +68,7 @@ from tiny_scenes import (
     held_out_prompts,
     hit_rates,
     palette_rgb,
+    partial_captions,
     random_rgb,
     render,
     round_trip,
@@ -582,6 +587,14 @@ def main() -> None:
         default=0.0,
         help="weight the squared error of the tokens a shape covers by 1 + this (0: the plain mean)",
     )
+    ap.add_argument(
+        "--caption-drop",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="a fraction F of the pool's captions leave one part out (the shape colour word, the background "
+        "phrase or the place phrase; tiny_scenes.partial_captions), so each part alone says what it says",
+    )
     ap.add_argument("--resume", type=Path, default=None, help="an earlier output folder to start from")
     ap.add_argument(
         "--freeze-text",
@@ -598,6 +611,8 @@ def main() -> None:
             f"{tune} fine-tunes an earlier run's autoencoder: add --resume FOLDER (a folder this "
             "script wrote, with its loss.json)"
         )
+    if not 0 <= args.caption_drop <= 1:
+        ap.error(f"--caption-drop is a fraction of the captions, in [0, 1] (got {args.caption_drop})")
     if args.encoder_anchor < 0:
         ap.error(f"--encoder-anchor must be >= 0 (got {args.encoder_anchor}); 0 turns it off")
     device = torch.device(args.device)
@@ -632,7 +647,7 @@ def main() -> None:
 
     # its latents on a pool of scenes, and their statistics
     raw, scenes = encode_pool(vae, args.pool, args.seed * 1000 + 3, device)
-    captions = [s.caption for s in scenes]
+    captions = partial_captions(scenes, args.caption_drop, args.seed * 1000 + 4)  # all whole when 0
     fg_masks = torch.from_numpy(token_masks(scenes, raw.shape[-1] // 2)).to(device)  # 2x2 latent px a token
     del scenes
     stats: dict = {}

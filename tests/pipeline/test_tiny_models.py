@@ -220,6 +220,38 @@ def test_encoder_anchor_fine_tune_moves_the_autoencoder_and_keeps_the_rest(tmp_p
     assert "drift" in log["vae"][-1] and 0 < log["encoder_drift"] < 0.01
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--caption-drop", "1.5"], "--caption-drop is a fraction"),
+        (
+            ["--encoder-anchor", "-1", "--resume", "flux_runtime/assets/models/tiny"],
+            "--encoder-anchor must be",
+        ),
+        (["--encoder-anchor", "1"], "add --resume FOLDER"),
+    ],
+)
+def test_train_tiny_rejects_bad_options_in_one_line(tmp_path, args: list[str], says: str) -> None:
+    """A fraction outside [0, 1], a negative anchor weight, an anchor with nothing to resume: a one-line usage
+    error before any model work (nothing written to --out)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable,
+        str(root / "scripts" / "train_tiny.py"),
+        "--family",
+        "flux1",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    got = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=root, timeout=120)
+    assert got.returncode == 2 and says in got.stderr.strip().splitlines()[-1], got.stderr
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-flux2"])
 def test_high_and_fp8_draw_what_lossless_draws(name: str) -> None:

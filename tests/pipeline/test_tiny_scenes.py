@@ -15,11 +15,13 @@ from scripts.tiny_scenes import (
     centre,
     held_out_prompts,
     is_held_out,
+    partial_captions,
     place_following,
     place_sweeps,
     random_rgb,
     render,
     round_trip,
+    sample_scenes,
     score,
     seen_prompts,
     shape_colour,
@@ -63,6 +65,30 @@ def test_captions_take_the_right_article() -> None:
     scene = Scene(1, "", "orange", "cross", None, "orange", True, ((0.5, 0.5),), 0.13)
     assert scene.caption == "an orange cross on an orange gradient"
     assert replace(scene, background="red", size="small").caption == "a small orange cross on a red gradient"
+
+
+def test_partial_captions_leave_out_one_part_and_keep_the_rest_in_order() -> None:
+    """`--caption-drop`'s captions: with fraction 0 every caption is whole; otherwise about that fraction
+    leave out exactly one part (the colour word, the background phrase, or the place phrase), and what is
+    left is the whole caption with that part cut out, so every caption still describes its picture."""
+    scenes = sample_scenes(600, 5) + held_out_prompts(2)
+    assert partial_captions(scenes, 0.0, 1) == [s.caption for s in scenes]
+    got = partial_captions(scenes, 0.5, 1)
+    changed = [(s, c) for s, c in zip(scenes, got, strict=True) if c != s.caption]
+    assert 0.4 * len(scenes) < len(changed) < 0.6 * len(scenes)
+    seen_parts = set()
+    for scene, caption in changed:
+        parts = [p for p in ("colour", "background", "place") if caption == scene.describe(p)]
+        assert len(parts) == 1, (scene.caption, caption)
+        seen_parts.add(parts[0])
+        whole, cut = scene.caption.split(), caption.split()
+        assert all(w in whole for w in cut) and len(cut) < len(whole)
+    assert seen_parts == {"colour", "background", "place"}
+    scene = Scene(1, "small", "green", "square", "top left", "white", False, ((0.25, 0.25),), 0.085)
+    assert scene.describe("colour") == "a small square at the top left on a white background"
+    assert scene.describe("background") == "a small green square at the top left"
+    assert scene.describe("place") == "a small green square on a white background"
+    assert replace(scene, place=None).describe("place") == replace(scene, place=None).caption
 
 
 def test_seen_prompts_are_placed_training_combinations() -> None:
