@@ -16,6 +16,7 @@ Usage: python scripts/eval_tiny.py [--model tiny --model tiny-flux2] [--seeds 2]
        python scripts/eval_tiny.py --seen --sweeps 4
        python scripts/eval_tiny.py --dtype bfloat16; python scripts/eval_tiny.py --fp8-text   # FP8 encoders vs bf16
        python scripts/eval_tiny.py --device cuda --variants   # lossless bf16 against high and FP8, PSNR + scores
+       python scripts/eval_tiny.py --model tiny --text-swap   # FLUX.1: whose colours spliced T5 states paint
 
 `--variants` is the image-quality check of the paths that are not bit-exact: the held-out prompts rendered by
 the bf16 `lossless` model, then by `quality="high"`, by the DiT quantized to FP8 at load (`fp8=True`), and by
@@ -28,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_scenes import (
+    COLOURS,
+    HELD_OUT_COLOURS,
+    SEEN_COLOURS,
     Scene,
+    background_colour,
     centre,
     held_out_prompts,
     hit_rates,
@@ -135,6 +141,76 @@ def evaluate(
     return report, list(zip([s.caption for s in asked], images, strict=True))
 
 
+def swap_donors(scene: Scene) -> tuple[Scene, Scene]:
+    """Two training-distribution captions for a held-out colour pair's scene: the same shape colour on another
+    background (the first seen pair in palette order), and another shape colour on the same background."""
+    seen = set(SEEN_COLOURS)
+    other_bg = next(b for b in COLOURS if (scene.colour, b) in seen)
+    other_colour = next(c for c in COLOURS if (c, scene.background) in seen)
+    return replace(scene, background=other_bg), replace(scene, colour=other_colour)
+
+
+def spliced_t5(
+    pipe: Pipeline, scenes: list[Scene], shape_donors: list[Scene], background_donors: list[Scene]
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """FLUX.1 text embeddings for `scenes` with the T5 sequence spliced at the background phrase: the tokens
+    before it from each shape donor's caption (they read the same words, but T5 is bidirectional, so their
+    states also carry the donor's background), the rest from each background donor's caption; CLIP's pooled
+    state from the scene's own caption. With the scenes as their own donors this is the scenes' own
+    embedding."""
+    te, length = pipe.text_encoder, pipe.default_max_sequence_length
+
+    def encode(group: list[Scene]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = te.encode([s.caption for s in group], max_sequence_length=length, device=pipe.device)
+        return out.prompt_embeds, out.pooled_prompt_embeds
+
+    def cut(scene: Scene) -> int:  # T5 tokens before " on a(n) <colour> ..." (the end token not counted)
+        head = scene.caption[: scene.caption.rindex(" on a")]
+        return len(te.t5_tokenizer(head)["input_ids"]) - 1
+
+    _, pooled = encode(scenes)
+    shape_part, _ = encode(shape_donors)
+    background_part, _ = encode(background_donors)
+    out = background_part.clone()
+    for i, (scene, donor) in enumerate(zip(scenes, background_donors, strict=True)):
+        k, kb = cut(scene), cut(donor)
+        out[i, :k] = shape_part[i, :k]
+        tail = background_part[i, kb:]  # the background phrase on, padded with its last state if it is short
+        out[i, k:] = torch.cat([tail, tail[-1:].expand(max(0, length - k - tail.shape[0]), -1)])[: length - k]
+    return out, pooled
+
+
+def text_swap(model: str, scenes: list[Scene], device: str, batch: int = 8) -> dict:
+    """Where a FLUX.1 model reads a held-out pair's colours from: each held-out colour scene rendered from
+    `spliced_t5` with its `swap_donors`, then counted: shapes painted in the asked colour or in the background
+    donor's, backgrounds in the asked colour or the shape donor's. A DiT that reads the shape colour from the
+    colour word's tokens and the background from the background phrase's paints what was asked; one that
+    reads each from wherever T5 mixed it in paints the donors' colours."""
+    pipe = Pipeline.from_pretrained(model, device=device)
+    if not hasattr(pipe.text_encoder, "t5_tokenizer"):
+        raise SystemExit(
+            f"--text-swap splices FLUX.1's T5 sequence and {model} has no T5: pick a FLUX.1 model"
+        )
+    pairs = [s for s in scenes if (s.colour, s.background) in HELD_OUT_COLOURS]
+    donors = [swap_donors(s) for s in pairs]
+    embeds, pooled = spliced_t5(pipe, pairs, [d[0] for d in donors], [d[1] for d in donors])
+    counts = dict.fromkeys(("shape_asked", "shape_donor", "background_asked", "background_donor"), 0)
+    for i in range(0, len(pairs), batch):
+        gens = [torch.Generator().manual_seed(j) for j in range(i, i + batch)][: len(pairs) - i]
+        out = pipe(prompt_embeds=embeds[i : i + batch], pooled_prompt_embeds=pooled[i : i + batch],
+                   generator=gens, output_type="np")  # fmt: skip
+        for image, scene, (shape_donor, background_donor) in zip(
+            out.images, pairs[i : i + batch], donors[i : i + batch], strict=True
+        ):
+            bg = background_colour(image)
+            fg = shape_colour(image, bg)
+            counts["shape_asked"] += fg == scene.colour
+            counts["shape_donor"] += fg == background_donor.colour
+            counts["background_asked"] += bg == scene.background
+            counts["background_donor"] += bg == shape_donor.background
+    return {"pictures": len(pairs), **counts}
+
+
 VARIANTS = {"high": ("high", False), "fp8": ("lossless", True), "fp8 high": ("high", True)}
 
 
@@ -211,18 +287,35 @@ def main() -> None:
         action="store_true",
         help="also render in bf16 lossless, high, FP8 and FP8 high: scores and PSNR against lossless",
     )
+    ap.add_argument(
+        "--text-swap",
+        action="store_true",
+        help="FLUX.1 models: also render the held-out colour pairs from spliced T5 sequences (swap_donors) and "
+        "count whose colours come out",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--grid", type=Path, default=None)
     args = ap.parse_args()
+    if args.text_swap and not args.model:
+        ap.error("--text-swap splices FLUX.1's T5 sequence: name the FLUX.1 models, e.g. --model tiny")
     scenes = held_out_prompts(args.per_pair)
     report, rows = {}, []
     for model in args.model or ["tiny", "tiny-flux2"]:
+        if args.text_swap:
+            swap = text_swap(model, scenes, args.device)  # first: it fails fast on a FLUX.2 model
+            print(
+                f"{model}: spliced T5, {swap['pictures']} pictures: shape in the asked colour {swap['shape_asked']}, "
+                f"in the background donor's {swap['shape_donor']}; background asked {swap['background_asked']}, "
+                f"the shape donor's {swap['background_donor']}"
+            )
         dtype = torch.bfloat16 if args.fp8_text else getattr(torch, args.dtype)
         rates, pictures = evaluate(
             model, scenes, args.seeds, args.device, dtype=dtype, fp8_text=args.fp8_text, seen=args.seen,
             sweeps=args.sweeps, autoencoder=args.autoencoder,
         )  # fmt: skip
         report[model] = rates
+        if args.text_swap:
+            rates["text_swap"] = swap
         rows.append((model, pictures[:: max(1, len(pictures) // 8)][:8]))
         line = ", ".join(
             f"{k} {rates[k]:.1%} (target {t:.0%}{'' if rates[k] >= t else ', MISSED'})"

@@ -389,14 +389,9 @@ def score(image: np.ndarray, scene: Scene) -> Score:
     is the one asked. Place: the centre of mass of the pixels of the asked colour lies within 0.17 of the
     side from where the caption put the shape (the places are 0.25 apart).
     """
-    h = image.shape[0]
     labels = classify(image)
-    m = max(1, h // 8)
-    border = np.concatenate(
-        [labels[:m].ravel(), labels[-m:].ravel(), labels[:, :m].ravel(), labels[:, -m:].ravel()]
-    )
     fg_idx = COLOURS.index(scene.colour)
-    background = np.bincount(border, minlength=len(COLOURS)).argmax() == COLOURS.index(scene.background)
+    background = _border_colour(labels) == COLOURS.index(scene.background)
     colour = _shape_colour(labels, scene.background) == scene.colour
     place = None
     if scene.place is not None:
@@ -404,6 +399,20 @@ def score(image: np.ndarray, scene: Scene) -> Score:
         _, x, y = PLACES[scene.place]
         place = found is not None and abs(found[0] - x) < 0.17 and abs(found[1] - y) < 0.17
     return Score(bool(background), bool(colour), place)
+
+
+def _border_colour(labels: np.ndarray) -> int:
+    """The most common palette index of the outer eighth of an (H, W) label map."""
+    m = max(1, labels.shape[0] // 8)
+    border = np.concatenate(
+        [labels[:m].ravel(), labels[-m:].ravel(), labels[:, :m].ravel(), labels[:, -m:].ravel()]
+    )
+    return int(np.bincount(border, minlength=len(COLOURS)).argmax())
+
+
+def background_colour(image: np.ndarray) -> str:
+    """What colour an (H, W, 3) uint8 picture painted its background, as `score` reads it."""
+    return COLOURS[_border_colour(classify(image))]
 
 
 def scores(images: list[np.ndarray], scenes: list[Scene]) -> list[Score]:

@@ -11,7 +11,9 @@ import torch
 
 from scripts.tiny_scenes import (
     PLACES,
+    SEEN_COLOURS,
     Scene,
+    background_colour,
     centre,
     held_out_prompts,
     is_held_out,
@@ -39,6 +41,7 @@ def test_scorer_passes_the_rendered_scenes(scenes: list) -> None:
     for image, scene in zip(_pictures(scenes), scenes, strict=True):
         got = score(image, scene)
         assert got.background and got.colour and got.place, (scene.caption, got)
+        assert background_colour(image) == scene.background
 
 
 def test_shape_colour_reads_the_painted_colour_and_the_misses_name_it() -> None:
@@ -155,3 +158,42 @@ def test_round_trip_through_a_lossless_autoencoder_scores_like_the_scenes() -> N
         swap.weight.copy_(torch.eye(3)[[2, 1, 0]][:, :, None, None])
     swapped = round_trip(_Halves(), swap, scenes, 128)
     assert not all(score(p, s).colour for p, s in zip(swapped, scenes, strict=True))
+
+
+def test_swap_donors_are_seen_pairs_that_keep_one_colour_each() -> None:
+    from scripts.eval_tiny import swap_donors
+
+    for scene in held_out_prompts(1)[:8]:
+        shape_donor, background_donor = swap_donors(scene)
+        assert shape_donor == replace(scene, background=shape_donor.background)
+        assert background_donor == replace(scene, colour=background_donor.colour)
+        for d in (shape_donor, background_donor):
+            assert (d.colour, d.background) in SEEN_COLOURS and not is_held_out(d)
+
+
+def test_spliced_t5_is_the_own_embedding_with_itself_as_donor_and_takes_each_part_from_its_donor() -> None:
+    """`eval_tiny.spliced_t5` on the shipped FLUX.1 tiny model: the scenes as their own donors give the
+    captions' own T5 and CLIP embeddings bit for bit; with `swap_donors`, the tokens before the background
+    phrase are the shape donor's, the background phrase the background donor's, the pooled state the scene's."""
+    from flux_runtime.pipeline import Pipeline
+    from scripts.eval_tiny import spliced_t5, swap_donors
+
+    pipe = Pipeline.from_pretrained("tiny", device="cpu")
+    scenes = held_out_prompts(1)[:8]
+    own = pipe.text_encoder.encode([s.caption for s in scenes], max_sequence_length=64, device="cpu")
+    embeds, pooled = spliced_t5(pipe, scenes, scenes, scenes)
+    assert torch.equal(embeds, own.prompt_embeds) and torch.equal(pooled, own.pooled_prompt_embeds)
+    donors = [swap_donors(s) for s in scenes]
+    embeds, pooled = spliced_t5(pipe, scenes, [d[0] for d in donors], [d[1] for d in donors])
+    assert torch.equal(pooled, own.pooled_prompt_embeds)
+    tok = pipe.text_encoder.t5_tokenizer
+    for i, (scene, (shape_donor, background_donor)) in enumerate(zip(scenes, donors, strict=True)):
+        head = scene.caption[: scene.caption.rindex(" on a")]
+        k = len(tok(head)["input_ids"]) - 1
+        shape_part = pipe.text_encoder.encode(shape_donor.caption, max_sequence_length=64, device="cpu")
+        bg_part = pipe.text_encoder.encode(background_donor.caption, max_sequence_length=64, device="cpu")
+        assert torch.equal(embeds[i, :k], shape_part.prompt_embeds[0, :k])
+        kb = len(tok(background_donor.caption[: background_donor.caption.rindex(" on a")])["input_ids"]) - 1
+        n = min(64 - k, 64 - kb)
+        assert torch.equal(embeds[i, k : k + n], bg_part.prompt_embeds[0, kb : kb + n])
+        assert not torch.equal(embeds[i], own.prompt_embeds[i])
