@@ -59,15 +59,17 @@ TARGETS = {"background": 0.95, "colour": 0.90, "place": 0.80}
 
 
 def render_all(
-    pipe: Pipeline, scenes: list[Scene], seeds: list[int], batch: int = 8, ran: dict | None = None
+    pipe: Pipeline, scenes: list[Scene], seeds: list[int], batch: int = 8, ran: dict | None = None,
+    guidance: float | None = None,
 ) -> list[np.ndarray]:  # fmt: skip
-    """One picture per scene at the model's defaults, scene `k` drawn with generator seed `seeds[k]`; `ran`
-    receives the provenance's tier and precision (what actually ran, e.g. `lossless` where `high` needs a
-    GPU)."""
+    """One picture per scene at the model's defaults (`guidance`: another guidance or CFG scale), scene `k`
+    drawn with generator seed `seeds[k]`; `ran` receives the provenance's tier and precision (what actually
+    ran, e.g. `lossless` where `high` needs a GPU)."""
     images: list[np.ndarray] = []
+    extra = {} if guidance is None else {"guidance": guidance}
     for i in range(0, len(scenes), batch):
         gens = [torch.Generator().manual_seed(s) for s in seeds[i : i + batch]]
-        out = pipe([s.caption for s in scenes[i : i + batch]], generator=gens, output_type="np")
+        out = pipe([s.caption for s in scenes[i : i + batch]], generator=gens, output_type="np", **extra)
         images.extend(out.images)
         if ran is not None:
             ran.update(quality=out.info["quality"], precision=out.info["precision"])
@@ -95,7 +97,7 @@ def misses(images: list[np.ndarray], scenes: list[Scene], scored: list | None = 
 def evaluate(
     model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
     dtype: torch.dtype = torch.float32, fp8_text: bool = False, seen: bool = False, sweeps: int = 0,
-    quality: str = "lossless", fp8: bool = False, autoencoder: bool = False,
+    quality: str = "lossless", fp8: bool = False, autoencoder: bool = False, guidance: float | None = None,
 ) -> tuple[dict, list]:  # fmt: skip
     """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures (`fp8_text`: the
     text encoders quantized to FP8 at load, which computes in bf16). `seen` adds the same rates on prompts of
@@ -115,13 +117,13 @@ def evaluate(
     asked = [s for _ in range(seeds) for s in scenes]
     noise = [1000 * seed + i for seed in range(seeds) for i in range(len(scenes))]
     ran: dict = {}
-    images = render_all(pipe, asked, noise, batch, ran)
+    images = render_all(pipe, asked, noise, batch, ran, guidance)
     scored = scores(images, asked)
     report: dict = {**hit_rates(images, asked, scored), "images": len(images), "ran": ran}
     report["misses"] = misses(images, asked, scored)
     report["seconds_per_image"] = round((time.time() - start) / len(images), 2)
     report.update(weights=pipe.weights_id, dtype=str(dtype).removeprefix("torch."), fp8_text=fp8_text)
-    report.update(quality=quality, fp8=fp8)
+    report.update(quality=quality, fp8=fp8, guidance=guidance)
     if seen:
         familiar = seen_prompts(len(scenes))
         report["seen"] = hit_rates(render_all(pipe, familiar, list(range(len(familiar))), batch), familiar)
@@ -261,6 +263,18 @@ def main() -> None:
     ap.add_argument("--model", action="append", help="built-in model names [default: tiny, tiny-flux2]")
     ap.add_argument("--seeds", type=int, default=1, help="pictures per prompt")
     ap.add_argument("--per-pair", type=int, default=3, help="prompts per held-out combination")
+    ap.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=1234,
+        help="draws the held-out prompts' shapes, sizes and places (another seed: other prompts of the same pairs)",
+    )
+    ap.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="the held-out prompts at this guidance (FLUX.1) or CFG scale",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument(
@@ -298,7 +312,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.text_swap and not args.model:
         ap.error("--text-swap splices FLUX.1's T5 sequence: name the FLUX.1 models, e.g. --model tiny")
-    scenes = held_out_prompts(args.per_pair)
+    scenes = held_out_prompts(args.per_pair, args.prompt_seed)
     report, rows = {}, []
     for model in args.model or ["tiny", "tiny-flux2"]:
         if args.text_swap:
@@ -311,7 +325,7 @@ def main() -> None:
         dtype = torch.bfloat16 if args.fp8_text else getattr(torch, args.dtype)
         rates, pictures = evaluate(
             model, scenes, args.seeds, args.device, dtype=dtype, fp8_text=args.fp8_text, seen=args.seen,
-            sweeps=args.sweeps, autoencoder=args.autoencoder,
+            sweeps=args.sweeps, autoencoder=args.autoencoder, guidance=args.guidance,
         )  # fmt: skip
         report[model] = rates
         if args.text_swap:
