@@ -16,7 +16,7 @@ Usage: python scripts/eval_tiny.py [--model tiny --model tiny-flux2] [--seeds 2]
        python scripts/eval_tiny.py --seen --sweeps 4
        python scripts/eval_tiny.py --dtype bfloat16; python scripts/eval_tiny.py --fp8-text   # FP8 encoders vs bf16
        python scripts/eval_tiny.py --device cuda --variants   # lossless bf16 against high and FP8, PSNR + scores
-       python scripts/eval_tiny.py --model tiny --text-swap   # FLUX.1: whose colours spliced T5 states paint
+       python scripts/eval_tiny.py --text-swap   # whose colours spliced text states paint
 
 `--variants` is the image-quality check of the paths that are not bit-exact: the held-out prompts rendered by
 the bf16 `lossless` model, then by `quality="high"`, by the DiT quantized to FP8 at load (`fp8=True`), and by
@@ -152,23 +152,29 @@ def swap_donors(scene: Scene) -> tuple[Scene, Scene]:
     return replace(scene, background=other_bg), replace(scene, colour=other_colour)
 
 
-def spliced_t5(
+def spliced_text(
     pipe: Pipeline, scenes: list[Scene], shape_donors: list[Scene], background_donors: list[Scene]
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """FLUX.1 text embeddings for `scenes` with the T5 sequence spliced at the background phrase: the tokens
-    before it from each shape donor's caption (they read the same words, but T5 is bidirectional, so their
-    states also carry the donor's background), the rest from each background donor's caption; CLIP's pooled
-    state from the scene's own caption. With the scenes as their own donors this is the scenes' own
-    embedding."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Text embeddings for `scenes` with the sequence spliced at the background phrase: the tokens before it
+    from each shape donor's caption (the same words; FLUX.1's T5 is bidirectional, so their states also carry
+    the donor's background, while FLUX.2's Qwen3 is causal and gives the scene's own states), the rest from each
+    background donor's caption. FLUX.1's CLIP pooled state comes from the scene's own caption (FLUX.2 has
+    none: None). With the scenes as their own donors this is the scenes' own embedding."""
     te, length = pipe.text_encoder, pipe.default_max_sequence_length
+    flux1 = hasattr(te, "t5_tokenizer")
 
-    def encode(group: list[Scene]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(group: list[Scene]) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = te.encode([s.caption for s in group], max_sequence_length=length, device=pipe.device)
-        return out.prompt_embeds, out.pooled_prompt_embeds
+        return out.prompt_embeds, (out.pooled_prompt_embeds if flux1 else None)
 
-    def cut(scene: Scene) -> int:  # T5 tokens before " on a(n) <colour> ..." (the end token not counted)
-        head = scene.caption[: scene.caption.rindex(" on a")]
-        return len(te.t5_tokenizer(head)["input_ids"]) - 1
+    def ids(text: str) -> list[int]:
+        return te.t5_tokenizer(text)["input_ids"] if flux1 else te.tokenize([text], length)[0][0].tolist()
+
+    def cut(
+        scene: Scene,
+    ) -> int:  # the tokens the caption shares with its words before " on a(n) <colour> ..."
+        whole, head = ids(scene.caption), ids(scene.caption[: scene.caption.rindex(" on a")])
+        return next(i for i, (x, y) in enumerate(zip(whole, head, strict=False)) if x != y)
 
     _, pooled = encode(scenes)
     shape_part, _ = encode(shape_donors)
@@ -183,24 +189,20 @@ def spliced_t5(
 
 
 def text_swap(model: str, scenes: list[Scene], device: str, batch: int = 8) -> dict:
-    """Where a FLUX.1 model reads a held-out pair's colours from: each held-out colour scene rendered from
-    `spliced_t5` with its `swap_donors`, then counted: shapes painted in the asked colour or in the background
+    """Where a model reads a held-out pair's colours from: each held-out colour scene rendered from
+    `spliced_text` with its `swap_donors`, then counted: shapes painted in the asked colour or in the background
     donor's, backgrounds in the asked colour or the shape donor's. A DiT that reads the shape colour from the
     colour word's tokens and the background from the background phrase's paints what was asked; one that
-    reads each from wherever T5 mixed it in paints the donors' colours."""
+    reads each from wherever the text encoder mixed it in paints the donors' colours."""
     pipe = Pipeline.from_pretrained(model, device=device)
-    if not hasattr(pipe.text_encoder, "t5_tokenizer"):
-        raise SystemExit(
-            f"--text-swap splices FLUX.1's T5 sequence and {model} has no T5: pick a FLUX.1 model"
-        )
     pairs = [s for s in scenes if (s.colour, s.background) in HELD_OUT_COLOURS]
     donors = [swap_donors(s) for s in pairs]
-    embeds, pooled = spliced_t5(pipe, pairs, [d[0] for d in donors], [d[1] for d in donors])
+    embeds, pooled = spliced_text(pipe, pairs, [d[0] for d in donors], [d[1] for d in donors])
     counts = dict.fromkeys(("shape_asked", "shape_donor", "background_asked", "background_donor"), 0)
     for i in range(0, len(pairs), batch):
         gens = [torch.Generator().manual_seed(j) for j in range(i, i + batch)][: len(pairs) - i]
-        out = pipe(prompt_embeds=embeds[i : i + batch], pooled_prompt_embeds=pooled[i : i + batch],
-                   generator=gens, output_type="np")  # fmt: skip
+        extra = {} if pooled is None else {"pooled_prompt_embeds": pooled[i : i + batch]}
+        out = pipe(prompt_embeds=embeds[i : i + batch], generator=gens, output_type="np", **extra)
         for image, scene, (shape_donor, background_donor) in zip(
             out.images, pairs[i : i + batch], donors[i : i + batch], strict=True
         ):
@@ -304,21 +306,19 @@ def main() -> None:
     ap.add_argument(
         "--text-swap",
         action="store_true",
-        help="FLUX.1 models: also render the held-out colour pairs from spliced T5 sequences (swap_donors) and "
-        "count whose colours come out",
+        help="also render the held-out colour pairs from text sequences spliced at the background phrase "
+        "(swap_donors, spliced_text) and count whose colours come out",
     )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--grid", type=Path, default=None)
     args = ap.parse_args()
-    if args.text_swap and not args.model:
-        ap.error("--text-swap splices FLUX.1's T5 sequence: name the FLUX.1 models, e.g. --model tiny")
     scenes = held_out_prompts(args.per_pair, args.prompt_seed)
     report, rows = {}, []
     for model in args.model or ["tiny", "tiny-flux2"]:
         if args.text_swap:
-            swap = text_swap(model, scenes, args.device)  # first: it fails fast on a FLUX.2 model
+            swap = text_swap(model, scenes, args.device)
             print(
-                f"{model}: spliced T5, {swap['pictures']} pictures: shape in the asked colour {swap['shape_asked']}, "
+                f"{model}: spliced text, {swap['pictures']} pictures: shape in the asked colour {swap['shape_asked']}, "
                 f"in the background donor's {swap['shape_donor']}; background asked {swap['background_asked']}, "
                 f"the shape donor's {swap['background_donor']}"
             )

@@ -45,7 +45,7 @@
 #                                       shipped weights, SECONDS [300] of DiT + text encoders each, side by side, with
 #                                       SEED [15]: `tiny` without and with the drop, `tiny-flux2` with it; each run's
 #                                       DiT, loss log and text encoders come back as $OUT/<run>.tar and its scores as
-#                                       $OUT/eval_<run>.json (eval_tiny.py --seen; --text-swap for `tiny`), the
+#                                       $OUT/eval_<run>.json (eval_tiny.py --seen --text-swap), the
 #                                       shipped files restored after each (DEVICE and POOL: a CPU dry run)
 #   bash scripts/gpu_check.sh tiny-verify  the shipped tiny models' scores and grid (eval_tiny.py --seen --sweeps 4), the
 #                                       image-quality check of the paths that are not bit-exact (--variants) and the GPU tests
@@ -275,8 +275,7 @@ case "$phase" in
       tar -C "$dir" -cf "$OUT/${name}_$kind.tar" "$dit" loss.json $(cd "$dir" && ls -d text_encoder*)
       rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
       cp "$dir/$dit" "flux_runtime/assets/models/$name/"; cp -r "$dir"/text_encoder* "flux_runtime/assets/models/$name/"
-      swap=$([ $name = tiny ] && echo --text-swap || echo "")
-      timeout 120 python3 scripts/eval_tiny.py --model $name --device "$dev" --seen $swap --json "$OUT/eval_${name}_$kind.json" 2>&1 | grep "^$name" || status=1
+      timeout 120 python3 scripts/eval_tiny.py --model $name --device "$dev" --seen --text-swap --json "$OUT/eval_${name}_$kind.json" 2>&1 | grep "^$name" || status=1
       rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
     done
     ;;

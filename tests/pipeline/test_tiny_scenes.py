@@ -171,29 +171,47 @@ def test_swap_donors_are_seen_pairs_that_keep_one_colour_each() -> None:
             assert (d.colour, d.background) in SEEN_COLOURS and not is_held_out(d)
 
 
-def test_spliced_t5_is_the_own_embedding_with_itself_as_donor_and_takes_each_part_from_its_donor() -> None:
-    """`eval_tiny.spliced_t5` on the shipped FLUX.1 tiny model: the scenes as their own donors give the
-    captions' own T5 and CLIP embeddings bit for bit; with `swap_donors`, the tokens before the background
-    phrase are the shape donor's, the background phrase the background donor's, the pooled state the scene's."""
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
+def test_spliced_text_is_the_own_embedding_with_itself_as_donor_and_takes_each_part_from_its_donor(
+    model: str,
+) -> None:
+    """`eval_tiny.spliced_text` on the shipped tiny models: the scenes as their own donors give the captions'
+    own embeddings bit for bit; with `swap_donors`, the tokens before the background phrase are the shape
+    donor's (for FLUX.2's causal Qwen3 also the scene's own), the background phrase the background donor's,
+    and FLUX.1's pooled state the scene's."""
     from flux_runtime.pipeline import Pipeline
-    from scripts.eval_tiny import spliced_t5, swap_donors
+    from scripts.eval_tiny import spliced_text, swap_donors
 
-    pipe = Pipeline.from_pretrained("tiny", device="cpu")
+    pipe = Pipeline.from_pretrained(model, device="cpu")
+    te, flux1 = pipe.text_encoder, model == "tiny"
     scenes = held_out_prompts(1)[:8]
-    own = pipe.text_encoder.encode([s.caption for s in scenes], max_sequence_length=64, device="cpu")
-    embeds, pooled = spliced_t5(pipe, scenes, scenes, scenes)
-    assert torch.equal(embeds, own.prompt_embeds) and torch.equal(pooled, own.pooled_prompt_embeds)
+
+    def encode(captions: list[str]) -> torch.Tensor:
+        return te.encode(captions, max_sequence_length=64, device="cpu")
+
+    def cut(caption: str) -> int:
+        def ids(text: str) -> list[int]:
+            return te.t5_tokenizer(text)["input_ids"] if flux1 else te.tokenize([text], 64)[0][0].tolist()
+
+        whole, head = ids(caption), ids(caption[: caption.rindex(" on a")])
+        return next(i for i, (x, y) in enumerate(zip(whole, head, strict=False)) if x != y)
+
+    own = encode([s.caption for s in scenes])
+    embeds, pooled = spliced_text(pipe, scenes, scenes, scenes)
+    assert torch.equal(embeds, own.prompt_embeds)
+    assert torch.equal(pooled, own.pooled_prompt_embeds) if flux1 else pooled is None
     donors = [swap_donors(s) for s in scenes]
-    embeds, pooled = spliced_t5(pipe, scenes, [d[0] for d in donors], [d[1] for d in donors])
-    assert torch.equal(pooled, own.pooled_prompt_embeds)
-    tok = pipe.text_encoder.t5_tokenizer
+    embeds, pooled = spliced_text(pipe, scenes, [d[0] for d in donors], [d[1] for d in donors])
+    if flux1:
+        assert torch.equal(pooled, own.pooled_prompt_embeds)
     for i, (scene, (shape_donor, background_donor)) in enumerate(zip(scenes, donors, strict=True)):
-        head = scene.caption[: scene.caption.rindex(" on a")]
-        k = len(tok(head)["input_ids"]) - 1
-        shape_part = pipe.text_encoder.encode(shape_donor.caption, max_sequence_length=64, device="cpu")
-        bg_part = pipe.text_encoder.encode(background_donor.caption, max_sequence_length=64, device="cpu")
-        assert torch.equal(embeds[i, :k], shape_part.prompt_embeds[0, :k])
-        kb = len(tok(background_donor.caption[: background_donor.caption.rindex(" on a")])["input_ids"]) - 1
+        k, kb = cut(scene.caption), cut(background_donor.caption)
+        assert 5 < k < 40
+        assert torch.equal(embeds[i, :k], encode([shape_donor.caption]).prompt_embeds[0, :k])
+        if not flux1:  # causal: the words before the background phrase do not see it
+            assert torch.equal(embeds[i, :k], own.prompt_embeds[i, :k])
         n = min(64 - k, 64 - kb)
-        assert torch.equal(embeds[i, k : k + n], bg_part.prompt_embeds[0, kb : kb + n])
+        assert torch.equal(
+            embeds[i, k : k + n], encode([background_donor.caption]).prompt_embeds[0, kb : kb + n]
+        )
         assert not torch.equal(embeds[i], own.prompt_embeds[i])
