@@ -98,13 +98,15 @@ def evaluate(
     model: str, scenes: list[Scene], seeds: int, device: str, batch: int = 8, *,
     dtype: torch.dtype = torch.float32, fp8_text: bool = False, seen: bool = False, sweeps: int = 0,
     quality: str = "lossless", fp8: bool = False, autoencoder: bool = False, guidance: float | None = None,
+    swap: bool = False,
 ) -> tuple[dict, list]:  # fmt: skip
     """Rates of correct background, shape colour and place over `scenes` x `seeds` pictures (`fp8_text`: the
     text encoders quantized to FP8 at load, which computes in bf16). `seen` adds the same rates on prompts of
     the training distribution (`seen_prompts`); `sweeps` adds that many place sweeps (`place_sweeps`: one
     noise, every place word), whose `place_following` is 0 for a model that ignores place words.
     `autoencoder` adds the rates of the held-out and seen scenes rendered and passed through the model's
-    autoencoder alone (`tiny_scenes.round_trip`): what its decoder can paint at all."""
+    autoencoder alone (`tiny_scenes.round_trip`): what its decoder can paint at all. `swap` adds `text_swap`'s
+    counts (where the model reads a held-out pair's colours from)."""
     pipe = Pipeline.from_pretrained(
         model,
         device=device,
@@ -133,6 +135,8 @@ def evaluate(
         report["autoencoder"] = {
             k: hit_rates(round_trip(pipe.vae.encoder, pipe.vae.decoder, v, size), v) for k, v in trip.items()
         }
+    if swap:
+        report["text_swap"] = text_swap(pipe, scenes, batch)
     if sweeps:
         follow = []
         for k, group in enumerate(place_sweeps(sweeps)):
@@ -170,9 +174,8 @@ def spliced_text(
     def ids(text: str) -> list[int]:
         return te.t5_tokenizer(text)["input_ids"] if flux1 else te.tokenize([text], length)[0][0].tolist()
 
-    def cut(
-        scene: Scene,
-    ) -> int:  # the tokens the caption shares with its words before " on a(n) <colour> ..."
+    def cut(scene: Scene) -> int:
+        """How many tokens the caption shares with its words before " on a(n) <colour> ..."."""
         whole, head = ids(scene.caption), ids(scene.caption[: scene.caption.rindex(" on a")])
         return next(i for i, (x, y) in enumerate(zip(whole, head, strict=False)) if x != y)
 
@@ -188,13 +191,12 @@ def spliced_text(
     return out, pooled
 
 
-def text_swap(model: str, scenes: list[Scene], device: str, batch: int = 8) -> dict:
+def text_swap(pipe: Pipeline, scenes: list[Scene], batch: int = 8) -> dict:
     """Where a model reads a held-out pair's colours from: each held-out colour scene rendered from
     `spliced_text` with its `swap_donors`, then counted: shapes painted in the asked colour or in the background
     donor's, backgrounds in the asked colour or the shape donor's. A DiT that reads the shape colour from the
     colour word's tokens and the background from the background phrase's paints what was asked; one that
     reads each from wherever the text encoder mixed it in paints the donors' colours."""
-    pipe = Pipeline.from_pretrained(model, device=device)
     pairs = [s for s in scenes if (s.colour, s.background) in HELD_OUT_COLOURS]
     donors = [swap_donors(s) for s in pairs]
     embeds, pooled = spliced_text(pipe, pairs, [d[0] for d in donors], [d[1] for d in donors])
@@ -315,21 +317,12 @@ def main() -> None:
     scenes = held_out_prompts(args.per_pair, args.prompt_seed)
     report, rows = {}, []
     for model in args.model or ["tiny", "tiny-flux2"]:
-        if args.text_swap:
-            swap = text_swap(model, scenes, args.device)
-            print(
-                f"{model}: spliced text, {swap['pictures']} pictures: shape in the asked colour {swap['shape_asked']}, "
-                f"in the background donor's {swap['shape_donor']}; background asked {swap['background_asked']}, "
-                f"the shape donor's {swap['background_donor']}"
-            )
         dtype = torch.bfloat16 if args.fp8_text else getattr(torch, args.dtype)
         rates, pictures = evaluate(
             model, scenes, args.seeds, args.device, dtype=dtype, fp8_text=args.fp8_text, seen=args.seen,
-            sweeps=args.sweeps, autoencoder=args.autoencoder, guidance=args.guidance,
+            sweeps=args.sweeps, autoencoder=args.autoencoder, guidance=args.guidance, swap=args.text_swap,
         )  # fmt: skip
         report[model] = rates
-        if args.text_swap:
-            rates["text_swap"] = swap
         rows.append((model, pictures[:: max(1, len(pictures) // 8)][:8]))
         line = ", ".join(
             f"{k} {rates[k]:.1%} (target {t:.0%}{'' if rates[k] >= t else ', MISSED'})"
@@ -343,6 +336,13 @@ def main() -> None:
             print(
                 f"{model}: autoencoder round trip, {k} scenes: "
                 + ", ".join(f"{n} {v:.1%}" for n, v in row.items())
+            )
+        if "text_swap" in rates:
+            swap = rates["text_swap"]
+            print(
+                f"{model}: spliced text, {swap['pictures']} pictures: shape in the asked colour {swap['shape_asked']}, "
+                f"in the background donor's {swap['shape_donor']}; background asked {swap['background_asked']}, "
+                f"the shape donor's {swap['background_donor']}"
             )
         if "place_following" in rates:
             print(

@@ -344,6 +344,12 @@ def finish_autoencoder_only(
     log(f"wrote {out} ({what} fine-tuned, the rest as in {resumed})")
 
 
+def autoencoder_only(args: argparse.Namespace) -> bool:
+    """Whether the run fine-tunes a resumed autoencoder alone (`--decoder-only`, `--encoder-anchor`) and copies
+    the rest."""
+    return args.decoder_only or args.encoder_anchor > 0
+
+
 def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> None:
     """A resumed run's log continues the earlier one: its DiT rows (and, with the autoencoder kept, its VAE
     rows) come first, and this run's steps and seconds count on from where they ended."""
@@ -353,7 +359,7 @@ def carry_history(history: dict, earlier: dict, args: argparse.Namespace) -> Non
         "dit_time": last[0]["time"],
     }  # fmt: skip
     history["dit"] = list(earlier.get("dit", []))
-    if args.vae_steps == 0 or args.decoder_only or args.encoder_anchor > 0:
+    if args.vae_steps == 0 or autoencoder_only(args):
         history["vae"] = list(earlier.get("vae", []))
         for key in ("round_trip", "encoder_drift"):  # what the kept autoencoder's own run measured
             if key in earlier:
@@ -634,7 +640,7 @@ def main() -> None:
     vae = (Flux1VAE if flux1 else Flux2VAE)(vae_cfg).to(device)
     if args.resume is not None:
         vae.load_state_dict({k: v.float() for k, v in load_file(args.resume / "ae.safetensors").items()})
-    ae_only = args.decoder_only or args.encoder_anchor > 0  # the autoencoder fine-tuned, the rest copied
+    ae_only = autoencoder_only(args)
     first = history["vae"][-1]["step"] + 25 if ae_only and history["vae"] else 0
     train_vae(vae, args, device, history, first)
     vae.eval().requires_grad_(False)
