@@ -41,12 +41,15 @@
 #                                       latents on palette scenes); each is scored with the shipped DiT
 #                                       (eval_tiny.py --seen --autoencoder, $OUT/eval_<name>_<W>.json); each model's
 #                                       autoencoders, logs and loss curves come back as $OUT/<name>.tar
-#   bash scripts/gpu_check.sh tiny-drop [SECONDS [F [SEED]]]  an A/B of train_tiny.py --caption-drop F [0.3]: from the
-#                                       shipped weights, SECONDS [300] of DiT + text encoders each, side by side, with
-#                                       SEED [15]: `tiny` without and with the drop, `tiny-flux2` with it; each run's
-#                                       DiT, loss log and text encoders come back as $OUT/<run>.tar and its scores as
-#                                       $OUT/eval_<run>.json (eval_tiny.py --seen --text-swap), the
-#                                       shipped files restored after each (DEVICE and POOL: a CPU dry run)
+#   bash scripts/gpu_check.sh tiny-ab [SECONDS [SEED]]  an A/B of train_tiny.py options: RUNS="NAME LABEL [OPTIONS];..."
+#                                       in the environment, e.g. RUNS="tiny ctrl;tiny splice --splice 0.5". Each run
+#                                       trains NAME's DiT + text encoders from the shipped weights for SECONDS [300],
+#                                       all side by side, with SEED [15] and the shapes' tokens weighted 5x; each
+#                                       run's DiT, loss log and text encoders come back as $OUT/<NAME>_<LABEL>.tar and
+#                                       its scores as $OUT/eval_<NAME>_<LABEL>.json (eval_tiny.py --seen --text-swap),
+#                                       the shipped files restored after each (DEVICE and POOL: a CPU dry run)
+#   bash scripts/gpu_check.sh tiny-drop [SECONDS [F [SEED]]]  tiny-ab with RUNS="tiny ctrl;tiny drop --caption-drop F;
+#                                       tiny-flux2 drop --caption-drop F" (F [0.3])
 #   bash scripts/gpu_check.sh tiny-verify  the shipped tiny models' scores and grid (eval_tiny.py --seen --sweeps 4), the
 #                                       image-quality check of the paths that are not bit-exact (--variants) and the GPU tests
 #                                       of the pipelines that run the tiny models; no training
@@ -256,26 +259,30 @@ case "$phase" in
       tar -C "/tmp/pack/$name" -cf "$OUT/$name.tar" .
     done
     ;;
-  tiny-drop)
-    secs=${2:-300}; frac=${3:-0.3}; seed=${4:-15}; dev=${DEVICE:-cuda}
-    runs="tiny:ctrl tiny:drop tiny-flux2:drop"
-    for run in $runs; do
-      name=${run%%:*}; kind=${run#*:}; fam=$([ $name = tiny ] && echo flux1 || echo flux2)
-      drop=$([ $kind = drop ] && echo "--caption-drop $frac" || echo "")
-      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/${name}_$kind" --device "$dev" \
+  tiny-ab|tiny-drop)
+    secs=${2:-300}; dev=${DEVICE:-cuda}
+    if [ "$phase" = tiny-drop ]; then
+      frac=${3:-0.3}; seed=${4:-15}; RUNS="tiny ctrl;tiny drop --caption-drop $frac;tiny-flux2 drop --caption-drop $frac"
+    else
+      seed=${3:-15}; [ -n "${RUNS:-}" ] || { echo "tiny-ab needs RUNS=\"NAME LABEL [OPTIONS];...\""; exit 2; }
+    fi
+    IFS=';' read -ra runs <<< "$RUNS"
+    for run in "${runs[@]}"; do
+      read -r name label opts <<< "$run"; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
+      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/${name}_$label" --device "$dev" \
         --resume "flux_runtime/assets/models/$name" --vae-steps 0 --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 \
-        --fg-weight 4 --seed "$seed" --pool "${POOL:-60000}" $drop > "/tmp/train_${name}_$kind.log" 2>&1 &
+        --fg-weight 4 --seed "$seed" --pool "${POOL:-60000}" $opts > "/tmp/train_${name}_$label.log" 2>&1 &
     done
     wait
-    for run in $runs; do
-      name=${run%%:*}; kind=${run#*:}; dir="/tmp/train/${name}_$kind"
-      dit=$([ $name = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
-      echo "== $name $kind"; grep "budget reached\|Error" "/tmp/train_${name}_$kind.log"
-      if [ ! -f "$dir/loss.json" ]; then echo "$name $kind: training wrote no weights"; tail -3 "/tmp/train_${name}_$kind.log"; status=1; continue; fi
-      tar -C "$dir" -cf "$OUT/${name}_$kind.tar" "$dit" loss.json $(cd "$dir" && ls -d text_encoder*)
+    for run in "${runs[@]}"; do
+      read -r name label opts <<< "$run"; dir="/tmp/train/${name}_$label"
+      dit=$([ "$name" = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
+      echo "== $name $label ($opts)"; grep "budget reached\|Error" "/tmp/train_${name}_$label.log"
+      if [ ! -f "$dir/loss.json" ]; then echo "$name $label: training wrote no weights"; tail -3 "/tmp/train_${name}_$label.log"; status=1; continue; fi
+      tar -C "$dir" -cf "$OUT/${name}_$label.tar" "$dit" loss.json $(cd "$dir" && ls -d text_encoder*)
       rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
       cp "$dir/$dit" "flux_runtime/assets/models/$name/"; cp -r "$dir"/text_encoder* "flux_runtime/assets/models/$name/"
-      timeout 120 python3 scripts/eval_tiny.py --model $name --device "$dev" --seen --text-swap --json "$OUT/eval_${name}_$kind.json" 2>&1 | grep "^$name" || status=1
+      timeout 120 python3 scripts/eval_tiny.py --model "$name" --device "$dev" --seen --text-swap --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name" || status=1
       rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
     done
     ;;

@@ -16,7 +16,7 @@ imports it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -118,6 +118,28 @@ def partial_captions(scenes: list[Scene], fraction: float, seed: int) -> list[st
     drop = rng.random(len(scenes)) < fraction
     parts = rng.integers(len(OMITTABLE), size=len(scenes))
     return [s.describe(OMITTABLE[k] if d else None) for s, d, k in zip(scenes, drop, parts, strict=True)]
+
+
+def splice_donors(scenes: list[Scene], seed: int) -> tuple[list[Scene], list[Scene]]:
+    """Two training-distribution donors per scene, drawn from `seed`: the same scene on another background
+    (a seen pair with the same shape colour) and the same scene with another shape colour (a seen pair on the
+    same background). A text sequence made of the first donor's tokens before the background phrase and the
+    second's from it on says everything the scene's own caption says, but each colour only in its own
+    phrase's states: the other phrase's states were encoded beside another colour."""
+    rng = np.random.default_rng(seed)
+    seen = set(SEEN_COLOURS)
+    heads, tails = [], []
+    for s in scenes:
+        backgrounds = [b for b in COLOURS if b != s.background and (s.colour, b) in seen]
+        colours = [c for c in COLOURS if c != s.colour and (c, s.background) in seen]
+        heads.append(replace(s, background=str(rng.choice(backgrounds))))
+        tails.append(replace(s, colour=str(rng.choice(colours))))
+    return heads, tails
+
+
+def background_cut(caption: str) -> str:
+    """The caption's words before its background phrase (" on a(n) <colour> background/gradient")."""
+    return caption[: caption.rindex(" on a")]
 
 
 def _article(word: str) -> str:

@@ -31,6 +31,13 @@ training distribution near the ones the DiT learned (the final drift is logged a
 background phrase or the place phrase; each caption still true of its picture), so that each part alone says
 what it says: a held-out pair's colour word should set the shape's colour whatever background it is asked on.
 
+`--splice F` trains a fraction F of each batch on spliced text: the token states before the background phrase
+come from the caption of the same scene on another background, the rest from the caption of the same scene
+with another shape colour (`tiny_scenes.splice_donors`; FLUX.1's CLIP pooled state from one of the two at
+random). The picture is the scene's own, so the loss rewards reading the shape colour from the colour word's
+states and the background from the background phrase's, never from where the text encoder mixed the other in:
+how a held-out pair, whose phrases were never encoded side by side, must be read.
+
 `--freeze-text` keeps the text encoders as they are and embeds the pool's captions once: a step then runs no
 encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the first
 run FLUX.2's DiT (the same width and depth as FLUX.1's) made 1,700 steps in the 285 s FLUX.1's made 4,850 in.
@@ -55,6 +62,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,6 +73,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_scenes import (
     Scene,
+    background_cut,
     held_out_prompts,
     hit_rates,
     palette_rgb,
@@ -74,6 +83,7 @@ from tiny_scenes import (
     round_trip,
     sample_scenes,
     seen_prompts,
+    splice_donors,
     token_masks,
 )
 
@@ -315,6 +325,60 @@ def embed_pool(
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
+class Splice(NamedTuple):
+    """Per pool entry, the two donors' token tensors (as `Flux1Text.tokens` / `KleinText.tokens` give) and the
+    token index where each one's background phrase starts (`--splice`)."""
+
+    head_tokens: tuple[Tensor, ...]
+    tail_tokens: tuple[Tensor, ...]
+    head_cut: Tensor  # (N,) int64
+    tail_cut: Tensor  # (N,) int64
+
+
+def background_starts(text: nn.Module, captions: list[str]) -> Tensor:
+    """Per caption, the index of its first token after the words before its background phrase: where its
+    T5 (FLUX.1) or Qwen3 (FLUX.2) sequence stops being the one of those words alone."""
+    whole = text.tokens(captions)[-1 if isinstance(text, Flux1Text) else 0]
+    head = text.tokens([background_cut(c) for c in captions])[-1 if isinstance(text, Flux1Text) else 0]
+    differ = whole != head
+    if not bool(differ.any(dim=1).all()):
+        raise ValueError("a caption's tokens do not change at its background phrase")
+    return differ.int().argmax(dim=1)
+
+
+def make_splice(text: nn.Module, scenes: list[Scene], seed: int, device: torch.device) -> Splice:
+    """The `--splice` donors of every pool scene (`tiny_scenes.splice_donors`), tokenized, with their cuts."""
+    heads, tails = splice_donors(scenes, seed)
+    head_captions, tail_captions = [s.caption for s in heads], [s.caption for s in tails]
+    return Splice(
+        tuple(t.to(device) for t in text.tokens(head_captions)),
+        tuple(t.to(device) for t in text.tokens(tail_captions)),
+        background_starts(text, head_captions).to(device),
+        background_starts(text, tail_captions).to(device),
+    )
+
+
+def splice_index(
+    b: int, length: int, rows: Tensor, head_cut: Tensor, tail_cut: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gather indices (row, position), each (b, length), into text states stacked as [the batch's b rows |
+    the m spliced rows' head donors | their tail donors]: a row of `rows` reads its head donor before
+    `head_cut` and its tail donor from `tail_cut` on (the last state repeated once the tail runs out); every
+    other row reads itself."""
+    device = rows.device
+    pos = torch.arange(length, device=device)
+    src_row = torch.arange(b, device=device)[:, None].expand(b, length).clone()
+    src_pos = pos[None].expand(b, length).clone()
+    m = rows.numel()
+    if m:
+        k, kt = head_cut[:, None], tail_cut[:, None]
+        donor = torch.arange(m, device=device)[:, None]
+        before = pos[None] < k
+        src_row[rows] = torch.where(before, b + donor, b + m + donor)
+        src_pos[rows] = torch.where(before, pos[None], (kt + pos[None] - k).clamp(max=length - 1))
+    return src_row, src_pos
+
+
 def file_meta(seed: int) -> dict[str, str]:
     """The safetensors metadata of every weight file a run writes."""
     return {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": str(seed)}
@@ -377,12 +441,16 @@ def train_dit(
     args: argparse.Namespace,
     device: torch.device,
     history: dict,
+    splice: Splice | None = None,
 ) -> None:
     """Flow matching on the pool: `x0_pool` (N, L, C) normalised packed latents, `tokens` per pool entry.
 
     With `args.fg_weight` w > 0 each token's squared error is weighted 1 + w where `fg_masks` (N, L) marks
     a shape (the loss normalised by the weights' sum): the shape covers a few of the 256 tokens, so an
-    unweighted loss is mostly the background's, which the models learned first and best."""
+    unweighted loss is mostly the background's, which the models learned first and best.
+
+    With `splice` (`--splice F`) a fraction F of each batch's rows (never an empty-prompt row) reads spliced
+    text states (`splice_index`): the encoder runs on the batch and on those rows' donors in one call."""
     n, length, _ = x0_pool.shape
     side = 2 * math.isqrt(length)  # latent pixels per side; a token packs 2x2 of them
     if family == "flux1":
@@ -419,6 +487,7 @@ def train_dit(
         idx = torch.randint(0, n, (b,), device=device, generator=gen)
         x0 = x0_pool[idx].float()
         batch_tokens = [t[idx] for t in (cached if frozen else tokens)]
+        drop = torch.zeros(b, dtype=torch.bool, device=device)
         if neg_tokens is not None:  # caption dropout to the empty prompt (CFG's negative)
             drop = torch.rand(b, device=device, generator=gen) < 0.1
             negs = neg_cached if frozen else neg_tokens
@@ -427,12 +496,28 @@ def train_dit(
                 torch.where(drop.view(-1, *([1] * (t.ndim - 1))), nt.expand_as(t), t)
                 for t, nt in zip(batch_tokens, negs, strict=True)
             ]
+        gather = None
+        if splice is not None:  # spliced rows: their donors' tokens follow the batch's
+            rows = ((torch.rand(b, device=device, generator=gen) < args.splice) & ~drop).nonzero().squeeze(1)
+            src = idx[rows]
+            batch_tokens = [
+                torch.cat([t, h[src], tail[src]])
+                for t, h, tail in zip(batch_tokens, splice.head_tokens, splice.tail_tokens, strict=True)
+            ]
+            gather = splice_index(b, TEXT_LENGTH, rows, splice.head_cut[src], splice.tail_cut[src])
+            coin = torch.rand(rows.numel(), device=device, generator=gen) < 0.5
+            pooled_src = torch.arange(b, device=device)
+            pooled_src[rows] = b + torch.arange(rows.numel(), device=device) + rows.numel() * coin
         u = torch.sigmoid(torch.randn(b, device=device, generator=gen))
         t = shifted_t(u.clamp(1e-4, 1 - 1e-4), mu)
         noise = torch.randn(x0.shape, device=device, generator=gen)
         xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
             embedded = tuple(batch_tokens) if frozen else text(*batch_tokens)
+            if gather is not None:  # the spliced rows' states, each row's pooled state its own or a donor's
+                states = embedded[0] if family == "flux1" else embedded
+                states = states[gather[0], gather[1]]
+                embedded = (states, embedded[1][pooled_src]) if family == "flux1" else states
             if family == "flux1":
                 txt, pooled = embedded
                 guidance = 1 + 4 * torch.rand(b, device=device, generator=gen)
@@ -601,6 +686,15 @@ def main() -> None:
         help="a fraction F of the pool's captions leave one part out (the shape colour word, the background "
         "phrase or the place phrase; tiny_scenes.partial_captions), so each part alone says what it says",
     )
+    ap.add_argument(
+        "--splice",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="a fraction F of each batch reads text states spliced at the background phrase from two donor "
+        "captions (the same scene on another background, then with another shape colour), so each colour is "
+        "read from its own phrase",
+    )
     ap.add_argument("--resume", type=Path, default=None, help="an earlier output folder to start from")
     ap.add_argument(
         "--freeze-text",
@@ -619,6 +713,10 @@ def main() -> None:
         )
     if not 0 <= args.caption_drop <= 1:
         ap.error(f"--caption-drop is a fraction of the captions, in [0, 1] (got {args.caption_drop})")
+    if not 0 <= args.splice <= 1:
+        ap.error(f"--splice is a fraction of each batch, in [0, 1] (got {args.splice})")
+    if args.splice > 0 and args.freeze_text:
+        ap.error("--splice splices the text encoders' states as they run: drop --freeze-text")
     if args.encoder_anchor < 0:
         ap.error(f"--encoder-anchor must be >= 0 (got {args.encoder_anchor}); 0 turns it off")
     device = torch.device(args.device)
@@ -655,7 +753,6 @@ def main() -> None:
     raw, scenes = encode_pool(vae, args.pool, args.seed * 1000 + 3, device)
     captions = partial_captions(scenes, args.caption_drop, args.seed * 1000 + 4)  # all whole when 0
     fg_masks = torch.from_numpy(token_masks(scenes, raw.shape[-1] // 2)).to(device)  # 2x2 latent px a token
-    del scenes
     stats: dict = {}
     if flux1:
         mean, std = raw.float().mean().item(), raw.float().std().item()
@@ -693,6 +790,8 @@ def main() -> None:
         load_text(text, args.resume, flux1)
     text.to(device).train()
     tokens = tuple(t.to(device) for t in text.tokens(captions))
+    splice = make_splice(text, scenes, args.seed * 1000 + 5, device) if args.splice > 0 else None
+    del scenes
     neg = None if flux1 else tuple(t.to(device) for t in text.tokens([NEGATIVE_PROMPT]))
     dit_cfg = TINY_TRAINED if flux1 else TINY_FLUX2_TRAINED
     model = (Flux1Transformer if flux1 else Flux2Transformer)(dit_cfg)
@@ -701,7 +800,7 @@ def main() -> None:
     if args.resume is not None:
         dit_file = "flux1-tiny.safetensors" if flux1 else "flux2-tiny.safetensors"
         model.load_state_dict({k: v.float() for k, v in load_file(args.resume / dit_file).items()})
-    train_dit(args.family, model, text, x0, fg_masks, tokens, neg, args, device, history)
+    train_dit(args.family, model, text, x0, fg_masks, tokens, neg, args, device, history, splice)
 
     # write what the runtime loads
     model.eval()

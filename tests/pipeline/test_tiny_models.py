@@ -224,6 +224,8 @@ def test_encoder_anchor_fine_tune_moves_the_autoencoder_and_keeps_the_rest(tmp_p
     "args, says",
     [
         (["--caption-drop", "1.5"], "--caption-drop is a fraction"),
+        (["--splice", "-0.1"], "--splice is a fraction"),
+        (["--splice", "0.5", "--freeze-text"], "drop --freeze-text"),
         (
             ["--encoder-anchor", "-1", "--resume", "flux_runtime/assets/models/tiny"],
             "--encoder-anchor must be",
@@ -232,8 +234,8 @@ def test_encoder_anchor_fine_tune_moves_the_autoencoder_and_keeps_the_rest(tmp_p
     ],
 )
 def test_train_tiny_rejects_bad_options_in_one_line(tmp_path, args: list[str], says: str) -> None:
-    """A fraction outside [0, 1], a negative anchor weight, an anchor with nothing to resume: a one-line usage
-    error before any model work (nothing written to --out)."""
+    """A fraction outside [0, 1], a negative anchor weight, an anchor with nothing to resume, a splice of
+    frozen encoders' states: a one-line usage error before any model work (nothing written to --out)."""
     import subprocess
     import sys
     from pathlib import Path

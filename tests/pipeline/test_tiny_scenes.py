@@ -27,6 +27,7 @@ from scripts.tiny_scenes import (
     score,
     seen_prompts,
     shape_colour,
+    splice_donors,
     token_masks,
 )
 
@@ -215,3 +216,46 @@ def test_spliced_text_is_the_own_embedding_with_itself_as_donor_and_takes_each_p
             embeds[i, k : k + n], encode([background_donor.caption]).prompt_embeds[0, kb : kb + n]
         )
         assert not torch.equal(embeds[i], own.prompt_embeds[i])
+
+
+def test_splice_donors_are_training_scenes_that_keep_one_colour_each() -> None:
+    scenes = sample_scenes(200, 3)
+    heads, tails = splice_donors(scenes, 5)
+    assert (heads, tails) == splice_donors(scenes, 5)
+    for scene, head, tail in zip(scenes, heads, tails, strict=True):
+        assert head == replace(scene, background=head.background) and head.background != scene.background
+        assert tail == replace(scene, colour=tail.colour) and tail.colour != scene.colour
+        assert not is_held_out(head) and not is_held_out(tail)
+    assert len({h.background for h in heads}) == 8 and len({t.colour for t in tails}) == 8
+
+
+@pytest.mark.parametrize("family", ["flux1", "flux2"])
+def test_splice_rows_read_the_head_donor_then_the_tail_donor(family: str) -> None:
+    """`train_tiny --splice`: each caption's background phrase starts where the eval's text swap cuts it, and
+    a spliced row gathers its head donor's states before that token and its tail donor's from the tail's cut on
+    (padded with the last state); the other rows gather their own states unchanged."""
+    from scripts.train_tiny import Flux1Text, KleinText, background_starts, splice_index
+
+    text = Flux1Text(0) if family == "flux1" else KleinText(0)
+    scenes = sample_scenes(6, 11)
+    heads, tails = splice_donors(scenes, 2)
+    captions = [s.caption for s in scenes]
+    cuts = background_starts(text, captions)
+    for caption, k in zip(captions, cuts.tolist(), strict=True):
+        ids = text.tokens([caption, caption[: caption.rindex(" on a")]])[-1 if family == "flux1" else 0]
+        assert torch.equal(ids[0, :k], ids[1, :k]) and ids[0, k] != ids[1, k] and 3 < k < 40
+    b, length, m = len(scenes), 64, 2
+    rows = torch.tensor([1, 4])
+    head_cut = background_starts(text, [heads[i].caption for i in rows.tolist()])
+    tail_cut = background_starts(text, [tails[i].caption for i in rows.tolist()])
+    states = torch.randn(b + 2 * m, length, 3)
+    src_row, src_pos = splice_index(b, length, rows, head_cut, tail_cut)
+    out = states[src_row, src_pos]
+    for i in (0, 2, 3, 5):
+        assert torch.equal(out[i], states[i])
+    for j, i in enumerate(rows.tolist()):
+        k, kt = int(head_cut[j]), int(tail_cut[j])
+        assert torch.equal(out[i, :k], states[b + j, :k])
+        n = min(length - kt, length - k)
+        assert torch.equal(out[i, k : k + n], states[b + m + j, kt : kt + n])
+        assert (out[i, k + n :] == states[b + m + j, -1]).all()
