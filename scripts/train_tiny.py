@@ -335,27 +335,40 @@ class Splice(NamedTuple):
     tail_cut: Tensor  # (N,) int64
 
 
+def unique_tokens(text: nn.Module, captions: list[str]) -> tuple[tuple[Tensor, ...], Tensor]:
+    """`text.tokens` of the distinct captions (a pool repeats its captions: 60,000 scenes hold about 16,000),
+    and each caption's row in them."""
+    distinct = sorted(set(captions))
+    row = {c: i for i, c in enumerate(distinct)}
+    return text.tokens(distinct), torch.tensor([row[c] for c in captions])
+
+
 def background_starts(text: nn.Module, captions: list[str]) -> Tensor:
     """Per caption, the index of its first token after the words before its background phrase: where its
     T5 (FLUX.1) or Qwen3 (FLUX.2) sequence stops being the one of those words alone."""
-    whole = text.tokens(captions)[-1 if isinstance(text, Flux1Text) else 0]
-    head = text.tokens([background_cut(c) for c in captions])[-1 if isinstance(text, Flux1Text) else 0]
+    distinct = sorted(set(captions))
+    seq = -1 if isinstance(text, Flux1Text) else 0  # the sequence the DiT reads: T5's, or Qwen3's ids
+    whole = text.tokens(distinct)[seq]
+    head = text.tokens([background_cut(c) for c in distinct])[seq]
     differ = whole != head
     if not bool(differ.any(dim=1).all()):
         raise ValueError("a caption's tokens do not change at its background phrase")
-    return differ.int().argmax(dim=1)
+    starts = differ.int().argmax(dim=1)
+    row = {c: i for i, c in enumerate(distinct)}
+    return starts[torch.tensor([row[c] for c in captions])]
 
 
 def make_splice(text: nn.Module, scenes: list[Scene], seed: int, device: torch.device) -> Splice:
     """The `--splice` donors of every pool scene (`tiny_scenes.splice_donors`), tokenized, with their cuts."""
     heads, tails = splice_donors(scenes, seed)
-    head_captions, tail_captions = [s.caption for s in heads], [s.caption for s in tails]
-    return Splice(
-        tuple(t.to(device) for t in text.tokens(head_captions)),
-        tuple(t.to(device) for t in text.tokens(tail_captions)),
-        background_starts(text, head_captions).to(device),
-        background_starts(text, tail_captions).to(device),
-    )
+    parts = []
+    for donors in (heads, tails):
+        captions = [s.caption for s in donors]
+        distinct, rows = unique_tokens(text, captions)
+        parts.append(
+            (tuple(t[rows].to(device) for t in distinct), background_starts(text, captions).to(device))
+        )
+    return Splice(parts[0][0], parts[1][0], parts[0][1], parts[1][1])
 
 
 def splice_index(
