@@ -40,6 +40,9 @@ from flux_runtime.kernels.token_layer_norm_modulate import ROWS_PER_PROGRAM, _to
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+# `gelu_amax_bound` as the interpreter finds it: the launch passes the device's own, established at run time,
+# which only changes this constant (the tanh-GELU producer's max shortcut; "two GELUs" is the path without it)
+GELU_BOUND = {"bf16": 0.169921875, "fp16": 0.1700439453125}
 
 
 def _ints(*names: str) -> dict[str, str]:
@@ -64,6 +67,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     aa_sig = {"o_ptr": f"*{dt}", "x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32"}
     aa_sig |= _ints("L", "D", "N", "HD", "stride_ob", "stride_ol", "stride_oh", "stride_xb", "stride_xl")
     aa = {"BLOCK": 2048, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
+    aa |= {"MAX_SHORTCUT": False, "GELU_BOUND": 0.0}
+    aa_max = aa | {"MAX_SHORTCUT": True, "GELU_BOUND": GELU_BOUND[dt]}
     aq_sig = {"x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32", "inv_ptr": "*fp32"}
     aq_sig |= _ints("L", "N", "stride_xb", "stride_xl", "stride_qb", "stride_ql")
     aq = {"DYNAMIC": True, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
@@ -90,7 +95,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"residual_layer_norm_modulate D6144 {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 12, "EVEN": True, "HAS_RESIDUAL": True, "QUANT": 0, **rows}),
         (f"residual_layer_norm_modulate D6144 1 row {dt}", _layer_norm_modulate_rows_kernel, rows_sig, {"ITERS": 12, "EVEN": True, "HAS_RESIDUAL": True, "QUANT": 0, **rows, "ROWS": 1}),
         (f"residual_layer_norm_modulate D1000 fp8 per-row {dt}", _layer_norm_modulate_rows_kernel, rows8_sig, {"ITERS": 2, "EVEN": False, "HAS_RESIDUAL": True, "QUANT": 2, **rows}),
-        (f"attention_act_fp8 gelu_tanh {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa}),
+        (f"attention_act_fp8 gelu_tanh {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa_max}),
+        (f"attention_act_fp8 gelu_tanh two GELUs {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa}),
         (f"attention_act_fp8 swiglu {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 2, **aa}),
         (f"fp8_quantize per-row one block {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 0, "BLOCK_N": 16384, "ONE_BLOCK": True, **aq}),
         (f"swiglu_fp8 per-row blocks {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 2, "BLOCK_N": 2048, "ONE_BLOCK": False, **aq}),

@@ -293,7 +293,7 @@ case "$phase" in
     ;;
   fp8-single)
     timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py tests/kernels/test_fp8.py tests/fp8/test_fp8_pipeline.py tests/fp8/test_fp8_loading.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_single.txt" | tail -6 || status=1
-    timeout 60 python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | tail -12 || status=1
+    timeout 120 python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | tail -12 || status=1
     timeout 300 python3 scripts/bench_fp8.py --json "$OUT/bench_fp8.json" 2>&1 | tee "$OUT/bench_fp8.txt" | grep "^|\|attention_act\|fallback\|relative" || status=1
     ;;
   memory-rerun)
@@ -303,7 +303,7 @@ case "$phase" in
     ;;
   fp8-profile)
     timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
-    timeout 60 python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | head -24 || status=1
+    timeout 120 python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | head -24 || status=1
     timeout 300 python3 scripts/bench_fp8.py --models flux2-dev --profile --json "$OUT/bench_fp8_flux2_profile.json" 2>&1 | tee "$OUT/bench_fp8_flux2_profile.txt" | grep -v "^\[" | tail -70 || status=1
     ;;
   memory-28)

@@ -17,6 +17,8 @@ joint) and bf16 and fp16:
    against the 4.16 TB/s device-to-device copy ceiling measured on the H200
   . `*` marks the variant the op uses now (its module's `VARIANT`).
 
+The `[attention | act]` producer's tanh-GELU site is also run without its max shortcut ("2 GELUs"), and on
+inputs that all miss the shortcut ("flux1 fallback"), so the shortcut's gain and worst case show beside it.
 GELU and SiLU (SwiGLU's first op) are also checked exhaustively over all 65,536 inputs of each
 dtype. `--tune` adds a sweep of the v2 tile sizes at the 1024² joint shapes and of the `[attention | act]`
 producer's tile and warps. Exits 1 on any
@@ -338,22 +340,33 @@ def _attention_act_cases(
 ) -> Iterator[Case]:
     """The single block's `[attention | activation]` e4m3 input with per-row scales at 1024², B1: the one
     kernel (its default tile and warps, and each (tile, warps) of `tiles`) against the three it replaces and
-    the eager chain."""
+    the eager chain. At the tanh-GELU site also the kernel without its max shortcut ("2 GELUs": GELU in both
+    sweeps), beside the default that has it, each checked bit-exact on its own; and that site again with
+    every input negative ("flux1 fallback"), where no row can take the shortcut: its worst case."""
     tokens = TXT + IMAGES["1024²"]
-    sites = [("flux1", 3072, FF_INNER, "gelu_tanh"), *((k, d, m, "swiglu") for k, (d, m) in SWIGLU.items())]
+    sites = [("flux1 single", 3072, FF_INNER, "gelu_tanh"), ("flux1 fallback", 3072, FF_INNER, "gelu_tanh")]
+    sites += [(f"{k} single", d, m, "swiglu") for k, (d, m) in SWIGLU.items()]
     for model, d, m, act in sites:
 
-        def make(d: int = d, m: int = m, act: str = act) -> tuple[Any, ...]:
+        def make(
+            d: int = d, m: int = m, act: str = act, fallback: bool = "fallback" in model
+        ) -> tuple[Any, ...]:
             o = (torch.randn(1, d // 128, tokens, 128, device="cuda") * 2).to(dtype).permute(0, 2, 1, 3)
             k = 2 * m if act == "swiglu" else m
-            packed = (torch.randn(1, tokens, 3 * d + k, device="cuda") * 3).to(dtype)
-            return o, packed[..., 3 * d :], act
+            packed = torch.randn(1, tokens, 3 * d + k, device="cuda") * 3
+            if fallback:  # each row's largest GELU in magnitude is a negative input's
+                packed = -packed.abs() - 2**-6
+            return o, packed.to(dtype)[..., 3 * d :], act
 
         k = 2 * m if act == "swiglu" else m
+        two_gelus = {
+            "2 GELUs": lambda o, x, a: _fp8_bits(attention_act_quantize_triton(o, x, a, gelu_shortcut=False))
+        }
         yield Case(
-            "attention_act_fp8", f"{model} single 1024² B1", dtype, make,
+            "attention_act_fp8", f"{model} 1024² B1", dtype, make,
             {
                 "one pass": lambda o, x, a: _fp8_bits(attention_act_quantize_triton(o, x, a)),
+                **(two_gelus if act == "gelu_tanh" else {}),
                 **{
                     f"{blk}/{w}w": lambda o, x, a, blk=blk, w=w: _fp8_bits(
                         attention_act_quantize_triton(o, x, a, block=blk, num_warps=w)

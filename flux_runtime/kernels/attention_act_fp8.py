@@ -11,6 +11,10 @@ buffer, one launch instead of three.
 `attention_act_quantize_reference` is the eager chain it replaces, `quantize_reference` of the concatenation:
 the kernel is `torch.equal` to it (the same rounded values, the same row scale, the same e4m3 rounding), so it
 is in the `lossless` tier. Static scales do not need it: there each half is written in e4m3 where it is made.
+
+For tanh-GELU the first sweep need not evaluate the activation (see `gelu_amax_bound`): the row's GELU absmax is
+the GELU of the row's largest input whenever that GELU is at least the largest |GELU| of any negative input,
+so the sweep is a load and a max, and only rows whose maximum is small (below about 0.28) evaluate GELU twice.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
 from flux_runtime.kernels.fp8 import ACTS, E4M3, Fp8Act, _act_reference, _act_value, quantize_reference
-from flux_runtime.kernels.gelu import K_BETA, K_KAPPA
+from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh, all_half_values, gelu_tanh_triton
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
     check_half,
@@ -29,6 +33,7 @@ from flux_runtime.kernels.triton_utils import (
     e4m3_code,
     e4m3_row_scale,
     jit,
+    round_to,
     tl,
     upcast,
 )
@@ -40,6 +45,52 @@ def attention_act_quantize_reference(o: Tensor, x: Tensor, act: str) -> Fp8Act:
     """e4m3 with per-row scales of `[o.flatten(2) | act(x)]`: `o` the attention heads (B, L, H, Dh), `x` the
     MLP's pre-activation (B, L, M), or (B, L, 2M) `[gate | up]` for SwiGLU."""
     return quantize_reference(torch.cat([o.flatten(2), _act_reference(x, act)], dim=-1))
+
+
+def monotone_bound(values: Tensor, g: Tensor) -> float | None:
+    """B = the largest |g(x)| over the negative finite `values`, if g is an activation table (`g[i]` the
+    16-bit activation of `values[i]`) that is >= 0 and non-decreasing over the non-negative inputs in value
+    order (+inf included); None if it is not, or if g is NaN at a negative finite input.
+
+    With both, a row's largest |g| is g(m) at its largest input m whenever g(m) >= B: every input x <= m that
+    is >= 0 has 0 <= g(x) <= g(m), every negative finite one |g(x)| <= B <= g(m), and -inf (g NaN) is skipped
+    by the kernel's max as it is in the full sweep. That is exact, not an approximation: g(m) is one of the
+    row's own activation values, and a max selects a value without rounding it."""
+    x, g = values.float(), g.float()
+    nonneg = x >= 0  # -0.0 included, NaN excluded
+    order = torch.argsort(x[nonneg], stable=True)
+    up = g[nonneg][order]
+    if not bool((up >= 0).all()) or not bool((up[1:] >= up[:-1]).all()):  # a NaN fails both
+        return None
+    below = g[(x < 0) & x.isfinite()].abs()
+    if below.numel() == 0:
+        return 0.0
+    if not bool(below.isfinite().all()):
+        return None
+    return float(below.max())
+
+
+_GELU_BOUNDS: dict[tuple[torch.device, torch.dtype], float | None] = {}
+
+
+def gelu_amax_bound(dtype: torch.dtype, device: torch.device) -> float | None:
+    """`monotone_bound` of the kernels' own tanh-GELU (`gelu_tanh_triton`, the same `_gelu_tanh` and rounding
+    the producer evaluates) over all 65,536 inputs of `dtype` on `device`, computed once per (device, dtype):
+    about 0.17 for bf16 and fp16, or None where the property fails (the producer then evaluates GELU in both
+    sweeps). It is established on the device itself because libdevice's `tanhf` (and, on the CPU, its
+    emulation) is what g is made of: no property of the exact GELU is assumed.
+
+    None without caching while a CUDA graph is being captured (the check syncs; the two-GELU path runs)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
+    if key not in _GELU_BOUNDS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        values = all_half_values(dtype, device)
+        _GELU_BOUNDS[key] = monotone_bound(values, gelu_tanh_triton(values))
+    return _GELU_BOUNDS[key]
 
 
 @jit
@@ -54,6 +105,20 @@ def _row_pointers(o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb,
         x_ptr + b * stride_xb + pos * stride_xl,
         q_ptr + row * (D + N),
     )
+
+
+@jit
+def _act_absmax(
+    amax, x_row, offs, N, ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr,
+):  # fmt: skip
+    """`amax` (BLOCK,) raised to |act(x)| over one row's N activation values, in BLOCK-wide tiles."""
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + offs
+        mask = cols < N
+        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
+        amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+    return amax
 
 
 @jit
@@ -76,6 +141,8 @@ def _attention_act_quant_rows_kernel(
     GPU: tl.constexpr,
     BETA: tl.constexpr,
     KAPPA: tl.constexpr,
+    MAX_SHORTCUT: tl.constexpr,  # tanh-GELU only: the first sweep takes max(x), not |GELU(x)|
+    GELU_BOUND: tl.constexpr,  # with MAX_SHORTCUT: `gelu_amax_bound`, the largest |GELU| of a negative input
 ):
     # grid: (L, B); one row per program: its absmax over both halves, then its codes
     DTYPE = x_ptr.dtype.element_ty
@@ -89,11 +156,21 @@ def _attention_act_quant_rows_kernel(
         mask = cols < D
         y = upcast(tl.load(o_row + (cols // HD) * stride_oh + cols % HD, mask=mask, other=0.0), GPU)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + offs
-        mask = cols < N
-        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
-        amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+    if MAX_SHORTCUT:
+        # the row's largest input m (NaN skipped, as the full sweep skips NaN activations), then GELU(m) once
+        top = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + offs
+            mask = cols < N
+            x = upcast(tl.load(x_row + cols, mask=mask, other=0.0), GPU)
+            top = tl.maximum(top, tl.where(mask, x, float("-inf")))
+        g_top = round_to(_gelu_tanh(tl.max(top, axis=0), BETA, KAPPA, GPU), DTYPE, GPU)
+        if g_top >= GELU_BOUND:  # GELU(m) bounds every |GELU(x)| of the row (False for NaN: all -inf)
+            amax = tl.maximum(amax, g_top)
+        else:  # a small maximum: a negative input's |GELU| may be the larger
+            amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA)
+    else:
+        amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA)
     s, inv = e4m3_row_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + row, s)
     for c0 in range(0, D, BLOCK):
@@ -116,7 +193,13 @@ NARROW_ROW, NARROW_BLOCK, WIDE_BLOCK = 15360, 1024, 2048
 
 
 def attention_act_quantize_triton(
-    o: Tensor, x: Tensor, act: str, *, block: int | None = None, num_warps: int = 4
+    o: Tensor,
+    x: Tensor,
+    act: str,
+    *,
+    block: int | None = None,
+    num_warps: int = 4,
+    gelu_shortcut: bool = True,
 ) -> Fp8Act:
     """Fused `attention_act_quantize_reference`: `o` (B, L, H, Dh) with a unit last stride (SDPA's heads as
     they come out), `x` (B, L, M or 2M) with a unit last stride (a column slice of `linear1`'s output).
@@ -125,6 +208,10 @@ def attention_act_quantize_triton(
     program of `num_warps` warps per row (grid (L, B)): its absmax, then its codes, re-reading the inputs.
     The tile and warp count change the time, not the bits (a max is exact in any order; `kernel_check.py --op
     attention_act_fp8 --tune` times the alternatives).
+    For tanh-GELU with `gelu_shortcut` (and `gelu_amax_bound` established for the dtype and device) the first
+    sweep reads the row's maximum instead of evaluating GELU, falling back to the GELU sweep per row where
+    the maximum is small; the bits are the same either way (`gelu_shortcut=False` is the two-GELU path, kept
+    for comparison: `kernel_check.py --op attention_act_fp8` times both).
     Two alternatives measured slower on an H200 at every FLUX shape and were dropped: holding the whole row on
     chip and reading it once (FLUX.2 [dev]: 1.66 ms against 0.29; the 24576-value tile spills), and a
     persistent launch of 2, 4 or 8 programs per SM taking a row at a time (FLUX.2 [dev]: 0.49 / 0.36 /
@@ -154,7 +241,9 @@ def attention_act_quantize_triton(
         check_int32_offsets(op, name, t)
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
+    bound = gelu_amax_bound(x.dtype, x.device) if act == "gelu_tanh" and gelu_shortcut else None
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
+    consts |= dict(MAX_SHORTCUT=bound is not None, GELU_BOUND=0.0 if bound is None else bound)
     _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=num_warps, **consts)
     return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))
 

@@ -2,9 +2,12 @@
 
 CPU (interpreter): small heads and widths, SDPA's strided head layout, a column slice of `linear1`'s output,
 column blocks narrower than both halves, a zero row; the activation compared through the kernels' own 16-bit
-values (the interpreter's tanh/exp may differ from aten's CPU ones by an ulp). GPU: every FLUX.1 / FLUX.2
-single-block width at the real sequence lengths, bf16 and fp16, `torch.equal` to
-`attention_act_quantize_reference`, and through the dispatch.
+values (the interpreter's tanh/exp may differ from aten's CPU ones by an ulp). tanh-GELU's max shortcut: rows
+whose largest input decides the absmax and rows that fall back to the GELU sweep (small maxima, all negative,
+either side of the threshold), the bound's check on the kernels' GELU and on forged tables, and the shortcut off
+against on. GPU: every FLUX.1 / FLUX.2 single-block width at the real sequence lengths, bf16 and fp16,
+`torch.equal` to `attention_act_quantize_reference`, the GELU shortcut's rows at FLUX.1's width, and through the
+dispatch.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from flux_runtime.kernels.dispatch import (
     reset_fused_ops_report,
     use_fused,
 )
-from flux_runtime.kernels.gelu import gelu_tanh_triton
+from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_reference, gelu_tanh_triton
 from flux_runtime.kernels.swiglu import swiglu_triton
 from tests.kernels.helpers import (
     DTYPES,
     IMAGE_TOKENS,
     TXT_TOKENS,
     assert_same,
+    bits,
     gpu,
     interpreter,
     row_id,
@@ -40,6 +44,11 @@ aa = importlib.import_module(
 
 # (D, M, activation) of every single block: FLUX.1, klein 4B, klein 9B, FLUX.2 [dev]
 SITES = [(3072, 12288, "gelu_tanh"), (3072, 9216, "swiglu"), (4096, 12288, "swiglu"), (6144, 18432, "swiglu")]
+
+# the interpreter computes in numpy, which warns on the inf/NaN inputs of the GELU bound's exhaustive sweep
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
+)
 
 
 def heads(b: int, n: int, h: int, hd: int, dtype: torch.dtype, device: str) -> Tensor:
@@ -66,6 +75,115 @@ def test_both_halves_share_each_rows_scale(act, dtype):
     assert got.data.shape == (2, 5, 96 + 80) and got.scale.shape == (2, 5, 1)
     value = gelu_tanh_triton(x) if act == "gelu_tanh" else swiglu_triton(x)
     assert_same(got, fp8.quantize_reference(torch.cat([o.flatten(2), value], dim=-1)))
+
+
+def gelu_threshold(dtype: torch.dtype, device: str) -> tuple[float, float, float]:
+    """(x*, the largest input below x*, the negative input whose |GELU| is the bound) of the kernels' own
+    GELU: x* is the smallest input whose GELU reaches `gelu_amax_bound`, where the shortcut starts."""
+    values = all_half_values(dtype, device)
+    x, g = values.float(), gelu_tanh_triton(values).float()
+    bound = aa.gelu_amax_bound(dtype, torch.device(device))
+    assert bound is not None
+    x_star = x[(x >= 0) & (g >= bound)].min()
+    below = x[(x >= 0) & (x < x_star)].max()
+    neg = (x < 0) & x.isfinite()
+    return float(x_star), float(below), float(x[neg][g[neg].abs().argmax()])
+
+
+def gelu_rows(b: int, n: int, d: int, m: int, dtype: torch.dtype, device: str) -> Tensor:
+    """FLUX.1's MLP slice (B, L, M) whose rows cycle through what decides a row's GELU absmax: a large
+    maximum (the shortcut), a small one or none above zero (the GELU sweep), the largest input at x* (the
+    shortcut, GELU(x*) the absmax) or just below it (the sweep: a negative input's |GELU| is the absmax), and
+    zeros. Each small-maximum row holds the negative input with the bound's |GELU|, so taking the shortcut
+    there would give a smaller, wrong, scale."""
+    x_star, below, x_neg = gelu_threshold(dtype, device)
+    x = pre_activation(b, n, d, m, "gelu_tanh", dtype, device)
+    kind = torch.arange(n, device=device) % 6
+    top = torch.tensor([0.0, 0.1, -(2**-6), x_star, below, 0.0], device=device)[kind]  # kinds 1 to 4
+    rows = -(torch.rand(b, n, m, device=device) * 3 + 2**-6)
+    rows[..., 0] = x_neg
+    rows[..., m // 2] = top
+    rows = torch.where((kind == 0)[:, None], x.float(), rows)
+    rows[:, kind == 5] = 0
+    x.copy_(rows.to(dtype))
+    return x
+
+
+@interpreter
+@pytest.mark.parametrize("block", [64, None], ids=["block64", "one-block"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_max_shortcut_rows(dtype, block):
+    """Rows through the shortcut and through the fallback sweep, each the reference's codes and scale."""
+    o, x = heads(2, 6, 3, 32, dtype, "cpu"), gelu_rows(2, 6, 96, 80, dtype, "cpu")
+    o.mul_(2**-8)  # the GELU half decides each row's scale ...
+    o[1, 0, 2, 5] = 30  # ... except in one row
+    got = aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=block)
+    assert_same(got, fp8.quantize_reference(torch.cat([o.flatten(2), gelu_tanh_triton(x)], dim=-1)))
+
+
+@interpreter
+def test_gelu_max_shortcut_is_taken_and_decided_by_the_bound(monkeypatch):
+    """A forged bound below every GELU value sends the small-maximum rows through the shortcut too: their
+    scales come out smaller (GELU of the maximum, not the negative input's larger |GELU|), the other rows'
+    stay the same. So the kernel does take the shortcut, and the rows that must fall back do."""
+    dtype = torch.bfloat16
+    o, x = heads(1, 6, 3, 32, dtype, "cpu"), gelu_rows(1, 6, 96, 80, dtype, "cpu")
+    o.mul_(2**-8)
+    want = aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64)
+    monkeypatch.setitem(aa._GELU_BOUNDS, (torch.device("cpu"), dtype), -1.0)
+    forged = aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64)
+    wrong = (forged.scale != want.scale).flatten().tolist()
+    assert wrong == [False, True, True, False, True, False]  # the row kinds of `gelu_rows`
+    assert bool((forged.scale <= want.scale).all())
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_amax_bound_on_the_kernels_gelu(dtype):
+    cpu = torch.device("cpu")
+    bound = aa.gelu_amax_bound(dtype, cpu)
+    assert bound is not None and 0.16 < bound < 0.18  # tanh-GELU's minimum is about -0.17, at x = -0.75
+    # a 16-bit value, so exact as the kernel's fp32 constant
+    assert torch.tensor(bound).to(dtype).item() == bound
+    values = all_half_values(dtype, cpu)
+    g = gelu_tanh_triton(values).float()
+    assert bound == g[(values < 0) & values.isfinite()].abs().max().item()
+    assert aa._GELU_BOUNDS[(cpu, dtype)] == bound  # once per (device, dtype)
+    assert aa.monotone_bound(values, gelu_tanh_reference(values)) is not None  # aten's CPU GELU has it too
+
+
+@interpreter
+def test_monotone_bound_rejects_tables_without_the_property():
+    values = all_half_values(torch.bfloat16, "cpu")
+    table = gelu_tanh_triton(values)
+    assert aa.monotone_bound(values, table) is not None
+    dip = table.clone()
+    dip[values == 1.5] = 1.25  # GELU(1.5) below GELU of a smaller input: not non-decreasing
+    assert aa.monotone_bound(values, dip) is None
+    sign = table.clone()
+    sign[values == 2**-20] = -(2**-30)  # negative at a non-negative input
+    assert aa.monotone_bound(values, sign) is None
+    nan = table.clone()
+    nan[values == -1.0] = float("nan")  # no bound from a NaN at a finite negative input
+    assert aa.monotone_bound(values, nan) is None
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_max_shortcut_off_and_on_agree(dtype):
+    """The same codes and scales with the shortcut off (GELU in both sweeps) and on, also on rows the
+    reference's NaN-propagating amax would not match: inf, NaN and an all -inf row."""
+    o, x = heads(2, 6, 3, 32, dtype, "cpu"), gelu_rows(2, 6, 96, 80, dtype, "cpu")
+    o.mul_(2**-8)
+    x[0, 0, 7] = float("inf")
+    x[0, 1, 9] = float("nan")
+    x[0, 2, 11] = float("-inf")
+    x[1, 3] = float("-inf")
+    x[1, 4, :40] = float("nan")
+    on = aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64)
+    off = aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64, gelu_shortcut=False)
+    assert torch.equal(bits(on.data), bits(off.data))
+    assert torch.equal(on.scale, off.scale)
 
 
 @interpreter
@@ -107,7 +225,23 @@ def test_gpu_single_block_sites(site, n, dtype):
     d, m, act = site
     o, x = heads(1, n, d // 128, 128, dtype, "cuda"), pre_activation(1, n, d, m, act, dtype, "cuda")
     want = aa.attention_act_quantize_reference(o, x, act)
-    assert_same(aa.attention_act_quantize_triton(o, x, act), want)
+    assert_same(aa.attention_act_quantize_triton(o, x, act), want)  # tanh-GELU: the max shortcut's path
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_gelu_max_shortcut(dtype):
+    """The bound holds for the device's own GELU (so the shortcut is on), and at FLUX.1's widths the rows
+    through the shortcut and through the fallback sweep are the reference's, with the shortcut on and off."""
+    bound = aa.gelu_amax_bound(dtype, torch.device("cuda"))
+    assert bound is not None and 0.16 < bound < 0.18
+    n = TXT_TOKENS + IMAGE_TOKENS["1024x1024"]
+    o, x = heads(1, n, 24, 128, dtype, "cuda"), gelu_rows(1, n, 3072, 12288, dtype, "cuda")
+    o.mul_(2**-8)
+    want = aa.attention_act_quantize_reference(o, x, "gelu_tanh")
+    assert_same(aa.attention_act_quantize_triton(o, x, "gelu_tanh"), want)
+    assert_same(aa.attention_act_quantize_triton(o, x, "gelu_tanh", gelu_shortcut=False), want)
 
 
 @gpu
