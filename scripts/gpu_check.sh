@@ -50,6 +50,9 @@
 #                                       the shipped files restored after each (DEVICE and POOL: a CPU dry run)
 #   bash scripts/gpu_check.sh tiny-drop [SECONDS [F [SEED]]]  tiny-ab with RUNS="tiny ctrl;tiny drop --caption-drop F;
 #                                       tiny-flux2 drop --caption-drop F" (F [0.3])
+#   bash scripts/gpu_check.sh splice-gelu [SECONDS [SEED]]  tiny's train_tiny.py --splice 0.5 and 0.8 runs (as tiny-ab),
+#                                       beside them attention_act_fp8's GPU tests, tiny-flux2's variants and the tiny
+#                                       models' GPU tests; then the runs' scores and kernel_check's attention_act timing
 #   bash scripts/gpu_check.sh tiny-verify  the shipped tiny models' scores and grid (eval_tiny.py --seen --sweeps 4), the
 #                                       image-quality check of the paths that are not bit-exact (--variants) and the GPU tests
 #                                       of the pipelines that run the tiny models; no training
@@ -76,6 +79,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
+score_run() {
+  # score_run NAME LABEL DEVICE: tar a tiny-ab run's DiT, loss log and text encoders into $OUT/NAME_LABEL.tar and
+  # score them in place of the shipped ones (eval_tiny.py --seen --text-swap), then put the shipped files back
+  local name=$1 label=$2 dev=$3 dir="/tmp/train/$1_$2" dit
+  dit=$([ "$name" = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
+  grep "budget reached\|Error" "/tmp/train_${name}_$label.log"
+  if [ ! -f "$dir/loss.json" ]; then echo "$name $label: training wrote no weights"; tail -3 "/tmp/train_${name}_$label.log"; return 1; fi
+  tar -C "$dir" -cf "$OUT/${name}_$label.tar" "$dit" loss.json $(cd "$dir" && ls -d text_encoder*)
+  rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
+  cp "$dir/$dit" "flux_runtime/assets/models/$name/"; cp -r "$dir"/text_encoder* "flux_runtime/assets/models/$name/"
+  timeout 120 python3 scripts/eval_tiny.py --model "$name" --device "$dev" --seen --text-swap --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name"
+  local rc=$?
+  rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
+  return $rc
+}
 status=0
 case "$phase" in
   kernels)
@@ -275,16 +293,26 @@ case "$phase" in
     done
     wait
     for run in "${runs[@]}"; do
-      read -r name label opts <<< "$run"; dir="/tmp/train/${name}_$label"
-      dit=$([ "$name" = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
-      echo "== $name $label ($opts)"; grep "budget reached\|Error" "/tmp/train_${name}_$label.log"
-      if [ ! -f "$dir/loss.json" ]; then echo "$name $label: training wrote no weights"; tail -3 "/tmp/train_${name}_$label.log"; status=1; continue; fi
-      tar -C "$dir" -cf "$OUT/${name}_$label.tar" "$dit" loss.json $(cd "$dir" && ls -d text_encoder*)
-      rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
-      cp "$dir/$dit" "flux_runtime/assets/models/$name/"; cp -r "$dir"/text_encoder* "flux_runtime/assets/models/$name/"
-      timeout 120 python3 scripts/eval_tiny.py --model "$name" --device "$dev" --seen --text-swap --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name" || status=1
-      rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
+      read -r name label opts <<< "$run"; echo "== $name $label ($opts)"; score_run "$name" "$label" "$dev" || status=1
     done
+    ;;
+  splice-gelu)
+    # tiny's --splice runs (0.5, 0.8) side by side; beside them, where only bits count, attention_act_fp8's GPU
+    # tests (the GELU max shortcut), tiny-flux2's variants and the tiny models' GPU tests; then the runs' scores
+    # and, on a quiet GPU, kernel_check's timing of the shortcut
+    secs=${2:-200}; seed=${3:-15}
+    for f in 0.5 0.8; do
+      timeout $((secs + 150)) python3 scripts/train_tiny.py --family flux1 --out "/tmp/train/tiny_s$f" \
+        --resume flux_runtime/assets/models/tiny --vae-steps 0 --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 \
+        --fg-weight 4 --seed "$seed" --splice "$f" > "/tmp/train_tiny_s$f.log" 2>&1 &
+    done
+    timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    timeout 80 python3 scripts/eval_tiny.py --model tiny-flux2 --device cuda --variants --json "$OUT/eval_variants_flux2.json" 2>&1 | grep -v "^\[" | tail -6 || status=1
+    timeout 80 python3 -m pytest -q -m gpu tests/pipeline/test_tiny_models.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    wait
+    for f in 0.5 0.8; do echo "== tiny --splice $f"; score_run tiny "s$f" cuda || status=1; done
+    left=$((570 - SECONDS)); [ $left -gt 30 ] || { echo "no time left for kernel_check"; exit 1; }
+    timeout $left python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | grep -v "^\[" | tail -16 || status=1
     ;;
   tiny-verify)
     timeout 160 python3 scripts/eval_tiny.py --device cuda --seen --sweeps 4 --autoencoder --json "$OUT/eval_final.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -6 || status=1
