@@ -71,6 +71,13 @@ def monotone_bound(values: Tensor, g: Tensor) -> float | None:
 
 
 _GELU_BOUNDS: dict[tuple[torch.device, torch.dtype], float | None] = {}
+_SHORTCUT = {"gelu": True}  # the default of `attention_act_quantize_triton(gelu_shortcut=)`
+
+
+def set_gelu_shortcut(on: bool) -> None:
+    """Whether the tanh-GELU producer takes the row max shortcut by default (on unless a benchmark times the
+    two-GELU path inside a whole step: `scripts/bench_fp8.py`); the bits are the same either way."""
+    _SHORTCUT["gelu"] = on
 
 
 def gelu_amax_bound(dtype: torch.dtype, device: torch.device) -> float | None:
@@ -199,7 +206,7 @@ def attention_act_quantize_triton(
     *,
     block: int | None = None,
     num_warps: int = 4,
-    gelu_shortcut: bool = True,
+    gelu_shortcut: bool | None = None,
 ) -> Fp8Act:
     """Fused `attention_act_quantize_reference`: `o` (B, L, H, Dh) with a unit last stride (SDPA's heads as
     they come out), `x` (B, L, M or 2M) with a unit last stride (a column slice of `linear1`'s output).
@@ -208,7 +215,7 @@ def attention_act_quantize_triton(
     program of `num_warps` warps per row (grid (L, B)): its absmax, then its codes, re-reading the inputs.
     The tile and warp count change the time, not the bits (a max is exact in any order; `kernel_check.py --op
     attention_act_fp8 --tune` times the alternatives).
-    For tanh-GELU with `gelu_shortcut` (and `gelu_amax_bound` established for the dtype and device) the first
+    For tanh-GELU with `gelu_shortcut` (None: `set_gelu_shortcut`'s setting, on by default; and `gelu_amax_bound` established for the dtype and device) the first
     sweep reads the row's maximum instead of evaluating GELU, falling back to the GELU sweep per row where
     the maximum is small; the bits are the same either way (`gelu_shortcut=False` is the two-GELU path, kept
     for comparison: `kernel_check.py --op attention_act_fp8` times both).
@@ -241,6 +248,8 @@ def attention_act_quantize_triton(
         check_int32_offsets(op, name, t)
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
+    if gelu_shortcut is None:
+        gelu_shortcut = _SHORTCUT["gelu"]
     bound = gelu_amax_bound(x.dtype, x.device) if act == "gelu_tanh" and gelu_shortcut else None
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
     consts |= dict(MAX_SHORTCUT=bound is not None, GELU_BOUND=0.0 if bound is None else bound)
