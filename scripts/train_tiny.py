@@ -335,40 +335,29 @@ class Splice(NamedTuple):
     tail_cut: Tensor  # (N,) int64
 
 
-def unique_tokens(text: nn.Module, captions: list[str]) -> tuple[tuple[Tensor, ...], Tensor]:
-    """`text.tokens` of the distinct captions (a pool repeats its captions: 60,000 scenes hold about 16,000),
-    and each caption's row in them."""
-    distinct = sorted(set(captions))
-    row = {c: i for i, c in enumerate(distinct)}
-    return text.tokens(distinct), torch.tensor([row[c] for c in captions])
-
-
 def background_starts(text: nn.Module, captions: list[str]) -> Tensor:
     """Per caption, the index of its first token after the words before its background phrase: where its
     T5 (FLUX.1) or Qwen3 (FLUX.2) sequence stops being the one of those words alone."""
-    distinct = sorted(set(captions))
     seq = -1 if isinstance(text, Flux1Text) else 0  # the sequence the DiT reads: T5's, or Qwen3's ids
-    whole = text.tokens(distinct)[seq]
-    head = text.tokens([background_cut(c) for c in distinct])[seq]
-    differ = whole != head
+    differ = text.tokens(captions)[seq] != text.tokens([background_cut(c) for c in captions])[seq]
     if not bool(differ.any(dim=1).all()):
         raise ValueError("a caption's tokens do not change at its background phrase")
-    starts = differ.int().argmax(dim=1)
-    row = {c: i for i, c in enumerate(distinct)}
-    return starts[torch.tensor([row[c] for c in captions])]
+    return differ.int().argmax(dim=1)
 
 
 def make_splice(text: nn.Module, scenes: list[Scene], seed: int, device: torch.device) -> Splice:
-    """The `--splice` donors of every pool scene (`tiny_scenes.splice_donors`), tokenized, with their cuts."""
-    heads, tails = splice_donors(scenes, seed)
+    """The `--splice` donors of every pool scene (`tiny_scenes.splice_donors`), tokenized, with their cuts.
+    Each distinct caption is tokenized once (60,000 scenes hold about 16,000 captions)."""
     parts = []
-    for donors in (heads, tails):
+    for donors in splice_donors(scenes, seed):
         captions = [s.caption for s in donors]
-        distinct, rows = unique_tokens(text, captions)
-        parts.append(
-            (tuple(t[rows].to(device) for t in distinct), background_starts(text, captions).to(device))
-        )
-    return Splice(parts[0][0], parts[1][0], parts[0][1], parts[1][1])
+        distinct = sorted(set(captions))
+        where = {c: i for i, c in enumerate(distinct)}
+        rows = torch.tensor([where[c] for c in captions])
+        tokens = tuple(t[rows].to(device) for t in text.tokens(distinct))
+        parts.append((tokens, background_starts(text, distinct)[rows].to(device)))
+    (head_tokens, head_cut), (tail_tokens, tail_cut) = parts
+    return Splice(head_tokens, tail_tokens, head_cut, tail_cut)
 
 
 def splice_index(

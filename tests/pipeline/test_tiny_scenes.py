@@ -231,10 +231,10 @@ def test_splice_donors_are_training_scenes_that_keep_one_colour_each() -> None:
 
 @pytest.mark.parametrize("family", ["flux1", "flux2"])
 def test_splice_rows_read_the_head_donor_then_the_tail_donor(family: str) -> None:
-    """`train_tiny --splice`: each caption's background phrase starts where the eval's text swap cuts it, and
-    a spliced row gathers its head donor's states before that token and its tail donor's from the tail's cut on
+    """`train_tiny --splice`: each caption's background phrase starts where the eval's text swap cuts it, the
+    donors' tokens and cuts are each caption's own (tokenized once per distinct caption), and a spliced row gathers its head donor's states before that token and its tail donor's from the tail's cut on
     (padded with the last state); the other rows gather their own states unchanged."""
-    from scripts.train_tiny import Flux1Text, KleinText, background_starts, splice_index
+    from scripts.train_tiny import Flux1Text, KleinText, background_starts, make_splice, splice_index
 
     text = Flux1Text(0) if family == "flux1" else KleinText(0)
     scenes = sample_scenes(6, 11)
@@ -244,10 +244,14 @@ def test_splice_rows_read_the_head_donor_then_the_tail_donor(family: str) -> Non
     for caption, k in zip(captions, cuts.tolist(), strict=True):
         ids = text.tokens([caption, caption[: caption.rindex(" on a")]])[-1 if family == "flux1" else 0]
         assert torch.equal(ids[0, :k], ids[1, :k]) and ids[0, k] != ids[1, k] and 3 < k < 40
+    splice = make_splice(text, scenes, 2, torch.device("cpu"))  # each distinct caption tokenized once
+    for donors, tokens, cut in ((heads, splice.head_tokens, splice.head_cut), (tails, splice.tail_tokens, splice.tail_cut)):  # fmt: skip
+        want = text.tokens([d.caption for d in donors])
+        assert all(torch.equal(a, w) for a, w in zip(tokens, want, strict=True))
+        assert torch.equal(cut, background_starts(text, [d.caption for d in donors]))
     b, length, m = len(scenes), 64, 2
     rows = torch.tensor([1, 4])
-    head_cut = background_starts(text, [heads[i].caption for i in rows.tolist()])
-    tail_cut = background_starts(text, [tails[i].caption for i in rows.tolist()])
+    head_cut, tail_cut = splice.head_cut[rows], splice.tail_cut[rows]
     states = torch.randn(b + 2 * m, length, 3)
     src_row, src_pos = splice_index(b, length, rows, head_cut, tail_cut)
     out = states[src_row, src_pos]
