@@ -232,8 +232,9 @@ def test_splice_donors_are_training_scenes_that_keep_one_colour_each() -> None:
 @pytest.mark.parametrize("family", ["flux1", "flux2"])
 def test_splice_rows_read_the_head_donor_then_the_tail_donor(family: str) -> None:
     """`train_tiny --splice`: each caption's background phrase starts where the eval's text swap cuts it, the
-    donors' tokens and cuts are each caption's own (tokenized once per distinct caption), and a spliced row gathers its head donor's states before that token and its tail donor's from the tail's cut on
-    (padded with the last state); the other rows gather their own states unchanged."""
+    donors' tokens and cuts are each caption's own (tokenized once per distinct caption), and a spliced row
+    gathers its head donor's states before that token and its tail donor's from the tail's cut on (padded with
+    the last state); the other rows gather their own states unchanged."""
     from scripts.train_tiny import Flux1Text, KleinText, background_starts, make_splice, splice_index
 
     text = Flux1Text(0) if family == "flux1" else KleinText(0)
