@@ -42,6 +42,7 @@ from tiny_scenes import (
     SEEN_COLOURS,
     Scene,
     background_colour,
+    background_cut,
     centre,
     held_out_prompts,
     hit_rates,
@@ -156,6 +157,46 @@ def swap_donors(scene: Scene) -> tuple[Scene, Scene]:
     return replace(scene, background=other_bg), replace(scene, colour=other_colour)
 
 
+def _caption_ids(pipe: Pipeline, text: str) -> list[int]:
+    """The ids of the token sequence the DiT reads: T5's (FLUX.1) or Qwen3's chat-templated (FLUX.2)."""
+    te = pipe.text_encoder
+    if hasattr(te, "t5_tokenizer"):
+        return te.t5_tokenizer(text)["input_ids"]
+    return te.tokenize([text], pipe.default_max_sequence_length)[0][0].tolist()
+
+
+def background_start(pipe: Pipeline, scene: Scene) -> int:
+    """How many tokens the caption shares with its words before " on a(n) <colour> ..."."""
+    whole, head = _caption_ids(pipe, scene.caption), _caption_ids(pipe, background_cut(scene.caption))
+    return next(i for i, (x, y) in enumerate(zip(whole, head, strict=False)) if x != y)
+
+
+def prefix_change(pipe: Pipeline, scenes: list[Scene]) -> dict[str, float]:
+    """How much the text encoder's states of a caption's words before its background phrase change when only
+    the background colour changes, and when only the shape colour does: the mean relative L2 change per token
+    over `scenes`, each against every other background (other shape colour) a scene can take. A causal encoder
+    (FLUX.2's Qwen3) gives 0 for the background; a bidirectional one (FLUX.1's T5) mixes it into every token."""
+    te, length = pipe.text_encoder, pipe.default_max_sequence_length
+    changes: dict[str, list[float]] = {"background": [], "colour": []}
+    for scene in scenes:
+        others = {
+            "background": [
+                replace(scene, background=b) for b in COLOURS if b not in (scene.colour, scene.background)
+            ],
+            "colour": [
+                replace(scene, colour=c) for c in COLOURS if c not in (scene.colour, scene.background)
+            ],
+        }
+        for key, group in others.items():
+            k = min(background_start(pipe, s) for s in [scene, *group])
+            out = te.encode(
+                [s.caption for s in [scene, *group]], max_sequence_length=length, device=pipe.device
+            )
+            own, rest = out.prompt_embeds[:1, :k].float(), out.prompt_embeds[1:, :k].float()
+            changes[key].append(((rest - own).norm(dim=-1) / own.norm(dim=-1)).mean().item())
+    return {key: round(float(np.mean(v)), 4) for key, v in changes.items()}
+
+
 def spliced_text(
     pipe: Pipeline, scenes: list[Scene], shape_donors: list[Scene], background_donors: list[Scene]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
@@ -171,20 +212,12 @@ def spliced_text(
         out = te.encode([s.caption for s in group], max_sequence_length=length, device=pipe.device)
         return out.prompt_embeds, (out.pooled_prompt_embeds if flux1 else None)
 
-    def ids(text: str) -> list[int]:
-        return te.t5_tokenizer(text)["input_ids"] if flux1 else te.tokenize([text], length)[0][0].tolist()
-
-    def cut(scene: Scene) -> int:
-        """How many tokens the caption shares with its words before " on a(n) <colour> ..."."""
-        whole, head = ids(scene.caption), ids(scene.caption[: scene.caption.rindex(" on a")])
-        return next(i for i, (x, y) in enumerate(zip(whole, head, strict=False)) if x != y)
-
     _, pooled = encode(scenes)
     shape_part, _ = encode(shape_donors)
     background_part, _ = encode(background_donors)
     out = background_part.clone()
     for i, (scene, donor) in enumerate(zip(scenes, background_donors, strict=True)):
-        k, kb = cut(scene), cut(donor)
+        k, kb = background_start(pipe, scene), background_start(pipe, donor)
         out[i, :k] = shape_part[i, :k]
         tail = background_part[i, kb:]  # the background phrase on, padded with its last state if it is short
         out[i, k:] = torch.cat([tail, tail[-1:].expand(max(0, length - k - tail.shape[0]), -1)])[: length - k]
@@ -214,7 +247,7 @@ def text_swap(pipe: Pipeline, scenes: list[Scene], batch: int = 8) -> dict:
             counts["shape_donor"] += fg == background_donor.colour
             counts["background_asked"] += bg == scene.background
             counts["background_donor"] += bg == shape_donor.background
-    return {"pictures": len(pairs), **counts}
+    return {"pictures": len(pairs), **counts, "prefix_change": prefix_change(pipe, pairs)}
 
 
 VARIANTS = {"high": ("high", False), "fp8": ("lossless", True), "fp8 high": ("high", True)}
@@ -343,6 +376,11 @@ def main() -> None:
                 f"{model}: spliced text, {swap['pictures']} pictures: shape in the asked colour {swap['shape_asked']}, "
                 f"in the background donor's {swap['shape_donor']}; background asked {swap['background_asked']}, "
                 f"the shape donor's {swap['background_donor']}"
+            )
+            change = swap["prefix_change"]
+            print(
+                f"{model}: text states before the background phrase change by {change['background']:.0%} when only "
+                f"the background colour changes, by {change['colour']:.0%} when only the shape colour does"
             )
         if "place_following" in rates:
             print(

@@ -36,7 +36,12 @@ come from the caption of the same scene on another background, the rest from the
 with another shape colour (`tiny_scenes.splice_donors`; FLUX.1's CLIP pooled state from one of the two at
 random). The picture is the scene's own, so the loss rewards reading the shape colour from the colour word's
 states and the background from the background phrase's, never from where the text encoder mixed the other in:
-how a held-out pair, whose phrases were never encoded side by side, must be read.
+how a held-out pair, whose phrases were never encoded side by side, must be read. `--prefix-invariance W` adds
+W times the spliced rows' prefix drift to the loss: their own text states before the background phrase against
+their head donor's, the same words on another background. FLUX.1's T5 reads both ways, so a held-out caption's
+colour word is coded beside a background it never met (the shipped `tiny`'s T5 prefix states move by about their
+own size when only the background word changes); the term trains the encoder to code those words the same on
+every background. Qwen3 is causal: there the drift is 0.
 
 `--freeze-text` keeps the text encoders as they are and embeds the pool's captions once: a step then runs no
 encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the first
@@ -381,6 +386,21 @@ def splice_index(
     return src_row, src_pos
 
 
+def prefix_drift(states: Tensor, b: int, rows: Tensor, head_cut: Tensor, ids: Tensor) -> Tensor:
+    """How far the spliced rows' own text states before the background phrase lie from their head donors'
+    (the same words, another background: `--prefix-invariance`), as a mean squared difference over the donors'
+    mean square. `states` and `ids` (b + 2m, L) hold the batch, then the m head donors (then the tail donors);
+    only tokens before the phrase whose ids agree count (a caption with a part left out differs there). A causal
+    encoder gives 0; a bidirectional one (FLUX.1's T5) mixes the background into every token, so a colour word
+    beside a background it never met is a state the DiT never saw."""
+    m = rows.numel()
+    own, head = states[rows].float(), states[b : b + m].float()
+    pos = torch.arange(states.shape[1], device=states.device)
+    mask = (pos[None] < head_cut[:, None]) & (ids[rows] == ids[b : b + m])
+    diff = (own - head).pow(2).mean(-1)
+    return (diff * mask).sum() / mask.sum().clamp(min=1) / head.detach().pow(2).mean().clamp(min=1e-12)
+
+
 def file_meta(seed: int) -> dict[str, str]:
     """The safetensors metadata of every weight file a run writes."""
     return {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": str(seed)}
@@ -452,7 +472,9 @@ def train_dit(
     unweighted loss is mostly the background's, which the models learned first and best.
 
     With `splice` (`--splice F`) a fraction F of each batch's rows (never an empty-prompt row) reads spliced
-    text states (`splice_index`): the encoder runs on the batch and on those rows' donors in one call."""
+    text states (`splice_index`): the encoder runs on the batch and on those rows' donors in one call. With
+    `args.prefix_invariance` W > 0 the loss adds W times `prefix_drift` of those rows, which trains the text
+    encoder to code the words before the background phrase the same on every background."""
     n, length, _ = x0_pool.shape
     side = 2 * math.isqrt(length)  # latent pixels per side; a token packs 2x2 of them
     if family == "flux1":
@@ -498,7 +520,7 @@ def train_dit(
                 torch.where(drop.view(-1, *([1] * (t.ndim - 1))), nt.expand_as(t), t)
                 for t, nt in zip(batch_tokens, negs, strict=True)
             ]
-        gather = None
+        gather, drift = None, None
         if splice is not None:  # spliced rows: their donors' tokens follow the batch's
             rows = ((torch.rand(b, device=device, generator=gen) < args.splice) & ~drop).nonzero().squeeze(1)
             src = idx[rows]
@@ -518,6 +540,9 @@ def train_dit(
             embedded = tuple(batch_tokens) if frozen else text(*batch_tokens)
             if gather is not None:  # the spliced rows' states, each row's pooled state its own or a donor's
                 states = embedded[0] if family == "flux1" else embedded
+                if args.prefix_invariance > 0:  # the sequence the DiT reads: T5's ids, or Qwen3's
+                    ids = batch_tokens[-1 if family == "flux1" else 0]
+                    drift = prefix_drift(states, b, rows, splice.head_cut[src], ids)
                 states = states[gather[0], gather[1]]
                 embedded = (states, embedded[1][pooled_src]) if family == "flux1" else states
             if family == "flux1":
@@ -532,16 +557,19 @@ def train_dit(
             loss = (w * (pred.float() - (noise - x0)).pow(2).mean(-1)).sum() / w.sum()
         else:
             loss = F.mse_loss(pred.float(), noise - x0)
+        total = loss if drift is None else loss + args.prefix_invariance * drift
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         ema.update(step)
         if step % 25 == 0:
             row = {"step": step + offset["dit_step"], "time": round(elapsed + offset["dit_time"], 1)}
-            history["dit"].append({**row, "loss": loss.item()})
+            more = {} if drift is None else {"prefix_drift": drift.item()}
+            history["dit"].append({**row, "loss": loss.item(), **more})
         if step % 200 == 0:
-            log(f"dit step {step}: loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e}")
+            more = "" if drift is None else f" prefix drift {drift.item():.4f}"
+            log(f"dit step {step}: loss {loss.item():.4f}{more} lr {opt.param_groups[0]['lr']:.2e}")
     ema.swap()  # ship the averaged weights
 
 
@@ -697,6 +725,15 @@ def main() -> None:
         "captions (the same scene on another background, then with another shape colour), so each colour is "
         "read from its own phrase",
     )
+    ap.add_argument(
+        "--prefix-invariance",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="with --splice: add W times the spliced rows' prefix drift (their text states before the "
+        "background phrase against the same words on another background) to the loss, so a bidirectional "
+        "text encoder (FLUX.1's T5) codes the colour word the same on every background",
+    )
     ap.add_argument("--resume", type=Path, default=None, help="an earlier output folder to start from")
     ap.add_argument(
         "--freeze-text",
@@ -717,6 +754,10 @@ def main() -> None:
         ap.error(f"--caption-drop is a fraction of the captions, in [0, 1] (got {args.caption_drop})")
     if not 0 <= args.splice <= 1:
         ap.error(f"--splice is a fraction of each batch, in [0, 1] (got {args.splice})")
+    if args.prefix_invariance < 0 or (args.prefix_invariance > 0 and args.splice == 0):
+        ap.error(
+            f"--prefix-invariance W needs W >= 0 (got {args.prefix_invariance}) and --splice F > 0 (its donors)"
+        )
     if args.splice > 0 and args.freeze_text:
         ap.error("--splice splices the text encoders' states as they run: drop --freeze-text")
     if args.encoder_anchor < 0:

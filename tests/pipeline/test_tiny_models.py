@@ -226,6 +226,7 @@ def test_encoder_anchor_fine_tune_moves_the_autoencoder_and_keeps_the_rest(tmp_p
         (["--caption-drop", "1.5"], "--caption-drop is a fraction"),
         (["--splice", "-0.1"], "--splice is a fraction"),
         (["--splice", "0.5", "--freeze-text"], "drop --freeze-text"),
+        (["--prefix-invariance", "1"], "--splice F > 0"),
         (
             ["--encoder-anchor", "-1", "--resume", "flux_runtime/assets/models/tiny"],
             "--encoder-anchor must be",

@@ -264,3 +264,46 @@ def test_splice_rows_read_the_head_donor_then_the_tail_donor(family: str) -> Non
         n = min(length - kt, length - k)
         assert torch.equal(out[i, k : k + n], states[b + m + j, kt : kt + n])
         assert (out[i, k + n :] == states[b + m + j, -1]).all()
+
+
+@pytest.mark.parametrize("family", ["flux1", "flux2"])
+def test_prefix_drift_is_zero_for_a_causal_encoder_and_not_for_t5(family: str) -> None:
+    """`train_tiny --prefix-invariance`'s term on a batch whose rows are all spliced: Qwen3 (causal) codes the
+    words before the background phrase the same on any background, so the drift is 0 (exactly,
+    in fp32 on the CPU); T5 (bidirectional) does not, and the drift has a gradient into the encoder."""
+    from scripts.train_tiny import Flux1Text, KleinText, make_splice, prefix_drift
+
+    text = Flux1Text(0) if family == "flux1" else KleinText(0)
+    scenes = sample_scenes(4, 7)
+    splice = make_splice(text, scenes, 3, torch.device("cpu"))
+    rows = torch.arange(4)
+    tokens = [
+        torch.cat([t, h, tail])
+        for t, h, tail in zip(text.tokens([s.caption for s in scenes]), splice.head_tokens, splice.tail_tokens, strict=True)
+    ]  # fmt: skip
+    out = text(*tokens)
+    states = out[0] if family == "flux1" else out
+    drift = prefix_drift(states, 4, rows, splice.head_cut, tokens[-1 if family == "flux1" else 0])
+    if family == "flux2":
+        assert drift.item() < 1e-10
+    else:
+        assert drift.item() > 1e-3
+        drift.backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in text.t5.parameters())
+    same = prefix_drift(
+        torch.cat([states[:4], states[:4]]), 4, rows, splice.head_cut, torch.cat([tokens[-1][:4]] * 2)
+    )
+    assert same.item() == 0
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
+def test_prefix_change_sees_t5_mix_the_background_in_and_qwen3_not(model: str) -> None:
+    """`eval_tiny.prefix_change` on the shipped encoders: Qwen3's states before the background phrase do not move
+    when only the background changes; T5's do, and both move when the shape colour changes."""
+    from flux_runtime.pipeline import Pipeline
+    from scripts.eval_tiny import prefix_change
+
+    pipe = Pipeline.from_pretrained(model, device="cpu")
+    change = prefix_change(pipe, held_out_prompts(1)[:4])
+    assert change["colour"] > 0.1
+    assert change["background"] == 0 if model == "tiny-flux2" else change["background"] > 0.1
