@@ -41,6 +41,8 @@
 #                                       latents on palette scenes); each is scored with the shipped DiT
 #                                       (eval_tiny.py --seen --autoencoder, $OUT/eval_<name>_<W>.json); each model's
 #                                       autoencoders, logs and loss curves come back as $OUT/<name>.tar
+#   bash scripts/gpu_check.sh tiny-ae-ab [SECONDS]  anchored autoencoder fine-tunes (--encoder-anchor 1 --vae-rgb 0.5)
+#     side by side, RUNS="NAME LABEL [OPTIONS];...", each scored with the shipped DiT; the shipped files stay
 #   bash scripts/gpu_check.sh tiny-ab [SECONDS [SEED]]  an A/B of train_tiny.py options: RUNS="NAME LABEL [OPTIONS];..."
 #                                       in the environment, e.g. RUNS="tiny ctrl;tiny splice --splice 0.5". Each run
 #                                       trains NAME's DiT + text encoders from the shipped weights for SECONDS [300],
@@ -275,6 +277,30 @@ case "$phase" in
       done
       cp /tmp/ae_shipped_$name.safetensors "flux_runtime/assets/models/$name/ae.safetensors"
       tar -C "/tmp/pack/$name" -cf "$OUT/$name.tar" .
+    done
+    ;;
+  tiny-ae-ab)
+    # anchored autoencoder fine-tunes side by side (--encoder-anchor 1 --vae-rgb 0.5 plus each run's options),
+    # each scored with the shipped DiT in place (eval_tiny.py --seen --autoencoder); the shipped files stay
+    secs=${2:-230}; [ -n "${RUNS:-}" ] || { echo "tiny-ae-ab needs RUNS=\"NAME LABEL [OPTIONS];...\""; exit 2; }
+    IFS=';' read -ra runs <<< "$RUNS"
+    for run in "${runs[@]}"; do
+      read -r name label opts <<< "$run"; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
+      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --resume "flux_runtime/assets/models/$name" \
+        --encoder-anchor 1 --vae-rgb 0.5 --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$secs" \
+        --out "/tmp/train/${name}_$label" $opts > "/tmp/train_${name}_$label.log" 2>&1 &
+    done
+    wait
+    for run in "${runs[@]}"; do
+      read -r name label opts <<< "$run"; dir="/tmp/train/${name}_$label"; echo "== $name $label ($opts)"
+      grep "round trip\|budget reached\|drift on\|Error" "/tmp/train_${name}_$label.log"
+      if [ ! -f "$dir/loss.json" ]; then echo "$name $label: training wrote no weights"; status=1; continue; fi
+      tar -C "$dir" -cf "$OUT/${name}_$label.tar" ae.safetensors loss.json
+      cp "flux_runtime/assets/models/$name/ae.safetensors" "/tmp/ae_shipped.safetensors"
+      cp "$dir/ae.safetensors" "flux_runtime/assets/models/$name/"
+      timeout 100 python3 scripts/eval_tiny.py --model "$name" --device cuda --seen --autoencoder \
+        --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name" || status=1
+      cp "/tmp/ae_shipped.safetensors" "flux_runtime/assets/models/$name/ae.safetensors"
     done
     ;;
   tiny-ab|tiny-drop)

@@ -240,7 +240,7 @@ def train_vae(
         scenes = sample_scenes(args.vae_batch, seed + step)
         rgb = None
         if k > 0:  # the first part of the batch in random colours (`random_rgb`), the rest palette
-            rnd, pal = random_rgb(k, seed + step), palette_rgb(scenes)
+            rnd, pal = random_rgb(k, seed + step, extremes=args.vae_rgb_extremes), palette_rgb(scenes)
             rgb = (torch.cat([rnd[0], pal[0][k:]]), torch.cat([rnd[1], pal[1][k:]]))
         x = render(scenes, SIZE, device, rgb=rgb)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
@@ -682,6 +682,13 @@ def main() -> None:
         "codes colour pairs its scenes never combine",
     )
     ap.add_argument(
+        "--vae-rgb-extremes",
+        type=float,
+        default=0.0,
+        help="with --vae-rgb: the chance that each channel of a random colour is drawn from its outer 15 %% "
+        "(tiny_scenes.random_rgb's extremes), so the random pairs reach saturated colours, white and black",
+    )
+    ap.add_argument(
         "--decoder-only",
         action="store_true",
         help="with --resume: train the autoencoder's decoder alone and keep everything else as resumed (the "
@@ -760,6 +767,10 @@ def main() -> None:
         )
     if args.splice > 0 and args.freeze_text:
         ap.error("--splice splices the text encoders' states as they run: drop --freeze-text")
+    if not 0 <= args.vae_rgb_extremes <= 1 or (args.vae_rgb_extremes > 0 and args.vae_rgb == 0):
+        ap.error(
+            f"--vae-rgb-extremes is a chance in [0, 1] (got {args.vae_rgb_extremes}) and needs --vae-rgb F > 0"
+        )
     if args.encoder_anchor < 0:
         ap.error(f"--encoder-anchor must be >= 0 (got {args.encoder_anchor}); 0 turns it off")
     device = torch.device(args.device)

@@ -227,6 +227,8 @@ def test_encoder_anchor_fine_tune_moves_the_autoencoder_and_keeps_the_rest(tmp_p
         (["--splice", "-0.1"], "--splice is a fraction"),
         (["--splice", "0.5", "--freeze-text"], "drop --freeze-text"),
         (["--prefix-invariance", "1"], "--splice F > 0"),
+        (["--vae-rgb-extremes", "0.5"], "needs --vae-rgb F > 0"),
+        (["--vae-rgb", "0.5", "--vae-rgb-extremes", "2"], "--vae-rgb-extremes is a chance"),
         (
             ["--encoder-anchor", "-1", "--resume", "flux_runtime/assets/models/tiny"],
             "--encoder-anchor must be",

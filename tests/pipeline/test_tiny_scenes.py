@@ -136,6 +136,23 @@ def test_random_colours_are_apart_and_paint_the_scene() -> None:
     assert torch.allclose((x[0, :, 1, 1] + 1) / 2, background[0], atol=1e-6)  # a corner
 
 
+def test_random_colours_reach_the_extremes_when_asked() -> None:
+    """`extremes` moves channels to their outer 15 % (near-white backgrounds become common) and 0 draws as
+    the default does."""
+    plain, plain_bg = random_rgb(512, seed=5)
+    same = random_rgb(512, seed=5, extremes=0.0)
+    assert torch.equal(plain, same[0]) and torch.equal(plain_bg, same[1])
+    shape, background = random_rgb(512, seed=5, extremes=0.6)
+    assert ((shape - background).norm(dim=1) >= 0.3).all() and shape.min() >= 0 and background.max() <= 1
+
+    def outer(c: torch.Tensor) -> float:
+        return ((c < 0.15) | (c > 0.85)).float().mean().item()
+
+    assert outer(plain) < 0.4 < outer(shape)  # uniform: 0.3 of the channels; here about 0.72
+    near_white = lambda c: int(((c - 0.96).norm(dim=1) < 0.15).sum())  # noqa: E731
+    assert near_white(plain_bg) < 10 < near_white(background)  # 3 and 26 of 512
+
+
 class _Halves(torch.nn.Module):
     """An encoder whose posterior mean is its input (the log-variance half zeros)."""
 
