@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import io
 import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,15 +131,22 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 
-def prompt_tokens(pipe: Any, prompt: str) -> int:
-    """How many tokens the pipeline's sequence encoder makes of `prompt` (T5 for FLUX.1, the LLM's chat
-    text for FLUX.2 and FLUX.3), to refuse a prompt the pipeline would cut short."""
+def prompt_counter(pipe: Any) -> Callable[[str], int]:
+    """A function giving how many tokens the pipeline's sequence encoder makes of a prompt (T5 for FLUX.1, the
+    LLM's chat text for FLUX.2 and FLUX.3), to refuse a prompt the pipeline would cut short.
+
+    It counts with its own copy of the tokenizer: a Hugging Face fast tokenizer keeps its padding and
+    truncation settings on the shared Rust object and resets them on every call, so counting on the event
+    loop with the pipeline's tokenizer while the worker thread pads a batch would hand the worker unpadded ids.
+    """
     te = pipe.text_encoder
     if hasattr(te, "t5_tokenizer"):
-        return len(te.t5_tokenizer(prompt)["input_ids"])
+        t5 = copy.deepcopy(te.t5_tokenizer)
+        return lambda prompt: len(t5(prompt)["input_ids"])
+    tok = copy.deepcopy(te.tokenizer)  # render only fills the chat template: it leaves the tokenizer alone
     if pipe.transformer.config.family == "flux3":  # Qwen3-VL's chat text of one prompt
-        return len(te.tokenizer(te.render(prompt))["input_ids"])
-    return len(te.tokenizer(te.render([prompt])[0])["input_ids"])
+        return lambda prompt: len(tok(te.render(prompt))["input_ids"])
+    return lambda prompt: len(tok(te.render([prompt])[0])["input_ids"])
 
 
 def create_app(
@@ -157,6 +165,7 @@ def create_app(
     references = family in ("flux2", "flux3")  # edits draw from reference images
     kind: EditKind = family if references else getattr(pipe, "variant", "text2img")
     metrics = Metrics(pipe.device)
+    count_tokens = prompt_counter(pipe)
     worker = Worker(pipe, metrics, max_queue=max_queue, max_batch=max_batch, batching=batching, family=family)
 
     @asynccontextmanager
@@ -199,7 +208,7 @@ def create_app(
         size = parse_size(req.size, limits.max_side)
         for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
             if text is not None:
-                tokens, limit = prompt_tokens(pipe, text), pipe.default_max_sequence_length
+                tokens, limit = count_tokens(text), pipe.default_max_sequence_length
                 if tokens > limit:
                     raise APIError(
                         400, f"{name} is {tokens} tokens; {model} reads at most {limit}", param=name
