@@ -43,6 +43,8 @@
 #                                       autoencoders, logs and loss curves come back as $OUT/<name>.tar
 #   bash scripts/gpu_check.sh tiny-ae-ab [SECONDS]  anchored autoencoder fine-tunes (--encoder-anchor 1 --vae-rgb 0.5)
 #     side by side, RUNS="NAME LABEL [OPTIONS];...", each scored with the shipped DiT; the shipped files stay
+#   bash scripts/gpu_check.sh tiny-ae-dit [AE_SECONDS [DIT_SECONDS [SEED]]]  tiny-ae-ab's fine-tunes [150 s], then each run's
+#     DiT + text encoders trained on from its new autoencoder [200 s, seed 16]; whole folders as $OUT/<NAME>_<LABEL>.tar
 #   bash scripts/gpu_check.sh tiny-ab [SECONDS [SEED]]  an A/B of train_tiny.py options: RUNS="NAME LABEL [OPTIONS];..."
 #                                       in the environment, e.g. RUNS="tiny ctrl;tiny splice --splice 0.5". Each run
 #                                       trains NAME's DiT + text encoders from the shipped weights for SECONDS [300],
@@ -301,6 +303,37 @@ case "$phase" in
       timeout 100 python3 scripts/eval_tiny.py --model "$name" --device cuda --seen --autoencoder \
         --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name" || status=1
       cp "/tmp/ae_shipped.safetensors" "flux_runtime/assets/models/$name/ae.safetensors"
+    done
+    ;;
+  tiny-ae-dit)
+    # tiny-ae-ab's anchored autoencoder fine-tunes, then each run's DiT + text encoders trained on from its new
+    # autoencoder (as tiny-ab: fg 4, batch 128); each run's whole folder comes back as $OUT/<NAME>_<LABEL>.tar
+    # (loss_ae.json: the autoencoder stage's log) and, while time is left, is scored in place of the shipped one
+    ae_secs=${2:-150}; dit_secs=${3:-200}; seed=${4:-16}
+    [ -n "${RUNS:-}" ] || { echo "tiny-ae-dit needs RUNS=\"NAME LABEL [AUTOENCODER OPTIONS];...\""; exit 2; }
+    IFS=';' read -ra runs <<< "$RUNS"
+    for run in "${runs[@]}"; do
+      read -r name label opts <<< "$run"; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2); dir="/tmp/train/${name}_$label"
+      ( timeout $((ae_secs + 120)) python3 scripts/train_tiny.py --family $fam --resume "flux_runtime/assets/models/$name" \
+          --encoder-anchor 1 --vae-rgb 0.5 --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$ae_secs" \
+          --out "${dir}_ae" $opts > "/tmp/train_${name}_${label}_ae.log" 2>&1 &&
+        timeout $((dit_secs + 150)) python3 scripts/train_tiny.py --family $fam --out "$dir" --resume "${dir}_ae" \
+          --vae-steps 0 --dit-steps 100000 --dit-seconds "$dit_secs" --dit-batch 128 --fg-weight 4 --seed "$seed" \
+          > "/tmp/train_${name}_$label.log" 2>&1 ) &
+    done
+    wait
+    for run in "${runs[@]}"; do
+      read -r name label opts <<< "$run"; dir="/tmp/train/${name}_$label"; echo "== $name $label ($opts)"
+      grep -h "round trip\|budget reached\|drift on\|Error" "/tmp/train_${name}_${label}_ae.log" "/tmp/train_${name}_$label.log"
+      if [ ! -f "$dir/loss.json" ]; then echo "$name $label: training wrote no weights"; status=1; continue; fi
+      cp "${dir}_ae/loss.json" "$dir/loss_ae.json"; rm -f "$dir/loss.png"
+      tar -C "$dir" -cf "$OUT/${name}_$label.tar" .
+      [ $SECONDS -lt 520 ] || { echo "no time left to score $name $label"; continue; }
+      rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
+      cp -r "$dir"/*.safetensors "$dir"/text_encoder* "flux_runtime/assets/models/$name/"
+      timeout 60 python3 scripts/eval_tiny.py --model "$name" --device cuda --seen --autoencoder \
+        --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name" || status=1
+      rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
     done
     ;;
   tiny-ab|tiny-drop)
