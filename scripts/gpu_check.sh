@@ -39,10 +39,11 @@
 #                                       once per anchor weight W [1 10], side by side (train_tiny.py --encoder-anchor W
 #                                       --vae-rgb 0.5: the encoder learns random colour pairs too, held near its old
 #                                       latents on palette scenes); each is scored with the shipped DiT
-#                                       (eval_tiny.py --seen --autoencoder, $OUT/eval_<name>_<W>.json); each model's
-#                                       autoencoders, logs and loss curves come back as $OUT/<name>.tar
+#                                       (eval_tiny.py --seen --autoencoder, $OUT/eval_<name>_w<W>.json); each run's
+#                                       autoencoder and loss log come back as $OUT/<name>_w<W>.tar (tiny-ae-ab's preset)
 #   bash scripts/gpu_check.sh tiny-ae-ab [SECONDS]  anchored autoencoder fine-tunes (--encoder-anchor 1 --vae-rgb 0.5)
-#     side by side, RUNS="NAME LABEL [OPTIONS];...", each scored with the shipped DiT; the shipped files stay
+#     side by side, RUNS="NAME LABEL [OPTIONS];...", each scored with the shipped DiT; the shipped files stay;
+#     each run's autoencoder and loss log come back as $OUT/<NAME>_<LABEL>.tar
 #   bash scripts/gpu_check.sh tiny-ae-dit [AE_SECONDS [DIT_SECONDS [SEED]]]  tiny-ae-ab's fine-tunes [150 s], then each run's
 #     DiT + text encoders trained on from its new autoencoder [200 s, seed 16]; whole folders as $OUT/<NAME>_<LABEL>.tar
 #   bash scripts/gpu_check.sh tiny-ab [SECONDS [SEED]]  an A/B of train_tiny.py options: RUNS="NAME LABEL [OPTIONS];..."
@@ -83,20 +84,27 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
+swap_score() {
+  # swap_score NAME DIR JSON [EVAL OPTIONS]: score DIR's weights (its *.safetensors and text encoders) in place of
+  # NAME's shipped ones (eval_tiny.py --seen plus the options, the scores into $OUT/JSON), then put the shipped back
+  local name=$1 dir=$2 json=$3 rc; shift 3
+  rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
+  cp "$dir"/*.safetensors "flux_runtime/assets/models/$name/"
+  if compgen -G "$dir/text_encoder*" > /dev/null; then cp -r "$dir"/text_encoder* "flux_runtime/assets/models/$name/"; fi
+  timeout 120 python3 scripts/eval_tiny.py --model "$name" --seen --json "$OUT/$json" "$@" 2>&1 | grep "^$name"
+  rc=$?
+  rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
+  return $rc
+}
 score_run() {
   # score_run NAME LABEL DEVICE: tar a tiny-ab run's DiT, loss log and text encoders into $OUT/NAME_LABEL.tar and
-  # score them in place of the shipped ones (eval_tiny.py --seen --text-swap), then put the shipped files back
+  # score them in place of the shipped ones (eval_tiny.py --seen --text-swap)
   local name=$1 label=$2 dev=$3 dir="/tmp/train/$1_$2" dit
   dit=$([ "$name" = tiny ] && echo flux1-tiny || echo flux2-tiny).safetensors
   grep "budget reached\|Error" "/tmp/train_${name}_$label.log"
   if [ ! -f "$dir/loss.json" ]; then echo "$name $label: training wrote no weights"; tail -3 "/tmp/train_${name}_$label.log"; return 1; fi
   tar -C "$dir" -cf "$OUT/${name}_$label.tar" "$dit" loss.json $(cd "$dir" && ls -d text_encoder*)
-  rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
-  cp "$dir/$dit" "flux_runtime/assets/models/$name/"; cp -r "$dir"/text_encoder* "flux_runtime/assets/models/$name/"
-  timeout 120 python3 scripts/eval_tiny.py --model "$name" --device "$dev" --seen --text-swap --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name"
-  local rc=$?
-  rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
-  return $rc
+  swap_score "$name" "$dir" "eval_${name}_$label.json" --device "$dev" --text-swap
 }
 status=0
 case "$phase" in
@@ -253,38 +261,16 @@ case "$phase" in
     done
     timeout 150 python3 scripts/eval_tiny.py --device cuda --seen --autoencoder --json "$OUT/eval_decoder.json" --grid "$OUT/tiny_grid.png" 2>&1 | tail -8 || status=1
     ;;
-  tiny-anchor)
-    secs=${2:-230}; shift $(( $# > 1 ? 2 : $# )); weights=${*:-1 10}
-    for name in tiny tiny-flux2; do
-      fam=$([ $name = tiny ] && echo flux1 || echo flux2)
-      for w in $weights; do
-        timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --resume "flux_runtime/assets/models/$name" \
-          --encoder-anchor "$w" --vae-rgb 0.5 --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$secs" \
-          --out "/tmp/train/${name}_$w" > "/tmp/train_${name}_$w.log" 2>&1 &
-      done
-    done
-    wait
-    for name in tiny tiny-flux2; do
-      mkdir -p "/tmp/pack/$name"; cp flux_runtime/assets/models/$name/ae.safetensors /tmp/ae_shipped_$name.safetensors
-      for w in $weights; do
-        echo "== $name W=$w"; grep "round trip\|budget reached\|drift on\|Error" "/tmp/train_${name}_$w.log"
-        cp "/tmp/train_${name}_$w.log" "/tmp/pack/$name/train_$w.log"
-        if [ -f "/tmp/train/${name}_$w/loss.json" ]; then
-          for f in ae.safetensors loss.json loss.png; do cp "/tmp/train/${name}_$w/$f" "/tmp/pack/$name/${f%%.*}_$w.${f#*.}"; done
-          cp "/tmp/train/${name}_$w/ae.safetensors" "flux_runtime/assets/models/$name/"
-          timeout 90 python3 scripts/eval_tiny.py --model $name --device cuda --seen --autoencoder --json "$OUT/eval_${name}_$w.json" 2>&1 | grep "^$name" || status=1
-        else
-          echo "$name W=$w: training wrote no weights"; status=1
-        fi
-      done
-      cp /tmp/ae_shipped_$name.safetensors "flux_runtime/assets/models/$name/ae.safetensors"
-      tar -C "/tmp/pack/$name" -cf "$OUT/$name.tar" .
-    done
-    ;;
-  tiny-ae-ab)
+  tiny-ae-ab|tiny-anchor)
     # anchored autoencoder fine-tunes side by side (--encoder-anchor 1 --vae-rgb 0.5 plus each run's options),
-    # each scored with the shipped DiT in place (eval_tiny.py --seen --autoencoder); the shipped files stay
-    secs=${2:-230}; [ -n "${RUNS:-}" ] || { echo "tiny-ae-ab needs RUNS=\"NAME LABEL [OPTIONS];...\""; exit 2; }
+    # each scored with the shipped DiT in place (eval_tiny.py --seen --autoencoder); the shipped files stay.
+    # tiny-anchor: both models once per anchor weight W [1 10], as runs labelled wW
+    secs=${2:-230}
+    if [ "$phase" = tiny-anchor ]; then
+      shift $(( $# > 1 ? 2 : $# )); RUNS=""
+      for name in tiny tiny-flux2; do for w in ${*:-1 10}; do RUNS+="$name w$w --encoder-anchor $w;"; done; done
+    fi
+    [ -n "${RUNS:-}" ] || { echo "tiny-ae-ab needs RUNS=\"NAME LABEL [OPTIONS];...\""; exit 2; }
     IFS=';' read -ra runs <<< "$RUNS"
     for run in "${runs[@]}"; do
       read -r name label opts <<< "$run"; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
@@ -297,12 +283,8 @@ case "$phase" in
       read -r name label opts <<< "$run"; dir="/tmp/train/${name}_$label"; echo "== $name $label ($opts)"
       grep "round trip\|budget reached\|drift on\|Error" "/tmp/train_${name}_$label.log"
       if [ ! -f "$dir/loss.json" ]; then echo "$name $label: training wrote no weights"; status=1; continue; fi
-      tar -C "$dir" -cf "$OUT/${name}_$label.tar" ae.safetensors loss.json
-      cp "flux_runtime/assets/models/$name/ae.safetensors" "/tmp/ae_shipped.safetensors"
-      cp "$dir/ae.safetensors" "flux_runtime/assets/models/$name/"
-      timeout 100 python3 scripts/eval_tiny.py --model "$name" --device cuda --seen --autoencoder \
-        --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name" || status=1
-      cp "/tmp/ae_shipped.safetensors" "flux_runtime/assets/models/$name/ae.safetensors"
+      tar -C "$dir" -cf "$OUT/${name}_$label.tar" ae.safetensors loss.json loss.png
+      swap_score "$name" "$dir" "eval_${name}_$label.json" --device cuda --autoencoder || status=1
     done
     ;;
   tiny-ae-dit)
@@ -329,11 +311,7 @@ case "$phase" in
       cp "${dir}_ae/loss.json" "$dir/loss_ae.json"; rm -f "$dir/loss.png"
       tar -C "$dir" -cf "$OUT/${name}_$label.tar" .
       [ $SECONDS -lt 520 ] || { echo "no time left to score $name $label"; continue; }
-      rm -rf "/tmp/shipped_$name"; cp -r "flux_runtime/assets/models/$name" "/tmp/shipped_$name"
-      cp -r "$dir"/*.safetensors "$dir"/text_encoder* "flux_runtime/assets/models/$name/"
-      timeout 60 python3 scripts/eval_tiny.py --model "$name" --device cuda --seen --autoencoder \
-        --json "$OUT/eval_${name}_$label.json" 2>&1 | grep "^$name" || status=1
-      rm -rf "flux_runtime/assets/models/$name"; cp -r "/tmp/shipped_$name" "flux_runtime/assets/models/$name"
+      swap_score "$name" "$dir" "eval_${name}_$label.json" --device cuda --autoencoder || status=1
     done
     ;;
   tiny-ab|tiny-drop)
