@@ -52,7 +52,8 @@
 #                                       all side by side, with SEED [15] and the shapes' tokens weighted 5x; each
 #                                       run's DiT, loss log and text encoders come back as $OUT/<NAME>_<LABEL>.tar and
 #                                       its scores as $OUT/eval_<NAME>_<LABEL>.json (eval_tiny.py --seen --text-swap),
-#                                       the shipped files restored after each (DEVICE and POOL: a CPU dry run)
+#                                       the shipped files restored after each (DEVICE and POOL: a CPU dry run); a run's
+#                                       own `--seed N` in its OPTIONS overrides SEED (seeds side by side)
 #   bash scripts/gpu_check.sh tiny-drop [SECONDS [F [SEED]]]  tiny-ab with RUNS="tiny ctrl;tiny drop --caption-drop F;
 #                                       tiny-flux2 drop --caption-drop F" (F [0.3])
 #   bash scripts/gpu_check.sh splice-gelu [SECONDS [SEED]]  tiny's train_tiny.py --splice 0.5 and 0.8 runs (as tiny-ab),
