@@ -107,6 +107,20 @@ score_run() {
   tar -C "$dir" -cf "$OUT/${name}_$label.tar" "$dit" loss.json $(cd "$dir" && ls -d text_encoder*)
   swap_score "$name" "$dir" "eval_${name}_$label.json" --device "$dev" --text-swap
 }
+ae_tune() {
+  # ae_tune NAME RESUME OUT SECONDS [OPTIONS]: an anchored autoencoder fine-tune of NAME's weights in RESUME (the
+  # encoder held near its old latents, random colour pairs in half of each batch), written to OUT
+  local name=$1 resume=$2 out=$3 secs=$4 fam; shift 4; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
+  timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --resume "$resume" --encoder-anchor 1 --vae-rgb 0.5 \
+    --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$secs" --out "$out" "$@"
+}
+dit_train() {
+  # dit_train NAME RESUME OUT SECONDS SEED [OPTIONS]: NAME's DiT and text encoders trained on from RESUME's weights
+  # (batch 128, the shapes' tokens weighted 4x), written to OUT
+  local name=$1 resume=$2 out=$3 secs=$4 seed=$5 fam; shift 5; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
+  timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "$out" --resume "$resume" --vae-steps 0 \
+    --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 --fg-weight 4 --seed "$seed" "$@"
+}
 status=0
 case "$phase" in
   kernels)
@@ -274,10 +288,9 @@ case "$phase" in
     [ -n "${RUNS:-}" ] || { echo "tiny-ae-ab needs RUNS=\"NAME LABEL [OPTIONS];...\""; exit 2; }
     IFS=';' read -ra runs <<< "$RUNS"
     for run in "${runs[@]}"; do
-      read -r name label opts <<< "$run"; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
-      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --resume "flux_runtime/assets/models/$name" \
-        --encoder-anchor 1 --vae-rgb 0.5 --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$secs" \
-        --out "/tmp/train/${name}_$label" $opts > "/tmp/train_${name}_$label.log" 2>&1 &
+      read -r name label opts <<< "$run"
+      ae_tune "$name" "flux_runtime/assets/models/$name" "/tmp/train/${name}_$label" "$secs" $opts \
+        > "/tmp/train_${name}_$label.log" 2>&1 &
     done
     wait
     for run in "${runs[@]}"; do
@@ -296,13 +309,9 @@ case "$phase" in
     [ -n "${RUNS:-}" ] || { echo "tiny-ae-dit needs RUNS=\"NAME LABEL [AUTOENCODER OPTIONS];...\""; exit 2; }
     IFS=';' read -ra runs <<< "$RUNS"
     for run in "${runs[@]}"; do
-      read -r name label opts <<< "$run"; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2); dir="/tmp/train/${name}_$label"
-      ( timeout $((ae_secs + 120)) python3 scripts/train_tiny.py --family $fam --resume "flux_runtime/assets/models/$name" \
-          --encoder-anchor 1 --vae-rgb 0.5 --vae-lr 3e-4 --vae-steps 100000 --vae-seconds "$ae_secs" \
-          --out "${dir}_ae" $opts > "/tmp/train_${name}_${label}_ae.log" 2>&1 &&
-        timeout $((dit_secs + 150)) python3 scripts/train_tiny.py --family $fam --out "$dir" --resume "${dir}_ae" \
-          --vae-steps 0 --dit-steps 100000 --dit-seconds "$dit_secs" --dit-batch 128 --fg-weight 4 --seed "$seed" \
-          > "/tmp/train_${name}_$label.log" 2>&1 ) &
+      read -r name label opts <<< "$run"; dir="/tmp/train/${name}_$label"
+      ( ae_tune "$name" "flux_runtime/assets/models/$name" "${dir}_ae" "$ae_secs" $opts > "/tmp/train_${name}_${label}_ae.log" 2>&1 &&
+        dit_train "$name" "${dir}_ae" "$dir" "$dit_secs" "$seed" > "/tmp/train_${name}_$label.log" 2>&1 ) &
     done
     wait
     for run in "${runs[@]}"; do
@@ -324,10 +333,9 @@ case "$phase" in
     fi
     IFS=';' read -ra runs <<< "$RUNS"
     for run in "${runs[@]}"; do
-      read -r name label opts <<< "$run"; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
-      timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "/tmp/train/${name}_$label" --device "$dev" \
-        --resume "flux_runtime/assets/models/$name" --vae-steps 0 --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 \
-        --fg-weight 4 --seed "$seed" --pool "${POOL:-60000}" $opts > "/tmp/train_${name}_$label.log" 2>&1 &
+      read -r name label opts <<< "$run"
+      dit_train "$name" "flux_runtime/assets/models/$name" "/tmp/train/${name}_$label" "$secs" "$seed" --device "$dev" \
+        --pool "${POOL:-60000}" $opts > "/tmp/train_${name}_$label.log" 2>&1 &
     done
     wait
     for run in "${runs[@]}"; do
@@ -340,9 +348,8 @@ case "$phase" in
     # and, on a quiet GPU, kernel_check's timing of the shortcut
     secs=${2:-200}; seed=${3:-15}
     for f in 0.5 0.8; do
-      timeout $((secs + 150)) python3 scripts/train_tiny.py --family flux1 --out "/tmp/train/tiny_s$f" \
-        --resume flux_runtime/assets/models/tiny --vae-steps 0 --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 \
-        --fg-weight 4 --seed "$seed" --splice "$f" > "/tmp/train_tiny_s$f.log" 2>&1 &
+      dit_train tiny flux_runtime/assets/models/tiny "/tmp/train/tiny_s$f" "$secs" "$seed" --splice "$f" \
+        > "/tmp/train_tiny_s$f.log" 2>&1 &
     done
     timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     timeout 80 python3 scripts/eval_tiny.py --model tiny-flux2 --device cuda --variants --json "$OUT/eval_variants_flux2.json" 2>&1 | grep -v "^\[" | tail -6 || status=1
