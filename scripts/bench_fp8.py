@@ -5,7 +5,8 @@ For FLUX.1-dev, FLUX.2-dev and FLUX.2-klein-4B (random weights, 1024², B=1): di
 bf16 lossless + CUDA graph, then the same model quantized at load (`fp8=True`: per-channel e4m3 weights,
 per-row activation scales) run as the FP8 eager reference, FP8 lossless (fused producers) eager and
 + graph (`torch.equal` to the FP8 reference), and FP8 high + graph (fast accumulation). The FP8 floor
-is the step's `torch._scaled_mm` calls (and its remaining bf16 GEMMs) timed alone, plus cuDNN attention.
+is the step's `torch._scaled_mm` calls (and its remaining bf16 GEMMs) timed alone, plus cuDNN attention; the
+floor in step order runs the same calls in the model's order as one CUDA graph, each GEMM with its own weights.
 Error: relative L2 of one step against the float64 model (not for FLUX.2-dev, whose float64 copy does not
 fit on one GPU). Peak memory while stepping.
 
@@ -25,6 +26,8 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -61,6 +64,12 @@ def print_fp8_table(
         f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
         f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
     )
+    if "sequence" in floor:
+        seq = floor["sequence"]
+        print(
+            f"| FP8 floor in step order (the same calls, one CUDA graph, each GEMM its own weights) | {seq:.1f} | "
+            f"{seq / floor['total']:.2f} | | | | |"
+        )
     for key, label in (
         ("step_layout", "the step's strided q, k, v"),
         ("qk_bhld", "q, k contiguous (B, H, L, Dh), v strided"),
@@ -73,9 +82,13 @@ def print_fp8_table(
                 f"| (attention, {label}: {floor[f'attention_{key}']:.1f}, {same}; not in the floor) | | | | | | |"
             )
     d_ms, b_ms = times["diffusers bf16 eager"], times["ours bf16 lossless + graph"]
+
+    def seq_ratio(ms: float) -> str:
+        return f" ({ms / floor['sequence']:.2f} in step order)" if "sequence" in floor else ""
+
     for label, ms in times.items():
         print(
-            f"| {label} | {ms:.1f} | {ms / floor['total']:.2f} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
+            f"| {label} | {ms:.1f} | {ms / floor['total']:.2f}{seq_ratio(ms)} | {ms / b_ms:.2f} | {ms / d_ms:.2f} | "
             f"{equal.get(label, '')} | {peaks[label]:.1f} |"
         )
 
@@ -107,30 +120,40 @@ def time_gemms(
     return out
 
 
-def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str, float]:
-    """The FP8 model's GEMMs timed alone: e4m3 row-wise `_scaled_mm` for the block projections (plain and fast
-    accumulation), bf16 `F.linear` for the rest; plus one cuDNN attention per block."""
+def step_calls(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> list[tuple[str, int, int, int]]:
+    """The step's GEMMs and attentions in the order the model runs them: `("fp8" | "bf16", M, K, N)` for a
+    GEMM (e4m3 block projections; bf16 embedders, modulation and final layer), `("attention", L, 0, 0)` for
+    one joint attention. FLUX.1 projects each block's modulation itself; FLUX.2 shares three projections."""
     d, mlp, L = cfg.hidden_size, cfg.mlp_hidden_dim, n_img + n_txt
     up = mlp if flux1 else 2 * mlp
-    fp8: Counter[tuple[int, int, int]] = Counter()
-    bf16: Counter[tuple[int, int, int]] = Counter()
-    for m in (n_img, n_txt):
-        fp8[(m, d, 3 * d)] += cfg.depth
-        fp8[(m, d, d)] += cfg.depth
-        fp8[(m, d, up)] += cfg.depth
-        fp8[(m, mlp, d)] += cfg.depth
-    fp8[(L, d, 3 * d + up)] += cfg.depth_single_blocks
-    fp8[(L, d + mlp, d)] += cfg.depth_single_blocks
-    if flux1:
-        bf16[(1, d, 6 * d)] += 2 * cfg.depth
-        bf16[(1, d, 3 * d)] += cfg.depth_single_blocks
-    else:
-        bf16[(1, d, 6 * d)] += 2
-        bf16[(1, d, 3 * d)] += 1
-    bf16[(n_img, cfg.in_channels, d)] += 1
-    bf16[(n_txt, cfg.context_in_dim, d)] += 1
-    bf16[(n_img, d, cfg.out_channels)] += 1
-    bf16[(1, d, 2 * d)] += 1
+    calls: list[tuple[str, int, int, int]] = [
+        ("bf16", n_img, cfg.in_channels, d),
+        ("bf16", n_txt, cfg.context_in_dim, d),
+    ]
+    if not flux1:
+        calls += [("bf16", 1, d, 6 * d)] * 2 + [("bf16", 1, d, 3 * d)]
+    for _ in range(cfg.depth):
+        if flux1:
+            calls += [("bf16", 1, d, 6 * d)] * 2
+        calls += [("fp8", m, d, 3 * d) for m in (n_img, n_txt)] + [("attention", L, 0, 0)]
+        calls += [("fp8", m, d, d) for m in (n_img, n_txt)]
+        for m in (n_img, n_txt):
+            calls += [("fp8", m, d, up), ("fp8", m, mlp, d)]
+    for _ in range(cfg.depth_single_blocks):
+        if flux1:
+            calls.append(("bf16", 1, d, 3 * d))
+        calls += [("fp8", L, d, 3 * d + up), ("attention", L, 0, 0), ("fp8", L, d + mlp, d)]
+    return [*calls, ("bf16", 1, d, 2 * d), ("bf16", n_img, d, cfg.out_channels)]
+
+
+def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str, float]:
+    """The FP8 model's GEMMs timed alone: e4m3 row-wise `_scaled_mm` for the block projections (plain and fast
+    accumulation), bf16 `F.linear` for the rest; plus one cuDNN attention per block. `sequence`: the same
+    calls in the step's order, each GEMM with weights of its own, replayed as one CUDA graph."""
+    calls = step_calls(cfg, flux1, n_img, n_txt)
+    fp8 = Counter((m, k, n) for kind, m, k, n in calls if kind == "fp8")
+    bf16 = Counter((m, k, n) for kind, m, k, n in calls if kind == "bf16")
+    L = n_img + n_txt
     out = time_gemms(fp8, bf16, bias=flux1)
     q, k, v = (
         torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
@@ -138,12 +161,75 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
     out["attention"] = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
         lambda: F.scaled_dot_product_attention(q, k, v), iters=20
     )
-    layouts = step_layout_attention(cfg, L, 3 * d + up)
+    layouts = step_layout_attention(
+        cfg, L, 3 * cfg.hidden_size + (cfg.mlp_hidden_dim if flux1 else 2 * cfg.mlp_hidden_dim)
+    )
     for key, (ms, same) in layouts.items():
         out[f"attention_{key}"] = (cfg.depth + cfg.depth_single_blocks) * ms
         out[f"attention_{key}_equal"] = same
     out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
+    out["sequence"] = sequence_floor(cfg, calls, bias=flux1)
     return out
+
+
+def step_ops(
+    cfg, calls: list[tuple[str, int, int, int]], bias: bool, device=DEV
+) -> list[Callable[[], object]]:
+    """`calls` as zero-argument callables on random tensors (see `sequence_floor`)."""
+    h, dh = cfg.num_heads, cfg.head_dim
+    up = cfg.mlp_hidden_dim if bias else 2 * cfg.mlp_hidden_dim  # FLUX.1's GELU input, FLUX.2's [gate | up]
+    width = 3 * h * dh + up  # the single block's linear1 output
+    acts: dict[tuple[str, int, int], list] = {}
+    ops: list[Callable[[], object]] = []
+    for kind, m, k, n in calls:  # two buffers per activation shape, used in turn
+        if kind == "attention":  # q, k (B, L, H, Dh) as QK norm + RoPE writes them; v inside the projection
+            if kind not in acts:
+                acts[kind] = []
+                for _ in range(2):
+                    q, kk = (torch.randn(1, m, h, dh, device=device, dtype=torch.bfloat16) for _ in range(2))
+                    packed = torch.randn(1, m, width, device=device, dtype=torch.bfloat16)
+                    v = packed[..., 2 * h * dh : 3 * h * dh].unflatten(-1, (h, dh))
+                    acts[kind].append([t.transpose(1, 2) for t in (q, kk, v)])
+            ops.append(partial(F.scaled_dot_product_attention, *acts[kind][len(ops) % 2]))
+            continue
+        dtype = E4M3 if kind == "fp8" else torch.bfloat16
+        if (kind, m, k) not in acts:
+            acts[(kind, m, k)] = [torch.randn(m, k, device=device).to(dtype) for _ in range(2)]
+        a = acts[(kind, m, k)][len(ops) % 2]
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16).to(dtype)
+        b = torch.randn(n, device=device, dtype=torch.bfloat16) if bias else None
+        if kind == "bf16":
+            ops.append(partial(F.linear, a, w, b))
+            continue
+        scales = {"scale_a": torch.rand(m, 1, device=device), "scale_b": torch.rand(1, n, device=device)}
+        ops.append(partial(torch._scaled_mm, a, w.t(), **scales, bias=b, out_dtype=torch.bfloat16))
+    return ops
+
+
+def sequence_floor(cfg, calls: list[tuple[str, int, int, int]], bias: bool) -> float:
+    """ms of `calls` replayed as one CUDA graph, as the step runs them: every GEMM reads weights of its own
+    (the step's GEMMs do; a shape timed alone re-reads the same weights, which may stay in L2), activations
+    alternate between two buffers per shape, and each attention reads q, k and v in the step's layout (q, k
+    (B, L, H, Dh); v a column slice of the single block's projection). No elementwise kernel runs."""
+    ops = step_ops(cfg, calls, bias)
+
+    def run() -> None:
+        for op in ops:
+            op()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up: cuBLAS and cuDNN pick their kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    ms = cuda_time(graph.replay, iters=10)
+    ops.clear()
+    del graph
+    torch.cuda.empty_cache()
+    return ms
 
 
 def step_layout_attention(cfg, length: int, width: int) -> dict[str, tuple[float, bool]]:
@@ -285,6 +371,7 @@ def bench_model(name: str, iters: int) -> bool:
     ratio_bf16 = times["ours fp8 lossless + graph"] / times["ours bf16 lossless + graph"]
     res["fp8_over_bf16"] = ratio_bf16
     res["fp8_over_floor"] = times["ours fp8 lossless + graph"] / floor["total"]
+    res["fp8_over_sequence_floor"] = times["ours fp8 lossless + graph"] / floor["sequence"]
     print_fp8_table(f"{name}, 1024², B=1, per step", floor, times, equal, peaks)
     if "error_vs_fp64" in res:
         print(f"relative L2 error of one step vs float64: {res['error_vs_fp64']}")

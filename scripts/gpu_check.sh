@@ -73,6 +73,8 @@
 #   bash scripts/gpu_check.sh fp8-profile  attention_act_fp8's GPU tests and kernel_check (against the three kernels it
 #                                       replaces), then FLUX.2-dev's FP8 step profiled (the kernel table), with SDPA
 #                                       timed on the step's strided q, k, v and two contiguous layouts
+#   bash scripts/gpu_check.sh fp8-floor  the FP8 bench (FLUX.1-dev, klein-4B, FLUX.2-dev) with each floor also timed in the
+#                                       step's order as one CUDA graph, and each FP8 step's kernel table ($OUT/bench_fp8.txt)
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
@@ -378,6 +380,10 @@ case "$phase" in
     timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     timeout 120 python3 scripts/kernel_check.py --op attention_act_fp8 2>&1 | tee "$OUT/kernel_check_attention_act.txt" | head -24 || status=1
     timeout 300 python3 scripts/bench_fp8.py --models flux2-dev --profile --json "$OUT/bench_fp8_flux2_profile.json" 2>&1 | tee "$OUT/bench_fp8_flux2_profile.txt" | grep -v "^\[" | tail -70 || status=1
+    ;;
+  fp8-floor)
+    timeout 540 python3 scripts/bench_fp8.py --profile --json "$OUT/bench_fp8.json" > "$OUT/bench_fp8.txt" 2>&1 || status=1
+    grep "^|\|fallback\|relative\|Error" "$OUT/bench_fp8.txt" | grep -v "^| *\(aten\|void\|sm90\|cutlass\|Name\|-\)" || status=1
     ;;
   memory-28)
     unset PYTORCH_CUDA_ALLOC_CONF
