@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench
 import bench_flux2
 
+from flux_runtime.kernels import fp8
 from flux_runtime.kernels.attention_act_fp8 import set_gelu_shortcut
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.fp8 import E4M3
@@ -354,6 +355,18 @@ def bench_model(name: str, iters: int) -> bool:
         set_gelu_shortcut(False)
         measure("(ours fp8 lossless + graph, GELU in both sweeps)", graphed(ours, "lossless"), expected_fp8)
         set_gelu_shortcut(True)
+        # the double blocks' GELU producer in column blocks (max shortcut) instead of whole rows in registers
+        default_block = fp8.GELU_BLOCK_DEFAULT
+        for block in (None, 1024, 2048):
+            if block != default_block:
+                fp8.set_gelu_block(block)
+                label = "whole rows" if block is None else f"{block}-wide blocks"
+                measure(
+                    f"(ours fp8 lossless + graph, double-block GELU in {label})",
+                    graphed(ours, "lossless"),
+                    expected_fp8,
+                )
+        fp8.set_gelu_block(default_block)
     print(fused_ops_report(), flush=True)
     if PROFILE:
         bench.profile_step(ours_step(ours, "lossless"))

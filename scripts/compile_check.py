@@ -71,7 +71,15 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     aa_max = aa | {"MAX_SHORTCUT": True, "GELU_BOUND": GELU_BOUND[dt]}
     aq_sig = {"x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32", "inv_ptr": "*fp32"}
     aq_sig |= _ints("L", "N", "stride_xb", "stride_xl", "stride_qb", "stride_ql")
-    aq = {"DYNAMIC": True, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
+    aq = {
+        "DYNAMIC": True,
+        "GPU": True,
+        "BETA": K_BETA,
+        "KAPPA": K_KAPPA,
+        "MAX_SHORTCUT": False,
+        "GELU_BOUND": 0.0,
+    }
+    aq_max = aq | {"MAX_SHORTCUT": True, "GELU_BOUND": GELU_BOUND[dt]}
     qk_sig = dict.fromkeys(("q_ptr", "k_ptr"), f"*{dt}") | dict.fromkeys(
         ("wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr"), "*fp32"
     )
@@ -100,6 +108,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"attention_act_fp8 swiglu {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 2, **aa}),
         (f"fp8_quantize per-row one block {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 0, "BLOCK_N": 16384, "ONE_BLOCK": True, **aq}),
         (f"swiglu_fp8 per-row blocks {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 2, "BLOCK_N": 2048, "ONE_BLOCK": False, **aq}),
+        (f"gelu_tanh_fp8 per-row one block {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 1, "BLOCK_N": 16384, "ONE_BLOCK": True, **aq}),
+        (f"gelu_tanh_fp8 per-row 1024 blocks {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 1, "BLOCK_N": 1024, "ONE_BLOCK": False, **aq_max}),
         (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
         (f"token_gated_residual 2x1024 {dt}", _token_gated_residual_kernel, gr_sig, {"BLOCK_L": 2, "BLOCK_D": 1024, "GPU": True}),
     ]  # fmt: skip

@@ -45,7 +45,7 @@ from flux_runtime.kernels.attention_act_fp8 import (
     attention_act_quantize_triton,
 )
 from flux_runtime.kernels.dispatch import UnsupportedInput
-from flux_runtime.kernels.fp8 import act_quantize_triton
+from flux_runtime.kernels.fp8 import act_quantize_reference, act_quantize_triton
 from flux_runtime.kernels.gated_residual import gated_residual_reference, gated_residual_triton
 from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_reference, gelu_tanh_triton
 from flux_runtime.kernels.layer_norm_modulate import (
@@ -330,6 +330,30 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
 
 
+def _gelu_fp8_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
+    """FLUX.1's double-block MLP activation in e4m3 with per-row scales (`gelu_tanh_fp8`, the down projection's
+    input) at 1024², B1, image and text rows: each row held in registers (the default), and swept twice in
+    1024- or 2048-wide blocks, whose first sweep takes the max shortcut (also without it: "2 GELUs")."""
+    for label, rows in (("double img 1024² B1", IMAGES["1024²"]), ("double txt B1", TXT)):
+
+        def make(rows: int = rows) -> tuple[Any, ...]:
+            return ((torch.randn(1, rows, FF_INNER, device="cuda") * 3).to(dtype),)
+
+        blocks = {
+            f"{blk} blocks{tag}": lambda x, blk=blk, on=on: _fp8_bits(
+                act_quantize_triton(x, "gelu_tanh", None, None, block_n=blk, gelu_shortcut=on)
+            )
+            for blk in (1024, 2048)
+            for tag, on in (("", True), (", 2 GELUs", False))
+        }
+        yield Case(
+            "gelu_tanh_fp8", label, dtype, make,
+            {"one block": lambda x: _fp8_bits(act_quantize_triton(x, "gelu_tanh", None, None)), **blocks},
+            lambda x: _fp8_bits(act_quantize_reference(x, "gelu_tanh", None, None)),
+            rows * (FF_INNER * s + FF_INNER + 4), default="one block",
+        )  # fmt: skip
+
+
 # (tile, warps) `--tune` tries beside the default (1024 or 2048 values by the row's width, 4 warps) for the
 # `[attention | act]` producer
 ATTENTION_ACT_TILES = ((1024, 2), (1024, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 16))
@@ -456,6 +480,7 @@ def cases(dtype: torch.dtype) -> Iterator[Case]:
     yield from _qk_cases(dtype)
     yield from _activation_cases(dtype, s)
     yield from _attention_act_cases(dtype, s)
+    yield from _gelu_fp8_cases(dtype, s)
     yield from _flux3_cases(dtype, s)
 
 

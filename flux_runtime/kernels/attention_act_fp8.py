@@ -23,8 +23,25 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.fp8 import ACTS, E4M3, Fp8Act, _act_reference, _act_value, quantize_reference
-from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh, all_half_values, gelu_tanh_triton
+from flux_runtime.kernels.fp8 import (
+    ACTS,
+    E4M3,
+    Fp8Act,
+    _act_absmax,
+    _act_reference,
+    _act_value,
+    quantize_reference,
+)
+from flux_runtime.kernels.gelu import (  # noqa: F401  (the bound's helpers are also read from here)
+    _GELU_BOUNDS,
+    _SHORTCUT,
+    K_BETA,
+    K_KAPPA,
+    _gelu_tanh,
+    gelu_amax_bound,
+    monotone_bound,
+    set_gelu_shortcut,
+)
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
     check_half,
@@ -47,59 +64,6 @@ def attention_act_quantize_reference(o: Tensor, x: Tensor, act: str) -> Fp8Act:
     return quantize_reference(torch.cat([o.flatten(2), _act_reference(x, act)], dim=-1))
 
 
-def monotone_bound(values: Tensor, g: Tensor) -> float | None:
-    """B = the largest |g(x)| over the negative finite `values`, if g is an activation table (`g[i]` the
-    16-bit activation of `values[i]`) that is >= 0 and non-decreasing over the non-negative inputs in value
-    order (+inf included); None if it is not, or if g is NaN at a negative finite input.
-
-    With both, a row's largest |g| is g(m) at its largest input m whenever g(m) >= B: every input x <= m that
-    is >= 0 has 0 <= g(x) <= g(m), every negative finite one |g(x)| <= B <= g(m), and -inf (g NaN) is skipped
-    by the kernel's max as it is in the full sweep. That is exact, not an approximation: g(m) is one of the
-    row's own activation values, and a max selects a value without rounding it."""
-    x, g = values.float(), g.float()
-    nonneg = x >= 0  # -0.0 included, NaN excluded
-    order = torch.argsort(x[nonneg], stable=True)
-    up = g[nonneg][order]
-    if not bool((up >= 0).all()) or not bool((up[1:] >= up[:-1]).all()):  # a NaN fails both
-        return None
-    below = g[(x < 0) & x.isfinite()].abs()
-    if below.numel() == 0:
-        return 0.0
-    if not bool(below.isfinite().all()):
-        return None
-    return float(below.max())
-
-
-_GELU_BOUNDS: dict[tuple[torch.device, torch.dtype], float | None] = {}
-_SHORTCUT = {"gelu": True}  # the default of `attention_act_quantize_triton(gelu_shortcut=)`
-
-
-def set_gelu_shortcut(on: bool) -> None:
-    """Whether the tanh-GELU producer takes the row max shortcut by default (on unless a benchmark times the
-    two-GELU path inside a whole step: `scripts/bench_fp8.py`); the bits are the same either way."""
-    _SHORTCUT["gelu"] = on
-
-
-def gelu_amax_bound(dtype: torch.dtype, device: torch.device) -> float | None:
-    """`monotone_bound` of the kernels' own tanh-GELU (`gelu_tanh_triton`, the same `_gelu_tanh` and rounding
-    the producer evaluates) over all 65,536 inputs of `dtype` on `device`, computed once per (device, dtype):
-    about 0.17 for bf16 and fp16, or None where the property fails (the producer then evaluates GELU in both
-    sweeps). It is established on the device itself because libdevice's `tanhf` (and, on the CPU, its
-    emulation) is what g is made of: no property of the exact GELU is assumed.
-
-    None without caching while a CUDA graph is being captured (the check syncs; the two-GELU path runs)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, dtype)
-    if key not in _GELU_BOUNDS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        values = all_half_values(dtype, device)
-        _GELU_BOUNDS[key] = monotone_bound(values, gelu_tanh_triton(values))
-    return _GELU_BOUNDS[key]
-
-
 @jit
 def _row_pointers(o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb, stride_xl):
     """This program's row (grid (L, B)): its index in the row scales and its attention, input and code rows."""
@@ -112,20 +76,6 @@ def _row_pointers(o_ptr, x_ptr, q_ptr, L, D, N, stride_ob, stride_ol, stride_xb,
         x_ptr + b * stride_xb + pos * stride_xl,
         q_ptr + row * (D + N),
     )
-
-
-@jit
-def _act_absmax(
-    amax, x_row, offs, N, ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
-    BETA: tl.constexpr, KAPPA: tl.constexpr,
-):  # fmt: skip
-    """`amax` (BLOCK,) raised to |act(x)| over one row's N activation values, in BLOCK-wide tiles."""
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + offs
-        mask = cols < N
-        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
-        amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-    return amax
 
 
 @jit

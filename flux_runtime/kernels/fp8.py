@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
-from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh
+from flux_runtime.kernels.gelu import _SHORTCUT, K_BETA, K_KAPPA, _gelu_tanh, gelu_amax_bound
 from flux_runtime.kernels.swiglu import _silu
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
@@ -142,6 +142,20 @@ def _act_value(
 
 
 @jit
+def _act_absmax(
+    amax, x_row, offs, N, ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr,
+):  # fmt: skip
+    """`amax` (BLOCK,) raised to |act(x)| over one row's N activation values, in BLOCK-wide tiles."""
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + offs
+        mask = cols < N
+        y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
+        amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+    return amax
+
+
+@jit
 def _act_quant_rows_kernel(
     x_ptr,  # (B, L, N) or, for SwiGLU, (B, L, 2N) [gate | up]; strides (stride_xb, stride_xl, 1)
     q_ptr,  # (B, L, N) uint8 (e4m3 bits), strides (stride_qb, stride_ql, 1): possibly a column slice
@@ -160,6 +174,8 @@ def _act_quant_rows_kernel(
     GPU: tl.constexpr,
     BETA: tl.constexpr,  # the tanh-GELU constants (gelu.K_BETA, gelu.K_KAPPA)
     KAPPA: tl.constexpr,
+    MAX_SHORTCUT: tl.constexpr,  # dynamic tanh-GELU in column blocks: the first sweep takes max(x), not |GELU(x)|
+    GELU_BOUND: tl.constexpr,  # with MAX_SHORTCUT: `gelu_amax_bound`, the largest |GELU| of a negative input
 ):
     # grid: (L, B); one row per program
     DTYPE = x_ptr.dtype.element_ty
@@ -179,11 +195,21 @@ def _act_quant_rows_kernel(
         tl.store(q_row + offs, e4m3_code(y * inv), mask=mask)
     elif DYNAMIC:
         amax = tl.zeros((BLOCK_N,), tl.float32)
-        for c0 in range(0, N, BLOCK_N):
-            cols = c0 + offs
-            mask = cols < N
-            y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+        if MAX_SHORTCUT:
+            # the row's largest input m (NaN skipped, as the GELU sweep skips NaN activations), then GELU(m) once
+            top = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+            for c0 in range(0, N, BLOCK_N):
+                cols = c0 + offs
+                mask = cols < N
+                x = upcast(tl.load(x_row + cols, mask=mask, other=0.0), GPU)
+                top = tl.maximum(top, tl.where(mask, x, float("-inf")))
+            g_top = round_to(_gelu_tanh(tl.max(top, axis=0), BETA, KAPPA, GPU), DTYPE, GPU)
+            if g_top >= GELU_BOUND:  # GELU(m) bounds every |GELU(x)| of the row (False for NaN: all -inf)
+                amax = tl.maximum(amax, g_top)
+            else:  # a small maximum: a negative input's |GELU| may be the larger
+                amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK_N, GPU, BETA, KAPPA)
+        else:
+            amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK_N, GPU, BETA, KAPPA)
         s, inv = e4m3_row_scale(tl.max(amax, axis=0))
         tl.store(scale_ptr + b * L + pos, s)
     else:
@@ -196,14 +222,29 @@ def _act_quant_rows_kernel(
             tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
 
 
+# Column block of the dynamic tanh-GELU producer (`set_gelu_block`): None holds each row in registers (up to
+# MAX_ONE_BLOCK values); a width sweeps the row twice in blocks, the first sweep a load and a max (the shortcut).
+GELU_BLOCK_DEFAULT: int | None = None
+_GELU_BLOCK: dict[str, int | None] = {"block": GELU_BLOCK_DEFAULT}
+
+
+def set_gelu_block(block: int | None) -> None:
+    """The column block `act_quantize_triton` uses for dynamic tanh-GELU rows when no `block_n` is given
+    (None: one block per row). The bits are the same either way; `scripts/bench_fp8.py` times both."""
+    _GELU_BLOCK["block"] = block
+
+
 def act_quantize_triton(
     x: Tensor, act: str, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None = None,
-    *, block_n: int | None = None,
+    *, block_n: int | None = None, gelu_shortcut: bool | None = None,
 ) -> Fp8Act:  # fmt: skip
     """Fused `act_quantize_reference`: x (..., K) bf16/fp16 with a unit last stride, any row strides.
 
     A row of up to `MAX_ONE_BLOCK` values is read once and kept in registers (one program of 8-16 warps per
-    row); wider rows, or an explicit `block_n`, loop over column blocks (twice for a dynamic scale).
+    row); wider rows, or an explicit `block_n` (for dynamic tanh-GELU also `set_gelu_block`'s), loop over
+    column blocks (twice for a dynamic scale). A dynamic tanh-GELU row in blocks takes the max shortcut of
+    `gelu.gelu_amax_bound` when `gelu_shortcut` (None: `gelu.set_gelu_shortcut`'s setting) and the bound holds
+    on the device: its first sweep reads the row's largest input instead of evaluating GELU, with the same bits.
     """
     op = f"{act}_fp8"
     if act not in ACTS:
@@ -232,15 +273,21 @@ def act_quantize_triton(
         check_int32_offsets(op, name, t)
     b, length, _ = x3.shape
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if dynamic else scale
+    gelu_rows = act == "gelu_tanh" and dynamic
+    if block_n is None and gelu_rows:
+        block_n = _GELU_BLOCK["block"]
     one_block = block_n is None and n <= MAX_ONE_BLOCK
     if block_n is None:
         block_n = triton.next_power_of_2(n) if one_block else 2048
     warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
+    shortcut = _SHORTCUT["gelu"] if gelu_shortcut is None else gelu_shortcut
+    bound = gelu_amax_bound(x.dtype, x.device) if gelu_rows and not one_block and shortcut else None
     _act_quant_rows_kernel[(length, b)](
         x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
         x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),
         ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, ONE_BLOCK=one_block, GPU=ON_GPU, BETA=K_BETA,
-        KAPPA=K_KAPPA, num_warps=warps if one_block else 4, enable_fp_fusion=False,
+        KAPPA=K_KAPPA, MAX_SHORTCUT=bound is not None, GELU_BOUND=0.0 if bound is None else bound,
+        num_warps=warps if one_block else 4, enable_fp_fusion=False,
     )  # fmt: skip
     return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
 

@@ -209,3 +209,61 @@ def gelu_tanh(x: Tensor, out: Tensor | None = None) -> Tensor:
     if out is None:
         return run_op(_GELU_TANH, x)
     return run_op(_GELU_TANH, x, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# the row-absmax shortcut of the per-row e4m3 producers (fp8.act_quantize_triton, attention_act_fp8)
+
+
+def monotone_bound(values: Tensor, g: Tensor) -> float | None:
+    """B = the largest |g(x)| over the negative finite `values`, if g is an activation table (`g[i]` the
+    16-bit activation of `values[i]`) that is >= 0 and non-decreasing over the non-negative inputs in value
+    order (+inf included); None if it is not, or if g is NaN at a negative finite input.
+
+    With both, a row's largest |g| is g(m) at its largest input m whenever g(m) >= B: every input x <= m that
+    is >= 0 has 0 <= g(x) <= g(m), every negative finite one |g(x)| <= B <= g(m), and -inf (g NaN) is skipped
+    by the kernel's max as it is in the full sweep. That is exact, not an approximation: g(m) is one of the
+    row's own activation values, and a max selects a value without rounding it."""
+    x, g = values.float(), g.float()
+    nonneg = x >= 0  # -0.0 included, NaN excluded
+    order = torch.argsort(x[nonneg], stable=True)
+    up = g[nonneg][order]
+    if not bool((up >= 0).all()) or not bool((up[1:] >= up[:-1]).all()):  # a NaN fails both
+        return None
+    below = g[(x < 0) & x.isfinite()].abs()
+    if below.numel() == 0:
+        return 0.0
+    if not bool(below.isfinite().all()):
+        return None
+    return float(below.max())
+
+
+_GELU_BOUNDS: dict[tuple[torch.device, torch.dtype], float | None] = {}
+_SHORTCUT = {"gelu": True}  # the default of `attention_act_quantize_triton(gelu_shortcut=)`
+
+
+def set_gelu_shortcut(on: bool) -> None:
+    """Whether the per-row tanh-GELU e4m3 producers that sweep a row twice (`attention_act_fp8`, and
+    `fp8.act_quantize_triton` in column blocks) take the row max shortcut by default: on, unless a benchmark
+    times the two-GELU path inside a whole step (`scripts/bench_fp8.py`); the bits are the same either way."""
+    _SHORTCUT["gelu"] = on
+
+
+def gelu_amax_bound(dtype: torch.dtype, device: torch.device) -> float | None:
+    """`monotone_bound` of the kernels' own tanh-GELU (`gelu_tanh_triton`, the same `_gelu_tanh` and rounding
+    the producers evaluate) over all 65,536 inputs of `dtype` on `device`, computed once per (device, dtype):
+    about 0.17 for bf16 and fp16, or None where the property fails (the producers then evaluate GELU in both
+    sweeps). It is established on the device itself because libdevice's `tanhf` (and, on the CPU, its
+    emulation) is what g is made of: no property of the exact GELU is assumed.
+
+    None without caching while a CUDA graph is being captured (the check syncs; the two-GELU path runs)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
+    if key not in _GELU_BOUNDS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        values = all_half_values(dtype, device)
+        _GELU_BOUNDS[key] = monotone_bound(values, gelu_tanh_triton(values))
+    return _GELU_BOUNDS[key]

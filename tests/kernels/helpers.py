@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels import triton_utils
+from flux_runtime.kernels.gelu import all_half_values, gelu_amax_bound, gelu_tanh_triton
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = triton_utils.INTERPRET and triton_utils.HAS_TRITON
@@ -123,3 +124,42 @@ def assert_same(a: Any, r: Any) -> None:
     diff = int((bits(a.data) != bits(r.data)).sum())
     assert diff == 0, f"{diff} of {a.data.numel()} e4m3 codes differ"
     assert torch.equal(a.scale, r.scale)
+
+
+def pre_activation(b: int, n: int, d: int, m: int, act: str, dtype: torch.dtype, device: str) -> Tensor:
+    """The MLP part of a `linear1` output (B, L, 3D + K): a column slice with the whole row's stride."""
+    k = 2 * m if act == "swiglu" else m
+    full = (torch.randn(b, n, 3 * d + k, device=device) * 3).to(dtype)
+    return full[..., 3 * d :]
+
+
+def gelu_threshold(dtype: torch.dtype, device: str) -> tuple[float, float, float]:
+    """(x*, the largest input below x*, the negative input whose |GELU| is the bound) of the kernels' own
+    GELU: x* is the smallest input whose GELU reaches `gelu_amax_bound`, where the shortcut starts."""
+    values = all_half_values(dtype, device)
+    x, g = values.float(), gelu_tanh_triton(values).float()
+    bound = gelu_amax_bound(dtype, torch.device(device))
+    assert bound is not None
+    x_star = x[(x >= 0) & (g >= bound)].min()
+    below = x[(x >= 0) & (x < x_star)].max()
+    neg = (x < 0) & x.isfinite()
+    return float(x_star), float(below), float(x[neg][g[neg].abs().argmax()])
+
+
+def gelu_rows(b: int, n: int, d: int, m: int, dtype: torch.dtype, device: str) -> Tensor:
+    """FLUX.1's MLP slice (B, L, M) whose rows cycle through what decides a row's GELU absmax: a large
+    maximum (the shortcut), a small one or none above zero (the GELU sweep), the largest input at x* (the
+    shortcut, GELU(x*) the absmax) or just below it (the sweep: a negative input's |GELU| is the absmax), and
+    zeros. Each small-maximum row holds the negative input with the bound's |GELU|, so taking the shortcut
+    there would give a smaller, wrong, scale."""
+    x_star, below, x_neg = gelu_threshold(dtype, device)
+    x = pre_activation(b, n, d, m, "gelu_tanh", dtype, device)
+    kind = torch.arange(n, device=device) % 6
+    top = torch.tensor([0.0, 0.1, -(2**-6), x_star, below, 0.0], device=device)[kind]  # kinds 1 to 4
+    rows = -(torch.rand(b, n, m, device=device) * 3 + 2**-6)
+    rows[..., 0] = x_neg
+    rows[..., m // 2] = top
+    rows = torch.where((kind == 0)[:, None], x.float(), rows)
+    rows[:, kind == 5] = 0
+    x.copy_(rows.to(dtype))
+    return x

@@ -33,8 +33,10 @@ from tests.kernels.helpers import (
     TXT_TOKENS,
     assert_same,
     bits,
+    gelu_rows,
     gpu,
     interpreter,
+    pre_activation,
     row_id,
 )
 
@@ -56,13 +58,6 @@ def heads(b: int, n: int, h: int, hd: int, dtype: torch.dtype, device: str) -> T
     return (torch.randn(b, h, n, hd, device=device) * 2).to(dtype).permute(0, 2, 1, 3)
 
 
-def pre_activation(b: int, n: int, d: int, m: int, act: str, dtype: torch.dtype, device: str) -> Tensor:
-    """The MLP part of a `linear1` output (B, L, 3D + K): a column slice with the whole row's stride."""
-    k = 2 * m if act == "swiglu" else m
-    full = (torch.randn(b, n, 3 * d + k, device=device) * 3).to(dtype)
-    return full[..., 3 * d :]
-
-
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", aa.ATTENTION_ACTS)
@@ -75,38 +70,6 @@ def test_both_halves_share_each_rows_scale(act, dtype):
     assert got.data.shape == (2, 5, 96 + 80) and got.scale.shape == (2, 5, 1)
     value = gelu_tanh_triton(x) if act == "gelu_tanh" else swiglu_triton(x)
     assert_same(got, fp8.quantize_reference(torch.cat([o.flatten(2), value], dim=-1)))
-
-
-def gelu_threshold(dtype: torch.dtype, device: str) -> tuple[float, float, float]:
-    """(x*, the largest input below x*, the negative input whose |GELU| is the bound) of the kernels' own
-    GELU: x* is the smallest input whose GELU reaches `gelu_amax_bound`, where the shortcut starts."""
-    values = all_half_values(dtype, device)
-    x, g = values.float(), gelu_tanh_triton(values).float()
-    bound = aa.gelu_amax_bound(dtype, torch.device(device))
-    assert bound is not None
-    x_star = x[(x >= 0) & (g >= bound)].min()
-    below = x[(x >= 0) & (x < x_star)].max()
-    neg = (x < 0) & x.isfinite()
-    return float(x_star), float(below), float(x[neg][g[neg].abs().argmax()])
-
-
-def gelu_rows(b: int, n: int, d: int, m: int, dtype: torch.dtype, device: str) -> Tensor:
-    """FLUX.1's MLP slice (B, L, M) whose rows cycle through what decides a row's GELU absmax: a large
-    maximum (the shortcut), a small one or none above zero (the GELU sweep), the largest input at x* (the
-    shortcut, GELU(x*) the absmax) or just below it (the sweep: a negative input's |GELU| is the absmax), and
-    zeros. Each small-maximum row holds the negative input with the bound's |GELU|, so taking the shortcut
-    there would give a smaller, wrong, scale."""
-    x_star, below, x_neg = gelu_threshold(dtype, device)
-    x = pre_activation(b, n, d, m, "gelu_tanh", dtype, device)
-    kind = torch.arange(n, device=device) % 6
-    top = torch.tensor([0.0, 0.1, -(2**-6), x_star, below, 0.0], device=device)[kind]  # kinds 1 to 4
-    rows = -(torch.rand(b, n, m, device=device) * 3 + 2**-6)
-    rows[..., 0] = x_neg
-    rows[..., m // 2] = top
-    rows = torch.where((kind == 0)[:, None], x.float(), rows)
-    rows[:, kind == 5] = 0
-    x.copy_(rows.to(dtype))
-    return x
 
 
 @interpreter

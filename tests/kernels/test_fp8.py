@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from flux_runtime.kernels import fp8
+from flux_runtime.kernels import fp8, gelu
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_triton
 from flux_runtime.kernels.swiglu import swiglu_triton
@@ -27,6 +27,7 @@ from tests.kernels.helpers import (
     activations,
     assert_same,
     bits,
+    gelu_rows,
     gpu,
     interpreter,
     modulation,
@@ -87,6 +88,31 @@ def test_activation_then_quantize(act, scale):
     q = static(scale, "cpu") if scale else (None, None)
     value = gelu_tanh_triton(x) if act == "gelu_tanh" else swiglu_triton(x)
     assert_same(fp8.act_quantize_triton(x, act, *q, block_n=64), fp8.quantize_reference(value, *q))
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_rows_in_blocks_take_the_max_shortcut(dtype, monkeypatch):
+    """Dynamic tanh-GELU rows swept in column blocks: rows through the max shortcut and through the fallback
+    sweep give the reference's codes and scales. A forged bound below every GELU value changes exactly the
+    small-maximum rows' scales, so the shortcut is taken and the bound decides it; with the shortcut off the
+    bound is not read; `set_gelu_block` sends default calls through the blocks."""
+    x = gelu_rows(2, 6, 96, 80, dtype, "cpu")
+    want = fp8.quantize_reference(gelu_tanh_triton(x))
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32), want)
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)  # one block
+    monkeypatch.setitem(gelu._GELU_BOUNDS, (torch.device("cpu"), dtype), -1.0)
+    forged = fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32)
+    wrong = (forged.scale != want.scale).flatten().tolist()
+    assert wrong == [False, True, True, False, True, False] * 2  # the row kinds of `gelu_rows`, per batch
+    assert bool((forged.scale <= want.scale).all())
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32, gelu_shortcut=False), want)
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)  # one block: no bound read
+    fp8.set_gelu_block(32)
+    try:
+        assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), forged)
+    finally:
+        fp8.set_gelu_block(None)
 
 
 @interpreter
@@ -164,6 +190,21 @@ def test_gpu_activation_fp8(shape, act, scale, dtype):
     x = (torch.randn(b, n, 2 * m if act == "swiglu" else m, device="cuda") * 3).to(dtype)
     q = static(scale, "cuda") if scale else (None, None)
     assert_same(fp8.act_quantize_triton(x, act, *q), fp8.act_quantize_reference(x, act, *q))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [1024, 2048])
+@pytest.mark.parametrize("shape", [s for s in FLUX_MLP if s[2] == 12288], ids=row_id)
+def test_gpu_gelu_rows_in_blocks(shape, block, dtype):
+    """FLUX.1's MLP rows in column blocks, with the max shortcut (rows through it and through the fallback
+    sweep, see `gelu_rows`) and without: the eager GELU's codes and scales."""
+    b, n, m = shape
+    x = gelu_rows(b, n, 3072, m, dtype, "cuda")
+    want = fp8.act_quantize_reference(x, "gelu_tanh", None, None)
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=block), want)
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=block, gelu_shortcut=False), want)
 
 
 @gpu
