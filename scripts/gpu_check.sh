@@ -388,10 +388,10 @@ case "$phase" in
     grep "^|\|fallback\|relative\|Error" "$OUT/bench_fp8.txt" | grep -v "^| *\(aten\|void\|sm90\|cutlass\|Name\|-\)" || status=1
     ;;
   fp8-gelu)
-    timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
-    timeout 90 python3 scripts/kernel_check.py --op gelu_tanh_fp8 2>&1 | tee "$OUT/kernel_check_gelu_fp8.txt" | grep -v "^\[" | tail -14 || status=1
     timeout 200 python3 scripts/bench_fp8.py --models flux1-dev --json "$OUT/bench_fp8_flux1.json" > "$OUT/bench_fp8_flux1.txt" 2>&1 || status=1
     grep "^|\|fallback\|relative\|Error" "$OUT/bench_fp8_flux1.txt" || status=1
+    timeout 90 python3 scripts/kernel_check.py --op gelu_tanh_fp8 2>&1 | tee "$OUT/kernel_check_gelu_fp8.txt" | grep -v "^\[" | tail -14 || status=1
+    timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     ;;
   memory-28)
     unset PYTORCH_CUDA_ALLOC_CONF
