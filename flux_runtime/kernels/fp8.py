@@ -222,9 +222,12 @@ def _act_quant_rows_kernel(
             tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
 
 
-# Column block of the dynamic tanh-GELU producer (`set_gelu_block`): None holds each row in registers (up to
-# MAX_ONE_BLOCK values); a width sweeps the row twice in blocks, the first sweep a load and a max (the shortcut).
-GELU_BLOCK_DEFAULT: int | None = None
+# Column block of the dynamic tanh-GELU producer (`set_gelu_block`): a width sweeps each row twice in blocks, the
+# first sweep a load and a max (the shortcut); None holds the row in registers (up to MAX_ONE_BLOCK values), which
+# spills at FLUX.1's 12288 (255 registers). H200, FLUX.1 [dev] double block at 1024², bf16 (kernel_check --op
+# gelu_tanh_fp8): image rows 203.7 us whole, 118.2 in 1024-wide blocks, 121.9 in 2048; text rows 78.9 / 82.5 /
+# 89.2; the whole FP8 step (bench_fp8.py, one run) 97.6 / 95.8 / 96.8 ms, all bit-exact.
+GELU_BLOCK_DEFAULT: int | None = 1024
 _GELU_BLOCK: dict[str, int | None] = {"block": GELU_BLOCK_DEFAULT}
 
 

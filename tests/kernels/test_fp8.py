@@ -100,19 +100,20 @@ def test_gelu_rows_in_blocks_take_the_max_shortcut(dtype, monkeypatch):
     x = gelu_rows(2, 6, 96, 80, dtype, "cpu")
     want = fp8.quantize_reference(gelu_tanh_triton(x))
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32), want)
-    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)  # one block
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)  # the default block
     monkeypatch.setitem(gelu._GELU_BOUNDS, (torch.device("cpu"), dtype), -1.0)
     forged = fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32)
     wrong = (forged.scale != want.scale).flatten().tolist()
     assert wrong == [False, True, True, False, True, False] * 2  # the row kinds of `gelu_rows`, per batch
     assert bool((forged.scale <= want.scale).all())
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32, gelu_shortcut=False), want)
-    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)  # one block: no bound read
-    fp8.set_gelu_block(32)
+    assert fp8.GELU_BLOCK_DEFAULT is not None  # default calls go through the blocks, so the forged bound
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), forged)
+    fp8.set_gelu_block(None)  # whole rows in registers: no second sweep, no bound read
     try:
-        assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), forged)
+        assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)
     finally:
-        fp8.set_gelu_block(None)
+        fp8.set_gelu_block(fp8.GELU_BLOCK_DEFAULT)
 
 
 @interpreter
