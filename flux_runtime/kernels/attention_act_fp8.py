@@ -50,7 +50,6 @@ from flux_runtime.kernels.triton_utils import (
     e4m3_code,
     e4m3_row_scale,
     jit,
-    round_to,
     tl,
     upcast,
 )
@@ -113,21 +112,7 @@ def _attention_act_quant_rows_kernel(
         mask = cols < D
         y = upcast(tl.load(o_row + (cols // HD) * stride_oh + cols % HD, mask=mask, other=0.0), GPU)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-    if MAX_SHORTCUT:
-        # the row's largest input m (NaN skipped, as the full sweep skips NaN activations), then GELU(m) once
-        top = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for c0 in range(0, N, BLOCK):
-            cols = c0 + offs
-            mask = cols < N
-            x = upcast(tl.load(x_row + cols, mask=mask, other=0.0), GPU)
-            top = tl.maximum(top, tl.where(mask, x, float("-inf")))
-        g_top = round_to(_gelu_tanh(tl.max(top, axis=0), BETA, KAPPA, GPU), DTYPE, GPU)
-        if g_top >= GELU_BOUND:  # GELU(m) bounds every |GELU(x)| of the row (False for NaN: all -inf)
-            amax = tl.maximum(amax, g_top)
-        else:  # a small maximum: a negative input's |GELU| may be the larger
-            amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA)
-    else:
-        amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA)
+    amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA, MAX_SHORTCUT, GELU_BOUND)
     s, inv = e4m3_row_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + row, s)
     for c0 in range(0, D, BLOCK):

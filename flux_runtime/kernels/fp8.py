@@ -142,7 +142,7 @@ def _act_value(
 
 
 @jit
-def _act_absmax(
+def _act_sweep_absmax(
     amax, x_row, offs, N, ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
     BETA: tl.constexpr, KAPPA: tl.constexpr,
 ):  # fmt: skip
@@ -152,6 +152,32 @@ def _act_absmax(
         mask = cols < N
         y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+    return amax
+
+
+@jit
+def _act_absmax(
+    amax, x_row, offs, N, ACT: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr, MAX_SHORTCUT: tl.constexpr, GELU_BOUND: tl.constexpr,
+):  # fmt: skip
+    """`amax` raised to the row's largest |act(x)|. With MAX_SHORTCUT (tanh-GELU; GELU_BOUND from
+    `gelu.gelu_amax_bound`) the sweep reads the row's largest input m and evaluates GELU(m) once: when
+    GELU(m) >= the bound it is the row's GELU absmax exactly; otherwise the row is swept through GELU."""
+    if MAX_SHORTCUT:
+        # the row's largest input (NaN skipped, as the GELU sweep skips NaN activations)
+        top = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + offs
+            mask = cols < N
+            x = upcast(tl.load(x_row + cols, mask=mask, other=0.0), GPU)
+            top = tl.maximum(top, tl.where(mask, x, float("-inf")))
+        g_top = round_to(_gelu_tanh(tl.max(top, axis=0), BETA, KAPPA, GPU), DTYPE, GPU)
+        if g_top >= GELU_BOUND:  # GELU(m) bounds every |GELU(x)| of the row (False for NaN: all -inf)
+            amax = tl.maximum(amax, g_top)
+        else:  # a small maximum: a negative input's |GELU| may be the larger
+            amax = _act_sweep_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA)
+    else:
+        amax = _act_sweep_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK, GPU, BETA, KAPPA)
     return amax
 
 
@@ -195,21 +221,9 @@ def _act_quant_rows_kernel(
         tl.store(q_row + offs, e4m3_code(y * inv), mask=mask)
     elif DYNAMIC:
         amax = tl.zeros((BLOCK_N,), tl.float32)
-        if MAX_SHORTCUT:
-            # the row's largest input m (NaN skipped, as the GELU sweep skips NaN activations), then GELU(m) once
-            top = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-            for c0 in range(0, N, BLOCK_N):
-                cols = c0 + offs
-                mask = cols < N
-                x = upcast(tl.load(x_row + cols, mask=mask, other=0.0), GPU)
-                top = tl.maximum(top, tl.where(mask, x, float("-inf")))
-            g_top = round_to(_gelu_tanh(tl.max(top, axis=0), BETA, KAPPA, GPU), DTYPE, GPU)
-            if g_top >= GELU_BOUND:  # GELU(m) bounds every |GELU(x)| of the row (False for NaN: all -inf)
-                amax = tl.maximum(amax, g_top)
-            else:  # a small maximum: a negative input's |GELU| may be the larger
-                amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK_N, GPU, BETA, KAPPA)
-        else:
-            amax = _act_absmax(amax, x_row, offs, N, ACT, DTYPE, BLOCK_N, GPU, BETA, KAPPA)
+        amax = _act_absmax(
+            amax, x_row, offs, N, ACT, DTYPE, BLOCK_N, GPU, BETA, KAPPA, MAX_SHORTCUT, GELU_BOUND
+        )
         s, inv = e4m3_row_scale(tl.max(amax, axis=0))
         tl.store(scale_ptr + b * L + pos, s)
     else:
