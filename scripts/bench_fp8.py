@@ -319,6 +319,19 @@ def bench_model(name: str, iters: int) -> bool:
         )
         return out
 
+    def block_ab(act: str, what: str, model, expected) -> None:
+        """The FP8 lossless step again with `act`'s per-row producer in each other column block (whole rows,
+        1024- or 2048-wide blocks: `fp8.set_act_block`), each a new graph, for a same-run A/B."""
+        default = fp8.ACT_BLOCK_DEFAULTS[act]
+        for block in (None, 1024, 2048):
+            if block != default:
+                fp8.set_act_block(act, block)
+                label = "whole rows" if block is None else f"{block}-wide blocks"
+                measure(
+                    f"(ours fp8 lossless + graph, {what} in {label})", graphed(model, "lossless"), expected
+                )
+        fp8.set_act_block(act, default)
+
     expected_bf16 = measure("diffusers bf16 eager", run_ref)
     out_bf16 = measure("ours bf16 lossless + graph", graphed(ours, "lossless"), expected_bf16)
     models.clear()  # diffusers' model goes; ours keeps the weights it shares
@@ -355,18 +368,9 @@ def bench_model(name: str, iters: int) -> bool:
         set_gelu_shortcut(False)
         measure("(ours fp8 lossless + graph, GELU in both sweeps)", graphed(ours, "lossless"), expected_fp8)
         set_gelu_shortcut(True)
-        # the double blocks' GELU producer in column blocks (max shortcut) instead of whole rows in registers
-        default_block = fp8.GELU_BLOCK_DEFAULT
-        for block in (None, 1024, 2048):
-            if block != default_block:
-                fp8.set_gelu_block(block)
-                label = "whole rows" if block is None else f"{block}-wide blocks"
-                measure(
-                    f"(ours fp8 lossless + graph, double-block GELU in {label})",
-                    graphed(ours, "lossless"),
-                    expected_fp8,
-                )
-        fp8.set_gelu_block(default_block)
+        block_ab("gelu_tanh", "double-block GELU", ours, expected_fp8)
+    if name == "klein-4b":
+        block_ab("swiglu", "double-block SwiGLU", ours, expected_fp8)
     print(fused_ops_report(), flush=True)
     if PROFILE:
         bench.profile_step(ours_step(ours, "lossless"))

@@ -46,10 +46,10 @@ from flux_runtime.kernels.attention_act_fp8 import (
 )
 from flux_runtime.kernels.dispatch import UnsupportedInput
 from flux_runtime.kernels.fp8 import (
-    GELU_BLOCK_DEFAULT,
+    ACT_BLOCK_DEFAULTS,
     act_quantize_reference,
     act_quantize_triton,
-    set_gelu_block,
+    set_act_block,
 )
 from flux_runtime.kernels.gated_residual import gated_residual_reference, gated_residual_triton
 from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_reference, gelu_tanh_triton
@@ -335,37 +335,47 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
     return _fp8_bits(act_quantize_triton(buf, "identity", None, None))
 
 
-def _gelu_fp8_whole_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """`gelu_tanh_fp8` with each row held in registers (`set_gelu_block(None)`), the default restored after."""
-    set_gelu_block(None)
-    try:
-        return _fp8_bits(act_quantize_triton(x, "gelu_tanh", None, None))
-    finally:
-        set_gelu_block(GELU_BLOCK_DEFAULT)
+def _whole_rows(act: str) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """`act`'s per-row e4m3 producer with each row held in registers (`set_act_block`), the default restored."""
+
+    def run(x: Tensor) -> tuple[Tensor, Tensor]:
+        set_act_block(act, None)
+        try:
+            return _fp8_bits(act_quantize_triton(x, act, None, None))
+        finally:
+            set_act_block(act, ACT_BLOCK_DEFAULTS[act])
+
+    return run
 
 
-def _gelu_fp8_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
-    """FLUX.1's double-block MLP activation in e4m3 with per-row scales (`gelu_tanh_fp8`, the down projection's
-    input) at 1024², B1, image and text rows: swept twice in 1024- (the default) or 2048-wide blocks, whose
-    first sweep takes the max shortcut (also without it: "2 GELUs"), and each row held in registers."""
-    for label, rows in (("double img 1024² B1", IMAGES["1024²"]), ("double txt B1", TXT)):
+def _act_fp8_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
+    """The double blocks' MLP activation in e4m3 with per-row scales (the down projection's input) at 1024², B1,
+    image and text rows: FLUX.1's tanh-GELU (`gelu_tanh_fp8`) and the klein models' SwiGLU (`swiglu_fp8`), each
+    swept twice in 1024- or 2048-wide blocks (tanh-GELU's first sweep takes the max shortcut; also without it:
+    "2 GELUs") and with each row held in registers ("whole rows"); the default is starred."""
+    sites = [("gelu_tanh", "flux1", FF_INNER)] + [("swiglu", k, SWIGLU[k][1]) for k in ("klein4B", "klein9B")]
+    for act, model, m in sites:
+        for where, rows in (("img 1024²", IMAGES["1024²"]), ("txt", TXT)):
+            k = 2 * m if act == "swiglu" else m
 
-        def make(rows: int = rows) -> tuple[Any, ...]:
-            return ((torch.randn(1, rows, FF_INNER, device="cuda") * 3).to(dtype),)
+            def make(rows: int = rows, k: int = k) -> tuple[Any, ...]:
+                return ((torch.randn(1, rows, k, device="cuda") * 3).to(dtype),)
 
-        blocks = {
-            f"{blk} blocks{tag}": lambda x, blk=blk, on=on: _fp8_bits(
-                act_quantize_triton(x, "gelu_tanh", None, None, block_n=blk, gelu_shortcut=on)
-            )
-            for blk in (1024, 2048)
-            for tag, on in (("", True), (", 2 GELUs", False))
-        }
-        yield Case(
-            "gelu_tanh_fp8", label, dtype, make,
-            {**blocks, "one block": _gelu_fp8_whole_rows},
-            lambda x: _fp8_bits(act_quantize_reference(x, "gelu_tanh", None, None)),
-            rows * (FF_INNER * s + FF_INNER + 4), default="1024 blocks",
-        )  # fmt: skip
+            shortcut = (("", True), (", 2 GELUs", False)) if act == "gelu_tanh" else (("", None),)
+            variants = {
+                f"{blk} blocks{tag}": lambda x, blk=blk, on=on, act=act: _fp8_bits(
+                    act_quantize_triton(x, act, None, None, block_n=blk, gelu_shortcut=on)
+                )
+                for blk in (1024, 2048)
+                for tag, on in shortcut
+            }
+            default = ACT_BLOCK_DEFAULTS[act]
+            yield Case(
+                f"{act}_fp8", f"{model} double {where} B1", dtype, make,
+                {**variants, "whole rows": _whole_rows(act)},
+                lambda x, act=act: _fp8_bits(act_quantize_reference(x, act, None, None)),
+                rows * (k * s + m + 4), default="whole rows" if default is None else f"{default} blocks",
+            )  # fmt: skip
 
 
 # (tile, warps) `--tune` tries beside the default (1024 or 2048 values by the row's width, 4 warps) for the
@@ -494,7 +504,7 @@ def cases(dtype: torch.dtype) -> Iterator[Case]:
     yield from _qk_cases(dtype)
     yield from _activation_cases(dtype, s)
     yield from _attention_act_cases(dtype, s)
-    yield from _gelu_fp8_cases(dtype, s)
+    yield from _act_fp8_cases(dtype, s)
     yield from _flux3_cases(dtype, s)
 
 

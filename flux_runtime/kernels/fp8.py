@@ -236,19 +236,23 @@ def _act_quant_rows_kernel(
             tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
 
 
-# Column block of the dynamic tanh-GELU producer (`set_gelu_block`): a width sweeps each row twice in blocks, the
-# first sweep a load and a max (the shortcut); None holds the row in registers (up to MAX_ONE_BLOCK values): at
-# FLUX.1's 12288 one 16-warp program at 93 registers a thread, one row per SM at a time. H200, FLUX.1 [dev] double block at 1024², bf16 (kernel_check --op
+# Column block of each dynamic (per-row) activation producer when no `block_n` is given (`set_act_block`): a width
+# sweeps each row twice in blocks (tanh-GELU's first sweep a load and a max: the shortcut); None holds a row of up
+# to MAX_ONE_BLOCK values in registers. tanh-GELU: at FLUX.1's 12288 a whole row is one 16-warp program at 93
+# registers a thread, one row per SM at a time. H200, FLUX.1 [dev] double block at 1024², bf16 (kernel_check --op
 # gelu_tanh_fp8): image rows 203.7 us whole, 118.2 in 1024-wide blocks, 121.9 in 2048; text rows 78.9 / 82.5 /
-# 89.2; the whole FP8 step (bench_fp8.py, one run) 97.6 / 95.8 / 96.8 ms, all bit-exact.
-GELU_BLOCK_DEFAULT: int | None = 1024
-_GELU_BLOCK: dict[str, int | None] = {"block": GELU_BLOCK_DEFAULT}
+# 89.2; the whole FP8 step (bench_fp8.py, one run) 97.6 / 95.8 / 96.8 ms, all bit-exact. SwiGLU stays whole (not
+# yet timed in blocks; klein's 9216-wide rows take 128 registers and spill 56 bytes).
+ACT_BLOCK_DEFAULTS: dict[str, int | None] = {"gelu_tanh": 1024, "swiglu": None, "identity": None}
+_ACT_BLOCK: dict[str, int | None] = dict(ACT_BLOCK_DEFAULTS)
 
 
-def set_gelu_block(block: int | None) -> None:
-    """The column block `act_quantize_triton` uses for dynamic tanh-GELU rows when no `block_n` is given
-    (None: one block per row). The bits are the same either way; `scripts/bench_fp8.py` times both."""
-    _GELU_BLOCK["block"] = block
+def set_act_block(act: str, block: int | None) -> None:
+    """The column block `act_quantize_triton` uses for `act`'s dynamic rows when no `block_n` is given (None:
+    one block per row where it fits). The bits are the same either way; `scripts/bench_fp8.py` times both."""
+    if act not in _ACT_BLOCK:
+        raise ValueError(f"set_act_block: unknown activation {act!r}; expected one of {tuple(_ACT_BLOCK)}")
+    _ACT_BLOCK[act] = block
 
 
 def act_quantize_triton(
@@ -258,7 +262,7 @@ def act_quantize_triton(
     """Fused `act_quantize_reference`: x (..., K) bf16/fp16 with a unit last stride, any row strides.
 
     A row of up to `MAX_ONE_BLOCK` values is read once and kept in registers (one program of 8-16 warps per
-    row); wider rows, or an explicit `block_n` (for dynamic tanh-GELU also `set_gelu_block`'s), loop over
+    row); wider rows, or an explicit `block_n` (for a dynamic scale also `set_act_block`'s), loop over
     column blocks (twice for a dynamic scale). A dynamic tanh-GELU row in blocks takes the max shortcut of
     `gelu.gelu_amax_bound` when `gelu_shortcut` (None: `gelu.set_gelu_shortcut`'s setting) and the bound holds
     on the device: its first sweep reads the row's largest input instead of evaluating GELU, with the same bits.
@@ -291,8 +295,8 @@ def act_quantize_triton(
     b, length, _ = x3.shape
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if dynamic else scale
     gelu_rows = act == "gelu_tanh" and dynamic
-    if block_n is None and gelu_rows:
-        block_n = _GELU_BLOCK["block"]
+    if block_n is None and dynamic:
+        block_n = _ACT_BLOCK[act]
     one_block = block_n is None and n <= MAX_ONE_BLOCK
     if block_n is None:
         block_n = triton.next_power_of_2(n) if one_block else 2048

@@ -96,7 +96,7 @@ def test_gelu_rows_in_blocks_take_the_max_shortcut(dtype, monkeypatch):
     """Dynamic tanh-GELU rows swept in column blocks: rows through the max shortcut and through the fallback
     sweep give the reference's codes and scales. A forged bound below every GELU value changes exactly the
     small-maximum rows' scales, so the shortcut is taken and the bound decides it; with the shortcut off the
-    bound is not read; `set_gelu_block` sends default calls through the blocks."""
+    bound is not read; `set_act_block` sends default calls through the blocks."""
     x = gelu_rows(2, 6, 96, 80, dtype, "cpu")
     want = fp8.quantize_reference(gelu_tanh_triton(x))
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32), want)
@@ -107,13 +107,30 @@ def test_gelu_rows_in_blocks_take_the_max_shortcut(dtype, monkeypatch):
     assert wrong == [False, True, True, False, True, False] * 2  # the row kinds of `gelu_rows`, per batch
     assert bool((forged.scale <= want.scale).all())
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=32, gelu_shortcut=False), want)
-    assert fp8.GELU_BLOCK_DEFAULT is not None  # default calls go through the blocks, so the forged bound
+    assert (
+        fp8.ACT_BLOCK_DEFAULTS["gelu_tanh"] is not None
+    )  # default calls go through the blocks: the forged bound
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), forged)
-    fp8.set_gelu_block(None)  # whole rows in registers: no second sweep, no bound read
+    fp8.set_act_block("gelu_tanh", None)  # whole rows in registers: no second sweep, no bound read
     try:
         assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)
     finally:
-        fp8.set_gelu_block(fp8.GELU_BLOCK_DEFAULT)
+        fp8.set_act_block("gelu_tanh", fp8.ACT_BLOCK_DEFAULTS["gelu_tanh"])
+
+
+@interpreter
+def test_swiglu_rows_in_blocks_and_whole_agree():
+    """SwiGLU's dynamic rows in column blocks (`set_act_block`) and whole: the same codes and scales."""
+    x = (torch.randn(2, 5, 2 * 80) * 3).to(torch.bfloat16)
+    want = fp8.quantize_reference(swiglu_triton(x))
+    fp8.set_act_block("swiglu", 32)
+    try:
+        assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)
+    finally:
+        fp8.set_act_block("swiglu", fp8.ACT_BLOCK_DEFAULTS["swiglu"])
+    assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        fp8.set_act_block("relu", 32)
 
 
 @interpreter
@@ -206,6 +223,19 @@ def test_gpu_gelu_rows_in_blocks(shape, block, dtype):
     want = fp8.act_quantize_reference(x, "gelu_tanh", None, None)
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=block), want)
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None, block_n=block, gelu_shortcut=False), want)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [1024, 2048])
+@pytest.mark.parametrize("shape", [s for s in FLUX_MLP if s[2] in (9216, 12288)], ids=row_id)
+def test_gpu_swiglu_rows_in_blocks(shape, block, dtype):
+    """The klein models' SwiGLU rows (9216 and 12288 wide, held whole by default) in column blocks."""
+    b, n, m = shape
+    x = (torch.randn(b, n, 2 * m, device="cuda") * 3).to(dtype)
+    want = fp8.act_quantize_reference(x, "swiglu", None, None)
+    assert_same(fp8.act_quantize_triton(x, "swiglu", None, None, block_n=block), want)
 
 
 @gpu
