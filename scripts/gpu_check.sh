@@ -75,8 +75,9 @@
 #                                       timed on the step's strided q, k, v and two contiguous layouts
 #   bash scripts/gpu_check.sh fp8-floor  the FP8 bench (FLUX.1-dev, klein-4B, FLUX.2-dev) with each floor also timed in the
 #                                       step's order as one CUDA graph, and each FP8 step's kernel table ($OUT/bench_fp8.txt)
-#   bash scripts/gpu_check.sh fp8-gelu  the FP8 producers' GPU tests, kernel_check of the double-block GELU producer (whole
-#                                       rows against column blocks with the max shortcut), FLUX.1-dev's FP8 bench with both
+#   bash scripts/gpu_check.sh fp8-gelu  the FP8 bench of FLUX.1-dev and klein-4B (MODELS) with a same-run A/B of the double
+#                                       blocks' per-row GELU / SwiGLU producer tile (whole rows, 1024- or 2048-wide blocks),
+#                                       kernel_check of those producers at their sites, the FP8 producers' GPU tests
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
@@ -388,9 +389,9 @@ case "$phase" in
     grep "^|\|fallback\|relative\|Error" "$OUT/bench_fp8.txt" | grep -v "^| *\(aten\|void\|sm90\|cutlass\|Name\|-\)" || status=1
     ;;
   fp8-gelu)
-    timeout 200 python3 scripts/bench_fp8.py --models flux1-dev --json "$OUT/bench_fp8_flux1.json" > "$OUT/bench_fp8_flux1.txt" 2>&1 || status=1
-    grep "^|\|fallback\|relative\|Error" "$OUT/bench_fp8_flux1.txt" || status=1
-    timeout 90 python3 scripts/kernel_check.py --op gelu_tanh_fp8 2>&1 | tee "$OUT/kernel_check_gelu_fp8.txt" | grep -v "^\[" | tail -14 || status=1
+    timeout 260 python3 scripts/bench_fp8.py --models "${MODELS:-flux1-dev,klein-4b}" --json "$OUT/bench_fp8_act.json" > "$OUT/bench_fp8_act.txt" 2>&1 || status=1
+    grep "^|\|fallback\|relative\|Error" "$OUT/bench_fp8_act.txt" || status=1
+    timeout 90 python3 scripts/kernel_check.py --op gelu_tanh_fp8 --op swiglu_fp8 2>&1 | tee "$OUT/kernel_check_act_fp8.txt" | grep -v "^\[" | tail -32 || status=1
     timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     ;;
   memory-28)
