@@ -40,9 +40,9 @@ import bench
 import bench_flux2
 
 from flux_runtime.kernels import fp8
-from flux_runtime.kernels.attention_act_fp8 import set_gelu_shortcut
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.fp8 import E4M3
+from flux_runtime.kernels.gelu import set_gelu_shortcut
 from flux_runtime.models.dit import FLUX1_DEV
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.weights.fp8 import quantize_model

@@ -32,16 +32,7 @@ from flux_runtime.kernels.fp8 import (
     _act_value,
     quantize_reference,
 )
-from flux_runtime.kernels.gelu import (  # noqa: F401  (the bound's helpers are also read from here)
-    _GELU_BOUNDS,
-    _SHORTCUT,
-    K_BETA,
-    K_KAPPA,
-    _gelu_tanh,
-    gelu_amax_bound,
-    monotone_bound,
-    set_gelu_shortcut,
-)
+from flux_runtime.kernels.gelu import _SHORTCUT, K_BETA, K_KAPPA, gelu_amax_bound
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
     check_half,
@@ -150,7 +141,7 @@ def attention_act_quantize_triton(
     program of `num_warps` warps per row (grid (L, B)): its absmax, then its codes, re-reading the inputs.
     The tile and warp count change the time, not the bits (a max is exact in any order; `kernel_check.py --op
     attention_act_fp8 --tune` times the alternatives).
-    For tanh-GELU with `gelu_shortcut` (None: `set_gelu_shortcut`'s setting, on by default; and `gelu_amax_bound` established for the dtype and device) the first
+    For tanh-GELU with `gelu_shortcut` (None: `gelu.set_gelu_shortcut`'s setting, on by default; and `gelu_amax_bound` established for the dtype and device) the first
     sweep reads the row's maximum instead of evaluating GELU, falling back to the GELU sweep per row where
     the maximum is small; the bits are the same either way (`gelu_shortcut=False` is the two-GELU path, kept
     for comparison: `kernel_check.py --op attention_act_fp8` times both).

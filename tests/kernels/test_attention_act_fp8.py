@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from flux_runtime.kernels import fp8
+from flux_runtime.kernels import fp8, gelu
 from flux_runtime.kernels.dispatch import (
     UnsupportedInput,
     fused_ops_report,
@@ -93,47 +93,47 @@ def test_gelu_max_shortcut_is_taken_and_decided_by_the_bound(monkeypatch):
     o, x = heads(1, 6, 3, 32, dtype, "cpu"), gelu_rows(1, 6, 96, 80, dtype, "cpu")
     o.mul_(2**-8)
     want = aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64)
-    monkeypatch.setitem(aa._GELU_BOUNDS, (torch.device("cpu"), dtype), -1.0)
+    monkeypatch.setitem(gelu._GELU_BOUNDS, (torch.device("cpu"), dtype), -1.0)
     forged = aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64)
     wrong = (forged.scale != want.scale).flatten().tolist()
     assert wrong == [False, True, True, False, True, False]  # the row kinds of `gelu_rows`
     assert bool((forged.scale <= want.scale).all())
-    aa.set_gelu_shortcut(False)  # the benchmarks' switch: no shortcut, so the forged bound is not read
+    gelu.set_gelu_shortcut(False)  # the benchmarks' switch: no shortcut, so the forged bound is not read
     try:
         assert_same(aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64), want)
     finally:
-        aa.set_gelu_shortcut(True)
+        gelu.set_gelu_shortcut(True)
 
 
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gelu_amax_bound_on_the_kernels_gelu(dtype):
     cpu = torch.device("cpu")
-    bound = aa.gelu_amax_bound(dtype, cpu)
+    bound = gelu.gelu_amax_bound(dtype, cpu)
     assert bound is not None and 0.16 < bound < 0.18  # tanh-GELU's minimum is about -0.17, at x = -0.75
     # a 16-bit value, so exact as the kernel's fp32 constant
     assert torch.tensor(bound).to(dtype).item() == bound
     values = all_half_values(dtype, cpu)
     g = gelu_tanh_triton(values).float()
     assert bound == g[(values < 0) & values.isfinite()].abs().max().item()
-    assert aa._GELU_BOUNDS[(cpu, dtype)] == bound  # once per (device, dtype)
-    assert aa.monotone_bound(values, gelu_tanh_reference(values)) is not None  # aten's CPU GELU has it too
+    assert gelu._GELU_BOUNDS[(cpu, dtype)] == bound  # once per (device, dtype)
+    assert gelu.monotone_bound(values, gelu_tanh_reference(values)) is not None  # aten's CPU GELU has it too
 
 
 @interpreter
 def test_monotone_bound_rejects_tables_without_the_property():
     values = all_half_values(torch.bfloat16, "cpu")
     table = gelu_tanh_triton(values)
-    assert aa.monotone_bound(values, table) is not None
+    assert gelu.monotone_bound(values, table) is not None
     dip = table.clone()
     dip[values == 1.5] = 1.25  # GELU(1.5) below GELU of a smaller input: not non-decreasing
-    assert aa.monotone_bound(values, dip) is None
+    assert gelu.monotone_bound(values, dip) is None
     sign = table.clone()
     sign[values == 2**-20] = -(2**-30)  # negative at a non-negative input
-    assert aa.monotone_bound(values, sign) is None
+    assert gelu.monotone_bound(values, sign) is None
     nan = table.clone()
     nan[values == -1.0] = float("nan")  # no bound from a NaN at a finite negative input
-    assert aa.monotone_bound(values, nan) is None
+    assert gelu.monotone_bound(values, nan) is None
 
 
 @interpreter
@@ -202,7 +202,7 @@ def test_gpu_single_block_sites(site, n, dtype):
 def test_gpu_gelu_max_shortcut(dtype):
     """The bound holds for the device's own GELU (so the shortcut is on), and at FLUX.1's widths the rows
     through the shortcut and through the fallback sweep are the reference's, with the shortcut on and off."""
-    bound = aa.gelu_amax_bound(dtype, torch.device("cuda"))
+    bound = gelu.gelu_amax_bound(dtype, torch.device("cuda"))
     assert bound is not None and 0.16 < bound < 0.18
     n = TXT_TOKENS + IMAGE_TOKENS["1024x1024"]
     o, x = heads(1, n, 24, 128, dtype, "cuda"), gelu_rows(1, n, 3072, 12288, dtype, "cuda")
