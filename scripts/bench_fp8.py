@@ -121,12 +121,16 @@ def time_gemms(
     return out
 
 
+def mlp_in(cfg, flux1: bool) -> int:
+    """Width of the MLP's first projection: FLUX.1's GELU input, FLUX.2's SwiGLU `[gate | up]`."""
+    return cfg.mlp_hidden_dim if flux1 else 2 * cfg.mlp_hidden_dim
+
+
 def step_calls(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> list[tuple[str, int, int, int]]:
     """The step's GEMMs and attentions in the order the model runs them: `("fp8" | "bf16", M, K, N)` for a
     GEMM (e4m3 block projections; bf16 embedders, modulation and final layer), `("attention", L, 0, 0)` for
     one joint attention. FLUX.1 projects each block's modulation itself; FLUX.2 shares three projections."""
-    d, mlp, L = cfg.hidden_size, cfg.mlp_hidden_dim, n_img + n_txt
-    up = mlp if flux1 else 2 * mlp
+    d, mlp, up, L = cfg.hidden_size, cfg.mlp_hidden_dim, mlp_in(cfg, flux1), n_img + n_txt
     calls: list[tuple[str, int, int, int]] = [
         ("bf16", n_img, cfg.in_channels, d),
         ("bf16", n_txt, cfg.context_in_dim, d),
@@ -162,24 +166,21 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
     out["attention"] = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
         lambda: F.scaled_dot_product_attention(q, k, v), iters=20
     )
-    layouts = step_layout_attention(
-        cfg, L, 3 * cfg.hidden_size + (cfg.mlp_hidden_dim if flux1 else 2 * cfg.mlp_hidden_dim)
-    )
+    layouts = step_layout_attention(cfg, L, 3 * cfg.hidden_size + mlp_in(cfg, flux1))
     for key, (ms, same) in layouts.items():
         out[f"attention_{key}"] = (cfg.depth + cfg.depth_single_blocks) * ms
         out[f"attention_{key}_equal"] = same
     out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
-    out["sequence"] = sequence_floor(cfg, calls, bias=flux1)
+    out["sequence"] = sequence_floor(cfg, calls, flux1)
     return out
 
 
 def step_ops(
-    cfg, calls: list[tuple[str, int, int, int]], bias: bool, device=DEV
+    cfg, calls: list[tuple[str, int, int, int]], flux1: bool, device=DEV
 ) -> list[Callable[[], object]]:
-    """`calls` as zero-argument callables on random tensors (see `sequence_floor`)."""
-    h, dh = cfg.num_heads, cfg.head_dim
-    up = cfg.mlp_hidden_dim if bias else 2 * cfg.mlp_hidden_dim  # FLUX.1's GELU input, FLUX.2's [gate | up]
-    width = 3 * h * dh + up  # the single block's linear1 output
+    """`calls` as zero-argument callables on random tensors (see `sequence_floor`); FLUX.1's GEMMs add a bias."""
+    h, dh, bias = cfg.num_heads, cfg.head_dim, flux1
+    width = 3 * h * dh + mlp_in(cfg, flux1)  # the single block's linear1 output
     acts: dict[tuple[str, int, int], list] = {}
     ops: list[Callable[[], object]] = []
     for kind, m, k, n in calls:  # two buffers per activation shape, used in turn
@@ -207,12 +208,12 @@ def step_ops(
     return ops
 
 
-def sequence_floor(cfg, calls: list[tuple[str, int, int, int]], bias: bool) -> float:
+def sequence_floor(cfg, calls: list[tuple[str, int, int, int]], flux1: bool) -> float:
     """ms of `calls` replayed as one CUDA graph, as the step runs them: every GEMM reads weights of its own
     (the step's GEMMs do; a shape timed alone re-reads the same weights, which may stay in L2), activations
     alternate between two buffers per shape, and each attention reads q, k and v in the step's layout (q, k
     (B, L, H, Dh); v a column slice of the single block's projection). No elementwise kernel runs."""
-    ops = step_ops(cfg, calls, bias)
+    ops = step_ops(cfg, calls, flux1)
 
     def run() -> None:
         for op in ops:

@@ -32,7 +32,7 @@ from flux_runtime.kernels.fp8 import (
     _act_value,
     quantize_reference,
 )
-from flux_runtime.kernels.gelu import _SHORTCUT, K_BETA, K_KAPPA, gelu_amax_bound
+from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, shortcut_consts
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
     check_half,
@@ -174,11 +174,8 @@ def attention_act_quantize_triton(
         check_int32_offsets(op, name, t)
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
-    if gelu_shortcut is None:
-        gelu_shortcut = _SHORTCUT["gelu"]
-    bound = gelu_amax_bound(x.dtype, x.device) if act == "gelu_tanh" and gelu_shortcut else None
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
-    consts |= dict(MAX_SHORTCUT=bound is not None, GELU_BOUND=0.0 if bound is None else bound)
+    consts |= shortcut_consts(x.dtype, x.device, gelu_shortcut if act == "gelu_tanh" else False)
     _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=num_warps, **consts)
     return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))
 

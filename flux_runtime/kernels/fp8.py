@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
-from flux_runtime.kernels.gelu import _SHORTCUT, K_BETA, K_KAPPA, _gelu_tanh, gelu_amax_bound
+from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh, shortcut_consts
 from flux_runtime.kernels.swiglu import _silu
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
@@ -294,21 +294,19 @@ def act_quantize_triton(
         check_int32_offsets(op, name, t)
     b, length, _ = x3.shape
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if dynamic else scale
-    gelu_rows = act == "gelu_tanh" and dynamic
     if block_n is None and dynamic:
         block_n = _ACT_BLOCK[act]
     one_block = block_n is None and n <= MAX_ONE_BLOCK
     if block_n is None:
         block_n = triton.next_power_of_2(n) if one_block else 2048
     warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
-    shortcut = _SHORTCUT["gelu"] if gelu_shortcut is None else gelu_shortcut
-    bound = gelu_amax_bound(x.dtype, x.device) if gelu_rows and not one_block and shortcut else None
+    two_sweeps = act == "gelu_tanh" and dynamic and not one_block  # where the max shortcut applies
+    consts = shortcut_consts(x.dtype, x.device, gelu_shortcut if two_sweeps else False)
     _act_quant_rows_kernel[(length, b)](
         x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
         x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),
         ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, ONE_BLOCK=one_block, GPU=ON_GPU, BETA=K_BETA,
-        KAPPA=K_KAPPA, MAX_SHORTCUT=bound is not None, GELU_BOUND=0.0 if bound is None else bound,
-        num_warps=warps if one_block else 4, enable_fp_fusion=False,
+        KAPPA=K_KAPPA, num_warps=warps if one_block else 4, enable_fp_fusion=False, **consts,
     )  # fmt: skip
     return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
 

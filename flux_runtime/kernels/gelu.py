@@ -239,7 +239,7 @@ def monotone_bound(values: Tensor, g: Tensor) -> float | None:
 
 
 _GELU_BOUNDS: dict[tuple[torch.device, torch.dtype], float | None] = {}
-_SHORTCUT = {"gelu": True}  # the default of `attention_act_quantize_triton(gelu_shortcut=)`
+_SHORTCUT = {"gelu": True}  # the default `gelu_shortcut=` of the per-row producers (see `shortcut_consts`)
 
 
 def set_gelu_shortcut(on: bool) -> None:
@@ -267,3 +267,10 @@ def gelu_amax_bound(dtype: torch.dtype, device: torch.device) -> float | None:
         values = all_half_values(dtype, device)
         _GELU_BOUNDS[key] = monotone_bound(values, gelu_tanh_triton(values))
     return _GELU_BOUNDS[key]
+
+
+def shortcut_consts(dtype: torch.dtype, device: torch.device, use: bool | None) -> dict[str, object]:
+    """The `MAX_SHORTCUT` / `GELU_BOUND` constexprs of a per-row tanh-GELU producer's launch: the shortcut when
+    `use` (None: `set_gelu_shortcut`'s setting) and `gelu_amax_bound` holds for `dtype` on `device`."""
+    bound = gelu_amax_bound(dtype, device) if (_SHORTCUT["gelu"] if use is None else use) else None
+    return {"MAX_SHORTCUT": bound is not None, "GELU_BOUND": 0.0 if bound is None else bound}
