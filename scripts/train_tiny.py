@@ -43,6 +43,13 @@ colour word is coded beside a background it never met (the shipped `tiny`'s T5 p
 own size when only the background word changes); the term trains the encoder to code those words the same on
 every background. Qwen3 is causal: there the drift is 0.
 
+`--guidance-distill F` (FLUX.1) gives the dev model's guidance embedding its meaning, as guidance distillation
+does for FLUX.1 [dev]: rows at guidance 1 train plain flow matching with a tenth of their captions dropped to
+the empty prompt, so the model learns its conditional and unconditional velocities; from `--distill-after N`
+steps on, a fraction F of each batch is trained at a random guidance g on `v_u + g (v_c - v_u)`, both
+velocities from an EMA copy of the model at guidance 1 (`GuidanceTeacher`). Without it the guidance input is
+fed random values against a target that does not depend on them, so it learns nothing.
+
 `--freeze-text` keeps the text encoders as they are and embeds the pool's captions once: a step then runs no
 encoder. FLUX.2's tiny Qwen3 is 28 layers deep, run forward and backward every step otherwise; in the first
 run FLUX.2's DiT (the same width and depth as FLUX.1's) made 1,700 steps in the 285 s FLUX.1's made 4,850 in.
@@ -193,6 +200,13 @@ class EMA:
     def update(self, step: int) -> None:
         d = min(self.decay, (1 + step) / (10 + step))
         torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def copy_into(self, source: nn.Module, target: nn.Module) -> None:
+        """Write the averages of `source`'s parameters into `target`'s (a copy of `source`: same order)."""
+        avg = {id(p): s for p, s in zip(self.params, self.shadow, strict=True)}
+        for p, q in zip(source.parameters(), target.parameters(), strict=True):
+            q.copy_(avg.get(id(p), p))
 
     @torch.no_grad()
     def swap(self) -> None:
@@ -401,6 +415,45 @@ def prefix_drift(states: Tensor, b: int, rows: Tensor, head_cut: Tensor, ids: Te
     return (diff * mask).sum() / mask.sum().clamp(min=1) / head.detach().pow(2).mean().clamp(min=1e-12)
 
 
+class GuidanceTeacher:
+    """FLUX.1 [dev]'s guidance distillation (`--guidance-distill F`), with the model as its own teacher.
+
+    The teacher is a frozen copy of the DiT holding its EMA weights, refreshed every `refresh` steps. Its
+    guidance input is held at 1, the value the student's plain flow-matching rows are trained at. Those rows
+    also drop a tenth of their captions to the empty prompt, so at guidance 1 the model learns both the
+    conditional and the unconditional velocity. A distilled row asks the student, at a random guidance g,
+    for what classifier-free guidance of the teacher gives: `v_u + g (v_c - v_u)` at the same noisy latent
+    and time. That is how the dev model's guidance embedding gets a meaning; without it the input is fed
+    random values and learns to be ignored."""
+
+    def __init__(self, model: nn.Module, max_guidance: float, refresh: int = 100) -> None:
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.max_guidance = max_guidance
+        self.refresh = refresh
+
+    def update(self, step: int, first: int, student: nn.Module, ema: EMA) -> None:
+        if step >= first and (step - first) % self.refresh == 0:
+            ema.copy_into(student, self.model)
+
+    def guidance(self, n: int, gen: torch.Generator) -> Tensor:
+        return 1 + (self.max_guidance - 1) * torch.rand(n, device=gen.device, generator=gen)
+
+    @torch.no_grad()
+    def targets(
+        self, xt: Tensor, t: Tensor, cond: tuple[Tensor, Tensor], uncond: tuple[Tensor, Tensor], g: Tensor,
+        img_ids: Tensor, txt_ids: Tensor, pe: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """The guided velocity for rows (xt, t) whose text states are `cond` (txt, pooled), `uncond` being the
+        empty prompt's (one row), at guidances `g`: both branches in one teacher call."""
+        n = xt.shape[0]
+        txt = torch.cat([cond[0], uncond[0].expand(n, -1, -1)]).float()
+        pooled = torch.cat([cond[1], uncond[1].expand(n, -1)]).float()
+        ones = torch.ones(2 * n, device=xt.device)
+        v = self.model(xt.repeat(2, 1, 1), img_ids, txt, txt_ids, t.repeat(2), pooled, ones, pe=pe).float()
+        v_c, v_u = v.chunk(2)
+        return v_u + g[:, None, None] * (v_c - v_u)
+
+
 def file_meta(seed: int) -> dict[str, str]:
     """The safetensors metadata of every weight file a run writes."""
     return {"format": "pt", "trained_by": "scripts/train_tiny.py", "seed": str(seed)}
@@ -464,6 +517,7 @@ def train_dit(
     device: torch.device,
     history: dict,
     splice: Splice | None = None,
+    teacher: GuidanceTeacher | None = None,
 ) -> None:
     """Flow matching on the pool: `x0_pool` (N, L, C) normalised packed latents, `tokens` per pool entry.
 
@@ -474,7 +528,11 @@ def train_dit(
     With `splice` (`--splice F`) a fraction F of each batch's rows (never an empty-prompt row) reads spliced
     text states (`splice_index`): the encoder runs on the batch and on those rows' donors in one call. With
     `args.prefix_invariance` W > 0 the loss adds W times `prefix_drift` of those rows, which trains the text
-    encoder to code the words before the background phrase the same on every background."""
+    encoder to code the words before the background phrase the same on every background.
+
+    With `teacher` (FLUX.1, `--guidance-distill F`) a fraction F of each batch's rows, from step
+    `args.distill_after` on, is trained on the teacher's guided velocity at a random guidance; the other rows
+    are plain flow matching at guidance 1, a tenth of them on the empty prompt (`neg_tokens`)."""
     n, length, _ = x0_pool.shape
     side = 2 * math.isqrt(length)  # latent pixels per side; a token packs 2x2 of them
     if family == "flux1":
@@ -489,6 +547,7 @@ def train_dit(
     log(f"dit: {n} pooled latents, {length} tokens, time shift mu {mu:.3f}")
     pe = model.rope(txt_ids, img_ids)
     frozen = args.freeze_text
+    neg_cached: tuple[Tensor, ...] | None = None
     if frozen:  # the encoders stay as they are: their outputs for the pool (and the empty prompt) once
         text.eval().requires_grad_(False)
         cached = embed_pool(text, tokens, device)
@@ -512,8 +571,13 @@ def train_dit(
         x0 = x0_pool[idx].float()
         batch_tokens = [t[idx] for t in (cached if frozen else tokens)]
         drop = torch.zeros(b, dtype=torch.bool, device=device)
+        nd = 0  # distilled rows (the batch's first nd)
+        if teacher is not None:
+            teacher.update(step, args.distill_after, model, ema)
+            nd = round(b * args.guidance_distill) if step >= args.distill_after else 0
         if neg_tokens is not None:  # caption dropout to the empty prompt (CFG's negative)
             drop = torch.rand(b, device=device, generator=gen) < 0.1
+            drop &= torch.arange(b, device=device) >= nd
             negs = neg_cached if frozen else neg_tokens
             assert negs is not None
             batch_tokens = [
@@ -521,6 +585,10 @@ def train_dit(
                 for t, nt in zip(batch_tokens, negs, strict=True)
             ]
         gather, drift = None, None
+        uncond_row = nd > 0 and not frozen  # the empty prompt's states, for the teacher, as one more row
+        if uncond_row:
+            assert neg_tokens is not None
+            batch_tokens = [torch.cat([t, nt]) for t, nt in zip(batch_tokens, neg_tokens, strict=True)]
         if splice is not None:  # spliced rows: their donors' tokens follow the batch's
             rows = ((torch.rand(b, device=device, generator=gen) < args.splice) & ~drop).nonzero().squeeze(1)
             src = idx[rows]
@@ -536,8 +604,13 @@ def train_dit(
         t = shifted_t(u.clamp(1e-4, 1 - 1e-4), mu)
         noise = torch.randn(x0.shape, device=device, generator=gen)
         xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
+        target = noise - x0
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_autocast(device)):
             embedded = tuple(batch_tokens) if frozen else text(*batch_tokens)
+            uncond = neg_cached
+            if uncond_row:
+                uncond = tuple(e[-1:].detach() for e in embedded)
+                embedded = tuple(e[:-1] for e in embedded)
             if gather is not None:  # the spliced rows' states, each row's pooled state its own or a donor's
                 states = embedded[0] if family == "flux1" else embedded
                 if args.prefix_invariance > 0:  # the sequence the DiT reads: T5's ids, or Qwen3's
@@ -547,16 +620,27 @@ def train_dit(
                 embedded = (states, embedded[1][pooled_src]) if family == "flux1" else states
             if family == "flux1":
                 txt, pooled = embedded
-                guidance = 1 + 4 * torch.rand(b, device=device, generator=gen)
+                if teacher is None:
+                    guidance = 1 + 4 * torch.rand(b, device=device, generator=gen)
+                else:
+                    guidance = torch.ones(b, device=device)
+                    guidance[:nd] = teacher.guidance(nd, gen)
                 pred = model(xt, img_ids, txt.float(), txt_ids, t, pooled.float(), guidance, pe=pe)
+                if nd > 0:
+                    assert teacher is not None and uncond is not None
+                    cond = (txt[:nd].detach(), pooled[:nd].detach())
+                    guided = teacher.targets(
+                        xt[:nd], t[:nd], cond, uncond, guidance[:nd], img_ids, txt_ids, pe
+                    )
+                    target = torch.cat([guided, target[nd:]])
             else:
                 txt = embedded[0] if frozen else embedded
                 pred = model(xt, img_ids, txt.float(), txt_ids, t, None, pe=pe)
         if args.fg_weight > 0:
             w = 1 + args.fg_weight * fg_masks[idx]
-            loss = (w * (pred.float() - (noise - x0)).pow(2).mean(-1)).sum() / w.sum()
+            loss = (w * (pred.float() - target).pow(2).mean(-1)).sum() / w.sum()
         else:
-            loss = F.mse_loss(pred.float(), noise - x0)
+            loss = F.mse_loss(pred.float(), target)
         total = loss if drift is None else loss + args.prefix_invariance * drift
         opt.zero_grad(set_to_none=True)
         total.backward()
@@ -741,6 +825,29 @@ def main() -> None:
         "background phrase against the same words on another background) to the loss, so a bidirectional "
         "text encoder (FLUX.1's T5) codes the colour word the same on every background",
     )
+    ap.add_argument(
+        "--guidance-distill",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="FLUX.1: a fraction F of each batch learns the model's own classifier-free guidance at a random "
+        "guidance g (the target v_u + g (v_c - v_u) from an EMA copy at guidance 1), the other rows plain flow "
+        "matching at guidance 1 with a tenth of captions dropped to the empty prompt",
+    )
+    ap.add_argument(
+        "--distill-after",
+        type=int,
+        default=300,
+        metavar="N",
+        help="with --guidance-distill: distil from step N on (before it, only the plain rows, so the empty "
+        "prompt's branch is learned first)",
+    )
+    ap.add_argument(
+        "--distill-max-guidance",
+        type=float,
+        default=5.0,
+        help="with --guidance-distill: the distilled rows' guidance is uniform in [1, this]",
+    )
     ap.add_argument("--resume", type=Path, default=None, help="an earlier output folder to start from")
     ap.add_argument(
         "--freeze-text",
@@ -765,6 +872,14 @@ def main() -> None:
         ap.error(
             f"--prefix-invariance W needs W >= 0 (got {args.prefix_invariance}) and --splice F > 0 (its donors)"
         )
+    if not 0 <= args.guidance_distill <= 1:
+        ap.error(f"--guidance-distill is a fraction of each batch, in [0, 1] (got {args.guidance_distill})")
+    if args.guidance_distill > 0 and args.family != "flux1":
+        ap.error("--guidance-distill trains FLUX.1 [dev]'s guidance embedding; FLUX.2 [klein] runs real CFG")
+    if args.guidance_distill > 0 and args.splice > 0:
+        ap.error("--guidance-distill and --splice both claim rows of each batch: pick one")
+    if args.distill_max_guidance < 1 or args.distill_after < 0:
+        ap.error("--distill-max-guidance must be >= 1 and --distill-after >= 0")
     if args.splice > 0 and args.freeze_text:
         ap.error("--splice splices the text encoders' states as they run: drop --freeze-text")
     if not 0 <= args.vae_rgb_extremes <= 1 or (args.vae_rgb_extremes > 0 and args.vae_rgb == 0):
@@ -846,7 +961,8 @@ def main() -> None:
     tokens = tuple(t.to(device) for t in text.tokens(captions))
     splice = make_splice(text, scenes, args.seed * 1000 + 5, device) if args.splice > 0 else None
     del scenes
-    neg = None if flux1 else tuple(t.to(device) for t in text.tokens([NEGATIVE_PROMPT]))
+    distil = args.guidance_distill > 0
+    neg = tuple(t.to(device) for t in text.tokens([NEGATIVE_PROMPT])) if distil or not flux1 else None
     dit_cfg = TINY_TRAINED if flux1 else TINY_FLUX2_TRAINED
     model = (Flux1Transformer if flux1 else Flux2Transformer)(dit_cfg)
     init_dit(model, args.seed)
@@ -854,7 +970,8 @@ def main() -> None:
     if args.resume is not None:
         dit_file = "flux1-tiny.safetensors" if flux1 else "flux2-tiny.safetensors"
         model.load_state_dict({k: v.float() for k, v in load_file(args.resume / dit_file).items()})
-    train_dit(args.family, model, text, x0, fg_masks, tokens, neg, args, device, history, splice)
+    teacher = GuidanceTeacher(model, args.distill_max_guidance) if distil else None
+    train_dit(args.family, model, text, x0, fg_masks, tokens, neg, args, device, history, splice, teacher)
 
     # write what the runtime loads
     model.eval()

@@ -326,3 +326,54 @@ def test_prefix_change_sees_t5_mix_the_background_in_and_qwen3_not(model: str) -
     change = prefix_change(pipe, held_out_prompts(1)[:4])
     assert change["colour"] > 0.1
     assert change["background"] == 0 if model == "tiny-flux2" else change["background"] > 0.1
+
+
+def test_guidance_teacher_targets_are_cfg_of_its_ema_copy_at_guidance_one() -> None:
+    """`train_tiny --guidance-distill`: the teacher holds the EMA's averages (not the live weights), and its
+    target at guidance g is `v_u + g (v_c - v_u)` of its own velocities at guidance 1: g = 1 gives the
+    conditional velocity, g = 0 the unconditional one, and the target is linear in g."""
+    from flux_runtime.models.dit import Flux1Transformer
+    from flux_runtime.models.dit.config import TINY_TRAINED
+    from flux_runtime.sampling.latents import image_ids
+    from scripts.train_tiny import EMA, GuidanceTeacher, init_dit
+
+    torch.manual_seed(0)
+    model = Flux1Transformer(TINY_TRAINED).float()
+    init_dit(model, 0)
+    with torch.no_grad():  # the zero-initialised output layers would make every velocity 0
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ema = EMA(model, 0.5)
+    teacher = GuidanceTeacher(model, 5.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # the live weights move; the average moves half as far (decay 0.5 from step 9)
+    ema.update(9)
+    teacher.update(0, 0, model, ema)
+    for p, s, q in zip(model.parameters(), ema.shadow, teacher.model.parameters(), strict=True):
+        assert torch.equal(q, s) and not torch.equal(q, p)
+    assert not any(q.requires_grad for q in teacher.model.parameters())
+
+    n, side = 3, 4
+    img_ids = image_ids(side, side, dtype=torch.float32, device=torch.device("cpu"))
+    txt_ids = torch.zeros(5, 3)
+    pe = teacher.model.rope(txt_ids, img_ids)
+    width = TINY_TRAINED.context_in_dim
+    xt = torch.randn(n, (side // 2) ** 2, TINY_TRAINED.in_channels)
+    t = torch.rand(n)
+    cond = (torch.randn(n, 5, width), torch.randn(n, TINY_TRAINED.vec_in_dim))
+    uncond = (torch.randn(1, 5, width), torch.randn(1, TINY_TRAINED.vec_in_dim))
+
+    def velocity(txt: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return teacher.model(xt, img_ids, txt, txt_ids, t, pooled, torch.ones(n), pe=pe)
+
+    v_c, v_u = velocity(*cond), velocity(uncond[0].expand(n, -1, -1), uncond[1].expand(n, -1))
+    assert not torch.allclose(v_c, v_u, atol=1e-4)
+    at = {
+        g: teacher.targets(xt, t, cond, uncond, torch.full((n,), g), img_ids, txt_ids, pe)
+        for g in (0.0, 1.0, 3.0)
+    }
+    torch.testing.assert_close(at[1.0], v_c, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(at[0.0], v_u, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(at[3.0], v_u + 3 * (v_c - v_u), rtol=1e-4, atol=1e-5)
