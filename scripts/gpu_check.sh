@@ -53,7 +53,8 @@
 #                                       run's DiT, loss log and text encoders come back as $OUT/<NAME>_<LABEL>.tar and
 #                                       its scores as $OUT/eval_<NAME>_<LABEL>.json (eval_tiny.py --seen --text-swap),
 #                                       the shipped files restored after each (DEVICE and POOL: a CPU dry run); a run's
-#                                       own `--seed N` in its OPTIONS overrides SEED (seeds side by side)
+#                                       own `--seed N` in its OPTIONS overrides SEED (seeds side by side); GUIDANCES="G ..." in the
+#                                       environment scores each run again at those guidances ($OUT/eval_<NAME>_<LABEL>_g<G>.json)
 #   bash scripts/gpu_check.sh tiny-drop [SECONDS [F [SEED]]]  tiny-ab with RUNS="tiny ctrl;tiny drop --caption-drop F;
 #                                       tiny-flux2 drop --caption-drop F" (F [0.3])
 #   bash scripts/gpu_check.sh splice-gelu [SECONDS [SEED]]  tiny's train_tiny.py --splice 0.5 and 0.8 runs (as tiny-ab),
@@ -345,6 +346,10 @@ case "$phase" in
     wait
     for run in "${runs[@]}"; do
       read -r name label opts <<< "$run"; echo "== $name $label ($opts)"; score_run "$name" "$label" "$dev" || status=1
+      for g in ${GUIDANCES:-}; do  # the same weights at other guidances (FLUX.1) or CFG scales
+        echo "== $name $label at guidance $g"
+        swap_score "$name" "/tmp/train/${name}_$label" "eval_${name}_${label}_g$g.json" --device "$dev" --guidance "$g" || status=1
+      done
     done
     ;;
   splice-gelu)
