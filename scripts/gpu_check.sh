@@ -79,6 +79,10 @@
 #   bash scripts/gpu_check.sh fp8-gelu  the FP8 bench of FLUX.1-dev and klein-4B (MODELS) with a same-run A/B of the double
 #                                       blocks' per-row GELU / SwiGLU producer tile (whole rows, 1024- or 2048-wide blocks),
 #                                       kernel_check of those producers at their sites, the FP8 producers' GPU tests
+#   bash scripts/gpu_check.sh fp8-layout [SECONDS [SEED]]  the FP8 bench (MODELS [flux1-dev,klein-4b]) with a same-run A/B
+#                                       of the attention inputs' layout and of the per-row producers' tile, kernel_check
+#                                       swiglu_fp8; then RUNS's tiny-ab trainings (as tiny-ab, SECONDS [200]) beside the
+#                                       layout's and the FP8 producers' GPU tests, and the runs' scores
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
@@ -126,6 +130,29 @@ dit_train() {
   local name=$1 resume=$2 out=$3 secs=$4 seed=$5 fam; shift 5; fam=$([ "$name" = tiny ] && echo flux1 || echo flux2)
   timeout $((secs + 150)) python3 scripts/train_tiny.py --family $fam --out "$out" --resume "$resume" --vae-steps 0 \
     --dit-steps 100000 --dit-seconds "$secs" --dit-batch 128 --fg-weight 4 --seed "$seed" "$@"
+}
+ab_start() {
+  # ab_start SECONDS SEED DEVICE: RUNS's trainings (tiny-ab) started side by side in the background
+  local run name label opts
+  IFS=';' read -ra runs <<< "$RUNS"
+  for run in "${runs[@]}"; do
+    read -r name label opts <<< "$run"
+    dit_train "$name" "flux_runtime/assets/models/$name" "/tmp/train/${name}_$label" "$1" "$2" --device "$3" \
+      --pool "${POOL:-60000}" $opts > "/tmp/train_${name}_$label.log" 2>&1 &
+  done
+}
+ab_score() {
+  # ab_score DEVICE: each of RUNS's finished runs scored (tiny-ab), and again at each of GUIDANCES
+  local run name label opts g rc=0
+  IFS=';' read -ra runs <<< "$RUNS"
+  for run in "${runs[@]}"; do
+    read -r name label opts <<< "$run"; echo "== $name $label ($opts)"; score_run "$name" "$label" "$1" || rc=1
+    for g in ${GUIDANCES:-}; do  # the same weights at other guidances (FLUX.1) or CFG scales
+      echo "== $name $label at guidance $g"
+      swap_score "$name" "/tmp/train/${name}_$label" "eval_${name}_${label}_g$g.json" --device "$1" --guidance "$g" || rc=1
+    done
+  done
+  return $rc
 }
 status=0
 case "$phase" in
@@ -337,20 +364,7 @@ case "$phase" in
     else
       seed=${3:-15}; [ -n "${RUNS:-}" ] || { echo "tiny-ab needs RUNS=\"NAME LABEL [OPTIONS];...\""; exit 2; }
     fi
-    IFS=';' read -ra runs <<< "$RUNS"
-    for run in "${runs[@]}"; do
-      read -r name label opts <<< "$run"
-      dit_train "$name" "flux_runtime/assets/models/$name" "/tmp/train/${name}_$label" "$secs" "$seed" --device "$dev" \
-        --pool "${POOL:-60000}" $opts > "/tmp/train_${name}_$label.log" 2>&1 &
-    done
-    wait
-    for run in "${runs[@]}"; do
-      read -r name label opts <<< "$run"; echo "== $name $label ($opts)"; score_run "$name" "$label" "$dev" || status=1
-      for g in ${GUIDANCES:-}; do  # the same weights at other guidances (FLUX.1) or CFG scales
-        echo "== $name $label at guidance $g"
-        swap_score "$name" "/tmp/train/${name}_$label" "eval_${name}_${label}_g$g.json" --device "$dev" --guidance "$g" || status=1
-      done
-    done
+    ab_start "$secs" "$seed" "$dev"; wait; ab_score "$dev" || status=1
     ;;
   splice-gelu)
     # tiny's --splice runs (0.5, 0.8) side by side; beside them, where only bits count, attention_act_fp8's GPU
@@ -398,6 +412,19 @@ case "$phase" in
     grep "^|\|fallback\|relative\|Error" "$OUT/bench_fp8_act.txt" || status=1
     timeout 90 python3 scripts/kernel_check.py --op gelu_tanh_fp8 --op swiglu_fp8 2>&1 | tee "$OUT/kernel_check_act_fp8.txt" | grep -v "^\[" | tail -32 || status=1
     timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    ;;
+  fp8-layout)
+    # on a quiet GPU: the FP8 bench (MODELS) with the attention inputs' layout A/B (--layout-ab) and the per-row
+    # producers' tile A/B, kernel_check of those producers; then, side by side, RUNS's tiny-ab trainings (if
+    # given; SECONDS [200], SEED [15]) and the GPU tests of the layout and the FP8 producers, then the runs' scores
+    secs=${2:-200}; seed=${3:-15}
+    timeout 300 python3 scripts/bench_fp8.py --models "${MODELS:-flux1-dev,klein-4b}" --layout-ab --json "$OUT/bench_fp8_layout.json" > "$OUT/bench_fp8_layout.txt" 2>&1 || status=1
+    grep "^|\|fallback\|relative\|A/B\|Error" "$OUT/bench_fp8_layout.txt" || status=1
+    timeout 60 python3 scripts/kernel_check.py --op swiglu_fp8 2>&1 | tee "$OUT/kernel_check_swiglu_fp8.txt" | grep -v "^\[" | tail -12 || status=1
+    [ -z "${RUNS:-}" ] || ab_start "$secs" "$seed" cuda
+    timeout 180 python3 -m pytest -q -m gpu tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    wait
+    [ -z "${RUNS:-}" ] || ab_score cuda || status=1
     ;;
   memory-28)
     unset PYTORCH_CUDA_ALLOC_CONF
