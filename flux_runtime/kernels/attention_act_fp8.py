@@ -39,6 +39,7 @@ from flux_runtime.kernels.triton_utils import (
     check_int32_offsets,
     check_launchable,
     e4m3_code,
+    e4m3_consts,
     e4m3_row_scale,
     jit,
     tl,
@@ -86,6 +87,7 @@ def _attention_act_quant_rows_kernel(
     ACT: tl.constexpr,  # 1 tanh-GELU, 2 SwiGLU (fp8.ACTS)
     BLOCK: tl.constexpr,
     GPU: tl.constexpr,
+    HW_E4M3: tl.constexpr,  # e4m3_code's hardware conversion (triton_utils.e4m3_consts)
     BETA: tl.constexpr,
     KAPPA: tl.constexpr,
     MAX_SHORTCUT: tl.constexpr,  # tanh-GELU only: the first sweep takes max(x), not |GELU(x)|
@@ -110,12 +112,12 @@ def _attention_act_quant_rows_kernel(
         cols = c0 + offs
         mask = cols < D
         y = upcast(tl.load(o_row + (cols // HD) * stride_oh + cols % HD, mask=mask, other=0.0), GPU)
-        tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
+        tl.store(q_row + cols, e4m3_code(y * inv, HW_E4M3), mask=mask)
     for c0 in range(0, N, BLOCK):
         cols = c0 + offs
         mask = cols < N
         y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
-        tl.store(q_row + D + cols, e4m3_code(y * inv), mask=mask)
+        tl.store(q_row + D + cols, e4m3_code(y * inv, HW_E4M3), mask=mask)
 
 
 # The tile of `attention_act_quantize_triton` by output row width (H200, kernel_check --tune, 4 warps): rows up to
@@ -175,6 +177,7 @@ def attention_act_quantize_triton(
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
     consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
+    consts |= e4m3_consts(x.device)
     consts |= shortcut_consts(x.dtype, x.device, gelu_shortcut if act == "gelu_tanh" else False)
     _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=num_warps, **consts)
     return Fp8Act(q.view(E4M3), row_scale.view(b, length, 1))

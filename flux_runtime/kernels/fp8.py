@@ -18,6 +18,8 @@ Triton interpreter alike). `fp8_linear` is the one GEMM call both paths share; `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -36,6 +38,7 @@ from flux_runtime.kernels.triton_utils import (
     check_no_overlap,
     check_unit_stride,
     e4m3_code,
+    e4m3_consts,
     e4m3_row_scale,
     jit,
     round_to,
@@ -198,6 +201,7 @@ def _act_quant_rows_kernel(
     BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,  # BLOCK_N >= N: the row is read once and held in registers
     GPU: tl.constexpr,
+    HW_E4M3: tl.constexpr,  # e4m3_code's hardware conversion (triton_utils.e4m3_consts)
     BETA: tl.constexpr,  # the tanh-GELU constants (gelu.K_BETA, gelu.K_KAPPA)
     KAPPA: tl.constexpr,
     MAX_SHORTCUT: tl.constexpr,  # dynamic tanh-GELU in column blocks: the first sweep takes max(x), not |GELU(x)|
@@ -218,7 +222,7 @@ def _act_quant_rows_kernel(
             tl.store(scale_ptr + b * L + pos, s)
         else:
             inv = tl.load(inv_ptr)
-        tl.store(q_row + offs, e4m3_code(y * inv), mask=mask)
+        tl.store(q_row + offs, e4m3_code(y * inv, HW_E4M3), mask=mask)
     elif DYNAMIC:
         amax = tl.zeros((BLOCK_N,), tl.float32)
         amax = _act_absmax(
@@ -233,7 +237,7 @@ def _act_quant_rows_kernel(
             cols = c0 + offs
             mask = cols < N
             y = _act_value(x_row, cols, mask, N, ACT, DTYPE, GPU, BETA, KAPPA)
-            tl.store(q_row + cols, e4m3_code(y * inv), mask=mask)
+            tl.store(q_row + cols, e4m3_code(y * inv, HW_E4M3), mask=mask)
 
 
 # Column block of each dynamic (per-row) activation producer when no `block_n` is given (`set_act_block`): a width
@@ -253,6 +257,19 @@ def set_act_block(act: str, block: int | None) -> None:
     if act not in _ACT_BLOCK:
         raise ValueError(f"set_act_block: unknown activation {act!r}; expected one of {tuple(_ACT_BLOCK)}")
     _ACT_BLOCK[act] = block
+
+
+@contextmanager
+def act_block(act: str, block: int | None) -> Iterator[None]:
+    """`set_act_block(act, block)` for the body, the previous block restored after it (the A/Bs and tests)."""
+    if act not in _ACT_BLOCK:
+        raise ValueError(f"act_block: unknown activation {act!r}; expected one of {tuple(_ACT_BLOCK)}")
+    previous = _ACT_BLOCK[act]
+    set_act_block(act, block)
+    try:
+        yield
+    finally:
+        set_act_block(act, previous)
 
 
 def act_quantize_triton(
@@ -302,6 +319,7 @@ def act_quantize_triton(
     warps = 16 if block_n >= 8192 else 8 if block_n >= 2048 else 4
     two_sweeps = act == "gelu_tanh" and dynamic and not one_block  # where the max shortcut applies
     consts = shortcut_consts(x.dtype, x.device, gelu_shortcut if two_sweeps else False)
+    consts |= e4m3_consts(x.device)
     _act_quant_rows_kernel[(length, b)](
         x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
         x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),

@@ -34,6 +34,7 @@ from flux_runtime.kernels.triton_utils import (
     check_shape,
     check_unit_stride,
     e4m3_code,
+    e4m3_consts,
     e4m3_row_scale,
     halves,
     jit,
@@ -337,6 +338,7 @@ def _layer_norm_modulate_rows_kernel(
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,  # 0: store y; 1: store e4m3(y) with a static scale; 2: with per-row scales
     GPU: tl.constexpr,
+    HW_E4M3: tl.constexpr,  # e4m3_code's hardware conversion (triton_utils.e4m3_consts)
     DTYPE: tl.constexpr,  # the activations' dtype (y_out_ptr holds bytes when QUANT)
 ):
     # grid: (cdiv(L, ROWS), B)
@@ -407,7 +409,7 @@ def _layer_norm_modulate_rows_kernel(
         else:
             y = round_to(prod + upcast(shifts[it], GPU), DTYPE, GPU)  # the bf16 value eager would store
             if QUANT == 1:
-                tl.store(y_out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv), mask=mask)
+                tl.store(y_out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv, HW_E4M3), mask=mask)
             else:
                 ys = ys + (y,)  # noqa: RUF005
                 a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
@@ -418,7 +420,7 @@ def _layer_norm_modulate_rows_kernel(
         for it in tl.static_range(ITERS):
             col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
             mask = store_ok if EVEN else store_ok & (col < D)
-            q = e4m3_code(ys[it] * inv_row[None, :, None])
+            q = e4m3_code(ys[it] * inv_row[None, :, None], HW_E4M3)
             tl.store(y_out_ptr + out_row[None, :, None] + col, q, mask=mask)
 
 
@@ -505,6 +507,7 @@ def _launch(
             x.stride(0), x.stride(1), g.stride(0), upd.stride(0), upd.stride(1), shift.stride(0), scale.stride(0),
             ITERS=iters, EVEN=even and _even_counts_halve(iters), ROWS=rows, HAS_RESIDUAL=gate is not None,
             QUANT=mode, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4, enable_fp_fusion=False,
+            **e4m3_consts(x.device),
         )  # fmt: skip
         if quant is not None:
             data = y.view(E4M3)

@@ -39,6 +39,7 @@ from flux_runtime.kernels.triton_utils import (
     check_shape,
     check_unit_stride,
     e4m3_code,
+    e4m3_consts,
     e4m3_row_scale,
     jit,
     round_to,
@@ -88,6 +89,7 @@ def _token_layer_norm_modulate_kernel(
     ROWS: tl.constexpr,  # rows per program, held in registers side by side (lanes x rows, as v2)
     QUANT: tl.constexpr,  # 0: store y; 1: store e4m3(y) with a static scale; 2: with per-row scales
     GPU: tl.constexpr,
+    HW_E4M3: tl.constexpr,  # e4m3_code's hardware conversion (triton_utils.e4m3_consts)
     DTYPE: tl.constexpr,  # the activations' dtype (out_ptr holds bytes when QUANT)
 ):
     # grid: (cdiv(L, ROWS), B); a program's rows may straddle the two streams
@@ -153,7 +155,7 @@ def _token_layer_norm_modulate_kernel(
         else:
             y = round_to(prod + upcast(shifts[it], GPU), DTYPE, GPU)  # the 16-bit value eager would store
             if QUANT == 1:
-                tl.store(out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv), mask=mask)
+                tl.store(out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv, HW_E4M3), mask=mask)
             else:
                 ys = ys + (y,)  # noqa: RUF005
                 a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
@@ -164,7 +166,7 @@ def _token_layer_norm_modulate_kernel(
         for it in tl.static_range(ITERS):
             col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
             mask = store_ok if EVEN else store_ok & (col < D)
-            q = e4m3_code(ys[it] * inv_row[None, :, None])
+            q = e4m3_code(ys[it] * inv_row[None, :, None], HW_E4M3)
             tl.store(out_ptr + out_row[None, :, None] + col, q, mask=mask)
 
 
@@ -252,7 +254,7 @@ def _launch(
     _token_layer_norm_modulate_kernel[(triton.cdiv(length, rows), b)](
         *a, x, shift, scale, out, q_scale, q_inv, n_txt, length, d, eps, *strides,
         ITERS=iters, EVEN=even, ROWS=rows, QUANT=mode, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **e4m3_consts(x.device),
     )  # fmt: skip
     if quant is None:
         return out

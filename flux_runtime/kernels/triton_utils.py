@@ -20,8 +20,10 @@ hardware instruction and its interpreter equivalent at compile time.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -142,24 +144,69 @@ def e4m3_row_scale(amax):
 
 
 @jit
-def e4m3_code(v):
+def e4m3_code(v, HW: tl.constexpr):
     """The e4m3fn bit pattern (uint8) of fp32 `v`: clamped to ±448, rounded to nearest even.
 
-    Normal results (|v| >= 2^-6) round the fp32 mantissa to 3 bits and rebias the exponent
-    (127 → 7); below that the grid is 2^-9, which an fp32 add of 2^14 (whose ulp is 2^-9) rounds to,
-    ties to even. NaN stays NaN (0x7F; torch's casts do not agree on its sign bit, nor does it matter).
+    With `HW` (an sm_89+ GPU: `e4m3_consts`) the GPU's own conversion, `cvt.rn.satfinite.e4m3x2.f32`, two values
+    an instruction: round to nearest even, finite values beyond ±448 and infinities saturated to ±448, which is
+    the clamp followed by the cast. Otherwise integer operations: normal results (|v| >= 2^-6) round the fp32
+    mantissa to 3 bits and rebias the exponent (127 → 7); below that the grid is 2^-9, which an fp32 add of 2^14
+    (whose ulp is 2^-9) rounds to, ties to even. NaN stays NaN (0x7F; torch's casts do not agree on its sign
+    bit, nor does it matter). Both give the same codes; the GPU tests compare each producer's codes with the
+    eager clamp and cast, and `bench_fp8.py` times the two.
     """
-    nan = v != v
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    a = mag.to(tl.float32, bitcast=True)
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
-    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.uint32)
-    code = tl.where(a >= 0.015625, normal, sub)
-    code = tl.where(nan, 0x7F, code | sign)
-    return code.to(tl.uint8)
+    if HW:
+        code = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        nan = v != v
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        bits = v.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        a = mag.to(tl.float32, bitcast=True)
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
+        sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.uint32)
+        code = tl.where(a >= 0.015625, normal, sub)
+        code = tl.where(nan, 0x7F, code | sign).to(tl.uint8)
+    return code
+
+
+# `e4m3_code`'s conversion where the GPU has one (`set_e4m3_hardware`; the software path is kept for the A/B).
+_E4M3_HARDWARE = [True]
+
+
+def set_e4m3_hardware(flag: bool) -> bool:
+    """Whether the FP8 producers convert to e4m3 with the GPU's instruction (sm_89+) or with integer operations;
+    the codes are the same, only the time differs. Returns the previous setting (for a caller to restore)."""
+    previous = _E4M3_HARDWARE[0]
+    _E4M3_HARDWARE[0] = bool(flag)
+    return previous
+
+
+@contextmanager
+def e4m3_hardware(flag: bool) -> Iterator[None]:
+    """`set_e4m3_hardware(flag)` for the body, the previous setting restored after it."""
+    previous = set_e4m3_hardware(flag)
+    try:
+        yield
+    finally:
+        set_e4m3_hardware(previous)
+
+
+@functools.cache
+def _has_e4m3_cvt(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def e4m3_consts(device: torch.device) -> dict[str, bool]:
+    """The `HW_E4M3` constexpr of an FP8 producer's launch on `device`: the hardware conversion on an sm_89+
+    GPU unless `set_e4m3_hardware(False)`; never under the interpreter."""
+    hw = ON_GPU and _E4M3_HARDWARE[0] and device.type == "cuda"
+    return {
+        "HW_E4M3": bool(
+            hw and _has_e4m3_cvt(device.index if device.index is not None else torch.cuda.current_device())
+        )
+    }
 
 
 @jit

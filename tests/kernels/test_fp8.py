@@ -19,6 +19,7 @@ from flux_runtime.kernels import fp8, gelu
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_triton
 from flux_runtime.kernels.swiglu import swiglu_triton
+from flux_runtime.kernels.triton_utils import e4m3_consts, e4m3_hardware, set_e4m3_hardware
 from tests.kernels.helpers import (
     BATCHES,
     DTYPES,
@@ -111,11 +112,9 @@ def test_gelu_rows_in_blocks_take_the_max_shortcut(dtype, monkeypatch):
         fp8.ACT_BLOCK_DEFAULTS["gelu_tanh"] is not None
     )  # default calls go through the blocks: the forged bound
     assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), forged)
-    fp8.set_act_block("gelu_tanh", None)  # whole rows in registers: no second sweep, no bound read
-    try:
+    with fp8.act_block("gelu_tanh", None):  # whole rows in registers: no second sweep, no bound read
         assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), want)
-    finally:
-        fp8.set_act_block("gelu_tanh", fp8.ACT_BLOCK_DEFAULTS["gelu_tanh"])
+    assert_same(fp8.act_quantize_triton(x, "gelu_tanh", None, None), forged)  # the block is back
 
 
 @interpreter
@@ -123,14 +122,53 @@ def test_swiglu_rows_in_blocks_and_whole_agree():
     """SwiGLU's dynamic rows in column blocks (`set_act_block`) and whole: the same codes and scales."""
     x = (torch.randn(2, 5, 2 * 80) * 3).to(torch.bfloat16)
     want = fp8.quantize_reference(swiglu_triton(x))
-    fp8.set_act_block("swiglu", 32)
-    try:
+    with fp8.act_block("swiglu", 32):
+        assert fp8._ACT_BLOCK["swiglu"] == 32
         assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)
-    finally:
-        fp8.set_act_block("swiglu", fp8.ACT_BLOCK_DEFAULTS["swiglu"])
+    assert fp8._ACT_BLOCK["swiglu"] == fp8.ACT_BLOCK_DEFAULTS["swiglu"]
     assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)
     with pytest.raises(ValueError, match="unknown activation 'relu'"):
         fp8.set_act_block("relu", 32)
+    with pytest.raises(ValueError, match="unknown activation 'relu'"), fp8.act_block("relu", 32):
+        pass
+
+
+def test_e4m3_conversion_setting_is_restored_and_off_without_a_gpu():
+    """`e4m3_hardware` sets the producers' e4m3 conversion for its body only; the interpreter (and any CPU
+    tensor) always takes the integer path, whose codes the CPU tests compare with the eager cast."""
+    cpu = torch.device("cpu")
+    assert e4m3_consts(cpu) == {"HW_E4M3": False}
+    before = set_e4m3_hardware(True)
+    try:
+        with e4m3_hardware(False):
+            assert set_e4m3_hardware(False) is False
+        assert set_e4m3_hardware(True) is True
+    finally:
+        set_e4m3_hardware(before)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inv", [1.0, 3.7, 0.0123], ids=["inv1", "inv3.7", "inv0.0123"])
+def test_gpu_e4m3_hardware_conversion_matches_the_integer_one_on_every_input(dtype, inv):
+    """Every 16-bit input (NaN, infinities, values past ±448, subnormals, ties), times a static inverse scale, in
+    e4m3 through the GPU's conversion instruction and through the integer path: the same codes as each other
+    and as the eager clamp and cast; with dynamic row scales too."""
+    x = all_half_values(dtype, "cuda").view(256, 256)
+    inv_t = torch.tensor(inv, device="cuda")
+    scale = torch.tensor(1 / inv, device="cuda")
+    assert e4m3_consts(x.device) == {"HW_E4M3": True}  # an sm_89+ GPU: the FP8 tests run on one
+    for quant in ((scale, inv_t), (None, None)):
+        got = {}
+        for hw in (True, False):
+            with e4m3_hardware(hw):
+                got[hw] = fp8.act_quantize_triton(
+                    x.nan_to_num(0.0) if quant[0] is None else x, "identity", *quant
+                )
+        want = fp8.quantize_reference(x.nan_to_num(0.0) if quant[0] is None else x, *quant)
+        assert_same(got[True], want)
+        assert_same(got[False], want)
 
 
 @interpreter
