@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile the fused LayerNorm kernels (FLUX.3's per-token ones, FLUX.1/2's rows kernel), the single block's
-`[attention | activation]` FP8 producer and FLUX.3's other fused Triton kernels for sm_90 on a machine without
-a GPU, and print their resources.
+`[attention | activation]` FP8 producer, the QK norm + RoPE kernels and FLUX.3's other fused Triton kernels for
+sm_90 on a machine without a GPU, and print their resources.
 
 Triton lowers each kernel (at its default tile, bf16 and fp16, the masked odd-width LayerNorm path too) to PTX
 and runs its bundled ptxas, which catches lowering errors the interpreter never meets; `cuobjdump` then reads
@@ -34,6 +34,7 @@ from flux_runtime.kernels.attention_act_fp8 import _attention_act_quant_rows_ker
 from flux_runtime.kernels.fp8 import _act_quant_rows_kernel
 from flux_runtime.kernels.gelu import K_BETA, K_KAPPA
 from flux_runtime.kernels.layer_norm_modulate import _layer_norm_modulate_rows_kernel
+from flux_runtime.kernels.qk_norm_rope import _qk_norm_rope_kernel, _qk_norm_rope_tiles_kernel
 from flux_runtime.kernels.qk_norm_rope_fp32 import _qk_norm_rope_fp32_kernel
 from flux_runtime.kernels.token_gated_residual import _token_gated_residual_kernel
 from flux_runtime.kernels.token_layer_norm_modulate import ROWS_PER_PROGRAM, _token_layer_norm_modulate_kernel
@@ -83,8 +84,13 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     qk_sig = dict.fromkeys(("q_ptr", "k_ptr"), f"*{dt}") | dict.fromkeys(
         ("wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr"), "*fp32"
     )
-    qk_sig |= {"out_ptr": f"*{dt}"} | _ints("B", "L", "H") | {"eps": "fp32"}
-    qk_sig |= _ints(*(f"stride_{t}{d}" for t in ("q", "k") for d in ("b", "l", "h")))
+    qk_sig |= dict.fromkeys(("qo_ptr", "ko_ptr"), f"*{dt}") | _ints("B", "L", "H") | {"eps": "fp32"}
+    qk_sig |= _ints(*(f"stride_{t}{d}" for t in ("q", "k", "qo", "ko") for d in ("b", "l", "h")))
+    # the joint QK norm + RoPE (FLUX.1/2): text and image streams in, the joint q or k out through its strides
+    jqk_sig = dict.fromkeys(("txt_ptr", "img_ptr", "w_txt_ptr", "w_img_ptr"), f"*{dt}")
+    jqk_sig |= dict.fromkeys(("cos_ptr", "sin_ptr"), "*fp32") | {"out_ptr": f"*{dt}"}
+    jqk_sig |= _ints("L_txt", "L_joint", "H") | {"eps": "fp32"}
+    jqk_sig |= _ints(*(f"stride_{t}{d}" for t in ("t", "i", "o") for d in ("b", "l", "h")))
     gr_sig = dict.fromkeys(
         ("xa_ptr", "ga_ptr", "xb_ptr", "gb_ptr", "a_ptr", "b_ptr", "outa_ptr", "outb_ptr"), f"*{dt}"
     )
@@ -113,6 +119,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"fp8_quantize per-row one block 4096 8 warps {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 0, "BLOCK_N": 4096, "ONE_BLOCK": True, **aq, "_warps": 8}),
         (f"gelu_tanh_fp8 per-row 1024 blocks {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 1, "BLOCK_N": 1024, "ONE_BLOCK": False, **aq_max}),
         (f"qk_norm_rope_fp32 8x8 {dt}", _qk_norm_rope_fp32_kernel, qk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
+        (f"qk_norm_rope v1 8 heads {dt}", _qk_norm_rope_kernel, jqk_sig, {"HEADS": 8, "GPU": True}),
+        (f"qk_norm_rope v2 8x8 {dt}", _qk_norm_rope_tiles_kernel, jqk_sig, {"TOKS": 8, "HB": 8, "GPU": True}),
         (f"token_gated_residual 2x1024 {dt}", _token_gated_residual_kernel, gr_sig, {"BLOCK_L": 2, "BLOCK_D": 1024, "GPU": True}),
     ]  # fmt: skip
 

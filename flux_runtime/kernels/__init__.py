@@ -35,7 +35,13 @@ from flux_runtime.kernels.layer_norm_modulate import (
 )
 from flux_runtime.kernels.linear import linear, split_linear
 from flux_runtime.kernels.modulate import modulate
-from flux_runtime.kernels.qk_norm_rope import qk_norm_rope
+from flux_runtime.kernels.qk_norm_rope import (
+    empty_heads,
+    head_major_layout,
+    is_head_major,
+    qk_norm_rope,
+    set_head_major,
+)
 from flux_runtime.kernels.qk_norm_rope_fp32 import qk_norm_rope_fp32
 from flux_runtime.kernels.swiglu import swiglu
 from flux_runtime.kernels.token_gated_residual import joint_token_gated_residual, token_gated_residual
@@ -49,12 +55,15 @@ __all__ = [
     "Fp8Quant",
     "FusedOpsReport",
     "attention_act_fp8",
+    "empty_heads",
     "fp8_linear",
     "fused_ops_report",
     "fused_tier",
     "gated_residual",
     "gelu_tanh",
     "gelu_tanh_fp8",
+    "head_major_layout",
+    "is_head_major",
     "joint_token_gated_residual",
     "layer_norm_modulate",
     "layer_norm_modulate_fp8",
@@ -67,6 +76,7 @@ __all__ = [
     "reset_fused_ops_report",
     "residual_layer_norm_modulate",
     "residual_layer_norm_modulate_fp8",
+    "set_head_major",
     "split_linear",
     "swiglu",
     "swiglu_fp8",

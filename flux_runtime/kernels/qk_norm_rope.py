@@ -9,9 +9,19 @@ lossless: the RMSNorm replays aten's fused CUDA kernel for a 128-wide row (lane 
 warp 0 sums the squares of elements 4t..4t+3 with FMAs in order, shuffle-down 16…1, the idle warps
 add zeros, `ms = sum / 128`, `rstd = rsqrtf(ms + eps)`, `y = r(w * (rstd * x))`); RoPE uses
 separately rounded `mul.rn`, `mul.rn`, `add.rn` and a sign-bit negation.
+
+Layout: the joint q or k comes back as a (B, L, H, 128) tensor (the shape every caller indexes) whose storage
+is head-major, (B, H, L, 128) contiguous, so `sdpa`'s `permute(0, 2, 1, 3)` hands SDPA contiguous
+(B, H, L, 128) inputs; the double blocks build the joint V the same way (`empty_heads`). SDPA returns the same
+bits either way (only its reads differ). `HEAD_MAJOR` says which of q, k and v are stored so (`set_head_major`,
+`head_major_layout`: `scripts/bench_fp8.py --layout-ab` times the FP8 step with each setting in one run);
+with none, every one is (B, L, H, 128) contiguous as before.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +53,75 @@ HEAD_DIM = 128  # the kernel is aten's RMSNorm for one 128-wide row: 32 lanes ×
 VARIANTS = ("v1", "v2")
 VARIANT = "v2"
 
+# --------------------------------------------------------------------------------------------------
+# The attention inputs' layout
+
+ROLES = frozenset("qkv")
+# Which attention inputs the models store head-major: q and k as `qk_norm_rope` (and FLUX.3's
+# `qk_norm_rope_fp32`) writes them, v as the double blocks' joint V (`double_stream`). The single blocks' v
+# stays a strided view of `linear1`'s output, and FLUX.3's its own projection's output: making either
+# head-major would be a copy. cuDNN's and flash attention's output follows q's layout, so with q head-major
+# the heads come back head-major too and whoever flattens them to (B, L, H * 128) rows copies them (the
+# double blocks' output projection; a single block's `[attn | mlp]` buffer is written by a copy either way):
+# "kv" keeps q (and the output) as before.
+HEAD_MAJOR: frozenset[str] = ROLES
+
+
+def set_head_major(flag: bool | str) -> None:
+    """Set `HEAD_MAJOR`: True for q, k and v (the default), False for none (every attention input
+    (B, L, H, 128) contiguous, the layout before), or the roles as a string such as "kv".
+
+    The values are the same whatever the setting; read when a block runs, so a captured CUDA graph keeps the
+    layout it was captured with.
+    """
+    global HEAD_MAJOR
+    if isinstance(flag, bool):
+        HEAD_MAJOR = ROLES if flag else frozenset()
+        return
+    roles = frozenset(flag)
+    if not roles <= ROLES:
+        raise ValueError(f"set_head_major: {flag!r} names roles other than q, k and v")
+    HEAD_MAJOR = roles
+
+
+@contextmanager
+def head_major_layout(flag: bool | str) -> Iterator[None]:
+    """`set_head_major(flag)` for the enclosed block; the previous setting is restored on exit."""
+    global HEAD_MAJOR
+    previous = HEAD_MAJOR
+    set_head_major(flag)
+    try:
+        yield
+    finally:
+        HEAD_MAJOR = previous
+
+
+def is_head_major(role: str) -> bool:
+    """Whether the models store attention input `role` ("q", "k" or "v") head-major (`HEAD_MAJOR`)."""
+    if role not in ROLES:
+        raise ValueError(f"is_head_major: unknown role {role!r}; expected q, k or v")
+    return role in HEAD_MAJOR
+
+
+def empty_heads(
+    b: int, length: int, h: int, d: int, *, dtype: torch.dtype, device: torch.device, head_major: bool
+) -> Tensor:
+    """An uninitialised (B, L, H, D) tensor: a view of (B, H, L, D) contiguous storage when `head_major`
+    (what SDPA reads contiguously once permuted to (B, H, L, D)), else contiguous."""
+    if head_major:
+        return torch.empty((b, h, length, d), dtype=dtype, device=device).permute(0, 2, 1, 3)
+    return torch.empty((b, length, h, d), dtype=dtype, device=device)
+
+
+def cast_heads(x: Tensor, dtype: torch.dtype, head_major: bool) -> Tensor:
+    """`x.to(dtype)` for (B, L, H, D) `x`, stored head-major when `head_major` (`empty_heads`).
+
+    `Tensor.to` is `copy_` into a new tensor, so the cast into a head-major one rounds the same values alike.
+    """
+    if not head_major:
+        return x.to(dtype)
+    return empty_heads(*x.shape, dtype=dtype, device=x.device, head_major=True).copy_(x)
+
 
 @jit
 def _qk_norm_rope_kernel(
@@ -52,7 +131,7 @@ def _qk_norm_rope_kernel(
     w_img_ptr,  # (128,) image RMSNorm weight
     cos_ptr,  # (L_txt + L_img, 128) fp32 contiguous
     sin_ptr,  # (L_txt + L_img, 128) fp32 contiguous
-    out_ptr,  # (B, L_txt + L_img, H, 128) contiguous
+    out_ptr,  # (B, L_txt + L_img, H, 128), strides (stride_ob, stride_ol, stride_oh, 1)
     L_txt,
     L_joint,
     H,
@@ -63,6 +142,9 @@ def _qk_norm_rope_kernel(
     stride_ib,
     stride_il,
     stride_ih,
+    stride_ob,
+    stride_ol,
+    stride_oh,
     HEADS: tl.constexpr,  # heads per program
     GPU: tl.constexpr,
 ):
@@ -120,7 +202,7 @@ def _qk_norm_rope_kernel(
     out_e = mul_rn(x_e, cos_e[None, :], GPU) + mul_rn(-x_o, sin_e[None, :], GPU)
     out_o = mul_rn(x_o, cos_o[None, :], GPU) + mul_rn(x_e, sin_o[None, :], GPU)
     out = tl.reshape(tl.join(out_e, out_o), (HEADS, 32, 4))
-    out_off = (tok * H + head[:, None, None]) * 128 + col[None, :, :]
+    out_off = b * stride_ob + pos * stride_ol + head[:, None, None] * stride_oh + col[None, :, :]
     tl.store(out_ptr + out_off, to_storage(out, DTYPE, GPU), mask=head_ok)
 
 
@@ -158,7 +240,7 @@ def _qk_norm_rope_tiles_kernel(
     w_img_ptr,  # (128,) image RMSNorm weight
     cos_ptr,  # (L_txt + L_img, 128) fp32 contiguous
     sin_ptr,  # (L_txt + L_img, 128) fp32 contiguous
-    out_ptr,  # (B, L_txt + L_img, H, 128) contiguous
+    out_ptr,  # (B, L_txt + L_img, H, 128), strides (stride_ob, stride_ol, stride_oh, 1)
     L_txt,
     L_joint,
     H,
@@ -169,6 +251,9 @@ def _qk_norm_rope_tiles_kernel(
     stride_ib,
     stride_il,
     stride_ih,
+    stride_ob,
+    stride_ol,
+    stride_oh,
     TOKS: tl.constexpr,  # tokens per program
     HB: tl.constexpr,  # heads per program
     GPU: tl.constexpr,
@@ -216,8 +301,8 @@ def _qk_norm_rope_tiles_kernel(
     out_e = mul_rn(x_e, cos_e, GPU) + mul_rn(-x_o, sin_e, GPU)
     out_o = mul_rn(x_o, cos_o, GPU) + mul_rn(x_e, sin_o, GPU)
     out = tl.reshape(tl.join(out_e, out_o), (TOKS, HB, 128))
-    out_row = (b * L_joint + pos)[:, None, None] * H + head[None, :, None]
-    tl.store(out_ptr + out_row * 128 + col, to_storage(out, DTYPE, GPU), mask=ok)
+    out_off = b * stride_ob + pos[:, None, None] * stride_ol + head[None, :, None] * stride_oh + col
+    tl.store(out_ptr + out_off, to_storage(out, DTYPE, GPU), mask=ok)
 
 
 def _check_stream(op: str, name: str, x: Tensor, w: Tensor) -> None:
@@ -240,17 +325,19 @@ def qk_norm_rope_triton(
     cos: Tensor,
     sin: Tensor,
     eps: float = 1e-6,
+    head_major: bool = True,
     *,
     variant: str | None = None,
     heads_per_program: int = 8,
     tokens_per_program: int = 8,
 ) -> Tensor:
-    """Fused `qk_norm_rope_reference` → (B, L_txt + L_img, H, 128) contiguous.
+    """Fused `qk_norm_rope_reference` → (B, L_txt + L_img, H, 128), stored as the reference stores it:
+    head-major ((B, H, L, 128) contiguous, returned permuted) when `head_major`, else contiguous.
 
     Streams may be strided views (unit last stride); weights bf16/fp16 like the streams (a weight of
     another dtype sends aten down its composite RMSNorm path, which this kernel does not replay).
     `variant` "v1" or "v2" (default `VARIANT`); v1 tiles one token x `heads_per_program` heads, v2
-    `tokens_per_program` tokens x `heads_per_program` heads.
+    `tokens_per_program` tokens x `heads_per_program` heads. Both write through the output's strides.
     """
     op = "qk_norm_rope"
     variant = VARIANT if variant is None else variant
@@ -283,11 +370,12 @@ def qk_norm_rope_triton(
         check_shape(op, name, t, (l_joint, HEAD_DIM))
         if not t.is_contiguous():
             raise UnsupportedInput(f"{op}: {name} must be contiguous")
-    out = torch.empty((b, l_joint, h, HEAD_DIM), dtype=x_img.dtype, device=x_img.device)
+    out = empty_heads(b, l_joint, h, HEAD_DIM, dtype=x_img.dtype, device=x_img.device, head_major=head_major)
     check_int32_offsets(op, "out", out)
     txt = x_txt if x_txt is not None else x_img
     w_txt = weight_txt if weight_txt is not None else weight_img
     strides = (txt.stride(0), txt.stride(1), txt.stride(2), x_img.stride(0), x_img.stride(1), x_img.stride(2))
+    strides += (out.stride(0), out.stride(1), out.stride(2))
     if variant == "v1":
         _qk_norm_rope_kernel[(b * l_joint, triton.cdiv(h, heads_per_program))](
             txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps, *strides,
@@ -307,12 +395,13 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved channel pairs of `x` (B, L, H, D) by the (L, D) fp32 tables `cos`, `sin`."""
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor, head_major: bool = False) -> Tensor:
+    """Rotate interleaved channel pairs of `x` (B, L, H, D) by the (L, D) fp32 tables `cos`, `sin`;
+    the result stored head-major when `head_major` (`cast_heads`: the same values)."""
     x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+    return cast_heads(x.float() * cos + x_rotated.float() * sin, x.dtype, head_major)
 
 
 def qk_norm_rope_reference(
@@ -323,17 +412,19 @@ def qk_norm_rope_reference(
     cos: Tensor,
     sin: Tensor,
     eps: float = 1e-6,
+    head_major: bool = True,
 ) -> Tensor:
     """Normalise `x_txt` (B, L_txt, H, D) and `x_img` (B, L_img, H, D), join them text first, rotate.
 
     `x_txt` is None in single-stream blocks, where `x_img` already holds the joint sequence.
-    Returns (B, L_txt + L_img, H, D) in the input dtype.
+    Returns (B, L_txt + L_img, H, D) in the input dtype; its storage head-major ((B, H, L, D) contiguous,
+    what SDPA reads best) when `head_major`, else contiguous. The cast back writes that layout directly.
     """
     x = rms_norm_reference(x_img, weight_img, eps)
     if x_txt is not None:
         assert weight_txt is not None
         x = torch.cat([rms_norm_reference(x_txt, weight_txt, eps), x], dim=1)
-    return rope_reference(x, cos, sin)
+    return rope_reference(x, cos, sin, head_major)
 
 
 _QK_NORM_ROPE = FusedOp("qk_norm_rope", fused=qk_norm_rope_triton, reference=qk_norm_rope_reference)
@@ -347,6 +438,8 @@ def qk_norm_rope(
     cos: Tensor,
     sin: Tensor,
     eps: float = 1e-6,
+    head_major: bool = True,
 ) -> Tensor:
-    """QK-norm + RoPE; see `qk_norm_rope_reference` (fused when `dispatch` allows)."""
-    return run_op(_QK_NORM_ROPE, x_txt, x_img, weight_txt, weight_img, cos, sin, eps)
+    """QK-norm + RoPE; see `qk_norm_rope_reference` (fused when `dispatch` allows). The models pass
+    `head_major=is_head_major("q")` (or "k"): the layout `HEAD_MAJOR` sets."""
+    return run_op(_QK_NORM_ROPE, x_txt, x_img, weight_txt, weight_img, cos, sin, eps, head_major)

@@ -11,6 +11,9 @@ order, the shuffle-down tree 16…1 adds the lane sums, the idle warps add zeros
 (`mul.rn`, `mul.rn`, `add.rn`, the rotation's negation a sign flip), then one round-to-nearest-even cast.
 The bf16 input is exactly representable in fp32, so the kernel reads q and k as they come from the
 projections instead of their fp32 copies.
+
+q and k come back (B, L, H, 128), each stored head-major ((B, H, L, 128) contiguous, what SDPA reads best once
+permuted) or contiguous as `qk_norm_rope.HEAD_MAJOR` says for the role (`head_major_q`, `head_major_k`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.qk_norm_rope import _lane_tree_sum, rms_norm_reference, rope_reference
+from flux_runtime.kernels.qk_norm_rope import _lane_tree_sum, cast_heads, rms_norm_reference, rope_reference
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
     check_aten_vectorized,
@@ -48,7 +51,8 @@ def _qk_norm_rope_fp32_kernel(
     wk_ptr,  # (128,) fp32 key RMSNorm weight
     cos_ptr,  # (L, 128) fp32 contiguous
     sin_ptr,  # (L, 128) fp32 contiguous
-    out_ptr,  # (2, B, L, H, 128) contiguous: rotated q, then rotated k, in q's dtype
+    qo_ptr,  # (B, L, H, 128) rotated q in q's dtype, strides (stride_qob, stride_qol, stride_qoh, 1)
+    ko_ptr,  # (B, L, H, 128) rotated k, strides (stride_kob, stride_kol, stride_koh, 1)
     B,
     L,
     H,
@@ -59,12 +63,18 @@ def _qk_norm_rope_fp32_kernel(
     stride_kb,
     stride_kl,
     stride_kh,
+    stride_qob,
+    stride_qol,
+    stride_qoh,
+    stride_kob,
+    stride_kol,
+    stride_koh,
     TOKS: tl.constexpr,  # tokens per program
     HB: tl.constexpr,  # heads per program
     GPU: tl.constexpr,
 ):
     # grid: (cdiv(L, TOKS), cdiv(H, HB), 2 * B): the q programs of every batch, then the k programs
-    DTYPE = out_ptr.dtype.element_ty
+    DTYPE = qo_ptr.dtype.element_ty
     which = tl.program_id(2) // B  # 0: q, 1: k
     b = (tl.program_id(2) % B).to(tl.int64)
     is_k = which == 1
@@ -72,6 +82,9 @@ def _qk_norm_rope_fp32_kernel(
     stride_l = tl.where(is_k, stride_kl, stride_ql)
     stride_h = tl.where(is_k, stride_kh, stride_qh)
     w_ptr = tl.where(is_k, wk_ptr, wq_ptr)
+    out_base = tl.where(is_k, ko_ptr + b * stride_kob, qo_ptr + b * stride_qob)
+    stride_ol = tl.where(is_k, stride_kol, stride_qol)
+    stride_oh = tl.where(is_k, stride_koh, stride_qoh)
 
     pos = tl.program_id(0) * TOKS + tl.arange(0, TOKS)
     head = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -107,8 +120,8 @@ def _qk_norm_rope_fp32_kernel(
     out_e = mul_rn(x_e, cos_e, GPU) + mul_rn(-x_o, sin_e, GPU)
     out_o = mul_rn(x_o, cos_o, GPU) + mul_rn(x_e, sin_o, GPU)
     out = tl.reshape(tl.join(out_e, out_o), (TOKS, HB, 128))
-    out_row = ((which * B + b) * L + pos)[:, None, None] * H + head[None, :, None]
-    tl.store(out_ptr + out_row * 128 + col, to_storage(out, DTYPE, GPU), mask=ok)
+    out_off = pos[:, None, None] * stride_ol + head[None, :, None] * stride_oh + col
+    tl.store(out_base + out_off, to_storage(out, DTYPE, GPU), mask=ok)
 
 
 def _check_weight(op: str, name: str, w: Tensor) -> None:
@@ -128,15 +141,19 @@ def qk_norm_rope_fp32_triton(
     cos: Tensor,
     sin: Tensor,
     eps: float = 1e-6,
+    head_major_q: bool = True,
+    head_major_k: bool = True,
     *,
     heads_per_program: int = 8,
     tokens_per_program: int = 8,
 ) -> tuple[Tensor, Tensor]:
-    """Fused `qk_norm_rope_fp32_reference` → (q, k), each (B, L, H, 128) contiguous in q's dtype.
+    """Fused `qk_norm_rope_fp32_reference` → (q, k), each (B, L, H, 128) in q's dtype, stored as the
+    reference stores it: head-major ((B, H, L, 128) contiguous) where `head_major_q` / `head_major_k`, else
+    contiguous.
 
     q and k are bf16/fp16 (B, L, H, 128), possibly strided views (unit last stride) of the projections;
     the weights fp32 (128,); cos/sin fp32 (L, 128) contiguous. One launch rotates both: the outputs are
-    the two halves of one (2, B, L, H, 128) buffer.
+    the two halves of one buffer, each written through its own strides.
     """
     op = "qk_norm_rope_fp32"
     check_launchable(op, q, k, weight_q, weight_k, cos, sin)
@@ -158,29 +175,43 @@ def qk_norm_rope_fp32_triton(
         check_shape(op, name, t, (length, HEAD_DIM))
         if not t.is_contiguous():
             raise UnsupportedInput(f"{op}: {name} must be contiguous")
-    out = torch.empty((2, b, length, h, HEAD_DIM), dtype=q.dtype, device=q.device)
-    check_int32_offsets(op, "out", out)
+    # one allocation: q's half, then k's, each (B, H, L, 128) or (B, L, H, 128) contiguous
+    halves = torch.empty((2, b * length * h * HEAD_DIM), dtype=q.dtype, device=q.device)
+    check_int32_offsets(op, "out", halves)
+    q_out, k_out = (
+        half.view(b, h, length, HEAD_DIM).permute(0, 2, 1, 3) if major else half.view(b, length, h, HEAD_DIM)
+        for half, major in zip(halves, (head_major_q, head_major_k), strict=True)
+    )
     grid = (triton.cdiv(length, tokens_per_program), triton.cdiv(h, heads_per_program), 2 * b)
     _qk_norm_rope_fp32_kernel[grid](
-        q, k, weight_q, weight_k, cos, sin, out, b, length, h, eps,
+        q, k, weight_q, weight_k, cos, sin, q_out, k_out, b, length, h, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         TOKS=tokens_per_program, HB=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
-    return out[0], out[1]
+    return q_out, k_out
 
 
 def qk_norm_rope_fp32_reference(
-    q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, cos: Tensor, sin: Tensor, eps: float = 1e-6
+    q: Tensor,
+    k: Tensor,
+    weight_q: Tensor,
+    weight_k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float = 1e-6,
+    head_major_q: bool = True,
+    head_major_k: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """`rope(rms_norm(x.float(), w), cos, sin).to(x.dtype)` for x = q, k (B, L, H, D); weights fp32 (D,).
 
-    The RMSNorm and RoPE both run in fp32 (cos/sin (L, D) fp32) and each result is cast back once.
+    The RMSNorm and RoPE both run in fp32 (cos/sin (L, D) fp32) and each result is cast back once, into
+    head-major storage where `head_major_q` / `head_major_k` (`qk_norm_rope.cast_heads`).
     """
-    rotated = [
-        rope_reference(rms_norm_reference(x.float(), w, eps), cos, sin)
-        for x, w in ((q, weight_q), (k, weight_k))
-    ]
-    return rotated[0].to(q.dtype), rotated[1].to(q.dtype)
+    return tuple(
+        cast_heads(rope_reference(rms_norm_reference(x.float(), w, eps), cos, sin), q.dtype, major)
+        for x, w, major in ((q, weight_q, head_major_q), (k, weight_k, head_major_k))
+    )  # type: ignore[return-value]
 
 
 _QK_NORM_ROPE_FP32 = FusedOp(
@@ -189,7 +220,16 @@ _QK_NORM_ROPE_FP32 = FusedOp(
 
 
 def qk_norm_rope_fp32(
-    q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, cos: Tensor, sin: Tensor, eps: float = 1e-6
+    q: Tensor,
+    k: Tensor,
+    weight_q: Tensor,
+    weight_k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float = 1e-6,
+    head_major_q: bool = True,
+    head_major_k: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """fp32 QK-norm + RoPE of q and k; see `qk_norm_rope_fp32_reference` (fused when `dispatch` allows)."""
-    return run_op(_QK_NORM_ROPE_FP32, q, k, weight_q, weight_k, cos, sin, eps)
+    """fp32 QK-norm + RoPE of q and k; see `qk_norm_rope_fp32_reference` (fused when `dispatch` allows).
+    FLUX.3 passes `is_head_major("q")` and `is_head_major("k")`: the layout `qk_norm_rope.HEAD_MAJOR` sets."""
+    return run_op(_QK_NORM_ROPE_FP32, q, k, weight_q, weight_k, cos, sin, eps, head_major_q, head_major_k)

@@ -68,10 +68,45 @@ def test_qk_norm_rope_fp32_interpreter_replays_aten(
     args = inputs(*shape, dtype, "cpu", packed)
     # 16 heads, 4 tokens per program: masked heads (H 3, 24) and tokens (L 3, 5) in the last programs
     q, k = qk_norm_rope_fp32_triton(*args, EPS, heads_per_program=16, tokens_per_program=4)
-    assert q.shape == k.shape == args[0].shape and q.is_contiguous() and k.is_contiguous()
+    assert q.shape == k.shape == args[0].shape
+    assert q.permute(0, 2, 1, 3).is_contiguous() and k.permute(0, 2, 1, 3).is_contiguous()  # head-major
     assert q.dtype == k.dtype == dtype
     ref_q, ref_k = replayed(*args)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+def stored_head_major(t: Tensor) -> bool:
+    """Whether (B, L, H, D) `t` is a view of (B, H, L, D) contiguous storage."""
+    return t.permute(0, 2, 1, 3).is_contiguous()
+
+
+@interpreter
+@pytest.mark.parametrize("major", [(True, True), (False, False), (False, True)], ids=["qk", "none", "k"])
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_qk_norm_rope_fp32_writes_the_layout_asked_for(packed: bool, major: tuple[bool, bool]) -> None:
+    """q and k each stored head-major or (B, L, H, 128) contiguous as asked (`set_head_major`'s "kv" keeps q as
+    before), with the reference's strides and the same values in any layout; masked heads and tokens."""
+    args = inputs(2, 7, 5, torch.bfloat16, "cpu", packed)
+    q, k = qk_norm_rope_fp32_triton(*args, EPS, *major, heads_per_program=2, tokens_per_program=4)
+    ref_q, ref_k = qk_norm_rope_fp32_reference(*args, EPS, *major)
+    for out, ref, head_major in ((q, ref_q, major[0]), (k, ref_k, major[1])):
+        assert stored_head_major(out) == head_major and out.is_contiguous() == (not head_major)
+        assert out.stride() == ref.stride()
+    rep_q, rep_k = replayed(*args)
+    assert torch.equal(q, rep_q) and torch.equal(k, rep_k)
+    other_q, other_k = qk_norm_rope_fp32_triton(*args, EPS, *(not m for m in major))
+    assert torch.equal(q, other_q) and torch.equal(k, other_k)
+
+
+def test_fp32_reference_layout_keeps_the_values() -> None:
+    """The reference casts back into head-major storage directly: the same bits as its contiguous result."""
+    args = inputs(2, 7, 5, torch.bfloat16, "cpu", packed=True)
+    head, token = (
+        qk_norm_rope_fp32_reference(*args, EPS),
+        qk_norm_rope_fp32_reference(*args, EPS, False, False),
+    )
+    for h, t in zip(head, token, strict=True):
+        assert stored_head_major(h) and t.is_contiguous() and torch.equal(h, t)
 
 
 @interpreter
@@ -134,6 +169,21 @@ def test_qk_norm_rope_fp32_gpu_bit_exact(n: int, b: int, dtype: torch.dtype, pac
     out = qk_norm_rope_fp32_triton(*args, EPS)
     ref = qk_norm_rope_fp32_reference(*args, EPS)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    for o, r in zip(out, ref, strict=True):  # stored head-major, what SDPA reads contiguously
+        assert stored_head_major(o) and o.stride() == r.stride()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("major", [(False, False), (False, True)], ids=["none", "k"])
+@pytest.mark.parametrize("n", [4096, 8672])
+def test_qk_norm_rope_fp32_gpu_other_layouts(n: int, major: tuple[bool, bool]) -> None:
+    """The layouts `set_head_major` can ask for besides the default: bit-exact, the reference's strides."""
+    args = inputs(1, n, FLUX3_HEADS, torch.bfloat16, "cuda", packed=False)
+    out = qk_norm_rope_fp32_triton(*args, EPS, *major)
+    ref = qk_norm_rope_fp32_reference(*args, EPS, *major)
+    for o, r, head_major in zip(out, ref, major, strict=True):
+        assert torch.equal(o, r) and o.stride() == r.stride() and stored_head_major(o) == head_major
 
 
 @gpu
