@@ -136,7 +136,8 @@ class SequenceParallel:
         if self._layout is None:
             return attention(q, k, v, out, quant)
         group, shards = self._layout
-        o = sdpa(*(_to_heads(t, shards, group) for t in (q, k, v)))
+        qkv = zip("qkv", (q, k, v), strict=True)
+        o = sdpa(*(_to_heads(t, shards, group, kernels.is_head_major(role)) for role, t in qkv))
         return write_heads(_to_tokens(o, shards, group), out, quant)
 
     def _gather(self, out: Tensor, shards: Shards, group: Group) -> Tensor:
@@ -151,8 +152,13 @@ class SequenceParallel:
         return torch.cat([p[:, :n] for p, n in zip(parts, lens, strict=True)], dim=1)
 
 
-def _to_heads(t: Tensor, shards: Shards, group: Group) -> Tensor:
-    """(B, L_r, H, D) token shard → (B, L, H/n, D): every token of this rank's heads, in the global order."""
+def _to_heads(t: Tensor, shards: Shards, group: Group, head_major: bool) -> Tensor:
+    """(B, L_r, H, D) token shard → (B, L, H/n, D): every token of this rank's heads, in the global order,
+    stored head-major ((B, H/n, L, D) contiguous, what SDPA reads best) when `head_major`, else contiguous.
+
+    `t` may be stored either way (`kernels.empty_heads`): splitting its heads is a view in both, and the send
+    buffer is one copy as before. The received pieces are copied once either way, into the layout asked for.
+    """
     n = group.size
     b, rows, h, d = t.shape
     # (n, L_r, B, H/n, D): piece j (the heads of rank j) is contiguous, tokens outermost
@@ -162,7 +168,9 @@ def _to_heads(t: Tensor, shards: Shards, group: Group) -> Tensor:
         dist.all_to_all_single(
             recv, send.view(n * rows, b, h // n, d), list(shards.lengths), [rows] * n, group=group.pg
         )
-    # pieces arrive in rank order = the global token order; (B, L, H/n, D) contiguous as one process has it
+    # pieces arrive in rank order = the global token order; (B, L, H/n, D) stored as one process stores it
+    if head_major:
+        return recv.permute(1, 2, 0, 3).contiguous().permute(0, 2, 1, 3)
     return recv.permute(1, 0, 2, 3).contiguous()
 
 

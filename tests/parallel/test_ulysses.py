@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.parallel.ranks import run_ranks
-from tests.parallel.workers import transformer_parity
+from tests.parallel.workers import layout_parity, transformer_parity
 
 # (family, heads, dtype, batch, h, w, txt_len, fp8); tokens = txt_len + h * w
 CASES = [
@@ -66,6 +66,24 @@ def test_the_shards_cover_both_streams(two_ranks):
     spans = two_ranks[0][0]["spans"]  # case 0: 7 text + 20 image tokens
     assert spans == [((0, 7), (0, 7)), ((7, 7), (7, 20))]
     assert two_ranks[0][3]["spans"][0][1] == (0, 0)  # case 3: rank 0 holds text only
+
+
+def test_attention_input_layouts_give_the_same_bits():
+    """The all-to-all hands `sdpa` each rank's heads stored as `set_head_major` says (head-major: (B, H/n, L, D)
+    contiguous, with 2 heads a rank), whatever layout the token shards arrive in; the sharded forward is the
+    same in every layout, and equal to one process's."""
+    cases = [("flux1", 4, torch.bfloat16, 2, 4, 5, 7), ("flux2", 4, torch.float32, 1, 3, 5, 6)]
+    stored = {True: (True, False), False: (False, True)}  # (head-major, contiguous)
+    expected = {
+        True: [(stored[True],) * 3],
+        False: [(stored[False],) * 3],
+        "kv": [(stored[False], stored[True], stored[True])],
+    }
+    for res in run_ranks(2, layout_parity, cases):
+        assert len(res) == 3 * len(cases)
+        for r in res:
+            assert r["equal"], r["case"]
+            assert r["seen"] == expected[r["case"][1]], r
 
 
 @pytest.mark.slow

@@ -91,6 +91,39 @@ def transformer_parity(rank: int, n: int, cases: list[tuple]) -> list[dict[str, 
     return out
 
 
+def layout_parity(rank: int, n: int, cases: list[tuple]) -> list[dict[str, Any]]:
+    """For each case (family, heads, dtype, batch, h, w, txt_len): the sharded forward with each attention-input
+    layout (`set_head_major` True, False, "kv") against this process's unsharded forward in the default layout,
+    and how the q, k, v that `sdpa` received after the all-to-all were stored: (head-major, contiguous) each."""
+    from flux_runtime.kernels.qk_norm_rope import head_major_layout
+    from flux_runtime.parallel import ulysses
+
+    world, _ = join(ParallelConfig(world_size=n, cfg=False), CPU)
+    seen: list[tuple[tuple[bool, bool], ...]] = []
+    library_sdpa = ulysses.sdpa
+
+    def recording_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple((t.permute(0, 2, 1, 3).is_contiguous(), t.is_contiguous()) for t in (q, k, v)))
+        return library_sdpa(q, k, v)
+
+    ulysses.sdpa = recording_sdpa
+    out = []
+    for family, heads, dtype, batch, h, w, txt_len in cases:
+        model = random_model(family, heads, dtype)
+        args, kwargs = inputs(model, batch, h, w, txt_len)
+        with torch.no_grad():
+            one = model(*args, **kwargs)
+            sharded = SequenceParallel(model, world)
+            for layout in (True, False, "kv"):
+                seen.clear()
+                with head_major_layout(layout), world.running(world.plan(cfg=False)):
+                    many = sharded(*args, **kwargs)
+                out.append(
+                    {"case": (family, layout), "equal": torch.equal(one, many), "seen": sorted(set(seen))}
+                )
+    return out
+
+
 def sharded_spans(n_txt: int, n_img: int, n: int, rank: int) -> tuple:
     from flux_runtime.parallel.ulysses import Shards
 

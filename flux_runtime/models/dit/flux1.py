@@ -145,8 +145,10 @@ class SingleStreamBlock(nn.Module):
                 x_n, (d, d, d, m), gelu_last=True, gelu_out=h[..., d:], gelu_quant=quant
             )
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
-        q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
-        k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
+        # q and k stored head-major where `kernels.is_head_major` says; v stays a view of linear1's output
+        major_q, major_k = kernels.is_head_major("q"), kernels.is_head_major("k")
+        q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS, major_q)
+        k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS, major_k)
         if h is None:
             act = kernels.attention_act_fp8(sdpa(q, k, v), mlp, "gelu_tanh")
             return clip_fp16(Pending(x, mod.gate, self.linear2(act)))

@@ -120,8 +120,10 @@ class SingleStreamBlock(nn.Module):
         # one GEMM, split as diffusers splits it: (B, L, 3D) attention, (B, L, 2M) [gate | up]
         qkv, mlp = self.linear1(x_n).split([3 * self.linear1.in_features, 2 * self.mlp_hidden_dim], dim=-1)
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in qkv.chunk(3, dim=-1))
-        q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS)
-        k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS)
+        # q and k stored head-major where `kernels.is_head_major` says; v stays a view of linear1's output
+        major_q, major_k = kernels.is_head_major("q"), kernels.is_head_major("k")
+        q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS, major_q)
+        k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS, major_k)
         d, quant = self.linear1.in_features, self.linear2.act_quant
         if quantizes_per_row(self.linear2) and self.attend is attention:
             # per-row scales span [attn | mlp]: both halves quantized in one pass, no 16-bit buffer

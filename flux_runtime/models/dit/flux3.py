@@ -142,8 +142,12 @@ class Block(nn.Module):
             p(t).unflatten(-1, (self.num_heads, -1))
             for p, t in ((self.q_proj, x_q), (self.k_proj, x_k), (self.v_proj, x_v))
         )
-        # QK norm and RoPE in fp32, one cast back to the stream dtype: (B, L, H, Dh)
-        q, k = kernels.qk_norm_rope_fp32(q, k, self.norm.query_norm.scale, self.norm.key_norm.scale, *pe, EPS)
+        # QK norm and RoPE in fp32, one cast back to the stream dtype: (B, L, H, Dh), stored head-major where
+        # `kernels.is_head_major` says (v stays v_proj's output: making it head-major would be a copy)
+        q, k = kernels.qk_norm_rope_fp32(
+            q, k, self.norm.query_norm.scale, self.norm.key_norm.scale, *pe, EPS,
+            kernels.is_head_major("q"), kernels.is_head_major("k"),
+        )  # fmt: skip
         o = F.scaled_dot_product_attention(
             q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         )

@@ -310,21 +310,36 @@ def attention(
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Attention of every head of (B, L, H, D) inputs, (B, L, H, D) in q's dtype (a strided view)."""
+    """Attention of every head of (B, L, H, D) inputs, (B, L, H, D) in q's dtype (a strided view).
+
+    Any layout with a unit last stride: head-major inputs ((B, H, L, D) storage, `kernels.empty_heads`) reach
+    SDPA contiguous. cuDNN's and flash attention's output (and the CPU's) is stored in q's dimension order, so a
+    head-major q gives head-major heads here, the same values either way.
+    """
     o = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3))
     return o.permute(0, 2, 1, 3).to(q.dtype)
 
 
 def write_heads(o: Tensor, out: Tensor | None = None, quant: kernels.Fp8Quant | None = None) -> Tensor:
     """Attention heads (B, L, H, D) (or (B, L, groups, H/groups, D)) as (B, L, H*D): flattened, or written
-    into `out` as `attention` says."""
+    into `out` as `attention` says.
+
+    Heads stored head-major (`sdpa` of a head-major q) are no (B, L, H*D) rows: flattening them copies (the
+    double blocks' projections need rows), and a static e4m3 `out` takes them a (L, H, D) batch row at a time
+    (the quantization reads them where they are; the scale is one number, so the codes are the same).
+    """
     if out is None:
         return o.flatten(2)
+    heads = out.unflatten(-1, o.shape[2:])
     if out.dtype == kernels.fp8.E4M3:
         assert quant is not None and quant.static
-        kernels.quantize(o.reshape(*o.shape[:2], -1), *quant, out=out)
+        if o.ndim == 4 and o.shape[2] > 1 and o.stride(2) != o.shape[3] * o.stride(3):
+            for o_b, heads_b in zip(o.unbind(0), heads.unbind(0), strict=True):
+                kernels.quantize(o_b, *quant, out=heads_b)
+        else:
+            kernels.quantize(o.reshape(*o.shape[:2], -1), *quant, out=out)
         return out
-    out.unflatten(-1, o.shape[2:]).copy_(o)
+    heads.copy_(o)
     return out
 
 
@@ -381,12 +396,22 @@ def double_stream(
     img_q, img_k, img_v = block.img_attn.project(img_n)
     txt_q, txt_k, txt_v = block.txt_attn.project(txt_n)
 
-    # joint attention, text first: (B, L_txt + L_img, H, Dh)
+    # joint attention, text first: (B, L_txt + L_img, H, Dh), each stored head-major where
+    # `kernels.is_head_major` says (SDPA then reads it contiguously)
     img_norm, txt_norm = block.img_attn.norm, block.txt_attn.norm
-    q = kernels.qk_norm_rope(txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS)
-    k = kernels.qk_norm_rope(txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS)
-    # joint V: two strided copies (the merged-QKV views) are cheaper on the GPU than torch.cat of them
-    v = txt_v.new_empty(txt_v.shape[0], n_txt + n_img, *txt_v.shape[2:])
+    major_q, major_k, major_v = (kernels.is_head_major(role) for role in "qkv")
+    q = kernels.qk_norm_rope(
+        txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS, major_q
+    )
+    k = kernels.qk_norm_rope(
+        txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS, major_k
+    )
+    # joint V: two strided copies (the merged-QKV views) are cheaper on the GPU than torch.cat of them; they
+    # write the head-major storage as directly as the token-major one
+    b, _, h, dh = txt_v.shape
+    v = kernels.empty_heads(
+        b, n_txt + n_img, h, dh, dtype=txt_v.dtype, device=txt_v.device, head_major=major_v
+    )
     v[:, :n_txt].copy_(txt_v)
     v[:, n_txt:].copy_(img_v)
     txt_attn, img_attn = block.attend(q, k, v).split_with_sizes([n_txt, n_img], dim=1)
