@@ -15,7 +15,11 @@ rows for text to image and with one 1024² reference (`--flux3-cases t2i,ref`; 4
 its FP8 floor counted from FLUX.3's own GEMMs (q, k, v, out, SwiGLU in/out of every per-mode and joint
 block in e4m3; embedders, per-token modulation and the final layer in bf16), and the FP8 model's share of
 the weights in memory.
-Usage: python3 scripts/bench_fp8.py [--models flux1-dev,flux2-dev,klein-4b,flux3-klein] [--json out.json]
+`--layout-ab` adds a same-run A/B of the attention inputs' layout (`kernels.set_head_major`): the FP8 step
+(lossless + graph) with q, k and the joint V (B, L, H, Dh) contiguous as before, all three head-major (the
+default), and k and v only (q, and so SDPA's output, as before), each a new graph, `torch.equal` to the old
+layout's output.
+Usage: python3 scripts/bench_fp8.py [--models flux1-dev,flux2-dev,klein-4b,flux3-klein] [--layout-ab] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from flux_runtime.kernels import fp8
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.fp8 import E4M3
 from flux_runtime.kernels.gelu import set_gelu_shortcut
+from flux_runtime.kernels.qk_norm_rope import head_major_layout
 from flux_runtime.models.dit import FLUX1_DEV
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.weights.fp8 import quantize_model
@@ -51,6 +56,42 @@ DEV = torch.device("cuda")
 cuda_time = bench.cuda_time
 RESULTS: dict[str, object] = {}
 PROFILE = False
+LAYOUT_AB = False
+# `--layout-ab`'s arms: `set_head_major`'s setting, its row label (FLUX.3 has no joint V: "kv" moves k only)
+LAYOUT_ARMS: tuple[tuple[bool | str, str], ...] = (
+    (False, "q, k, v (B, L, H, Dh) contiguous (the old layout)"),
+    (True, "q, k, v head-major"),
+    ("kv", "k, v head-major, q as before"),
+)
+
+
+def layout_ab(
+    measure: Callable[..., torch.Tensor],
+    step: Callable[[], Callable[[], torch.Tensor]],
+    expected: torch.Tensor,
+    times: dict[str, float],
+) -> dict[str, bool]:
+    """The same-run A/B of `--layout-ab`: `measure(label, step(), expected)` (a new FP8 lossless + graph step,
+    its ms into `times[label]`) under each of `LAYOUT_ARMS`'s settings, then one line of the arms' ms against the
+    old layout's. Returns whether each arm's output is `torch.equal` to the old layout's (SDPA's bits do not
+    depend on its inputs' strides)."""
+    outs, labels = {}, {}
+    for flag, arm in LAYOUT_ARMS:
+        labels[arm] = f"(ours fp8 lossless + graph, {arm})"
+        with head_major_layout(flag):
+            outs[arm] = measure(labels[arm], step(), expected)
+    old_arm = LAYOUT_ARMS[0][1]
+    same = {arm: bool(torch.equal(out, outs[old_arm])) for arm, out in outs.items()}
+    old_ms = times[labels[old_arm]]
+    print(
+        "layout A/B: "
+        + "; ".join(
+            f"{arm} {times[labels[arm]]:.2f} ms ({times[labels[arm]] - old_ms:+.2f}), torch.equal {same[arm]}"
+            for arm in outs
+        ),
+        flush=True,
+    )
+    return same
 
 
 def print_fp8_table(
@@ -372,6 +413,13 @@ def bench_model(name: str, iters: int) -> bool:
         block_ab("gelu_tanh", "double-block GELU", ours, expected_fp8)
     if name == "klein-4b":
         block_ab("swiglu", "double-block SwiGLU", ours, expected_fp8)
+    if LAYOUT_AB:
+        same = layout_ab(measure, partial(graphed, ours, "lossless"), expected_fp8, times)
+        equal["(layout A/B: every arm torch.equal to the old layout's)"] = all(same.values())
+        res["layout_ab"] = {
+            label: {"ms": times[f"(ours fp8 lossless + graph, {label})"], "equal_to_old": same[label]}
+            for _, label in LAYOUT_ARMS
+        }
     print(fused_ops_report(), flush=True)
     if PROFILE:
         bench.profile_step(ours_step(ours, "lossless"))
@@ -523,6 +571,12 @@ def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
         expected = measure(case, "ours fp8 eager reference", ours_step(case, "off"))
         measure(case, "ours fp8 lossless eager", ours_step(case, "lossless"), expected)
         outs[case, "fp8"] = measure(case, "ours fp8 lossless + graph", graphed(case, "lossless"), expected)
+        if LAYOUT_AB:
+            step_ms = results[case]["step_ms"]
+            same = layout_ab(partial(measure, case), partial(graphed, case, "lossless"), expected, step_ms)
+            results[case]["equal"]["(layout A/B: every arm torch.equal to the old layout's)"] = all(
+                same.values()
+            )
         print(fused_ops_report(), flush=True)
         outs[case, "fp8 high"] = measure(case, "ours fp8 high + graph", graphed(case, "high"), expected)
 
@@ -566,9 +620,14 @@ def main() -> int:
     ap.add_argument(
         "--flux3-cases", default="t2i,ref", help="FLUX.3: t2i (text to image), ref (one reference)"
     )
+    ap.add_argument(
+        "--layout-ab",
+        action="store_true",
+        help="same-run A/B of the FP8 lossless + graph step over the attention inputs' layout (set_head_major)",
+    )
     args = ap.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, LAYOUT_AB
+    PROFILE, LAYOUT_AB = args.profile, args.layout_ab
     if not torch.cuda.is_available():
         print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
         return 2
