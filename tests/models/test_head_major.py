@@ -10,6 +10,7 @@ producer) runs here too. tiny FLUX.1, FLUX.2 and FLUX.3 models with random weigh
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,13 +19,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime import kernels, load_transformer
-from flux_runtime.kernels import fp8
+from flux_runtime.kernels import fp8, fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.qk_norm_rope import head_major_layout
-from flux_runtime.models.dit import flux3
+from flux_runtime.models.dit import TINY, TINY_FLUX2, Flux1Transformer, Flux2Transformer, flux3
 from flux_runtime.models.dit.layers import Fp8Linear, attention, write_heads
 from tests.flux3_fixtures import make_inputs as flux3_inputs
 from tests.flux3_fixtures import our_forward as flux3_forward
-from tests.kernels.helpers import interpreter
+from tests.kernels.helpers import gpu, interpreter
 from tests.parallel.workers import inputs, random_model
 
 LAYOUTS: list[bool | str] = [True, False, "kv"]  # all head-major (the default), none, q as before
@@ -186,3 +187,61 @@ def test_static_quantize_kernel_reads_a_head_major_batch_row() -> None:
     fp8.act_quantize_reference(o, "identity", s, s.reciprocal(), want[:, : h * d].unflatten(-1, (h, d)))
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got.view(torch.uint8).any()
+
+
+def lossless_in_every_layout(family: str, fp8_model: bool, device: str) -> list[tuple[Tensor, Tensor, Any]]:
+    """A model with heads of 128 (what the fused kernels take; 3 heads, 2 double and 2 single blocks) on
+    `device`, batch 2, a 32x32 image and 77 text tokens: per layout of `LAYOUTS`, the `lossless` forward, the
+    eager (`off`) forward and the fused-ops report of the lossless one (signatures verified afresh)."""
+    from flux_runtime.weights.fp8 import quantize_model
+
+    flux1 = family == "flux1"
+    cfg = replace(
+        TINY if flux1 else TINY_FLUX2,
+        num_heads=3,
+        hidden_size=384,
+        axes_dim=(16, 56, 56) if flux1 else (32,) * 4,
+    )
+    model = (Flux1Transformer if flux1 else Flux2Transformer)(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    model = model.to(device, torch.bfloat16).eval()
+    if fp8_model:
+        quantize_model(model, torch.bfloat16)
+    args, _ = inputs(model.cpu() if device == "cpu" else model, 2, 32, 32, 77)
+    args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
+    pe = model.rope(args[3], args[1])
+    runs = []
+    with torch.no_grad():
+        for layout in LAYOUTS:
+            with head_major_layout(layout):
+                reset_fused_ops_report(forget_signatures=True)
+                with use_fused("lossless"):
+                    got = model(*args, pe=pe)
+                report = fused_ops_report()
+                with use_fused("off"):
+                    runs.append((got, model(*args, pe=pe), report))
+    return runs
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["flux1", "flux2"])
+@pytest.mark.parametrize("fp8_model", [False, True], ids=["bf16", "fp8"])
+def test_gpu_lossless_forward_is_the_same_in_every_layout(family: str, fp8_model: bool) -> None:
+    """On the GPU, where the QK kernel writes each layout and cuDNN's output follows q's: the `lossless` forward
+    (fused kernels, FP8's `attention_act_fp8` reading head-major heads) `torch.equal` to the eager one in every
+    layout and across layouts, the QK kernel fused in each (no fallback, no mismatch)."""
+    runs = lossless_in_every_layout(family, fp8_model, "cuda")
+    for got, eager, report in runs:
+        assert torch.equal(got, eager)
+        assert not report.mismatches, report
+        assert report.fused_calls.get("qk_norm_rope", 0) == 8, report  # q and k of 4 blocks
+        assert not [key for key in report.fallbacks if key[0] in ("qk_norm_rope", "attention_act_fp8")], (
+            report
+        )
+        if fp8_model:
+            assert report.fused_calls.get("attention_act_fp8", 0) == 2, report
+    assert all(torch.equal(runs[0][0], got) for got, _, _ in runs[1:])
