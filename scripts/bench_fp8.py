@@ -15,6 +15,8 @@ rows for text to image and with one 1024² reference (`--flux3-cases t2i,ref`; 4
 its FP8 floor counted from FLUX.3's own GEMMs (q, k, v, out, SwiGLU in/out of every per-mode and joint
 block in e4m3; embedders, per-token modulation and the final layer in bf16), and the FP8 model's share of
 the weights in memory.
+FLUX.1 and FLUX.2 steps are also timed with the FP8 producers' e4m3 codes from integer operations instead of
+the GPU's conversion instruction (`triton_utils.set_e4m3_hardware`; the same codes), a same-run A/B.
 `--layout-ab` adds a same-run A/B of the attention inputs' layout (`kernels.set_head_major`): the FP8 step
 (lossless + graph) with q, k and the joint V (B, L, H, Dh) contiguous as before, all three head-major (the
 default), and k and v only (q, and so SDPA's output, as before), each a new graph, `torch.equal` to the old
@@ -48,6 +50,7 @@ from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_repo
 from flux_runtime.kernels.fp8 import E4M3
 from flux_runtime.kernels.gelu import set_gelu_shortcut
 from flux_runtime.kernels.qk_norm_rope import head_major_layout
+from flux_runtime.kernels.triton_utils import e4m3_hardware
 from flux_runtime.models.dit import FLUX1_DEV
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.weights.fp8 import quantize_model
@@ -367,12 +370,13 @@ def bench_model(name: str, iters: int) -> bool:
         default = fp8.ACT_BLOCK_DEFAULTS[act]
         for block in (None, 1024, 2048):
             if block != default:
-                fp8.set_act_block(act, block)
                 label = "whole rows" if block is None else f"{block}-wide blocks"
-                measure(
-                    f"(ours fp8 lossless + graph, {what} in {label})", graphed(model, "lossless"), expected
-                )
-        fp8.set_act_block(act, default)
+                with fp8.act_block(act, block):
+                    measure(
+                        f"(ours fp8 lossless + graph, {what} in {label})",
+                        graphed(model, "lossless"),
+                        expected,
+                    )
 
     expected_bf16 = measure("diffusers bf16 eager", run_ref)
     out_bf16 = measure("ours bf16 lossless + graph", graphed(ours, "lossless"), expected_bf16)
@@ -413,6 +417,10 @@ def bench_model(name: str, iters: int) -> bool:
         block_ab("gelu_tanh", "double-block GELU", ours, expected_fp8)
     if name == "klein-4b":
         block_ab("swiglu", "double-block SwiGLU", ours, expected_fp8)
+    with e4m3_hardware(False):  # the producers' e4m3 codes from integer operations, not the GPU's cvt
+        measure(
+            "(ours fp8 lossless + graph, integer e4m3 conversion)", graphed(ours, "lossless"), expected_fp8
+        )
     if LAYOUT_AB:
         same = layout_ab(measure, partial(graphed, ours, "lossless"), expected_fp8, times)
         equal["(layout A/B: every arm torch.equal to the old layout's)"] = all(same.values())

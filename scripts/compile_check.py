@@ -6,7 +6,8 @@ sm_90 on a machine without a GPU, and print their resources.
 Triton lowers each kernel (at its default tile, bf16 and fp16, the masked odd-width LayerNorm path too) to PTX
 and runs its bundled ptxas, which catches lowering errors the interpreter never meets; `cuobjdump` then reads
 registers and stack (spills) per thread from the cubin, and the PTX gives the count of fp32 FMAs (each must be
-one aten has: Welford's and the sum of squares) and of separately rounded fp32 products (`mul.rn.f32`). Nothing
+one aten has: Welford's and the sum of squares), of separately rounded fp32 products (`mul.rn.f32`) and of the
+hardware e4m3 conversions (`cvt.rn.satfinite.e4m3x2.f32`, two codes each) of the FP8 producers. Nothing
 runs; it says nothing about speed or bits.
 `--ptx DIR` also writes each kernel's PTX there: two trees whose PTX files are identical run the same
 instructions on the GPU, so a refactor of a kernel's source can be shown to move no bits without one.
@@ -67,7 +68,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     rows8_sig = rows_sig | {"y_out_ptr": "*u8"}
     aa_sig = {"o_ptr": f"*{dt}", "x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32"}
     aa_sig |= _ints("L", "D", "N", "HD", "stride_ob", "stride_ol", "stride_oh", "stride_xb", "stride_xl")
-    aa = {"BLOCK": 2048, "GPU": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
+    # HW_E4M3: e4m3 codes from the GPU's conversion instruction, as an sm_89+ launch takes them (e4m3_consts)
+    aa = {"BLOCK": 2048, "GPU": True, "HW_E4M3": True, "BETA": K_BETA, "KAPPA": K_KAPPA}
     aa |= {"MAX_SHORTCUT": False, "GELU_BOUND": 0.0}
     aa_max = aa | {"MAX_SHORTCUT": True, "GELU_BOUND": GELU_BOUND[dt]}
     aq_sig = {"x_ptr": f"*{dt}", "q_ptr": "*u8", "scale_ptr": "*fp32", "inv_ptr": "*fp32"}
@@ -75,6 +77,7 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     aq = {
         "DYNAMIC": True,
         "GPU": True,
+        "HW_E4M3": True,
         "BETA": K_BETA,
         "KAPPA": K_KAPPA,
         "MAX_SHORTCUT": False,
@@ -97,8 +100,8 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
     gr_sig |= _ints("La", "L", "D") | _ints(
         *(f"s_{t}_{d}" for t in ("xa", "ga", "xb", "gb", "a", "b") for d in ("b", "l"))
     )
-    ln = {"ROWS": ROWS_PER_PROGRAM, "GPU": True, "DTYPE": tdt}
-    rows = {"ROWS": 2, "GPU": True, "DTYPE": tdt}
+    ln = {"ROWS": ROWS_PER_PROGRAM, "GPU": True, "HW_E4M3": True, "DTYPE": tdt}
+    rows = {"ROWS": 2, "GPU": True, "HW_E4M3": True, "DTYPE": tdt}
     tok = _token_layer_norm_modulate_kernel
     return [
         (f"token_layer_norm_modulate D3072 {dt}", tok, ln_sig, {"ITERS": 6, "EVEN": True, "QUANT": 0, **ln}),
@@ -111,6 +114,7 @@ def kernels(dt: str, tdt: object) -> list[tuple[str, object, dict[str, str], dic
         (f"residual_layer_norm_modulate D1000 fp8 per-row {dt}", _layer_norm_modulate_rows_kernel, rows8_sig, {"ITERS": 2, "EVEN": False, "HAS_RESIDUAL": True, "QUANT": 2, **rows}),
         (f"attention_act_fp8 gelu_tanh {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa_max}),
         (f"attention_act_fp8 gelu_tanh two GELUs {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa}),
+        (f"attention_act_fp8 gelu_tanh integer e4m3 {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 1, **aa_max, "HW_E4M3": False}),
         (f"attention_act_fp8 swiglu {dt}", _attention_act_quant_rows_kernel, aa_sig, {"ACT": 2, **aa}),
         (f"fp8_quantize per-row one block {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 0, "BLOCK_N": 16384, "ONE_BLOCK": True, **aq}),
         (f"swiglu_fp8 per-row blocks {dt}", _act_quant_rows_kernel, aq_sig, {"ACT": 2, "BLOCK_N": 2048, "ONE_BLOCK": False, **aq}),
@@ -133,7 +137,7 @@ def main() -> int:
         args.ptx.mkdir(parents=True, exist_ok=True)
     failures = 0
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
-    print(f"{'kernel':<56} {'regs':>5} {'stack':>6} {'fma.f32':>8} {'mul.rn':>7}")
+    print(f"{'kernel':<56} {'regs':>5} {'stack':>6} {'fma.f32':>8} {'mul.rn':>7} {'cvt.e4m3':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for dt, tdt in (("bf16", tl.bfloat16), ("fp16", tl.float16)):
             for label, fn, sig, consts in kernels(dt, tdt):
@@ -160,7 +164,7 @@ def main() -> int:
                     (args.ptx / (re.sub(r"[^A-Za-z0-9]+", "_", label) + ".ptx")).write_text(ptx)
                 print(
                     f"{label:<56} {regs.group(1) if regs else '?':>5} {stack.group(1) if stack else '?':>6} "
-                    f"{ptx.count('fma.rn.f32'):>8} {ptx.count('mul.rn.f32'):>7}"
+                    f"{ptx.count('fma.rn.f32'):>8} {ptx.count('mul.rn.f32'):>7} {ptx.count('cvt.rn.satfinite.e4m3x2'):>8}"
                 )
     return 1 if failures else 0
 
