@@ -47,9 +47,9 @@ from flux_runtime.kernels.attention_act_fp8 import (
 from flux_runtime.kernels.dispatch import UnsupportedInput
 from flux_runtime.kernels.fp8 import (
     ACT_BLOCK_DEFAULTS,
+    act_block,
     act_quantize_reference,
     act_quantize_triton,
-    set_act_block,
 )
 from flux_runtime.kernels.gated_residual import gated_residual_reference, gated_residual_triton
 from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_reference, gelu_tanh_triton
@@ -336,14 +336,11 @@ def _three_passes(o: Tensor, x: Tensor, act: str) -> tuple[Tensor, Tensor]:
 
 
 def _whole_rows(act: str) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
-    """`act`'s per-row e4m3 producer with each row held in registers (`set_act_block`), the default restored."""
+    """`act`'s per-row e4m3 producer with each row held in registers (`act_block`), the setting restored."""
 
     def run(x: Tensor) -> tuple[Tensor, Tensor]:
-        set_act_block(act, None)
-        try:
+        with act_block(act, None):
             return _fp8_bits(act_quantize_triton(x, act, None, None))
-        finally:
-            set_act_block(act, ACT_BLOCK_DEFAULTS[act])
 
     return run
 
