@@ -418,7 +418,8 @@ def prefix_drift(states: Tensor, b: int, rows: Tensor, head_cut: Tensor, ids: Te
 class GuidanceTeacher:
     """FLUX.1 [dev]'s guidance distillation (`--guidance-distill F`), with the model as its own teacher.
 
-    The teacher is a frozen copy of the DiT holding its EMA weights, refreshed every `refresh` steps. Its
+    The teacher is a frozen copy of the DiT holding its EMA weights, refreshed every `refresh` steps (0: taken
+    once, where distillation starts, and kept). Its
     guidance input is held at 1, the value the student's plain flow-matching rows are trained at. Those rows
     also drop a tenth of their captions to the empty prompt, so at guidance 1 the model learns both the
     conditional and the unconditional velocity. A distilled row asks the student, at a random guidance g,
@@ -432,7 +433,7 @@ class GuidanceTeacher:
         self.refresh = refresh
 
     def update(self, step: int, first: int, student: nn.Module, ema: EMA) -> None:
-        if step >= first and (step - first) % self.refresh == 0:
+        if step == first or (self.refresh > 0 and step > first and (step - first) % self.refresh == 0):
             ema.copy_into(student, self.model)
 
     def guidance(self, n: int, gen: torch.Generator) -> Tensor:
@@ -848,6 +849,14 @@ def main() -> None:
         default=5.0,
         help="with --guidance-distill: the distilled rows' guidance is uniform in [1, this]",
     )
+    ap.add_argument(
+        "--teacher-refresh",
+        type=int,
+        default=100,
+        metavar="N",
+        help="with --guidance-distill: copy the EMA weights into the teacher every N steps (0: once, where "
+        "distillation starts, then the teacher stays frozen)",
+    )
     ap.add_argument("--resume", type=Path, default=None, help="an earlier output folder to start from")
     ap.add_argument(
         "--freeze-text",
@@ -878,8 +887,8 @@ def main() -> None:
         ap.error("--guidance-distill trains FLUX.1 [dev]'s guidance embedding; FLUX.2 [klein] runs real CFG")
     if args.guidance_distill > 0 and args.splice > 0:
         ap.error("--guidance-distill and --splice both claim rows of each batch: pick one")
-    if args.distill_max_guidance < 1 or args.distill_after < 0:
-        ap.error("--distill-max-guidance must be >= 1 and --distill-after >= 0")
+    if args.distill_max_guidance < 1 or args.distill_after < 0 or args.teacher_refresh < 0:
+        ap.error("--distill-max-guidance must be >= 1, --distill-after and --teacher-refresh >= 0")
     if args.splice > 0 and args.freeze_text:
         ap.error("--splice splices the text encoders' states as they run: drop --freeze-text")
     if not 0 <= args.vae_rgb_extremes <= 1 or (args.vae_rgb_extremes > 0 and args.vae_rgb == 0):
@@ -970,7 +979,7 @@ def main() -> None:
     if args.resume is not None:
         dit_file = "flux1-tiny.safetensors" if flux1 else "flux2-tiny.safetensors"
         model.load_state_dict({k: v.float() for k, v in load_file(args.resume / dit_file).items()})
-    teacher = GuidanceTeacher(model, args.distill_max_guidance) if distil else None
+    teacher = GuidanceTeacher(model, args.distill_max_guidance, args.teacher_refresh) if distil else None
     train_dit(args.family, model, text, x0, fg_masks, tokens, neg, args, device, history, splice, teacher)
 
     # write what the runtime loads

@@ -353,6 +353,15 @@ def test_guidance_teacher_targets_are_cfg_of_its_ema_copy_at_guidance_one() -> N
     for p, s, q in zip(model.parameters(), ema.shadow, teacher.model.parameters(), strict=True):
         assert torch.equal(q, s) and not torch.equal(q, p)
     assert not any(q.requires_grad for q in teacher.model.parameters())
+    frozen = GuidanceTeacher(model, 5.0, refresh=0)  # taken once where distillation starts, then kept
+    frozen.update(300, 300, model, ema)
+    kept = [q.clone() for q in frozen.model.parameters()]
+    ema.update(10)  # the average moves on; a refreshing teacher follows it at its next refresh
+    frozen.update(400, 300, model, ema)
+    teacher.update(100, 0, model, ema)
+    assert all(torch.equal(q, k) for q, k in zip(frozen.model.parameters(), kept, strict=True))
+    assert all(torch.equal(q, s) for q, s in zip(teacher.model.parameters(), ema.shadow, strict=True))
+    assert not all(torch.equal(q, k) for q, k in zip(teacher.model.parameters(), kept, strict=True))
 
     n, side = 3, 4
     img_ids = image_ids(side, side, dtype=torch.float32, device=torch.device("cpu"))
