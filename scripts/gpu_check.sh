@@ -421,7 +421,7 @@ case "$phase" in
     timeout 360 python3 scripts/bench_fp8.py --models "${MODELS:-flux1-dev,klein-4b}" --layout-ab --json "$OUT/bench_fp8_layout.json" > "$OUT/bench_fp8_layout.txt" 2>&1 || status=1
     grep "^|\|fallback\|relative\|A/B\|Error" "$OUT/bench_fp8_layout.txt" || status=1
     [ -z "${RUNS:-}" ] || ab_start "$secs" "$seed" cuda
-    timeout 180 python3 -m pytest -q -m gpu tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    timeout 180 python3 -m pytest -q -m gpu tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py tests/kernels/test_token_layer_norm_modulate_fp8.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     wait
     [ -z "${RUNS:-}" ] || ab_score cuda || status=1
     ;;
