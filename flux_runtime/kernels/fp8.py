@@ -245,9 +245,10 @@ def _act_quant_rows_kernel(
 # to MAX_ONE_BLOCK values in registers. tanh-GELU: at FLUX.1's 12288 a whole row is one 16-warp program at 93
 # registers a thread, one row per SM at a time. H200, FLUX.1 [dev] double block at 1024², bf16 (kernel_check --op
 # gelu_tanh_fp8): image rows 203.7 us whole, 118.2 in 1024-wide blocks, 121.9 in 2048; text rows 78.9 / 82.5 /
-# 89.2; the whole FP8 step (bench_fp8.py, one run) 97.6 / 95.8 / 96.8 ms, all bit-exact. SwiGLU stays whole (not
-# yet timed in blocks; klein's 9216-wide rows take 128 registers and spill 56 bytes).
-ACT_BLOCK_DEFAULTS: dict[str, int | None] = {"gelu_tanh": 1024, "swiglu": None, "identity": None}
+# 89.2; the whole FP8 step (bench_fp8.py, one run) 97.6 / 95.8 / 96.8 ms, all bit-exact. SwiGLU: klein's 9216-wide
+# rows whole take 128 registers and spill 56 bytes; the klein-4B FP8 step (bench_fp8.py, one run) whole / 1024 /
+# 2048: 43.1 / 42.2 / 42.3 ms, all bit-exact.
+ACT_BLOCK_DEFAULTS: dict[str, int | None] = {"gelu_tanh": 1024, "swiglu": 1024, "identity": None}
 _ACT_BLOCK: dict[str, int | None] = dict(ACT_BLOCK_DEFAULTS)
 
 

@@ -63,13 +63,16 @@ ROLES = frozenset("qkv")
 # head-major would be a copy. cuDNN's and flash attention's output follows q's layout, so with q head-major
 # the heads come back head-major too and whoever flattens them to (B, L, H * 128) rows copies them (the
 # double blocks' output projection; a single block's `[attn | mlp]` buffer is written by a copy either way):
-# "kv" keeps q (and the output) as before.
-HEAD_MAJOR: frozenset[str] = ROLES
+# "kv" keeps q (and the output) as before. The default, from the same-run A/B (`bench_fp8.py --layout-ab`, H200,
+# FP8 lossless + graph step at 1024²): FLUX.1 [dev] old layout 94.4 ms, q, k, v 95.0, k, v 94.5; klein-4B 43.1,
+# 42.8, 42.6 (a run's repeats of one setting differ by up to 0.9 ms on FLUX.1 [dev]).
+HEAD_MAJOR_DEFAULT = "kv"
+HEAD_MAJOR: frozenset[str] = frozenset(HEAD_MAJOR_DEFAULT)
 
 
 def set_head_major(flag: bool | str) -> None:
-    """Set `HEAD_MAJOR`: True for q, k and v (the default), False for none (every attention input
-    (B, L, H, 128) contiguous, the layout before), or the roles as a string such as "kv".
+    """Set `HEAD_MAJOR`: True for q, k and v, False for none (every attention input (B, L, H, 128)
+    contiguous, the layout before), or the roles as a string such as "kv" (`HEAD_MAJOR_DEFAULT`).
 
     The values are the same whatever the setting; read when a block runs, so a captured CUDA graph keeps the
     layout it was captured with.

@@ -126,7 +126,9 @@ def test_swiglu_rows_in_blocks_and_whole_agree():
         assert fp8._ACT_BLOCK["swiglu"] == 32
         assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)
     assert fp8._ACT_BLOCK["swiglu"] == fp8.ACT_BLOCK_DEFAULTS["swiglu"]
-    assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)
+    assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)  # the default block
+    with fp8.act_block("swiglu", None):  # whole rows in registers
+        assert_same(fp8.act_quantize_triton(x, "swiglu", None, None), want)
     with pytest.raises(ValueError, match="unknown activation 'relu'"):
         fp8.set_act_block("relu", 32)
     with pytest.raises(ValueError, match="unknown activation 'relu'"), fp8.act_block("relu", 32):

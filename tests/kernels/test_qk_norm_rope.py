@@ -17,6 +17,7 @@ from torch import Tensor
 
 from flux_runtime.kernels.dispatch import UnsupportedInput, use_fused
 from flux_runtime.kernels.qk_norm_rope import (
+    HEAD_MAJOR_DEFAULT,
     VARIANTS,
     _lane_tree_sum,
     empty_heads,
@@ -147,24 +148,27 @@ def test_reference_layout_keeps_the_values(shape: tuple[int, int, int, int]) -> 
 
 
 def test_head_major_setting() -> None:
-    """`set_head_major` / `head_major_layout` set which of q, k, v the models store head-major; all by default."""
+    """`set_head_major` / `head_major_layout` set which of q, k, v the models store head-major; k and v by
+    default (`HEAD_MAJOR_DEFAULT`)."""
 
     def roles() -> list[bool]:
         return [is_head_major(r) for r in "qkv"]
 
-    assert roles() == [True, True, True]
+    assert roles() == [False, True, True]
+    with head_major_layout(True):
+        assert roles() == [True, True, True]
     with head_major_layout(False):
         assert roles() == [False, False, False]
         with head_major_layout("kv"):
             assert roles() == [False, True, True]
         assert roles() == [False, False, False]
-    assert roles() == [True, True, True]
+    assert roles() == [False, True, True]
     set_head_major("q")
     try:
         assert roles() == [True, False, False]
     finally:
-        set_head_major(True)
-    assert roles() == [True, True, True]
+        set_head_major(HEAD_MAJOR_DEFAULT)
+    assert roles() == [False, True, True]
     with pytest.raises(ValueError, match="roles other than"):
         set_head_major("qx")
     with pytest.raises(ValueError, match="unknown role"):

@@ -28,7 +28,7 @@ from tests.flux3_fixtures import our_forward as flux3_forward
 from tests.kernels.helpers import gpu, interpreter
 from tests.parallel.workers import inputs, random_model
 
-LAYOUTS: list[bool | str] = [True, False, "kv"]  # all head-major (the default), none, q as before
+LAYOUTS: list[bool | str] = [True, False, "kv"]  # all head-major, none, q as before (the default)
 
 
 def stored_head_major(t: Tensor) -> bool:
