@@ -48,6 +48,7 @@ class ModelSpec:
     dit_file: str | None = None  # ... and the BFL transformer file in it (beside `ae.safetensors`)
     default_size: int | None = None  # None: the family's native size
     max_sequence_length: int | None = None  # None: the family's (512); a trained tiny model's own length
+    default_guidance: float | None = None  # None: the pipeline's (FLUX.1 [dev] 3.5); a trained tiny model's own
     upsampler: str | None = (
         None  # FLUX.3: the prompt upsampler BFL pairs with it (a hub id); None: it has none
     )
@@ -81,6 +82,7 @@ MODELS: dict[str, ModelSpec] = {
             dit_file="flux1-tiny.safetensors",
             default_size=256,
             max_sequence_length=64,
+            default_guidance=2.5,  # inside the guidance range [1, 3] its guidance embedding was distilled over
         ),
         ModelSpec(name="tiny-random", family="flux1", preset="tiny", vae_preset="tiny", default_size=128),
         ModelSpec(

@@ -268,7 +268,11 @@ class Pipeline(Recipe):
 
     @property
     def default_guidance(self) -> float:
-        """3.5 (FluxPipeline, Kontext, control), 30 for Fill (FluxFillPipeline's)."""
+        """3.5 (FluxPipeline, Kontext, control), 30 for Fill (FluxFillPipeline's), or a built-in model's own (the
+        tiny FLUX.1's 2.5: its guidance embedding was distilled over [1, 3])."""
+        spec = spec_for(self.model_name)
+        if spec is not None and spec.builtin and spec.default_guidance is not None:
+            return spec.default_guidance
         return FILL_GUIDANCE if self.variant == "fill" else DEFAULT_GUIDANCE
 
     @property
