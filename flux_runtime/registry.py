@@ -48,7 +48,7 @@ class ModelSpec:
     dit_file: str | None = None  # ... and the BFL transformer file in it (beside `ae.safetensors`)
     default_size: int | None = None  # None: the family's native size
     max_sequence_length: int | None = None  # None: the family's (512); a trained tiny model's own length
-    default_guidance: float | None = None  # None: the pipeline's (FLUX.1 [dev] 3.5); a trained tiny model's own
+    default_guidance: float | None = None  # None: the pipeline's (3.5 for dev); a trained model's own
     upsampler: str | None = (
         None  # FLUX.3: the prompt upsampler BFL pairs with it (a hub id); None: it has none
     )
