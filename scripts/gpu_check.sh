@@ -55,6 +55,7 @@
 #                                       the shipped files restored after each (DEVICE and POOL: a CPU dry run); a run's
 #                                       own `--seed N` in its OPTIONS overrides SEED (seeds side by side); GUIDANCES="G ..." in the
 #                                       environment scores each run again at those guidances ($OUT/eval_<NAME>_<LABEL>_g<G>.json)
+#                                       and SEEDS=N with N pictures per held-out prompt ($OUT/eval_<NAME>_<LABEL>_s<N>.json)
 #   bash scripts/gpu_check.sh tiny-drop [SECONDS [F [SEED]]]  tiny-ab with RUNS="tiny ctrl;tiny drop --caption-drop F;
 #                                       tiny-flux2 drop --caption-drop F" (F [0.3])
 #   bash scripts/gpu_check.sh splice-gelu [SECONDS [SEED]]  tiny's train_tiny.py --splice 0.5 and 0.8 runs (as tiny-ab),
@@ -153,6 +154,10 @@ ab_score() {
       echo "== $name $label at guidance $g"
       swap_score "$name" "/tmp/train/${name}_$label" "eval_${name}_${label}_g$g.json" --device "$1" --guidance "$g" || rc=1
     done
+    if [ -n "${SEEDS:-}" ]; then  # SEEDS pictures per held-out prompt (eval_tiny.py --seeds): the score over noise draws
+      echo "== $name $label, $SEEDS pictures per prompt"
+      swap_score "$name" "/tmp/train/${name}_$label" "eval_${name}_${label}_s$SEEDS.json" --device "$1" --seeds "$SEEDS" || rc=1
+    fi
   done
   return $rc
 }
