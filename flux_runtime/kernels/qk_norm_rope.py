@@ -11,11 +11,11 @@ add zeros, `ms = sum / 128`, `rstd = rsqrtf(ms + eps)`, `y = r(w * (rstd * x))`)
 separately rounded `mul.rn`, `mul.rn`, `add.rn` and a sign-bit negation.
 
 Layout: the joint q or k comes back as a (B, L, H, 128) tensor (the shape every caller indexes) whose storage
-is head-major, (B, H, L, 128) contiguous, so `sdpa`'s `permute(0, 2, 1, 3)` hands SDPA contiguous
-(B, H, L, 128) inputs; the double blocks build the joint V the same way (`empty_heads`). SDPA returns the same
-bits either way (only its reads differ). `HEAD_MAJOR` says which of q, k and v are stored so (`set_head_major`,
-`head_major_layout`: `scripts/bench_fp8.py --layout-ab` times the FP8 step with each setting in one run);
-with none, every one is (B, L, H, 128) contiguous as before.
+is either (B, L, H, 128) contiguous or head-major, (B, H, L, 128) contiguous, so that `sdpa`'s
+`permute(0, 2, 1, 3)` hands SDPA contiguous (B, H, L, 128) inputs; the double blocks can build the joint V the
+same way (`empty_heads`). SDPA returns the same bits either way (only its reads differ). `HEAD_MAJOR` says which
+of q, k and v the models store head-major (k and v by default, `HEAD_MAJOR_DEFAULT`; `set_head_major`,
+`head_major_layout`: `scripts/bench_fp8.py --layout-ab` times the FP8 step with each setting in one run).
 """
 
 from __future__ import annotations
