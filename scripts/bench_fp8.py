@@ -48,7 +48,7 @@ import bench_flux2
 from flux_runtime.kernels import fp8
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.fp8 import E4M3
-from flux_runtime.kernels.gelu import set_gelu_shortcut
+from flux_runtime.kernels.gelu import gelu_shortcut
 from flux_runtime.kernels.qk_norm_rope import head_major_layout
 from flux_runtime.kernels.triton_utils import e4m3_hardware
 from flux_runtime.models.dit import FLUX1_DEV
@@ -411,9 +411,10 @@ def bench_model(name: str, iters: int) -> bool:
     if (
         flux1
     ):  # the same step with tanh-GELU evaluated in both of attention_act_fp8's sweeps (no max shortcut)
-        set_gelu_shortcut(False)
-        measure("(ours fp8 lossless + graph, GELU in both sweeps)", graphed(ours, "lossless"), expected_fp8)
-        set_gelu_shortcut(True)
+        with gelu_shortcut(False):
+            measure(
+                "(ours fp8 lossless + graph, GELU in both sweeps)", graphed(ours, "lossless"), expected_fp8
+            )
         block_ab("gelu_tanh", "double-block GELU", ours, expected_fp8)
     if name == "klein-4b":
         block_ab("swiglu", "double-block SwiGLU", ours, expected_fp8)

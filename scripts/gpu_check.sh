@@ -84,8 +84,9 @@
 #                                       of the attention inputs' layout, the per-row producers' tile and the e4m3
 #                                       conversion (hardware or integer); then RUNS's tiny-ab trainings (as tiny-ab, SECONDS [200]) beside the
 #                                       layout's and the FP8 producers' GPU tests, and the runs' scores
-#   bash scripts/gpu_check.sh fp8-tests  the GPU tests of the FP8 producers (the e4m3 conversion's exhaustive test too), the
-#                                       attention inputs' layout and tests/fp8, in one 560 s run
+#   bash scripts/gpu_check.sh fp8-tests [SECONDS [SEED]]  the GPU tests of the FP8 producers (the e4m3 conversion's
+#                                       exhaustive test too), the attention inputs' layout and tests/fp8, in one 560 s run;
+#                                       with RUNS, its tiny-ab trainings (SECONDS [270]) beside them, then their scores
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
@@ -416,8 +417,13 @@ case "$phase" in
     ;;
   fp8-tests)
     # the GPU tests of every FP8 producer, the e4m3 conversion and the attention inputs' layout, with room to finish
-    # (fp8-layout's 180 s stopped them at about 70 % in session 17)
-    timeout 560 python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py tests/kernels/test_token_layer_norm_modulate_fp8.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/fp8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_all.txt" | tail -6 || status=1
+    # (fp8-layout's 180 s stopped them at about 70 % in session 17); with RUNS, its tiny-ab trainings (SECONDS [270],
+    # SEED [19]) run beside the tests and are scored after them
+    secs=${2:-270}; seed=${3:-19}; tests_s=560
+    [ -z "${RUNS:-}" ] || { ab_start "$secs" "$seed" cuda; tests_s=$((secs + 60)); }
+    timeout $tests_s python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py tests/kernels/test_token_layer_norm_modulate_fp8.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/fp8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_all.txt" | tail -6 || status=1
+    wait
+    [ -z "${RUNS:-}" ] || ab_score cuda || status=1
     ;;
   fp8-gelu)
     timeout 260 python3 scripts/bench_fp8.py --models "${MODELS:-flux1-dev,klein-4b}" --json "$OUT/bench_fp8_act.json" > "$OUT/bench_fp8_act.txt" 2>&1 || status=1

@@ -18,8 +18,8 @@ Triton interpreter alike). `fp8_linear` is the one GEMM call both paths share; `
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import functools
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
@@ -42,6 +42,7 @@ from flux_runtime.kernels.triton_utils import (
     e4m3_row_scale,
     jit,
     round_to,
+    temporarily,
     tl,
     triton,
     upcast,
@@ -252,25 +253,19 @@ ACT_BLOCK_DEFAULTS: dict[str, int | None] = {"gelu_tanh": 1024, "swiglu": 1024, 
 _ACT_BLOCK: dict[str, int | None] = dict(ACT_BLOCK_DEFAULTS)
 
 
-def set_act_block(act: str, block: int | None) -> None:
+def set_act_block(act: str, block: int | None) -> int | None:
     """The column block `act_quantize_triton` uses for `act`'s dynamic rows when no `block_n` is given (None:
-    one block per row where it fits). The bits are the same either way; `scripts/bench_fp8.py` times both."""
+    one block per row where it fits). The bits are the same either way; `scripts/bench_fp8.py` times both.
+    Returns the block it replaced."""
     if act not in _ACT_BLOCK:
         raise ValueError(f"set_act_block: unknown activation {act!r}; expected one of {tuple(_ACT_BLOCK)}")
-    _ACT_BLOCK[act] = block
+    previous, _ACT_BLOCK[act] = _ACT_BLOCK[act], block
+    return previous
 
 
-@contextmanager
-def act_block(act: str, block: int | None) -> Iterator[None]:
+def act_block(act: str, block: int | None) -> AbstractContextManager[None]:
     """`set_act_block(act, block)` for the body, the previous block restored after it (the A/Bs and tests)."""
-    if act not in _ACT_BLOCK:
-        raise ValueError(f"act_block: unknown activation {act!r}; expected one of {tuple(_ACT_BLOCK)}")
-    previous = _ACT_BLOCK[act]
-    set_act_block(act, block)
-    try:
-        yield
-    finally:
-        set_act_block(act, previous)
+    return temporarily(functools.partial(set_act_block, act), block)
 
 
 def act_quantize_triton(

@@ -13,6 +13,8 @@ signature also compares all 65,536 inputs of the dtype against aten on the same 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -28,6 +30,7 @@ from flux_runtime.kernels.triton_utils import (
     check_no_overlap,
     check_out,
     jit,
+    temporarily,
     tl,
     to_storage,
     triton,
@@ -242,11 +245,18 @@ _GELU_BOUNDS: dict[tuple[torch.device, torch.dtype], float | None] = {}
 _SHORTCUT = {"gelu": True}  # the default `gelu_shortcut=` of the per-row producers (see `shortcut_consts`)
 
 
-def set_gelu_shortcut(on: bool) -> None:
+def set_gelu_shortcut(on: bool) -> bool:
     """Whether the per-row tanh-GELU e4m3 producers that sweep a row twice (`attention_act_fp8`, and
     `fp8.act_quantize_triton` in column blocks) take the row max shortcut by default: on, unless a benchmark
-    times the two-GELU path inside a whole step (`scripts/bench_fp8.py`); the bits are the same either way."""
-    _SHORTCUT["gelu"] = on
+    times the two-GELU path inside a whole step (`scripts/bench_fp8.py`); the bits are the same either way.
+    Returns the setting it replaced."""
+    previous, _SHORTCUT["gelu"] = _SHORTCUT["gelu"], bool(on)
+    return previous
+
+
+def gelu_shortcut(on: bool) -> AbstractContextManager[None]:
+    """`set_gelu_shortcut(on)` for the body, the previous setting restored after it."""
+    return temporarily(set_gelu_shortcut, on)
 
 
 def gelu_amax_bound(dtype: torch.dtype, device: torch.device) -> float | None:

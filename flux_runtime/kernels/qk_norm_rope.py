@@ -20,8 +20,7 @@ of q, k and v the models store head-major (k and v by default, `HEAD_MAJOR_DEFAU
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +40,7 @@ from flux_runtime.kernels.triton_utils import (
     mul_rn,
     round_to,
     rsqrtf,
+    temporarily,
     tl,
     to_storage,
     triton,
@@ -70,33 +70,28 @@ HEAD_MAJOR_DEFAULT = "kv"
 HEAD_MAJOR: frozenset[str] = frozenset(HEAD_MAJOR_DEFAULT)
 
 
-def set_head_major(flag: bool | str) -> None:
+def set_head_major(flag: bool | str | frozenset[str]) -> frozenset[str]:
     """Set `HEAD_MAJOR`: True for q, k and v, False for none (every attention input (B, L, H, 128)
-    contiguous, the layout before), or the roles as a string such as "kv" (`HEAD_MAJOR_DEFAULT`).
+    contiguous, the layout before), or the roles as a string such as "kv" (`HEAD_MAJOR_DEFAULT`) or a set. Returns the roles it replaced.
 
     The values are the same whatever the setting; read when a block runs, so a captured CUDA graph keeps the
     layout it was captured with.
     """
     global HEAD_MAJOR
+    previous = HEAD_MAJOR
     if isinstance(flag, bool):
         HEAD_MAJOR = ROLES if flag else frozenset()
-        return
+        return previous
     roles = frozenset(flag)
     if not roles <= ROLES:
         raise ValueError(f"set_head_major: {flag!r} names roles other than q, k and v")
     HEAD_MAJOR = roles
+    return previous
 
 
-@contextmanager
-def head_major_layout(flag: bool | str) -> Iterator[None]:
+def head_major_layout(flag: bool | str) -> AbstractContextManager[None]:
     """`set_head_major(flag)` for the enclosed block; the previous setting is restored on exit."""
-    global HEAD_MAJOR
-    previous = HEAD_MAJOR
-    set_head_major(flag)
-    try:
-        yield
-    finally:
-        HEAD_MAJOR = previous
+    return temporarily(set_head_major, flag)
 
 
 def is_head_major(role: str) -> bool:

@@ -20,6 +20,7 @@ hardware instruction and its interpreter equivalent at compile time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -184,13 +185,20 @@ def set_e4m3_hardware(flag: bool) -> bool:
 
 
 @contextmanager
-def e4m3_hardware(flag: bool) -> Iterator[None]:
-    """`set_e4m3_hardware(flag)` for the body, the previous setting restored after it."""
-    previous = set_e4m3_hardware(flag)
+def temporarily(setter: Callable[[Any], Any], value: Any) -> Iterator[None]:
+    """`setter(value)` for the body, then `setter` of what it returned (the previous setting): the one shape of
+    the kernels' A/B switches (`e4m3_hardware`, `fp8.act_block`, `gelu.gelu_shortcut`, `head_major_layout`),
+    each a setter that returns the setting it replaced."""
+    previous = setter(value)
     try:
         yield
     finally:
-        set_e4m3_hardware(previous)
+        setter(previous)
+
+
+def e4m3_hardware(flag: bool) -> contextlib.AbstractContextManager[None]:
+    """`set_e4m3_hardware(flag)` for the body, the previous setting restored after it."""
+    return temporarily(set_e4m3_hardware, flag)
 
 
 @functools.cache

@@ -98,11 +98,9 @@ def test_gelu_max_shortcut_is_taken_and_decided_by_the_bound(monkeypatch):
     wrong = (forged.scale != want.scale).flatten().tolist()
     assert wrong == [False, True, True, False, True, False]  # the row kinds of `gelu_rows`
     assert bool((forged.scale <= want.scale).all())
-    gelu.set_gelu_shortcut(False)  # the benchmarks' switch: no shortcut, so the forged bound is not read
-    try:
+    with gelu.gelu_shortcut(False):  # the benchmarks' switch: no shortcut, so the forged bound is not read
         assert_same(aa.attention_act_quantize_triton(o, x, "gelu_tanh", block=64), want)
-    finally:
-        gelu.set_gelu_shortcut(True)
+    assert gelu._SHORTCUT["gelu"] is True  # restored
 
 
 @interpreter
