@@ -531,6 +531,17 @@ def _check_early(opts: dict[str, Any]) -> None:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
 
 
+def _check_size_early(opts: dict[str, Any]) -> None:
+    """A size off the model's grid fails before its weights are read, where the registry knows the grid (a
+    model name and its own autoencoder); otherwise the pipeline checks it once the autoencoder is loaded."""
+    from flux_runtime.pipeline.checks import check_size
+    from flux_runtime.weights.builtin import size_multiple
+
+    multiple = None if opts["vae"] is not None else size_multiple(opts["model"])
+    if multiple is not None and (opts["height"] is not None or opts["width"] is not None):
+        check_size(opts["height"] or multiple, opts["width"] or multiple, multiple)
+
+
 def _generate(opts: dict[str, Any]) -> None:
     """Load, generate, save; as one rank of a parallel run (`opts["_rank"]`), only rank 0 shows progress
     and saves."""
@@ -586,6 +597,7 @@ def _generate(opts: dict[str, Any]) -> None:
         _refuse_flux1_options(opts, name)
     if family != "flux3":
         _refuse_flux3_options(opts, name)
+    _check_size_early(opts)
 
     pipe = Pipeline.from_pretrained(
         opts["model"],

@@ -82,7 +82,11 @@ def check_size(height: object, width: object, multiple: int) -> None:
                 "2 megapixels, e.g. 1024x1024 to 1920x1088); give a smaller size"
             )
         if multiple and v % multiple:  # type: ignore[operator]
-            raise FluxError(f"{name} {v} is not divisible by {multiple}")
+            lower = v - v % multiple  # type: ignore[operator]
+            near = " or ".join(str(n) for n in (lower, lower + multiple) if 0 < n <= MAX_SIDE)
+            raise FluxError(
+                f"{name} {v} is not divisible by {multiple}; give a multiple of {multiple}, e.g. {near}"
+            )
 
 
 def check_steps(num_steps: object, default: int) -> int:

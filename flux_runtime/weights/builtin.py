@@ -17,7 +17,7 @@ from pathlib import Path
 from flux_runtime.models.dit.config import PRESETS, DiTConfig
 from flux_runtime.models.vae.flux1 import VAE_PRESETS, VAEConfig
 from flux_runtime.models.vae.flux2 import FLUX2_VAE_PRESETS, Flux2VAEConfig
-from flux_runtime.registry import MODELS, ModelSpec
+from flux_runtime.registry import MODELS, ModelSpec, spec_for
 from flux_runtime.registry import builtin as registry_builtin
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
@@ -88,3 +88,21 @@ def builtin(path_or_id: str | Path) -> Builtin | None:
     """The built-in model of this name (unless a file or folder of that name exists), else None."""
     spec = registry_builtin(path_or_id)
     return None if spec is None else BUILTINS[spec.name]
+
+
+# Every published FLUX autoencoder (FLUX.1's, FLUX.2's, which FLUX.3 uses too) downsamples 8x, and packing takes
+# 2x2 latents: a side must be a multiple of 16.
+PUBLISHED_SIZE_MULTIPLE = 16
+
+
+def size_multiple(model: str | Path) -> int | None:
+    """The multiple an image side must be for registry name `model`, known before any weights are read: a
+    built-in model's from its autoencoder preset, `PUBLISHED_SIZE_MULTIPLE` for a published checkpoint's
+    name or hub id; None for anything else (a path, another id: the pipeline checks once its VAE is loaded)."""
+    local = builtin(model)
+    if local is not None:
+        return 2 * local.vae.spatial_factor
+    spec = spec_for(model)
+    if spec is None or spec.builtin or Path(model).exists():
+        return None
+    return PUBLISHED_SIZE_MULTIPLE

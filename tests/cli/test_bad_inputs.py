@@ -186,6 +186,26 @@ def test_bad_input_is_one_line_and_exit_1(bad, tmp_path, monkeypatch, args, mess
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("tiny", "width 100 is not divisible by 16; give a multiple of 16, e.g. 96 or 112"),
+        ("tiny-random", "width 102 is not divisible by 4; give a multiple of 4, e.g. 100 or 104"),
+    ],
+)
+def test_a_size_off_a_named_models_grid_fails_before_its_weights_load(tmp_path, monkeypatch, model, message):
+    from flux_runtime.pipeline import Pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(Pipeline, "from_pretrained", no_load)
+    width = message.split()[1]
+    argv = ["--model", model, "--prompt", "a fox", "--width", width, "--out", str(tmp_path / "x.png")]
+    res = CliRunner().invoke(gen.main, argv)
+    assert res.exit_code == 1 and res.output.strip() == f"Error: {message}", res.output
+
+
 def test_convert_errors_are_one_line(bad, tmp_path) -> None:
     res = CliRunner().invoke(convert_main, ["transformer", bad["no_offsets"], str(tmp_path / "out")])
     assert res.exit_code == 1 and res.output.count("\n") == 1 and "has data_offsets None" in res.output

@@ -58,3 +58,15 @@ def test_the_tables_name_what_the_recipes_really_take():
         assert any(name not in params for params in taken.values()), name  # some family refuses it
     for name in arguments._DIFFUSERS:
         assert all(name not in params for params in taken.values()), name
+
+
+@pytest.mark.parametrize(
+    ("side", "hint"),
+    [(100, "e.g. 96 or 112"), (8, "e.g. 16"), (8184, "e.g. 8176 or 8192"), (1030, "e.g. 1024 or 1040")],
+)
+def test_a_size_off_the_grid_names_the_nearest_sizes(side, hint):
+    from flux_runtime.pipeline.checks import check_size
+
+    with pytest.raises(FluxError) as e:
+        check_size(64, side, 16)
+    assert str(e.value) == f"width {side} is not divisible by 16; give a multiple of 16, {hint}"
