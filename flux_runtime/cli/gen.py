@@ -555,14 +555,14 @@ def _generate(opts: dict[str, Any]) -> None:
     from flux_runtime.pipeline.sources import model_family
 
     _check_early(opts)
-    from flux_runtime.weights.hub import resolve
+    from flux_runtime.weights.lora_formats import LoraError, check_lora_file
 
     loras = opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
-    for path, _ in loras:  # a missing LoRA fails before the model loads
+    for path, _ in loras:  # a missing or damaged LoRA fails before the model loads
         try:
-            resolve(path)
-        except ValueError as e:
-            raise click.ClickException(f"--lora: {e}") from None
+            check_lora_file(path)
+        except LoraError as e:
+            raise click.ClickException(f"--lora: {str(e).removeprefix('LoRA ')}") from None
     device = check_device(opts["device"])
     replaying = opts["replay"] is not None
     n = 1 if replaying else opts["num_images"]

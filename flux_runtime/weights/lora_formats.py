@@ -47,6 +47,7 @@ from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import swap_halves
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.lora_layers import FAMILY_NAMES, Layer, LayerTable
+from flux_runtime.weights.safetensors_io import read_header
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,9 @@ class LoraWeights:
 # reading
 
 
-def open_lora(path_or_id: str | Path) -> tuple[Path, bytes, str]:
-    """(the file, its bytes, their sha256) of a LoRA given as a .safetensors path, a folder holding one, or a
-    Hugging Face id in the local cache (`pytorch_lora_weights.safetensors` where a folder holds several)."""
+def lora_file(path_or_id: str | Path) -> Path:
+    """The file of a LoRA given as a .safetensors path, a folder holding one, or a Hugging Face id in the
+    local cache (`pytorch_lora_weights.safetensors` where a folder holds several)."""
     try:
         path = resolve(path_or_id)
     except WeightsError as e:
@@ -99,8 +100,25 @@ def open_lora(path_or_id: str | Path) -> tuple[Path, bytes, str]:
             found = ", ".join(f.name for f in files) if files else "none"
             raise LoraError(f"{path_or_id}: give the LoRA file itself; this folder holds {found}")
         path = files[0]
+    return path.resolve()
+
+
+def check_lora_file(path_or_id: str | Path) -> Path:
+    """`lora_file`, its safetensors header read and checked (no tensor data): what a command checks before it
+    loads a model, so a missing or damaged LoRA fails first."""
+    path = lora_file(path_or_id)
+    try:
+        read_header(path)
+    except WeightsError as e:
+        raise LoraError(f"{e}; LoRAs are read from .safetensors") from None
+    return path
+
+
+def open_lora(path_or_id: str | Path) -> tuple[Path, bytes, str]:
+    """(the file, its bytes, their sha256) of a LoRA (`lora_file`)."""
+    path = lora_file(path_or_id)
     data = path.read_bytes()
-    return path.resolve(), data, hashlib.sha256(data).hexdigest()
+    return path, data, hashlib.sha256(data).hexdigest()
 
 
 def read_lora(data: bytes, name: str) -> tuple[dict[str, Tensor], dict | None]:

@@ -186,24 +186,39 @@ def test_bad_input_is_one_line_and_exit_1(bad, tmp_path, monkeypatch, args, mess
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.parametrize(
-    ("model", "message"),
-    [
-        ("tiny", "width 100 is not divisible by 16; give a multiple of 16, e.g. 96 or 112"),
-        ("tiny-random", "width 102 is not divisible by 4; give a multiple of 4, e.g. 100 or 104"),
-    ],
-)
-def test_a_size_off_a_named_models_grid_fails_before_its_weights_load(tmp_path, monkeypatch, model, message):
+# (arguments, with {name} for a path from `bad`; the one line): faults found before any weights are read
+EARLY = [
+    (
+        ["--model", "tiny", "--width", "100"],
+        "width 100 is not divisible by 16; give a multiple of 16, e.g. 96 or 112",
+    ),
+    (
+        ["--model", "tiny-random", "--width", "102"],
+        "width 102 is not divisible by 4; give a multiple of 4, e.g. 100 or 104",
+    ),
+    (["--model", "tiny", "--lora", "{notes}"], "notes.txt: not a safetensors file (header length"),
+    (["--model", "tiny", "--lora", "{tmp}/none.safetensors"], "--lora: '"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), EARLY, ids=[m[:40] for _, m in EARLY])
+def test_faults_found_before_the_weights_load(bad, tmp_path, monkeypatch, args, message):
     from flux_runtime.pipeline import Pipeline
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded")
 
     monkeypatch.setattr(Pipeline, "from_pretrained", no_load)
-    width = message.split()[1]
-    argv = ["--model", model, "--prompt", "a fox", "--width", width, "--out", str(tmp_path / "x.png")]
+    argv = [a.format(**bad, tmp=tmp_path) for a in args] + [
+        "--prompt",
+        "a fox",
+        "--out",
+        str(tmp_path / "x.png"),
+    ]
     res = CliRunner().invoke(gen.main, argv)
-    assert res.exit_code == 1 and res.output.strip() == f"Error: {message}", res.output
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: "), res.output
+    assert message in lines[0], lines[0]
 
 
 def test_convert_errors_are_one_line(bad, tmp_path) -> None:
