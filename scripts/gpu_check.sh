@@ -87,6 +87,8 @@
 #   bash scripts/gpu_check.sh fp8-tests [SECONDS [SEED]]  the GPU tests of the FP8 producers (the e4m3 conversion's
 #                                       exhaustive test too), the attention inputs' layout and tests/fp8, in one 560 s run;
 #                                       with RUNS, its tiny-ab trainings (SECONDS [270]) beside them, then their scores
+#   bash scripts/gpu_check.sh gpu-rest [SECONDS [SEED]]  every other GPU test (all but fp8-tests'), with RUNS's tiny-ab
+#                                       trainings (SECONDS [240]) beside them, then their scores
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
@@ -162,6 +164,9 @@ ab_score() {
   done
   return $rc
 }
+# the GPU tests of the FP8 producers, the e4m3 conversion and the attention inputs' layout (fp8-tests; gpu-rest runs
+# every other GPU test)
+FP8_TESTS="tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py tests/kernels/test_token_layer_norm_modulate_fp8.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/fp8"
 status=0
 case "$phase" in
   kernels)
@@ -421,7 +426,16 @@ case "$phase" in
     # SEED [19]) run beside the tests and are scored after them
     secs=${2:-270}; seed=${3:-19}; tests_s=560
     [ -z "${RUNS:-}" ] || { ab_start "$secs" "$seed" cuda; tests_s=$((secs + 60)); }
-    timeout $tests_s python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py tests/kernels/test_token_layer_norm_modulate_fp8.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/fp8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_all.txt" | tail -6 || status=1
+    timeout $tests_s python3 -m pytest -q -m gpu $FP8_TESTS -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8_all.txt" | tail -6 || status=1
+    wait
+    [ -z "${RUNS:-}" ] || ab_score cuda || status=1
+    ;;
+  gpu-rest)
+    # every GPU test outside FP8_TESTS (fp8-tests runs those), with RUNS's tiny-ab trainings (SECONDS [240], SEED
+    # [22]) beside them if given, then the runs' scores
+    secs=${2:-240}; seed=${3:-22}
+    [ -z "${RUNS:-}" ] || ab_start "$secs" "$seed" cuda
+    timeout 400 python3 -m pytest -q -m gpu tests $(printf -- '--ignore=%s ' $FP8_TESTS) -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_rest.txt" | tail -8 || status=1
     wait
     [ -z "${RUNS:-}" ] || ab_score cuda || status=1
     ;;
