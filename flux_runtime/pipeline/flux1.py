@@ -10,7 +10,6 @@ conditions each step (`flux1_variants`). Every input is checked before any model
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,7 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
-from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, find_sources, open_family, schedule_config
@@ -381,9 +380,8 @@ class Pipeline(Recipe):
         call.steps = check_steps(call.num_steps, self.default_steps)
         if self.is_distilled:
             if call.guidance is not None:
-                warnings.warn(
-                    f"{self.model_name} is guidance-distilled (schnell): guidance {call.guidance} is ignored",
-                    stacklevel=4,
+                warn_caller(
+                    f"{self.model_name} is guidance-distilled (schnell): guidance {call.guidance} is ignored"
                 )
             call.guidance_used = None
         else:

@@ -14,7 +14,6 @@ caller's `variant=`; Fill and control are also told by the transformer's input w
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,7 @@ from torch import Tensor
 
 from flux_runtime.pipeline.checks import MAX_GUIDANCE
 from flux_runtime.pipeline.core import Call, Conditioning, Start, first_step
-from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.sources import Sources
 from flux_runtime.registry import Variant, spec_for
 from flux_runtime.sampling import draw_noise, image_ids, latent_size, pack
@@ -121,9 +120,9 @@ def check_inputs(pipe: Pipeline, call: Call) -> None:
         if isinstance(negative, str) and n > 1:
             inputs["negative_prompt"] = [negative] * n
     if scale > 1 and negative is None:
-        warnings.warn("true_cfg_scale > 1 needs a negative_prompt; no true CFG runs", stacklevel=5)
+        warn_caller("true_cfg_scale > 1 needs a negative_prompt; no true CFG runs")
     if negative is not None and scale <= 1:
-        warnings.warn("negative_prompt is used only with true_cfg_scale > 1; no true CFG runs", stacklevel=5)
+        warn_caller("negative_prompt is used only with true_cfg_scale > 1; no true CFG runs")
     call.true_cfg_scale = float(scale) if scale > 1 and negative is not None else 1.0
     image, mask, strength = inputs["image"], inputs["mask_image"], inputs["strength"]
     for arg in ("image", "mask_image", "control_image"):

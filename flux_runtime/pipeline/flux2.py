@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,7 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
-from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.flux1 import check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.parallel import attach
@@ -354,9 +353,8 @@ class Flux2Pipe(Recipe):
         if self.is_distilled:
             if call.guidance is not None and call.guidance > 1:
                 # Flux2KleinPipeline.check_inputs logs the same
-                warnings.warn(
-                    f"{self.model_name} is step-distilled: guidance {call.guidance} is ignored (no CFG)",
-                    stacklevel=4,
+                warn_caller(
+                    f"{self.model_name} is step-distilled: guidance {call.guidance} is ignored (no CFG)"
                 )
             call.guidance_used = None
         else:

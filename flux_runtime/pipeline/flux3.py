@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from flux_runtime.pipeline.checks import (
     check_vae_tile,
 )
 from flux_runtime.pipeline.core import Call, Conditioning, OutputType, PipelineOutput, Progress, Recipe, Start
-from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.flux1 import check_latent_widths
 from flux_runtime.pipeline.flux2 import ReferenceImages, image_record
 from flux_runtime.pipeline.graphs import GraphedDenoiser
@@ -306,9 +305,8 @@ class Flux3Pipe(Recipe):
         g = check_guidance(call.guidance, self.default_guidance)
         if self.is_flow_map:
             if call.guidance is not None:
-                warnings.warn(
-                    f"{self.model_name} is a flow map (step-distilled): guidance {call.guidance} is ignored (no CFG)",
-                    stacklevel=4,
+                warn_caller(
+                    f"{self.model_name} is a flow map (step-distilled): guidance {call.guidance} is ignored (no CFG)"
                 )
             call.guidance_used = None
         else:

@@ -70,3 +70,11 @@ def test_a_size_off_the_grid_names_the_nearest_sizes(side, hint):
     with pytest.raises(FluxError) as e:
         check_size(64, side, 16)
     assert str(e.value) == f"width {side} is not divisible by 16; give a multiple of 16, {hint}"
+
+
+def test_an_ignored_argument_warns_at_the_callers_line(pipe):
+    if not isinstance(pipe, Flux1Pipe):
+        pytest.skip("true CFG is FLUX.1's")
+    with pytest.warns(UserWarning, match="negative_prompt is used only with true_cfg_scale > 1") as said:
+        pipe("a red circle", negative_prompt="blue", height=32, width=32, num_steps=1, output_type="latent")
+    assert [w.filename for w in said] == [__file__]

@@ -246,8 +246,9 @@ def test_graph_replays_keep_cfg_branches_apart(folders, monkeypatch) -> None:
 def test_distilled_klein_ignores_guidance_with_a_warning(folders) -> None:
     pipe = Pipeline.from_pretrained(folders["klein-distilled"], device="cpu", dtype=torch.float32)
     base = pipe("a cat", seed=1, num_steps=2, output_type="latent", **KW)
-    with pytest.warns(UserWarning, match="step-distilled: guidance 5.0 is ignored"):
+    with pytest.warns(UserWarning, match="step-distilled: guidance 5.0 is ignored") as said:
         other = pipe("a cat", seed=1, num_steps=2, guidance=5.0, output_type="latent", **KW)
+    assert said[0].filename == __file__  # the warning points at the call, not into the pipeline or torch
     assert torch.equal(base.latents, other.latents) and other.info["guidance"] is None
 
 
