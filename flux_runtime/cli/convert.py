@@ -107,6 +107,7 @@ def main(
     given = [f"--{k.replace('_', '-')}" for k, v in parts.items() if v is not None]
     if given:
         raise click.UsageError(f"{', '.join(given)}: only for quantize (a conversion reads one component)")
+    _refuse_builtin(src)
     bar = None
     with one_line_errors(debug):
         try:
@@ -132,6 +133,24 @@ def main(
         )
         for path in result.files:
             click.echo(f"  {path}")
+
+
+def _refuse_builtin(src: str) -> None:
+    """A built-in model's name is no checkpoint to convert: say where its files are, if it has any."""
+    from flux_runtime.registry import builtin
+
+    spec = builtin(src)
+    if spec is None:
+        return
+    if spec.files is None:
+        raise click.ClickException(
+            f"{src} is a built-in model of seeded random weights; it has no files to convert"
+        )
+    from flux_runtime.weights.builtin import MODELS_DIR
+
+    raise click.ClickException(
+        f"{src} is a built-in model, not a checkpoint; its files (BFL layout) are in {MODELS_DIR / spec.files}"
+    )
 
 
 def _quantize(

@@ -235,3 +235,19 @@ def test_script_is_the_same_command(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "vae: bfl -> diffusers" in res.stdout
     _assert_identical(_tensors(tmp_path / "vae"), model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("tiny", "tiny is a built-in model, not a checkpoint; its files (BFL layout) are in "),
+        (
+            "tiny-random",
+            "tiny-random is a built-in model of seeded random weights; it has no files to convert",
+        ),
+    ],
+)
+def test_a_builtin_name_is_no_checkpoint_to_convert(tmp_path, name, message):
+    res = CliRunner().invoke(main, ["transformer", name, str(tmp_path / "out")])
+    assert res.exit_code == 1 and res.output.startswith(f"Error: {message}"), res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
