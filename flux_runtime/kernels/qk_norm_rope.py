@@ -72,7 +72,8 @@ HEAD_MAJOR: frozenset[str] = frozenset(HEAD_MAJOR_DEFAULT)
 
 def set_head_major(flag: bool | str | frozenset[str]) -> frozenset[str]:
     """Set `HEAD_MAJOR`: True for q, k and v, False for none (every attention input (B, L, H, 128)
-    contiguous, the layout before), or the roles as a string such as "kv" (`HEAD_MAJOR_DEFAULT`) or a set. Returns the roles it replaced.
+    contiguous, the layout before), or the roles as a string such as "kv" (`HEAD_MAJOR_DEFAULT`) or a set.
+    Returns the roles it replaced.
 
     The values are the same whatever the setting; read when a block runs, so a captured CUDA graph keeps the
     layout it was captured with.

@@ -3,6 +3,7 @@ warnings that should point at the user's own line."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -18,7 +19,9 @@ def warn_caller(message: str) -> None:
     noticed."""
     import torch
 
-    inner = tuple(str(Path(m.__file__).parent) for m in (sys.modules["flux_runtime"], torch) if m.__file__)
+    inner = tuple(
+        f"{Path(m.__file__).parent}{os.sep}" for m in (sys.modules["flux_runtime"], torch) if m.__file__
+    )
     frame, level = sys._getframe(1), 2  # stacklevel 2 is this function's caller
     while frame is not None and frame.f_code.co_filename.startswith(inner):
         frame, level = frame.f_back, level + 1
