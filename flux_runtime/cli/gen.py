@@ -140,7 +140,7 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     type=click.FloatRange(min=0),
     default=None,
     help="FLUX.1 / FLUX.2 dev: embedded guidance; klein: CFG scale (CFG when > 1, not on distilled models) "
-    "[default: FLUX.1 3.5, FLUX.2 4.0; schnell and distilled klein ignore it].",
+    "[default: FLUX.1 3.5 (the built-in tiny 2.5), FLUX.2 4.0; schnell and distilled klein ignore it].",
 )
 @click.option("--seed", type=click.IntRange(min=0), default=0)
 @click.option(
