@@ -98,11 +98,12 @@ PUBLISHED_SIZE_MULTIPLE = 16
 def size_multiple(model: str | Path) -> int | None:
     """The multiple an image side must be for registry name `model`, known before any weights are read: a
     built-in model's from its autoencoder preset, `PUBLISHED_SIZE_MULTIPLE` for a published checkpoint's
-    name or hub id; None for anything else (a path, another id: the pipeline checks once its VAE is loaded)."""
+    name or hub id; None for anything else (a path, another id: the pipeline checks once its VAE is loaded)
+    and for Kontext, which takes any size and fits it to its area (as diffusers' Kontext pipeline does)."""
     local = builtin(model)
     if local is not None:
         return 2 * local.vae.spatial_factor
     spec = spec_for(model)
-    if spec is None or spec.builtin or Path(model).exists():
+    if spec is None or spec.builtin or spec.variant == "kontext" or Path(model).exists():
         return None
     return PUBLISHED_SIZE_MULTIPLE
