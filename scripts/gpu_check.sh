@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The device check, in two phases that each fit one device call (10 minutes):
+# The device check, in phases that each fit one device call (10 minutes). The latest full check (session 18) was
+# three calls: `fp8-floor` (the FP8 and bf16 step of FLUX.1-dev, klein-4B and FLUX.2-dev, 184 s), then `fp8-tests`
+# and `gpu-rest` (the whole GPU suite between them, each with room for RUNS's tiny trainings beside it).
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
 #   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
