@@ -1,4 +1,5 @@
-"""Keyword arguments a pipeline call does not take: one FluxError naming each and what to pass instead.
+"""Keyword arguments a pipeline call (or `Pipeline.from_pretrained`) does not take: one FluxError naming each
+and what to pass instead.
 
 A call with an argument its family does not take (diffusers' `num_inference_steps`, FLUX.1's `strength` on a
 FLUX.2 model, a typo) would otherwise end in Python's bare "unexpected keyword argument" TypeError, which
@@ -42,6 +43,47 @@ _FAMILY: dict[str, str] = {
     "upsampled_prompt": "FLUX.3 (its prompt upsampler)",
     "boxes": "FLUX.3 (its prompt upsampler's layout mode)",
 }
+
+
+# diffusers' `from_pretrained` arguments: what this runtime takes instead, or why none is needed
+_OFFLINE = (
+    "not needed here: loading is offline, from a path or the local Hugging Face cache (`hf download` first)"
+)
+_DIFFUSERS_LOAD: dict[str, str] = {
+    "torch_dtype": "here pass dtype=",
+    "device_map": "here pass device= (and memory= for a GPU memory budget)",
+    "max_memory": "here pass memory= (a budget such as '24GB')",
+    "low_cpu_mem_usage": "not needed here: weights stream from the files to the device",
+    "offload_folder": "here pass memory= (plans move weights between the GPU and host memory, never to disk)",
+    "offload_state_dict": "here pass memory=",
+    "quantization_config": "here pass fp8=True (an FP8 checkpoint loads as FP8 by itself)",
+    "use_safetensors": "not needed here: weights are read from .safetensors files only",
+    "cache_dir": "not needed here: the cache is found as huggingface_hub finds it (HF_HOME, HF_HUB_CACHE)",
+    "local_files_only": _OFFLINE,
+    "force_download": _OFFLINE,
+    "token": _OFFLINE,
+    "proxies": _OFFLINE,
+    "revision": "here pass that revision's snapshot folder in the cache as path_or_id",
+    "transformer": "here pass the transformer's file or folder as path_or_id (vae=, text_encoder= for the rest)",
+    "custom_pipeline": "not needed here: the family is read from the checkpoint's keys",
+    "trust_remote_code": "not needed here: no code is loaded from a checkpoint",
+}
+
+
+def reject_unknown_load(load: Callable[..., Any], unknown: Mapping[str, Any]) -> None:
+    """Raise one FluxError for the keyword arguments in `unknown` that `load` (`Pipeline.from_pretrained`)
+    does not take: diffusers' spellings with ours, typos with the nearest argument. Nothing when none."""
+    if not unknown:
+        return
+    accepted = [p for p in inspect.signature(load).parameters if p not in ("cls", "unknown")]
+    hints = []
+    for name in unknown:
+        if name in _DIFFUSERS_LOAD:
+            hints.append(f"{name} is diffusers' argument; {_DIFFUSERS_LOAD[name]}")
+        else:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hints.append(f"{name} is not an argument" + (f": did you mean {close[0]}?" if close else ""))
+    raise FluxError(f"Pipeline.from_pretrained does not take {', '.join(unknown)}: " + "; ".join(hints))
 
 
 def reject_unknown(call: Callable[..., Any], unknown: Mapping[str, Any], model: str, family: str) -> None:

@@ -22,7 +22,7 @@ from flux_runtime.models.vae import Flux1VAE, Flux2VAE
 from flux_runtime.parallel.group import ParallelConfig, as_config, join, launched_world_size
 from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline import placement
-from flux_runtime.pipeline.arguments import reject_unknown
+from flux_runtime.pipeline.arguments import reject_unknown, reject_unknown_load
 from flux_runtime.pipeline.checks import (
     check_device,
     check_guidance,
@@ -128,6 +128,7 @@ class Pipeline(Recipe):
         memory: str | int | None = "auto",
         fp8_text: bool = False,
         parallel: ParallelConfig | int | None = None,
+        **unknown: Any,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
         keys are theirs.
@@ -158,8 +159,15 @@ class Pipeline(Recipe):
         and the VAE; rank 0 alone loads the text encoders, and returns the images (the others: None).
         Memory plans are for one GPU: a parallel run keeps every model resident.
         """
+        from flux_runtime.pipeline import flux1_variants
+
+        reject_unknown_load(cls.from_pretrained, unknown)
+        flux1_variants.check_variant_name(variant)
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
+        for flag, value in (("fp8", fp8), ("fp8_text", fp8_text), ("cuda_graphs", cuda_graphs)):
+            if not isinstance(value, bool):
+                raise FluxError(f"{flag} must be True or False, got {value!r}")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise FluxError(
                 f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32"
@@ -222,8 +230,6 @@ class Pipeline(Recipe):
             raise FluxError(
                 f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE"
             )
-        from flux_runtime.pipeline import flux1_variants
-
         named = flux1_variants.named_variant(src, variant)
         # before the text encoders load
         check_latent_widths(

@@ -72,10 +72,18 @@ def input_width(variant: Variant, z: int, f: int) -> int:
     return 4 * z
 
 
+def check_variant_name(variant: object) -> None:
+    """`from_pretrained`'s `variant=`: None or one of `VARIANTS` (diffusers' `variant=` means something else)."""
+    if variant is not None and variant not in VARIANTS:
+        raise FluxError(
+            f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)} (diffusers' variant=, a weight "
+            "file's precision such as 'fp16', has no counterpart here: give those files' path)"
+        )
+
+
 def named_variant(src: Sources, variant: Variant | None) -> Variant | None:
     """The variant the sources name: model_index.json's class, else the registry entry, else `variant`."""
-    if variant is not None and variant not in VARIANTS:
-        raise FluxError(f"unknown variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+    check_variant_name(variant)
     cls = (src.model_index or {}).get("_class_name")
     if isinstance(cls, str) and cls in _PIPELINE_CLASSES:
         return _PIPELINE_CLASSES[cls]

@@ -78,3 +78,35 @@ def test_an_ignored_argument_warns_at_the_callers_line(pipe):
     with pytest.warns(UserWarning, match="negative_prompt is used only with true_cfg_scale > 1") as said:
         pipe("a red circle", negative_prompt="blue", height=32, width=32, num_steps=1, output_type="latent")
     assert [w.filename for w in said] == [__file__]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(torch_dtype="bf16"),
+            "Pipeline.from_pretrained does not take torch_dtype: torch_dtype is diffusers' argument; here pass dtype=",
+        ),
+        (dict(devise="cpu"), "devise is not an argument: did you mean device?"),
+        (
+            dict(local_files_only=True),
+            "local_files_only is diffusers' argument; not needed here: loading is offline",
+        ),
+        (
+            dict(variant="fp16"),
+            "unknown variant 'fp16': choose one of text2img, kontext, fill, control (diffusers'",
+        ),
+        (dict(fp8="yes"), "fp8 must be True or False, got 'yes'"),
+        (dict(cuda_graphs=None), "cuda_graphs must be True or False, got None"),
+    ],
+)
+def test_from_pretrained_names_what_it_does_not_take_before_loading(kwargs, message, monkeypatch):
+    from flux_runtime.pipeline import flux1
+
+    def no_sources(*args, **kw):
+        raise AssertionError("the checkpoint was opened")
+
+    monkeypatch.setattr(flux1, "find_sources", no_sources)
+    with pytest.raises(FluxError) as e:
+        Pipeline.from_pretrained("tiny", device="cpu", **kwargs)
+    assert message in str(e.value) and "\n" not in str(e.value)
