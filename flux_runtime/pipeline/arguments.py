@@ -73,32 +73,40 @@ _DIFFUSERS_LOAD: dict[str, str] = {
 def reject_unknown_load(load: Callable[..., Any], unknown: Mapping[str, Any]) -> None:
     """Raise one FluxError for the keyword arguments in `unknown` that `load` (`Pipeline.from_pretrained`)
     does not take: diffusers' spellings with ours, typos with the nearest argument. Nothing when none."""
-    if not unknown:
-        return
-    accepted = [p for p in inspect.signature(load).parameters if p not in ("cls", "unknown")]
-    hints = []
-    for name in unknown:
-        if name in _DIFFUSERS_LOAD:
-            hints.append(f"{name} is diffusers' argument; {_DIFFUSERS_LOAD[name]}")
-        else:
-            close = difflib.get_close_matches(name, accepted, n=1)
-            hints.append(f"{name} is not an argument" + (f": did you mean {close[0]}?" if close else ""))
-    raise FluxError(f"Pipeline.from_pretrained does not take {', '.join(unknown)}: " + "; ".join(hints))
+
+    def hint(name: str) -> str | None:
+        return f"{name} is diffusers' argument; {_DIFFUSERS_LOAD[name]}" if name in _DIFFUSERS_LOAD else None
+
+    _raise_unknown("Pipeline.from_pretrained", load, unknown, hint)
 
 
 def reject_unknown(call: Callable[..., Any], unknown: Mapping[str, Any], model: str, family: str) -> None:
     """Raise one FluxError for the keyword arguments in `unknown` that `call` (a recipe's `__call__`) does
     not take; nothing when there are none. `model` and `family` ("FLUX.1", ...) name what was called."""
+
+    def hint(name: str) -> str | None:
+        if name in _DIFFUSERS:
+            return f"{name} is diffusers' argument; here pass {_DIFFUSERS[name]}"
+        if name in _FAMILY:
+            return f"{name} is a {_FAMILY[name]} argument and {model} is {family}"
+        return None
+
+    _raise_unknown(model, call, unknown, hint)
+
+
+def _raise_unknown(
+    what: str, fn: Callable[..., Any], unknown: Mapping[str, Any], hint: Callable[[str], str | None]
+) -> None:
+    """One FluxError: "`what` does not take a, b: " and, per name, `hint`'s word or the nearest of `fn`'s
+    parameters (a typo)."""
     if not unknown:
         return
-    accepted = [p for p in inspect.signature(call).parameters if p not in ("self", "unknown")]
+    accepted = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls", "unknown")]
     hints = []
     for name in unknown:
-        if name in _DIFFUSERS:
-            hints.append(f"{name} is diffusers' argument; here pass {_DIFFUSERS[name]}")
-        elif name in _FAMILY:
-            hints.append(f"{name} is a {_FAMILY[name]} argument and {model} is {family}")
-        else:
+        said = hint(name)
+        if said is None:
             close = difflib.get_close_matches(name, accepted, n=1)
-            hints.append(f"{name} is not an argument" + (f": did you mean {close[0]}?" if close else ""))
-    raise FluxError(f"{model} does not take {', '.join(unknown)}: " + "; ".join(hints))
+            said = f"{name} is not an argument" + (f": did you mean {close[0]}?" if close else "")
+        hints.append(said)
+    raise FluxError(f"{what} does not take {', '.join(unknown)}: " + "; ".join(hints))
