@@ -18,8 +18,8 @@ the weights in memory.
 FLUX.1 and FLUX.2 steps are also timed with the FP8 producers' e4m3 codes from integer operations instead of
 the GPU's conversion instruction (`triton_utils.set_e4m3_hardware`; the same codes), a same-run A/B.
 `--layout-ab` adds a same-run A/B of the attention inputs' layout (`kernels.set_head_major`): the FP8 step
-(lossless + graph) with q, k and the joint V (B, L, H, Dh) contiguous as before, all three head-major (the
-default), and k and v only (q, and so SDPA's output, as before), each a new graph, `torch.equal` to the old
+(lossless + graph) with q, k and the joint V (B, L, H, Dh) contiguous as before, all three head-major, and k
+and v only (the default: q, and so SDPA's output, as before), each a new graph, `torch.equal` to the old
 layout's output.
 Usage: python3 scripts/bench_fp8.py [--models flux1-dev,flux2-dev,klein-4b,flux3-klein] [--layout-ab] [--json out.json]
 """

@@ -137,19 +137,17 @@ def main(
 
 def _refuse_builtin(src: str) -> None:
     """A built-in model's name is no checkpoint to convert: say where its files are, if it has any."""
-    from flux_runtime.registry import builtin
+    from flux_runtime.weights.builtin import builtin
 
-    spec = builtin(src)
-    if spec is None:
+    model = builtin(src)
+    if model is None:
         return
-    if spec.files is None:
+    if not model.trained:
         raise click.ClickException(
             f"{src} is a built-in model of seeded random weights; it has no files to convert"
         )
-    from flux_runtime.weights.builtin import MODELS_DIR
-
     raise click.ClickException(
-        f"{src} is a built-in model, not a checkpoint; its files (BFL layout) are in {MODELS_DIR / spec.files}"
+        f"{src} is a built-in model, not a checkpoint; its files (BFL layout) are in {model.folder}"
     )
 
 

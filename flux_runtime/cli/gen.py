@@ -513,10 +513,14 @@ def _check_early(opts: dict[str, Any]) -> None:
         check_steps,
         check_vae_tile,
     )
+    from flux_runtime.weights.builtin import size_multiple
 
     check_prompts(opts["prompt"])
-    if opts["height"] is not None or opts["width"] is not None:  # the size multiple needs the model's VAE
-        check_size(opts["height"] or 16, opts["width"] or 16, 0)
+    if opts["height"] is not None or opts["width"] is not None:
+        # the multiple where the registry knows the model's autoencoder; else the pipeline checks it once loaded
+        multiple = (None if opts["vae"] is not None else size_multiple(opts["model"])) or 0
+        other = max(multiple, 16)  # stands in for the side not given
+        check_size(opts["height"] or other, opts["width"] or other, multiple)
     check_vae_tile(opts["vae_tile"])
     if opts["steps"] is not None:
         check_steps(opts["steps"], opts["steps"])
@@ -529,17 +533,6 @@ def _check_early(opts: dict[str, Any]) -> None:
         raise click.ClickException("--mask needs --image (the image to inpaint)")
     if opts.get("strength") is not None and not opts["image"]:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
-
-
-def _check_size_early(opts: dict[str, Any]) -> None:
-    """A size off the model's grid fails before its weights are read, where the registry knows the grid (a
-    model name and its own autoencoder); otherwise the pipeline checks it once the autoencoder is loaded."""
-    from flux_runtime.pipeline.checks import check_size
-    from flux_runtime.weights.builtin import size_multiple
-
-    multiple = None if opts["vae"] is not None else size_multiple(opts["model"])
-    if multiple is not None and (opts["height"] is not None or opts["width"] is not None):
-        check_size(opts["height"] or multiple, opts["width"] or multiple, multiple)
 
 
 def _generate(opts: dict[str, Any]) -> None:
@@ -597,7 +590,6 @@ def _generate(opts: dict[str, Any]) -> None:
         _refuse_flux1_options(opts, name)
     if family != "flux3":
         _refuse_flux3_options(opts, name)
-    _check_size_early(opts)
 
     pipe = Pipeline.from_pretrained(
         opts["model"],

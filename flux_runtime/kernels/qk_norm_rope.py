@@ -102,14 +102,21 @@ def is_head_major(role: str) -> bool:
     return role in HEAD_MAJOR
 
 
+def heads_view(storage: Tensor, b: int, length: int, h: int, d: int, head_major: bool) -> Tensor:
+    """(B, L, H, D) view of flat `storage` (B * L * H * D values): laid out (B, H, L, D) when `head_major`
+    (what SDPA reads contiguously once permuted to (B, H, L, D)), else (B, L, H, D)."""
+    if head_major:
+        return storage.view(b, h, length, d).permute(0, 2, 1, 3)
+    return storage.view(b, length, h, d)
+
+
 def empty_heads(
     b: int, length: int, h: int, d: int, *, dtype: torch.dtype, device: torch.device, head_major: bool
 ) -> Tensor:
-    """An uninitialised (B, L, H, D) tensor: a view of (B, H, L, D) contiguous storage when `head_major`
-    (what SDPA reads contiguously once permuted to (B, H, L, D)), else contiguous."""
-    if head_major:
-        return torch.empty((b, h, length, d), dtype=dtype, device=device).permute(0, 2, 1, 3)
-    return torch.empty((b, length, h, d), dtype=dtype, device=device)
+    """An uninitialised (B, L, H, D) tensor stored as `heads_view` says."""
+    return heads_view(
+        torch.empty(b * length * h * d, dtype=dtype, device=device), b, length, h, d, head_major
+    )
 
 
 def cast_heads(x: Tensor, dtype: torch.dtype, head_major: bool) -> Tensor:

@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.qk_norm_rope import _lane_tree_sum, cast_heads, rms_norm_reference, rope_reference
+from flux_runtime.kernels.qk_norm_rope import (
+    _lane_tree_sum,
+    cast_heads,
+    heads_view,
+    rms_norm_reference,
+    rope_reference,
+)
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
     check_aten_vectorized,
@@ -179,7 +185,7 @@ def qk_norm_rope_fp32_triton(
     halves = torch.empty((2, b * length * h * HEAD_DIM), dtype=q.dtype, device=q.device)
     check_int32_offsets(op, "out", halves)
     q_out, k_out = (
-        half.view(b, h, length, HEAD_DIM).permute(0, 2, 1, 3) if major else half.view(b, length, h, HEAD_DIM)
+        heads_view(half, b, length, h, HEAD_DIM, major)
         for half, major in zip(halves, (head_major_q, head_major_k), strict=True)
     )
     grid = (triton.cdiv(length, tokens_per_program), triton.cdiv(h, heads_per_program), 2 * b)
