@@ -28,7 +28,7 @@ from transformers import CLIPTextModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from flux_runtime.registry import CLIP_L_ID, T5_XXL_ID
 from flux_runtime.text.fp8 import quantize_text_layers
-from flux_runtime.text.quiet import no_progress_bars
+from flux_runtime.text.hf_weights import load_pretrained
 from flux_runtime.text.tiny import init_random, tiny_clip_config, tiny_t5_config
 from flux_runtime.text.tokenizers import (
     load_clip_tokenizer,
@@ -114,9 +114,9 @@ class Flux1TextEncoder:
                 "Flux1TextEncoder.from_components)"
             )
         encoder = cls(
-            _load_model(CLIPTextModel, root / "text_encoder", dtype, "CLIP text encoder"),
+            _load_model(CLIPTextModel, root / "text_encoder", dtype, device, "CLIP text encoder"),
             load_clip_tokenizer(root / "tokenizer"),
-            _load_model(T5EncoderModel, root / "text_encoder_2", dtype, "T5 encoder"),
+            _load_model(T5EncoderModel, root / "text_encoder_2", dtype, device, "T5 encoder"),
             load_t5_tokenizer(root / "tokenizer_2"),
         )
         return encoder.to(device)
@@ -138,9 +138,9 @@ class Flux1TextEncoder:
         """
         clip_dir, t5_dir = resolve(clip), resolve(t5)
         encoder = cls(
-            _load_model(CLIPTextModel, clip_dir, dtype, "CLIP text encoder"),
+            _load_model(CLIPTextModel, clip_dir, dtype, device, "CLIP text encoder"),
             load_clip_tokenizer(clip_dir),
-            _load_model(T5EncoderModel, t5_dir, dtype, "T5 encoder"),
+            _load_model(T5EncoderModel, t5_dir, dtype, device, "T5 encoder"),
             load_t5_tokenizer(t5_dir),
         )
         return encoder.to(device)
@@ -258,9 +258,14 @@ def _prompt_list(prompts: str | list[str], name: str) -> list[str]:
 
 
 def _load_model(
-    cls: type[CLIPTextModel] | type[T5EncoderModel], folder: Path, dtype: torch.dtype, what: str
+    cls: type[CLIPTextModel] | type[T5EncoderModel],
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    what: str,
 ) -> PreTrainedModel:
-    """`cls.from_pretrained(folder)` in `dtype`, offline, failing on missing files or weights in our words."""
+    """`cls.from_pretrained(folder)` in `dtype` on `device` (streamed onto a GPU), offline, failing on missing
+    files or weights in our words."""
     if not (folder / "config.json").is_file():
         raise WeightsError(f"{folder}: no config.json; expected the {what} (config.json and its weights)")
     if not any((folder / name).is_file() for name in _WEIGHT_FILES):
@@ -275,10 +280,7 @@ def _load_model(
             "T5 overflows in float16 (transformers keeps its `wo` layers in float32); FLUX.1 uses bfloat16"
         )
     # transformers random-initializes weights missing from the checkpoint; for us that is an error.
-    with no_progress_bars():
-        model, info = cls.from_pretrained(
-            folder, dtype=dtype, local_files_only=True, output_loading_info=True
-        )
+    model, info = load_pretrained(cls, folder, dtype, device)
     missing = sorted(info["missing_keys"])
     if missing:
         raise WeightsError(

@@ -37,8 +37,8 @@ from transformers import (
 from flux_runtime.registry import MISTRAL_PROCESSOR_ID, MISTRAL_SMALL_ID
 from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer, tokenize_chats
 from flux_runtime.text.flux1 import _prompt_list
+from flux_runtime.text.hf_weights import load_pretrained
 from flux_runtime.text.llm import StackedLLM
-from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.text.tiny import TINY_WIDTH, init_random
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
 from flux_runtime.weights.config_files import read_json_object
@@ -206,7 +206,7 @@ class Flux2TextEncoder(_StackedStatesEncoder):
     ) -> Flux2TextEncoder:
         _check_model_folder(model, cls)  # before reading anything large
         tokenizer, template = load_mistral_tokenizer(processor)
-        loaded = _load_model(Mistral3ForConditionalGeneration, model, dtype, cls)
+        loaded = _load_model(Mistral3ForConditionalGeneration, model, dtype, device, cls)
         return cls(loaded, tokenizer, template).to(device)
 
     @classmethod
@@ -294,7 +294,7 @@ class KleinTextEncoder(_StackedStatesEncoder):
     ) -> KleinTextEncoder:
         _check_model_folder(model, cls)  # before reading anything large
         loaded_tokenizer = load_qwen3_tokenizer(tokenizer)
-        loaded = _load_model(Qwen3ForCausalLM, model, dtype, cls)
+        loaded = _load_model(Qwen3ForCausalLM, model, dtype, device, cls)
         return cls(loaded, loaded_tokenizer).to(device)
 
     @classmethod
@@ -460,14 +460,13 @@ def _load_model(
     cls: type[Mistral3ForConditionalGeneration] | type[Qwen3ForCausalLM],
     folder: Path,
     dtype: torch.dtype,
+    device: torch.device | str,
     encoder: type[_StackedStatesEncoder],
 ) -> PreTrainedModel:
-    """`cls.from_pretrained(folder)` in `dtype`, offline; a checkpoint missing weights is an error."""
+    """`cls.from_pretrained(folder)` in `dtype` on `device` (streamed onto a GPU), offline; a checkpoint
+    missing weights is an error."""
     # transformers random-initializes weights missing from the checkpoint; for us that is an error.
-    with no_progress_bars():
-        model, info = cls.from_pretrained(
-            folder, dtype=dtype, local_files_only=True, output_loading_info=True
-        )
+    model, info = load_pretrained(cls, folder, dtype, device)
     missing = sorted(info["missing_keys"])
     if missing:
         raise WeightsError(

@@ -119,7 +119,7 @@ class Flux3TextEncoder(StackedLLM):
     ) -> Flux3TextEncoder:
         _check_model_folder(model, cls)  # type: ignore[arg-type]  # before reading anything large
         tokenizer, template = load_processor_text(processor)
-        loaded = _load_model(Qwen3VLForConditionalGeneration, model, dtype, cls)  # type: ignore[arg-type]
+        loaded = _load_model(Qwen3VLForConditionalGeneration, model, dtype, device, cls)  # type: ignore[arg-type]
         return cls(loaded, tokenizer, template).to(device)
 
     @classmethod

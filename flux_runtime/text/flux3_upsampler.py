@@ -245,7 +245,7 @@ class PromptUpsampler:
             raise WeightsError(
                 f"{folder}: no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
             )
-        model = _load_model(Qwen3_5ForConditionalGeneration, folder, dtype, cls)  # type: ignore[arg-type]
+        model = _load_model(Qwen3_5ForConditionalGeneration, folder, dtype, device, cls)  # type: ignore[arg-type]
         return cls(
             model,
             tokenizer,

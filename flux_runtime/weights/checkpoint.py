@@ -218,10 +218,12 @@ def fill_model(
     """
     finite = FiniteCheck()
     read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
-    model.precision = fp8_layers.load_state(
-        model, table, read, assemble,
-        device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
-    )  # fmt: skip
+    # read ahead in the order the rules take the tensors (an FP8 checkpoint's scales are read as asked)
+    with reader.streaming([d for r in table for d in r.diffusers], device):
+        model.precision = fp8_layers.load_state(
+            model, table, read, assemble,
+            device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
+        )  # fmt: skip
     finite.raise_if_any()
     model.quantized_at_load = fp8
     for p in model.parameters():

@@ -17,6 +17,8 @@ fp32 either way.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -61,6 +63,9 @@ class _Fp32Norms:
 
     def path_of(self, key: str) -> Path:
         return self.reader.path_of(key)  # type: ignore[attr-defined]
+
+    def streaming(self, keys: Iterable[str], device: torch.device) -> AbstractContextManager[None]:
+        return self.reader.streaming(keys, device)  # type: ignore[attr-defined]
 
 
 # The BFL-named tensors that state a FLUX.3 DiT's widths (`infer_dit_config`); the per-mode blocks'

@@ -6,7 +6,8 @@ Shared by every loader so a missing, unexpected or misshapen key reads the same 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -70,6 +71,10 @@ class KeyView:
         self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         return self.src.get(self.names[key], device, dtype)
+
+    def streaming(self, keys: Iterable[str], device: torch.device | str) -> AbstractContextManager[None]:
+        """`TensorSource.streaming` of these keys, under this view's names."""
+        return self.src.streaming([self.names[k] for k in keys if k in self.names], device)
 
 
 def need_shape(shape_of: ShapeOf, key: str, what: str, ndim: int) -> tuple[int, ...]:

@@ -12,13 +12,15 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from flux_runtime.weights import pinned_stream
 from flux_runtime.weights.dtype_names import FLOAT_KINDS, ITEMSIZE, TORCH_DTYPES
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import safetensors_files
@@ -141,6 +143,7 @@ class TensorSource:
                 begin, end = info["data_offsets"]
                 self._spans[key] = (data_start + begin, data_start + end)
         self._handles: dict[Path, Any] = {}
+        self._stream: pinned_stream.DeviceStream | None = None
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -159,27 +162,60 @@ class TensorSource:
         """The file holding `key`."""
         return self._where[key]
 
+    @contextmanager
+    def streaming(self, keys: Iterable[str], device: torch.device | str) -> Iterator[None]:
+        """Within the scope, `get(key, device)` of the planned `keys` is served by reading ahead in this order.
+
+        On a GPU the bytes go through a bounded ring of pinned buffers filled by several reader threads and
+        are copied on a side stream (`pinned_stream`): the load runs at the machine's copy bandwidth and
+        its per-tensor work (casts, merges, quantization) overlaps the reads. Keys outside the plan, and
+        every key on the CPU, are read as without a plan. The bytes, hence the loaded tensors, are the same.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if self._stream is not None or not (
+            dev.type == "cuda" or (dev.type == "cpu" and pinned_stream.stream_on_cpu)
+        ):
+            yield
+            return
+        plan = [
+            pinned_stream.Span(k, self._where[k], self._spans[k][0], self._spans[k][1] - self._spans[k][0])
+            for k in dict.fromkeys(keys)
+            if TORCH_DTYPES.get(self._dtypes[k]) is not None
+        ]
+        with pinned_stream.device_stream(plan, dev) as stream:
+            self._stream = stream
+            try:
+                yield
+            finally:
+                self._stream = None
+
     def get(
         self, key: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """Read one tensor and move it to `device`/`dtype` (host memory holds one tensor at a time).
 
-        The bytes are read with plain file reads into a fresh tensor, not through a memory map: mapped
-        file pages would count in this process's resident memory for as long as the file stays open,
-        nearly doubling the host memory a load takes.
+        Without a `streaming` plan the bytes are read with plain file reads into a fresh tensor, not
+        through a memory map: mapped file pages would count in this process's resident memory for as long
+        as the file stays open, nearly doubling the host memory a load takes.
         """
         path = self._where[key]
         torch_dtype = TORCH_DTYPES.get(self._dtypes[key])
         if torch_dtype is None:  # a dtype torch reads only through safetensors (none FLUX uses)
             return self._get_mapped(key).to(device=device, dtype=_cast(dtype, self._dtypes[key]))
-        begin, end = self._spans[key]
-        raw = torch.empty(end - begin, dtype=torch.uint8)
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = open(path, "rb")  # noqa: SIM115 - kept open across reads
-        handle.seek(begin)
-        if handle.readinto(memoryview(raw.numpy())) != end - begin:
-            raise WeightsError(f"{path}: cannot read {key!r} (the file is shorter than its header says)")
+        stream = self._stream
+        if stream is not None and stream.has(key) and _same_device(stream.device, device):
+            raw = stream.take(key)
+        else:
+            begin, end = self._spans[key]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            handle = self._handles.get(path)
+            if handle is None:
+                handle = self._handles[path] = open(path, "rb")  # noqa: SIM115 - kept open across reads
+            handle.seek(begin)
+            if handle.readinto(memoryview(raw.numpy())) != end - begin:
+                raise WeightsError(f"{path}: cannot read {key!r} (the file is shorter than its header says)")
         t = raw.view(torch_dtype).reshape(self._shapes[key])
         return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
 
@@ -195,6 +231,21 @@ class TensorSource:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self._where:
             yield key, self.get(key, device, dtype)
+
+
+def _same_device(have: torch.device, want: torch.device | str) -> bool:
+    want = torch.device(want)
+    if want.type == "cuda" and want.index is None:
+        return have.type == "cuda" and have.index == torch.cuda.current_device()
+    return have == want
+
+
+def read_state_dict(files: list[Path], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Every tensor of `files` on `device` in its stored dtype, read in file order (streamed onto a GPU)."""
+    src = TensorSource(files)
+    order = sorted(src.keys(), key=lambda k: (files.index(src.path_of(k)), src._spans[k][0]))
+    with src.streaming(order, device):
+        return {k: src.get(k, device) for k in order}
 
 
 def check_safetensors_folder(folder: Path, stem: str = "model") -> None:

@@ -413,12 +413,15 @@ def load_vae(
     with torch.device("meta"):
         model = build_vae(ckpt.config)
     finite = FiniteCheck()
-    sd = {
-        rule.bfl: finite.watch(
-            ckpt.source_key(rule), ckpt.view.path_of(ckpt.source_key(rule)), ckpt.read(rule, device, dtype)
-        )
-        for rule in ckpt.table
-    }
+    with ckpt.view.streaming([ckpt.source_key(rule) for rule in ckpt.table], device):
+        sd = {
+            rule.bfl: finite.watch(
+                ckpt.source_key(rule),
+                ckpt.view.path_of(ckpt.source_key(rule)),
+                ckpt.read(rule, device, dtype),
+            )
+            for rule in ckpt.table
+        }
     finite.raise_if_any()
     model.load_state_dict(sd, strict=True, assign=True)
     for p in model.parameters():

@@ -1,0 +1,303 @@
+"""Streaming safetensors bytes onto a GPU at the machine's copy bandwidth, through a bounded pinned ring.
+
+A load reads each tensor's byte range once. Reading it with one thread into fresh pageable memory and copying
+it with a blocking `.to("cuda")` runs at a small fraction of what the machine moves from the page cache: the
+copy waits for the read, the read for the copy, and pageable copies are staged by the driver. Here:
+
+- `ReaderThreads` reader threads (`os.preadv`, which releases the GIL) fill the buffers of one `PinnedRing`,
+  a fixed set of page-locked host buffers, in the order the loader will ask for the tensors;
+- the main thread issues each filled buffer's copy into the tensor's GPU memory on a side stream, without
+  waiting, and hands the buffer back to the readers once that copy has run (an event per buffer);
+- the loader's own GPU work (casts, merges, quantization, finite checks) runs on its stream as each tensor
+  arrives, ordered after its copies by an event, so reading, copying and transforming overlap.
+
+Host memory beyond the process's baseline is the ring (`slots * buffer_bytes`, 512 MiB by default) whatever
+the checkpoint's size; GPU memory is the tensors asked for plus those read ahead of the loader (at most the
+ring's worth). A ring is made once per `keep_ring()` scope (a pipeline's whole load) and reused by every
+component's load inside it; outside one, each load makes and frees its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ContextDecorator, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flux_runtime.weights.errors import WeightsError
+
+MIB = 1024 * 1024
+# Tests turn this on (or FLUX_LOAD_STREAM_CPU=1 for a whole run) to put loads onto the CPU through the same
+# streaming logic (an unpinned ring, copies at once); otherwise a CPU load reads one tensor at a time, which
+# keeps its host memory at the model's size.
+stream_on_cpu = os.environ.get("FLUX_LOAD_STREAM_CPU") == "1"
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise WeightsError(f"{name}={raw!r} must be a whole number (at least {low})") from None
+    if value < low:
+        raise WeightsError(f"{name}={value} must be at least {low}")
+    return value
+
+
+@dataclass(frozen=True)
+class RingShape:
+    """How a load reads: `threads` readers sharing `slots` pinned buffers of `buffer_bytes` each.
+
+    Defaults: 16 readers (fewer on a machine with fewer cores than 8), 32 MiB buffers, two buffers a reader
+    (one being read into while the other's copy runs). `FLUX_LOAD_THREADS`, `FLUX_LOAD_BUFFER_MB` and
+    `FLUX_LOAD_SLOTS` override them, e.g. for a disk that prefers fewer, larger reads.
+    """
+
+    threads: int
+    slots: int
+    buffer_bytes: int
+
+    @property
+    def host_bytes(self) -> int:
+        """The pinned host memory the ring holds: the load's host-memory bound."""
+        return self.slots * self.buffer_bytes
+
+    @classmethod
+    def default(cls) -> RingShape:
+        threads = _env_int("FLUX_LOAD_THREADS", 16 if (os.cpu_count() or 1) >= 8 else 4, 1)
+        buffer_mb = _env_int("FLUX_LOAD_BUFFER_MB", 32, 1)
+        slots = _env_int("FLUX_LOAD_SLOTS", max(2, min(2 * threads, 16)), 2)
+        return cls(threads, slots, buffer_mb * MIB)
+
+
+class PinnedRing:
+    """`slots` page-locked host buffers of `buffer_bytes`, with the event of each buffer's last copy."""
+
+    def __init__(self, shape: RingShape, pinned: bool = True) -> None:
+        self.shape = shape
+        self.pinned = pinned
+        self._storage = torch.empty(shape.host_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self.buffers = [
+            self._storage[i * shape.buffer_bytes : (i + 1) * shape.buffer_bytes] for i in range(shape.slots)
+        ]
+        self.events: list[torch.cuda.Event | None] = [None] * shape.slots
+
+    def drain(self) -> None:
+        """Wait for every copy out of the ring (before its buffers are reused by another stream or freed)."""
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+        self.events = [None] * self.shape.slots
+
+    def release(self) -> None:
+        self.drain()
+        self.buffers = []
+        del self._storage
+        # torch keeps freed pinned blocks cached for reuse; hand them back so the bound holds after the load.
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if self.pinned and empty is not None:
+            empty()
+
+
+_kept: list[PinnedRing | None] = [None]
+_kept_depth = [0]
+_lock = threading.Lock()
+
+
+class keep_ring(ContextDecorator):
+    """Within this scope every GPU load shares one pinned ring, made on first use and freed at the scope's end.
+
+    A pipeline's load wraps its component loads (transformer, autoencoder, text encoders) in one scope, so
+    the ring's page-locking cost is paid once.
+    """
+
+    def __enter__(self) -> keep_ring:
+        with _lock:
+            _kept_depth[0] += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            _kept_depth[0] -= 1
+            ring = _kept[0] if _kept_depth[0] == 0 else None
+            if ring is not None:
+                _kept[0] = None
+        if ring is not None:
+            ring.release()
+
+
+@contextmanager
+def ring(pinned: bool = True) -> Iterator[PinnedRing]:
+    """The scope's ring (made now if this is its first GPU load), or a ring of this load's own (always
+    for an unpinned one: a stream onto the CPU)."""
+    with _lock:
+        shared = pinned and _kept_depth[0] > 0
+        if shared and _kept[0] is None:
+            _kept[0] = PinnedRing(RingShape.default())
+        kept = _kept[0] if shared else None
+    if kept is not None:
+        yield kept
+        return
+    own = PinnedRing(RingShape.default(), pinned)
+    try:
+        yield own
+    finally:
+        own.release()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One tensor's bytes: `nbytes` at absolute offset `offset` of `path`."""
+
+    key: str
+    path: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    tensor: int  # index into the plan
+    path: Path
+    offset: int  # absolute, in the file
+    length: int
+    into: int  # offset in the tensor's bytes
+
+
+class DeviceStream:
+    """The planned tensors' bytes on `device`, read ahead through `ring` in the plan's order.
+
+    `take(key)` returns a key's bytes as a 1-D uint8 tensor on `device`, ready for the caller's current
+    stream. Keys are meant to be taken in plan order; one taken early makes the stream read (and hold)
+    the keys before it. A key taken twice, or not planned, is not served here (`has`). On a GPU the
+    copies out of the ring run on a side stream; onto the CPU (tests of the same logic, no GPU needed)
+    they run at once.
+    """
+
+    def __init__(self, plan: Sequence[Span], device: torch.device, ring: PinnedRing) -> None:
+        self.device = device
+        self.ring = ring
+        self.plan = list(plan)
+        self._index = {s.key: i for i, s in enumerate(self.plan)}
+        if len(self._index) != len(self.plan):
+            raise ValueError("a stream's plan names a key twice")
+        size = ring.shape.buffer_bytes
+        self._chunks: list[_Chunk] = []
+        self._first_chunk: list[int] = []
+        for i, s in enumerate(self.plan):
+            self._first_chunk.append(len(self._chunks))
+            for into in range(0, s.nbytes, size):
+                n = min(size, s.nbytes - into)
+                self._chunks.append(_Chunk(i, s.path, s.offset + into, n, into))
+        self._first_chunk.append(len(self._chunks))
+        self._fds: dict[Path, int] = {}
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(ring.shape.threads, thread_name_prefix="flux-load")
+        self._reads: dict[int, Future[None]] = {}
+        self._issued = 0  # plan entries whose copies have been issued
+        self._ready: dict[str, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._taken: set[str] = set()
+        try:
+            for s in self.plan:
+                if s.path not in self._fds:
+                    self._fds[s.path] = os.open(s.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as e:
+            self.close()
+            raise WeightsError(f"{e.filename}: cannot open ({e.strerror})") from None
+        for j in range(min(ring.shape.slots, len(self._chunks))):
+            self._submit(j)
+
+    def has(self, key: str) -> bool:
+        return key in self._index and key not in self._taken
+
+    def take(self, key: str) -> torch.Tensor:
+        """`key`'s bytes on the device, its copies ordered before the caller's current stream's next work."""
+        want = self._index[key]
+        while self._issued <= want:
+            self._issue(self._issued)
+            self._issued += 1
+        data, done = self._ready.pop(key)
+        self._taken.add(key)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return data
+
+    def close(self) -> None:
+        """Stop reading ahead, wait for the reads and copies in flight, close the files."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.ring.drain()
+        self._ready.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _submit(self, j: int) -> None:
+        self._reads[j] = self._pool.submit(self._read, j)
+
+    def _read(self, j: int) -> None:
+        c = self._chunks[j]
+        slot = j % self.ring.shape.slots
+        ev = self.ring.events[slot]
+        if ev is not None:  # the buffer's previous copy must have run before it is overwritten
+            ev.synchronize()
+        view = memoryview(self.ring.buffers[slot].numpy())[: c.length]
+        read_exactly(self._fds[c.path], view, c.offset, c.path, self.plan[c.tensor].key)
+
+    def _issue(self, i: int) -> None:
+        span = self.plan[i]
+        data = torch.empty(span.nbytes, dtype=torch.uint8, device=self.device)
+        if self._side is not None:
+            # `data` may reuse memory the current stream freed with work still pending: copy after that work
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+        done = None
+        slots = self.ring.shape.slots
+        for j in range(self._first_chunk[i], self._first_chunk[i + 1]):
+            self._reads.pop(j).result()  # a read error surfaces here, naming the file and the tensor
+            c, slot = self._chunks[j], j % slots
+            into, src = data[c.into : c.into + c.length], self.ring.buffers[slot][: c.length]
+            if self._side is None:
+                into.copy_(src)
+            else:
+                with torch.cuda.stream(self._side):
+                    into.copy_(src, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self._side)
+                self.ring.events[slot] = done
+            if j + slots < len(self._chunks):
+                self._submit(j + slots)
+        self._ready[span.key] = (data, done)
+
+
+def read_exactly(fd: int, view: memoryview, offset: int, path: Path, key: str) -> None:
+    """Fill `view` with the file's bytes from `offset`, or a WeightsError if the file ends first."""
+    done, total = 0, len(view)
+    while done < total:
+        if hasattr(os, "preadv"):
+            got = os.preadv(fd, [view[done:]], offset + done)
+        else:  # no preadv on this platform: read, then copy into the buffer
+            chunk = os.pread(fd, total - done, offset + done)
+            got = len(chunk)
+            view[done : done + got] = chunk
+        if got == 0:
+            raise WeightsError(f"{path}: cannot read {key!r} (the file is shorter than its header says)")
+        done += got
+
+
+@contextmanager
+def device_stream(plan: Sequence[Span], device: torch.device) -> Iterator[DeviceStream]:
+    """A `DeviceStream` over `plan` for the length of the scope (its ring the scope's, or its own)."""
+    with ring(pinned=device.type == "cuda") as r:
+        stream = DeviceStream(plan, device, r)
+        try:
+            yield stream
+        finally:
+            stream.close()
