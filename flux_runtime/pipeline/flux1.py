@@ -60,6 +60,7 @@ from flux_runtime.sampling import (
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin
+from flux_runtime.weights.pinned_stream import keep_ring
 from flux_runtime.weights.vae import load_vae
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class Pipeline(Recipe):
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    @keep_ring()  # every component's GPU load shares one pinned ring
     def from_pretrained(
         cls,
         path_or_id: str | Path,
