@@ -5,7 +5,8 @@ edit with `--image` reference images, whose paths and pixel fingerprints go into
 refuse a reference that has gone or changed. Library errors become one line and exit 1 here, and only
 here (`--debug` shows the traceback instead). Nothing heavy is imported at module level, so that even a
 Ctrl-C while torch loads ends in one line. Every check that needs no model (output folder, device, prompt,
-step count, guidance, reference images) runs before any weights are read.
+step count, guidance, reference images) runs before any weights are read. `--prompts FILE` makes one such call
+per line of FILE with one load, every line checked first (the file's reading is `prompts_file`'s).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import logging
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +58,10 @@ REPLAYED = (
 
 
 class _Progress:
-    """tqdm bars on stderr for encoding, denoising and decoding."""
+    """tqdm bars on stderr for encoding, denoising and decoding (at `position` 1 under --prompts' bar)."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.bar, self.stage = enabled, None, None
+    def __init__(self, enabled: bool, position: int | None = None) -> None:
+        self.enabled, self.position, self.bar, self.stage = enabled, position, None, None
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if not self.enabled:
@@ -70,7 +72,11 @@ class _Progress:
             self.close()
             self.stage = stage
             self.bar = tqdm(
-                total=total, desc=f"{stage:>8}", unit="step" if stage == "denoise" else "", leave=False
+                total=total,
+                desc=f"{stage:>8}",
+                unit="step" if stage == "denoise" else "",
+                leave=False,
+                position=self.position,
             )
         assert self.bar is not None
         self.bar.n = done
@@ -87,10 +93,7 @@ class _Progress:
 def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
     """The PNG paths to write, in a folder that exists (created for a folder --out) and takes new files."""
     if out.is_dir() or str(out).endswith(("/", "\\")) or out.suffix == "":
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise click.ClickException(f"--out {out}: cannot make this folder ({e.strerror or e})") from None
+        _make_folder(out)
         folder = out
         paths = [out / f"flux-{seed}-{i}.png" for i in range(n)]
     elif out.suffix.lower() != ".png":
@@ -101,21 +104,58 @@ def _output_paths(out: Path, n: int, seed: int, overwrite: bool) -> list[Path]:
             what = "is not a folder" if folder.exists() else "does not exist"
             raise click.ClickException(f"--out {out}: {folder} {what}; create it or choose another --out")
         paths = [out] if n == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(n)]
+    _check_writable(out, folder)
+    _refuse_existing(paths, overwrite)
+    return paths
+
+
+def _prompts_paths(out: Path, names: list[list[str]], overwrite: bool) -> list[list[Path]]:
+    """--prompts: each line's PNG paths (`names`) in the --out folder, made if missing, taking new files."""
+    if not out.is_dir() and (out.exists() or out.suffix.lower() == ".png"):
+        raise click.ClickException(
+            f"--out {out}: with --prompts, --out is a folder (one PNG per image, named by line); give a folder"
+        )
+    _make_folder(out)
+    _check_writable(out, out)
+    paths = [[out / name for name in line] for line in names]
+    _refuse_existing([p for line in paths for p in line], overwrite)
+    return paths
+
+
+def _make_folder(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.ClickException(f"--out {out}: cannot make this folder ({e.strerror or e})") from None
+
+
+def _check_writable(out: Path, folder: Path) -> None:
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         raise click.ClickException(f"--out {out}: cannot write in {folder} ({e.strerror or e})") from None
+
+
+def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
+    """One error naming the files that exist (the first three of many), unless they are to be replaced."""
     clash = [str(p) for p in paths if p.exists()]
     if clash and not overwrite:
-        raise click.ClickException(
-            f"{', '.join(clash)} already exists; pass --overwrite or choose another --out"
-        )
-    return paths
+        shown = ", ".join(clash[:3]) + (f" and {len(clash) - 3} more" if len(clash) > 3 else "")
+        verb = "exists" if len(clash) == 1 else "exist"
+        raise click.ClickException(f"{shown} already {verb}; pass --overwrite or choose another --out")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--prompt", "-p", type=str, help="What to draw.")
+@click.option(
+    "--prompts",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help='A file of prompts, one a line, or of JSON objects of per-image options ({"prompt", "seed", '
+    '"width", ...}, named like the options); the model loads once and each line is one run into the --out '
+    "folder [default: the current folder], e.g. 0007-a-red-fox.png.",
+)
 @click.option(
     "--model",
     "-m",
@@ -308,10 +348,12 @@ def main(**opts: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
     rank = _launched_rank(opts)
     with one_line_errors(opts["debug"]), _rank_errors(rank, opts["debug"]):
-        if opts["replay"] is not None:
+        if opts["prompts"] is not None:
+            _prompts_file_options(opts, click.get_current_context())
+        elif opts["replay"] is not None:
             _apply_replay(opts, click.get_current_context())
-        if not opts["prompt"]:
-            raise click.UsageError("--prompt is required (or --replay an image)")
+        if not opts["prompt"] and opts["prompts"] is None:
+            raise click.UsageError("--prompt is required (or --replay an image, or --prompts a file)")
         if rank is None and (opts["gpus"] or 1) > 1:
             _spawn_ranks(opts)
         opts["_rank"] = rank
@@ -336,10 +378,7 @@ def _spawn_ranks(opts: dict[str, Any]) -> None:
     """Check what needs no model, then run this command as --gpus ranks and exit with the run's status."""
     from flux_runtime.parallel.launch import relaunch_command, supervise
 
-    _check_early(opts)
-    _output_paths(
-        opts["out"], 1 if opts["replay"] is not None else opts["num_images"], opts["seed"], opts["overwrite"]
-    )
+    _plan(opts, main_rank=True)
     status = supervise(relaunch_command(), opts["gpus"], say=lambda m: click.echo(f"flux-gen: {m}", err=True))
     sys.exit(status)
 
@@ -535,21 +574,97 @@ def _check_early(opts: dict[str, Any]) -> None:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
 
 
+@dataclass
+class _Job:
+    """One pipeline call: its options (the command line's, or a --prompts line's over them), the PNGs it
+    writes (none on ranks other than 0) and, for a line of --prompts, its FILE:LINE, which starts its errors."""
+
+    opts: dict[str, Any]
+    paths: list[Path] = field(default_factory=list)
+    where: str | None = None
+
+    @contextmanager
+    def errors(self) -> Iterator[None]:
+        """Our errors (bad input, files) inside the block, as one line starting with FILE:LINE."""
+        if self.where is None:
+            yield
+            return
+        from flux_runtime.cli.errors import is_foreseen, one_line
+
+        try:
+            yield
+        except click.ClickException as e:
+            raise click.ClickException(f"{self.where}: {e.format_message()}") from None
+        except Exception as e:
+            if not is_foreseen(e):
+                raise
+            raise click.ClickException(f"{self.where}: {one_line(e)}") from None
+
+
+def _prompts_file_options(opts: dict[str, Any], ctx: click.Context) -> None:
+    """--prompts: refuse --prompt and --replay beside it; --out is a folder, the current one unless given."""
+    for other, why in (("prompt", "its lines are the prompts"), ("replay", "replay each PNG on its own")):
+        if opts[other] is not None:
+            raise click.ClickException(f"--{other} and --prompts exclude each other: {why}")
+    if ctx.get_parameter_source("out") == ParameterSource.DEFAULT:
+        opts["out"] = Path(".")
+
+
+def _plan(opts: dict[str, Any], main_rank: bool) -> list[_Job]:
+    """The calls to make, each checked as far as it can be with no model, with the PNG paths they write:
+    one call, or one per line of --prompts (every line checked before the first weights are read)."""
+    if opts["prompts"] is None:
+        _check_early(opts)
+        n = 1 if opts["replay"] is not None else opts["num_images"]
+        job = _Job(opts, _output_paths(opts["out"], n, opts["seed"], opts["overwrite"]) if main_rank else [])
+        _check_inputs(opts, set())
+        return [job]
+    from flux_runtime.cli.prompts_file import read_prompts
+
+    names = {o[2:].replace("-", "_") for p in main.params for o in p.opts if o.startswith("--")}
+    lines = read_prompts(opts["prompts"], names)
+    jobs, opened = [], set()
+    for line in lines:
+        job = _Job({**opts, **line.options}, where=f"{opts['prompts']}:{line.number}")
+        with job.errors():
+            _check_early(job.opts)
+            _check_inputs(job.opts, opened)
+        jobs.append(job)
+    if main_rank:
+        files = [line.file_names(job.opts["num_images"]) for line, job in zip(lines, jobs, strict=True)]
+        for job, paths in zip(jobs, _prompts_paths(opts["out"], files, opts["overwrite"]), strict=True):
+            job.paths = paths
+    return jobs
+
+
+def _check_inputs(opts: dict[str, Any], opened: set[Path]) -> None:
+    """The input images (each path once in `opened`) decode and the boxes hold, before any weights are read."""
+    for path in (*opts["image"], opts["mask"], opts["control_image"]):
+        if path is not None and path.resolve() not in opened:
+            _open_image(path.resolve())
+            opened.add(path.resolve())
+    boxes = _read_boxes(opts["boxes"])
+    if boxes is not None:
+        from flux_runtime.pipeline.flux3_upsample import check_boxes
+
+        check_boxes(boxes, len(opts["image"]))
+
+
 def _generate(opts: dict[str, Any]) -> None:
-    """Load, generate, save; as one rank of a parallel run (`opts["_rank"]`), only rank 0 shows progress
-    and saves."""
+    """Check every call, load the model once, then run and save each call; as one rank of a parallel run
+    (`opts["_rank"]`), only rank 0 shows progress and saves."""
     import torch
 
     from flux_runtime.pipeline import Pipeline
     from flux_runtime.pipeline.checks import check_device
     from flux_runtime.pipeline.flux2 import Flux2Pipe
     from flux_runtime.pipeline.flux3 import Flux3Pipe
-    from flux_runtime.pipeline.provenance import save_png
     from flux_runtime.pipeline.sources import model_family
-
-    _check_early(opts)
     from flux_runtime.weights.lora_formats import LoraError, check_lora_file
 
+    rank = opts.get("_rank")
+    main_rank = rank in (None, 0)
+    jobs = _plan(opts, main_rank)
     loras = opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
     for path, _ in loras:  # a missing or damaged LoRA fails before the model loads
         try:
@@ -558,25 +673,9 @@ def _generate(opts: dict[str, Any]) -> None:
             raise click.ClickException(f"--lora: {str(e).removeprefix('LoRA ')}") from None
     device = check_device(opts["device"])
     replaying = opts["replay"] is not None
-    n = 1 if replaying else opts["num_images"]
-    rank = opts.get("_rank")
-    main_rank = rank in (None, 0)
-    paths = _output_paths(opts["out"], n, opts["seed"], opts["overwrite"]) if main_rank else []
     dtype_name = opts["dtype"] or (
         "bf16" if device.type == "cuda" or opts["fp8"] or opts["fp8_text"] else "fp32"
     )
-    progress = _Progress(main_rank and not opts["quiet"] and sys.stderr.isatty())
-    images_in = [_open_image(p.resolve()) for p in opts["image"]]
-    boxes = _read_boxes(opts["boxes"])
-    if boxes is not None:  # checked now, before any weights are read
-        from flux_runtime.pipeline.flux3_upsample import check_boxes
-
-        check_boxes(boxes, len(images_in))
-    flux1_inputs = {
-        name: _open_image(opts[opt].resolve())
-        for name, opt in (("mask_image", "mask"), ("control_image", "control_image"))
-        if opts[opt] is not None
-    }
 
     # options of another family fail now, before anything loads
     family = model_family(
@@ -586,10 +685,12 @@ def _generate(opts: dict[str, Any]) -> None:
         text_encoder_2=opts["text_encoder_2"],
     )
     name = {"flux1": "FLUX.1", "flux2": "FLUX.2", "flux3": "FLUX.3"}[family]
-    if family != "flux1":
-        _refuse_flux1_options(opts, name)
-    if family != "flux3":
-        _refuse_flux3_options(opts, name)
+    for job in jobs:
+        with job.errors():
+            if family != "flux1":
+                _refuse_flux1_options(job.opts, name)
+            if family != "flux3":
+                _refuse_flux3_options(job.opts, name)
 
     pipe = Pipeline.from_pretrained(
         opts["model"],
@@ -625,7 +726,64 @@ def _generate(opts: dict[str, Any]) -> None:
             "replay runs it alone and a batch's size changes the GEMMs' rounding, so pixels may differ slightly",
             err=True,
         )
-    num_per_prompt = opts["_replay_batch"] if replaying else n
+    if isinstance(pipe, Flux3Pipe) and (
+        opts["prompt_upsampler"] is not None or opts["upsampler_prompts"] is not None
+    ):
+        source = opts["prompt_upsampler"] or pipe.prompt_upsampler.source
+        pipe.set_prompt_upsampler(source, prompts=opts["upsampler_prompts"])
+    if not isinstance(pipe, (Flux2Pipe, Flux3Pipe)):
+        for job in jobs:  # every line's FLUX.1 variant checks, before the first image is drawn
+            with job.errors():
+                _check_flux1_variant(pipe, job.opts)
+
+    shown = main_rank and not opts["quiet"] and sys.stderr.isatty()
+    many = opts["prompts"] is not None
+    progress = _Progress(shown, position=1 if many else None)
+    file_bar = None
+    if shown and many:
+        from tqdm import tqdm
+
+        file_bar = tqdm(total=len(jobs), desc=" prompts", unit="prompt")
+    try:
+        for job in jobs:
+            # errors of a parallel run pass unprefixed: _rank_errors tells a lost peer by its type
+            with job.errors() if rank is None else nullcontext():
+                out = _call(pipe, job.opts, progress)
+                progress.close()
+                if main_rank:  # rank 0 writes the images
+                    for path in _save(job, out):
+                        (file_bar.write if file_bar is not None else click.echo)(str(path))
+            if file_bar is not None:
+                file_bar.update()
+    finally:
+        if file_bar is not None:
+            file_bar.close()
+
+
+def _check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
+    """The options a FLUX.1 model takes only in some variants, checked once the variant is known."""
+    images = opts["image"]
+    if images and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
+        # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
+        raise click.ClickException(
+            f"--image needs a FLUX.2 model; {opts['model']} is FLUX.1: for img2img give --strength, "
+            "for inpainting --mask"
+        )
+    if len(images) > 1:
+        raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
+    if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
+        raise click.ClickException(
+            f"--max-area and --no-auto-resize need a FLUX.1 Kontext model; {opts['model']} is not one"
+        )
+
+
+def _call(pipe: Any, opts: dict[str, Any], progress: _Progress) -> Any:
+    """One pipeline call with `opts`: the same arguments whether they came from the command line alone or
+    from a line of --prompts, so a line's pixels are those of the same options run alone."""
+    from flux_runtime.pipeline.flux2 import Flux2Pipe
+    from flux_runtime.pipeline.flux3 import Flux3Pipe
+
+    images_in = [_open_image(p.resolve()) for p in opts["image"]]
     common = dict(
         height=opts["height"],
         width=opts["width"],
@@ -633,55 +791,50 @@ def _generate(opts: dict[str, Any]) -> None:
         guidance=opts["guidance"],
         seed=opts["seed"],
         max_sequence_length=opts["max_sequence_length"],
-        num_images_per_prompt=num_per_prompt,
+        num_images_per_prompt=opts["_replay_batch"] if opts["replay"] is not None else opts["num_images"],
         progress=progress,
     )
     if isinstance(pipe, Flux3Pipe):
-        if opts["prompt_upsampler"] is not None or opts["upsampler_prompts"] is not None:
-            source = opts["prompt_upsampler"] or pipe.prompt_upsampler.source
-            pipe.set_prompt_upsampler(source, prompts=opts["upsampler_prompts"])
-        out = pipe(
+        return pipe(
             opts["prompt"],
             image=images_in or None,
             upsample=False if opts["no_upsample"] else None,
             upsampled_prompt=opts.get("_upsampled_prompt"),
-            boxes=boxes,
+            boxes=_read_boxes(opts["boxes"]),
             **common,
         )
-    elif isinstance(pipe, Flux2Pipe):
-        out = pipe(opts["prompt"], image=images_in or None, **common)
-    else:
-        if images_in and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
-            # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
-            raise click.ClickException(
-                f"--image needs a FLUX.2 model; {opts['model']} is FLUX.1: for img2img give --strength, "
-                "for inpainting --mask"
-            )
-        if len(images_in) > 1:
-            raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
-        if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
-            raise click.ClickException(
-                f"--max-area and --no-auto-resize need a FLUX.1 Kontext model; {opts['model']} is not one"
-            )
-        if pipe.variant == "kontext":
-            flux1_inputs.update(max_area=opts["max_area"], auto_resize=not opts["no_auto_resize"])
-        out = pipe(
-            opts["prompt"],
-            image=images_in[0] if images_in else None,
-            strength=opts["strength"],
-            negative_prompt=opts["negative_prompt"],
-            true_cfg_scale=opts["true_cfg"],
-            **flux1_inputs,
-            **common,
-        )
-    progress.close()
-    if not main_rank:  # rank 0 writes the image
-        return
+    if isinstance(pipe, Flux2Pipe):
+        return pipe(opts["prompt"], image=images_in or None, **common)
+    flux1_inputs = {
+        name: _open_image(opts[opt].resolve())
+        for name, opt in (("mask_image", "mask"), ("control_image", "control_image"))
+        if opts[opt] is not None
+    }
+    if pipe.variant == "kontext":
+        flux1_inputs.update(max_area=opts["max_area"], auto_resize=not opts["no_auto_resize"])
+    return pipe(
+        opts["prompt"],
+        image=images_in[0] if images_in else None,
+        strength=opts["strength"],
+        negative_prompt=opts["negative_prompt"],
+        true_cfg_scale=opts["true_cfg"],
+        **flux1_inputs,
+        **common,
+    )
+
+
+def _save(job: _Job, out: Any) -> list[Path]:
+    """Write the call's images to `job.paths`, each with its provenance and its place in the call's batch."""
+    from flux_runtime.pipeline.provenance import save_png
+
+    opts = job.opts
+    replaying = opts["replay"] is not None
+    num_per_prompt = opts["_replay_batch"] if replaying else opts["num_images"]
     images = out.images[opts["_replay_index"] : opts["_replay_index"] + 1] if replaying else out.images
-    for i, (image, path) in enumerate(zip(images, paths, strict=True)):
+    for i, (image, path) in enumerate(zip(images, job.paths, strict=True)):
         info = {**out.info, "index": opts["_replay_index"] if replaying else i, "num_images": num_per_prompt}
         save_png(image, path, info, overwrite=opts["overwrite"])
-        click.echo(str(path))
+    return job.paths
 
 
 def _refuse_flux1_options(opts: dict[str, Any], family: str) -> None:
@@ -707,11 +860,11 @@ def _flux1_options(opts: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def _read_boxes(value: str | None) -> Any:
-    """--boxes: inline JSON (starting with '['), else a JSON file; one error if it is neither. The boxes themselves
-    are checked by the pipeline."""
-    if value is None:
-        return None
+def _read_boxes(value: str | list[Any] | None) -> Any:
+    """--boxes: inline JSON (starting with '['), else a JSON file; one error if it is neither (a --prompts line
+    may give the list itself). The boxes themselves are checked by the pipeline."""
+    if value is None or isinstance(value, list):
+        return value
     text, where = value, "--boxes"
     if not value.lstrip().startswith("["):
         path = Path(value)
