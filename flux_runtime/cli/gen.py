@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import click
 from click.core import ParameterSource
 
 from flux_runtime.cli.errors import one_line_errors
+from flux_runtime.cli.timings import Stopwatch
 from flux_runtime.registry import MODEL_NAMES as MODEL_CHOICES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -342,10 +344,16 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     help="Regenerate the image recorded in a flux-gen PNG.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option(
+    "--timings",
+    is_flag=True,
+    help="At the end, print where the time went (start-up, imports, load, each image, save) and the peak memory.",
+)
 @click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(**opts: Any) -> None:
     """Generate images with FLUX, offline, from local weights."""
     logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
+    opts["_watch"] = Stopwatch()
     rank = _launched_rank(opts)
     with one_line_errors(opts["debug"]), _rank_errors(rank, opts["debug"]):
         if opts["prompts"] is not None:
@@ -358,6 +366,8 @@ def main(**opts: Any) -> None:
             _spawn_ranks(opts)
         opts["_rank"] = rank
         _generate(opts)
+        if opts["timings"] and rank in (None, 0):
+            click.echo(f"flux-gen: {opts['_watch'].line()}", err=True)
 
 
 def _launched_rank(opts: dict[str, Any]) -> int | None:
@@ -662,6 +672,7 @@ def _generate(opts: dict[str, Any]) -> None:
     from flux_runtime.pipeline.sources import model_family
     from flux_runtime.weights.lora_formats import LoraError, check_lora_file
 
+    watch: Stopwatch = opts["_watch"]
     rank = opts.get("_rank")
     main_rank = rank in (None, 0)
     jobs = _plan(opts, main_rank)
@@ -692,28 +703,32 @@ def _generate(opts: dict[str, Any]) -> None:
             if family != "flux3":
                 _refuse_flux3_options(job.opts, name)
 
-    pipe = Pipeline.from_pretrained(
-        opts["model"],
-        device=device,
-        dtype=getattr(torch, DTYPES[dtype_name]),
-        quality=opts["quality"],
-        vae=opts["vae"],
-        text_encoder=opts["text_encoder"],
-        text_encoder_2=opts["text_encoder_2"],
-        cuda_graphs=not opts["no_cuda_graphs"],
-        offload_text_encoders=opts["offload_text_encoders"],
-        fp8=opts["fp8"],
-        # --fp8 covers the text encoders; a replay takes exactly what the record says
-        fp8_text=opts["fp8_text"] if replaying else opts["fp8"] or opts["fp8_text"],
-        # a parallel run keeps every model resident (memory plans are for one GPU)
-        memory=opts["memory"] if rank is None else "auto",
-        parallel=None if rank is None else opts["gpus"],
-    )
+    # torch, the pipeline and the checks before the load
+    watch.laps["imports"] = time.perf_counter() - watch.start
+    with watch.lap("load"):
+        pipe = Pipeline.from_pretrained(
+            opts["model"],
+            device=device,
+            dtype=getattr(torch, DTYPES[dtype_name]),
+            quality=opts["quality"],
+            vae=opts["vae"],
+            text_encoder=opts["text_encoder"],
+            text_encoder_2=opts["text_encoder_2"],
+            cuda_graphs=not opts["no_cuda_graphs"],
+            offload_text_encoders=opts["offload_text_encoders"],
+            fp8=opts["fp8"],
+            # --fp8 covers the text encoders; a replay takes exactly what the record says
+            fp8_text=opts["fp8_text"] if replaying else opts["fp8"] or opts["fp8_text"],
+            # a parallel run keeps every model resident (memory plans are for one GPU)
+            memory=opts["memory"] if rank is None else "auto",
+            parallel=None if rank is None else opts["gpus"],
+        )
     if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
     pipe.vae_tile = opts["vae_tile"]
-    for path, scale in loras:
-        pipe.load_lora(path, scale=scale)
+    with watch.lap("load"):
+        for path, scale in loras:
+            pipe.load_lora(path, scale=scale)
     if main_rank and replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
         click.echo(
             f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
@@ -748,10 +763,13 @@ def _generate(opts: dict[str, Any]) -> None:
         for job in jobs:
             # errors of a parallel run pass unprefixed: _rank_errors tells a lost peer by its type
             with job.errors() if rank is None else nullcontext():
-                out = _call(pipe, job.opts, progress)
+                with watch.lap(f"image {sum(k.startswith('image') for k in watch.laps) + 1}"):
+                    out = _call(pipe, job.opts, progress)
                 progress.close()
                 if main_rank:  # rank 0 writes the images
-                    for path in _save(job, out):
+                    with watch.lap("save"):
+                        saved = _save(job, out)
+                    for path in saved:
                         (file_bar.write if file_bar is not None else click.echo)(str(path))
             if file_bar is not None:
                 file_bar.update()
