@@ -241,7 +241,8 @@ class Pipeline(Recipe):
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
         main = world is None or world.is_main  # only rank 0 encodes
-        text = _open_text(src, placement.text_device(budget, device), dtype) if main else None
+        text_device = placement.text_device(budget, device, offload_text_encoders, _text_sources(src))
+        text = _open_text(src, text_device, dtype) if main else None
         if fp8_text and text is not None:
             text.quantize_fp8()
         pipe = cls(
@@ -555,6 +556,16 @@ def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, na
             raise FluxError(
                 f"{name}: the transformer's {layer} has width {width}, but the {encoder} gives {given}"
             )
+
+
+def _text_sources(src: Sources) -> list[str | Path]:
+    """The files `_open_text` reads the encoders from (none for a built-in model: its encoders are small)."""
+    spec = builtin(src.name)
+    if spec is not None:
+        return [spec.folder] if spec.trained else []
+    if src.text is not None:
+        return [src.text]
+    return [p for p in (src.clip, src.t5) if p is not None]
 
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:

@@ -206,7 +206,10 @@ class Flux2Pipe(Recipe):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
         main = parallel is None or parallel.is_main  # only rank 0 encodes
-        text_device = placement.text_device(budget, device)
+        sources = [text_encoder] if text_encoder is not None else [src.text] if src.text is not None else None
+        if builtin_files(src.name) is not None and text_encoder is None:
+            sources = []  # a built-in model's small encoders
+        text_device = placement.text_device(budget, device, offload_text_encoders, sources)
         text = _open_text(src, text_encoder, transformer, text_device, dtype) if main else None
         if fp8_text and text is not None:
             text.quantize_fp8()
