@@ -155,9 +155,7 @@ def build_klein(root: Path) -> Path:
         ).to(bf)  # fmt: skip
     _save(_fill(dit, 5), d / "transformer", "10GB")
     _save(_fill(vae, 6), d / "vae", "10GB")
-    llm = _fill(llm, 7)
-    llm.model.rotary_emb.inv_freq = llm.model.rotary_emb.original_inv_freq.to("cuda")
-    _save(llm, d / "text_encoder", "5GB")
+    _save(_fill(llm, 7), d / "text_encoder", "5GB")  # RoPE frequencies are not saved: no need to refill them
     _tokenizer("qwen3", d / "tokenizer")
     _scheduler(d / "scheduler")
     index = {

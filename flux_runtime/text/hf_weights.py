@@ -13,15 +13,17 @@ size).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
 
 from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.weights import pinned_stream
 from flux_runtime.weights.hub import safetensors_files
 from flux_runtime.weights.safetensors_io import read_state_dict
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
+    from transformers import GenerationConfig, PreTrainedModel
 
 
 def load_pretrained(
@@ -50,6 +52,8 @@ def load_pretrained(
 
 def _generation_config(folder: Path) -> GenerationConfig:
     """The folder's `generation_config.json`, else the generation settings of its `config.json`."""
+    from transformers import GenerationConfig
+
     if (folder / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(folder, local_files_only=True)
     return GenerationConfig.from_pretrained(
