@@ -175,7 +175,9 @@ def test_unknown_model_id_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
     from flux_runtime.weights import WeightsError
 
-    with pytest.raises(WeightsError, match=r"unknown model id 'black-forest-labs/FLUX\.1-dev'"):
+    with pytest.raises(
+        WeightsError, match=r"'black-forest-labs/FLUX\.1-dev' is not in the local Hugging Face cache"
+    ):
         Pipeline.from_pretrained("flux1-dev", device="cpu")
 
 
