@@ -224,6 +224,7 @@ class Flux2Pipe(Recipe):
             cuda_graphs=cuda_graphs,
         )
         pipe.fp8_text = fp8_text
+        pipe.hub_revision = src.hub_revision
         placement.place(pipe, budget, offload_text_encoders, device)
         if parallel is not None:
             assert sharded is not None

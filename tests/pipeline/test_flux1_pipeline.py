@@ -178,7 +178,7 @@ def test_unknown_model_id_is_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(
         WeightsError, match=r"'black-forest-labs/FLUX\.1-dev' is not in the local Hugging Face cache"
     ):
-        Pipeline.from_pretrained("flux1-dev", device="cpu")
+        Pipeline.from_pretrained("flux1-dev", device="cpu", download=False)
 
 
 def test_provenance_says_which_kernels_ran():
