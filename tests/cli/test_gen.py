@@ -92,7 +92,7 @@ def test_errors_are_one_line(tmp_path):
     cases = [
         (["--prompt", "a", "--height", "30"], "height 30 is not divisible by 16"),
         (
-            ["--prompt", "a", "--model", "nobody/nothing"],
+            ["--prompt", "a", "--model", "nobody/nothing", "--offline"],
             "'nobody/nothing' is not in the local Hugging Face cache",
         ),
         (["--prompt", "a", "--model", str(tmp_path / "missing.safetensors")], "neither an existing file"),
