@@ -57,7 +57,8 @@ class RepoPlan:
     revision: str  # the commit the listing is of
     files: dict[str, int]  # path in the repo → size
     repo_size: int  # all the repo's files together
-    missing: dict[str, int]  # the planned files not yet in the local cache → size
+    # the planned files not in this commit's snapshot → bytes to transfer (0: the cache holds the same blob)
+    missing: dict[str, int]
 
     @property
     def size(self) -> int:
@@ -211,6 +212,7 @@ def plan_repo(repo_id: str, role: Role, *, text: bool = True) -> RepoPlan | None
     one line too for a repo the Hub does not have or refuses."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.file_download import repo_folder_name
 
     try:
         info = HfApi().model_info(repo_id, files_metadata=True)
@@ -234,8 +236,11 @@ def plan_repo(repo_id: str, role: Role, *, text: bool = True) -> RepoPlan | None
     except WeightsError as e:
         raise WeightsError(f"{repo_id} {e}") from None
     files = {p: listing[p] for p in chosen}
+    # a file the cache holds under another commit (same blob: its LFS sha256 or git id) is linked, not sent
+    blobs = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs"
+    blob = {s.rfilename: s.lfs.sha256 if s.lfs is not None else s.blob_id for s in info.siblings or []}
     missing = {
-        p: size
+        p: 0 if blob.get(p) and (blobs / str(blob[p])).is_file() else size
         for p, size in files.items()
         if not isinstance(try_to_load_from_cache(repo_id, p, revision=info.sha), str)
     }
@@ -245,10 +250,10 @@ def plan_repo(repo_id: str, role: Role, *, text: bool = True) -> RepoPlan | None
 def fetch(plans: Sequence[RepoPlan]) -> None:
     """Bring the missing files of `plans` into the local cache.
 
-    First the disk (the cache's free space against what is missing, all repos together), then every repo's
-    small files (a gated repo refuses here, before any weights move), then the weights. A dropped connection
-    is resumed where it stopped (huggingface_hub's ranged retries); a run that ends early keeps the files it
-    finished, and the next run plans again and fetches only what is still missing.
+    First the disk (the cache's free space against the bytes to transfer, all repos together), then every
+    repo's small files (a gated repo refuses here, before any weights move), then the weights. A dropped
+    connection resumes from what was written (huggingface_hub's ranged retries); a run that ends early keeps the
+    files it finished, and the next run plans again and fetches only what is still missing.
     """
     todo = [p for p in plans if p.missing]
     if not todo:
