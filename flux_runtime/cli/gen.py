@@ -343,6 +343,18 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     default=None,
     help="Regenerate the image recorded in a flux-gen PNG.",
 )
+@click.option(
+    "--download-only",
+    is_flag=True,
+    help="Fetch what --model reads from the Hugging Face Hub into its cache (only the files the load reads), "
+    "say what was fetched, and exit; no --prompt needed.",
+)
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="Never touch the network (as HF_HUB_OFFLINE=1): the model must be a path or in the local Hugging Face "
+    "cache. Without it a model id is fetched on first use.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option(
     "--timings",
@@ -351,7 +363,7 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
 )
 @click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(**opts: Any) -> None:
-    """Generate images with FLUX, offline, from local weights."""
+    """Generate images with FLUX; a model id is fetched from the Hugging Face Hub on first use."""
     logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
     opts["_watch"] = Stopwatch()
     rank = _launched_rank(opts)
@@ -360,6 +372,9 @@ def main(**opts: Any) -> None:
             _prompts_file_options(opts, click.get_current_context())
         elif opts["replay"] is not None:
             _apply_replay(opts, click.get_current_context())
+        if opts["download_only"]:
+            _download_only(opts)
+            return
         if not opts["prompt"] and opts["prompts"] is None:
             raise click.UsageError("--prompt is required (or --replay an image, or --prompts a file)")
         if rank is None and (opts["gpus"] or 1) > 1:
@@ -389,6 +404,7 @@ def _spawn_ranks(opts: dict[str, Any]) -> None:
     from flux_runtime.parallel.launch import relaunch_command, supervise
 
     _plan(opts, main_rank=True)
+    _fetch(opts)  # once, here: the ranks read the cache
     status = supervise(relaunch_command(), opts["gpus"], say=lambda m: click.echo(f"flux-gen: {m}", err=True))
     sys.exit(status)
 
@@ -552,6 +568,48 @@ def _open_image(path: Path) -> Any:
     return image
 
 
+def _fetch(opts: dict[str, Any]) -> list[Any]:
+    """Fetch what the model, its parts, the prompt upsampler and the LoRAs read and the local cache lacks
+    (nothing with --offline or HF_HUB_OFFLINE=1); the repos' plans (`weights.download.RepoPlan`)."""
+    from flux_runtime.weights.download import downloads_allowed
+
+    if not downloads_allowed(not opts["offline"]):
+        return []
+    from flux_runtime.pipeline.downloads import fetch_model
+
+    if opts["quiet"]:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    else:
+        logging.getLogger("flux_runtime.weights.download").setLevel(logging.INFO)  # "fetching ..." lines
+    loras = opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
+    return fetch_model(
+        opts["model"],
+        vae=opts["vae"],
+        text_encoder=opts["text_encoder"],
+        text_encoder_2=opts["text_encoder_2"],
+        upsampler=False if opts["no_upsample"] else opts["prompt_upsampler"] or True,
+        loras=[path for path, _ in loras],
+    )
+
+
+def _download_only(opts: dict[str, Any]) -> None:
+    """--download-only: fetch, then one line per repo (what its plan holds and what was fetched)."""
+    from flux_runtime.weights.download import downloads_allowed, size_text
+
+    if not downloads_allowed(not opts["offline"]):
+        raise click.ClickException(
+            "--download-only fetches from the Hugging Face Hub: drop --offline (and unset HF_HUB_OFFLINE)"
+        )
+    plans = _fetch(opts)
+    if not plans:
+        click.echo(f"flux-gen: nothing to fetch for {opts['model']} (built in, or local files)", err=True)
+    for plan in plans:
+        fetched = f"{size_text(plan.to_fetch)} fetched" if plan.missing else "all already in the cache"
+        click.echo(f"flux-gen: {plan.describe()}; {fetched}", err=True)
+
+
 def _check_early(opts: dict[str, Any]) -> None:
     """The call arguments that need no model, checked before any weights are read (the pipeline checks
     them again, with the model's defaults and its size multiple)."""
@@ -677,16 +735,19 @@ def _generate(opts: dict[str, Any]) -> None:
     main_rank = rank in (None, 0)
     jobs = _plan(opts, main_rank)
     loras = opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
-    for path, _ in loras:  # a missing or damaged LoRA fails before the model loads
-        try:
-            check_lora_file(path)
-        except LoraError as e:
-            raise click.ClickException(f"--lora: {str(e).removeprefix('LoRA ')}") from None
     device = check_device(opts["device"])
     replaying = opts["replay"] is not None
     dtype_name = opts["dtype"] or (
         "bf16" if device.type == "cuda" or opts["fp8"] or opts["fp8_text"] else "fp32"
     )
+    if rank is None:  # the ranks of a parallel run read the cache (`--gpus` fetched before starting them)
+        with watch.lap("download"):
+            _fetch(opts)
+    for path, _ in loras:  # a missing or damaged LoRA fails before the model loads
+        try:
+            check_lora_file(path)
+        except LoraError as e:
+            raise click.ClickException(f"--lora: {str(e).removeprefix('LoRA ')}") from None
 
     # options of another family fail now, before anything loads
     family = model_family(
@@ -704,7 +765,7 @@ def _generate(opts: dict[str, Any]) -> None:
                 _refuse_flux3_options(job.opts, name)
 
     # torch, the pipeline and the checks before the load
-    watch.laps["imports"] = time.perf_counter() - watch.start
+    watch.laps["imports"] = time.perf_counter() - watch.start - sum(watch.laps.values())
     with watch.lap("load"):
         pipe = Pipeline.from_pretrained(
             opts["model"],
@@ -722,6 +783,7 @@ def _generate(opts: dict[str, Any]) -> None:
             # a parallel run keeps every model resident (memory plans are for one GPU)
             memory=opts["memory"] if rank is None else "auto",
             parallel=None if rank is None else opts["gpus"],
+            download=False,  # fetched above
         )
     if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)

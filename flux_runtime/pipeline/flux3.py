@@ -218,6 +218,7 @@ class Flux3Pipe(Recipe):
             cuda_graphs=cuda_graphs, prompt_upsampler=_upsampler_source(src),
         )  # fmt: skip
         pipe.fp8_text = fp8_text
+        pipe.hub_revision = src.hub_revision
         placement.place(pipe, budget, offload_text_encoders, device)
         return pipe
 

@@ -91,7 +91,10 @@ def test_never_overwrites_silently(tmp_path):
 def test_errors_are_one_line(tmp_path):
     cases = [
         (["--prompt", "a", "--height", "30"], "height 30 is not divisible by 16"),
-        (["--prompt", "a", "--model", "nobody/nothing"], "unknown model id 'nobody/nothing'"),
+        (
+            ["--prompt", "a", "--model", "nobody/nothing", "--offline"],
+            "'nobody/nothing' is not in the local Hugging Face cache",
+        ),
         (["--prompt", "a", "--model", str(tmp_path / "missing.safetensors")], "neither an existing file"),
         ([], "--prompt is required"),
         (["--prompt", "a", "--vae-tile", "6"], "vae_tile 6 must be None or a positive multiple of 4"),
