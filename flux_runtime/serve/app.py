@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +192,7 @@ def create_app(
     metrics_public: bool = False,
     replica: str | None = None,
     wait_ready: bool = False,
+    gather_metrics: Callable[[bytes], Awaitable[bytes]] | None = None,
 ) -> FastAPI:
     """The server of the pipeline `load()` returns, served under the name `model`.
 
@@ -200,7 +201,8 @@ def create_app(
     failed load fails the start, for a host such as Ray Serve that routes to a replica once it has started).
     `keys`: the accepted API keys (none: open). `replica`: this app's name among several, sent in the
     `X-Flux-Replica` header, recorded in each PNG's provenance (`served_replica`) and as a `replica` label of
-    every metric.
+    every metric. `gather_metrics`: /metrics answers what it makes of this app's exposition (the replicas:
+    every replica's series).
     """
     metrics = Metrics()
     served: list[_Served] = []  # one item once loaded
@@ -401,10 +403,14 @@ def create_app(
         return {"status": "ready", "model": model}
 
     registry = metrics.registry if replica is None else _WithReplica(metrics.registry, replica)
+    app.state.exposition = lambda: generate_latest(registry)  # type: ignore[arg-type]
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)  # type: ignore[arg-type]
+        text = app.state.exposition()
+        if gather_metrics is not None:
+            text = await gather_metrics(text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 
