@@ -45,7 +45,8 @@ def _post(server: Server, body: dict) -> httpx.Response:
 
 
 def test_requests_spread_across_both_replicas(server):
-    bodies = [{"prompt": f"spread {i}", "seed": i, "size": "64x64", "steps": 1} for i in range(12)]
+    # long enough to overlap: Ray's router sends a request to the less busy of the replicas
+    bodies = [{"prompt": f"spread {i}", "seed": i, "size": "64x64", "steps": 8} for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda b: _post(server, b), bodies))
     assert [r.status_code for r in answers] == [200] * len(bodies)
