@@ -437,12 +437,11 @@ def cmd_cold(args: argparse.Namespace) -> None:
             rows["diffusers script"] = _run(
                 [sys.executable, str(script), str(d), str(ref), str(steps), str(guidance)], env
             )
-            variants = [("flux-gen", []), ("flux-gen (again)", []), ("flux-gen --fp8", ["--fp8"])]
+            # the first flux-gen of a machine compiles its Triton kernels (cached on disk): then again
+            variants = [("flux-gen", []), ("flux-gen (again)", [])]
             if name == "flux1-dev":
-                variants += [
-                    ("flux-gen --fp8 (again)", ["--fp8"]),
-                    ("flux-gen --no-cuda-graphs", ["--no-cuda-graphs"]),
-                ]
+                variants += [("flux-gen --fp8", ["--fp8"]), ("flux-gen --fp8 (again)", ["--fp8"])]
+            variants += [(f"flux-gen {' '.join(v)}", v) for v in args.variant]
             for label, extra in variants:
                 png = work / f"{name}-{label.replace(' ', '').replace('(again)', '')}.png"
                 cmd = [*flux_gen, "--model", str(d), "--prompt", PROMPT, "--width", "1024", "--height", "1024",
@@ -479,6 +478,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--cold", action="store_true", help="read: drop the page cache before each reader")
     p.add_argument("--prompts", type=int, default=8, help="cold: images of the --prompts run (0: none)")
+    p.add_argument(
+        "--variant", type=lambda v: v.split(), action="append", default=[],
+        help="cold: also time flux-gen with these options (e.g. '--no-cuda-graphs'); repeatable",
+    )  # fmt: skip
     p.add_argument(
         "--ring", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="*",
         default=[(8, 32, 16), (16, 32, 16), (16, 32, 32), (16, 64, 16)],
