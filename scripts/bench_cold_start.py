@@ -58,9 +58,9 @@ def _fill(model, seed: int):
 
 
 def _tokenizer(name: str, dst: Path) -> None:
-    from flux_runtime.text.tokenizers import tiny_tokenizer_path
+    from flux_runtime.text.tokenizers import TINY_TOKENIZERS
 
-    shutil.copytree(tiny_tokenizer_path(name), dst, dirs_exist_ok=True)
+    shutil.copytree(TINY_TOKENIZERS / name, dst, dirs_exist_ok=True)
 
 
 def _scheduler(dst: Path) -> None:

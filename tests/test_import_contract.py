@@ -62,8 +62,8 @@ def test_the_contract_sees_imports():
 
 
 def test_importing_the_pipeline_imports_no_transformers():
-    """transformers takes seconds to import: a FLUX.1 load imports its classes in a thread while the transformer
-    streams in (`text.flux1.preload`), so `import flux_runtime.pipeline` itself must not import them."""
+    """transformers takes seconds to import: only a load that opens a text encoder pays for it, and only for
+    that family's classes, so `import flux_runtime.pipeline` (and `flux-gen --help`) must not import it."""
     import subprocess
     import sys
 

@@ -206,8 +206,6 @@ class Pipeline(Recipe):
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         # the checkpoint is opened once: its headers tell the family and feed the loader
         family, ckpt = open_family(src)
-        if family == "flux1":
-            _preload_text_classes()  # their imports overlap the transformer's load
         if family == "flux2":
             from flux_runtime.pipeline.flux2 import Flux2Pipe
 
@@ -572,22 +570,6 @@ def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, na
             raise FluxError(
                 f"{name}: the transformer's {layer} has width {width}, but the {encoder} gives {given}"
             )
-
-
-def _preload_text_classes() -> None:
-    """Import CLIP's and T5's transformers classes in a thread: seconds of Python imports that otherwise come
-    after the transformer's load, while that load mostly waits on its reader threads and the copies.
-    A failure there is left for the text encoders' own import to raise."""
-    import contextlib
-    import threading
-
-    from flux_runtime.text.flux1 import preload
-
-    def run() -> None:
-        with contextlib.suppress(Exception):  # the main thread's own import says what is wrong
-            preload()
-
-    threading.Thread(target=run, name="flux-preload-text", daemon=True).start()
 
 
 def _text_sources(src: Sources) -> list[str | Path]:

@@ -265,12 +265,6 @@ def _prompt_list(prompts: str | list[str], name: str) -> list[str]:
     return list(prompts)
 
 
-def preload() -> None:
-    """Import the transformers classes FLUX.1's encoders are made of (seconds of Python imports), e.g. in a
-    thread while the transformer's weights stream in."""
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # noqa: F401
-
-
 def _load_model(
     cls: type[CLIPTextModel] | type[T5EncoderModel],
     folder: Path,

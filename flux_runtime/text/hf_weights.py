@@ -41,8 +41,11 @@ def load_pretrained(
             return model, info
         config = cls.config_class.from_pretrained(folder, local_files_only=True)
         state = read_state_dict(files, dev)
+        # device_map: transformers materializes each parameter where the map says (the CPU without one,
+        # which would copy every streamed GPU tensor back to host memory); a tensor already there in `dtype`
+        # is taken as it is
         model, info = cls.from_pretrained(
-            None, config=config, state_dict=state, dtype=dtype, output_loading_info=True
+            None, config=config, state_dict=state, dtype=dtype, output_loading_info=True, device_map={"": dev}
         )
     del state
     if model.can_generate():  # what a load from the folder also reads: its generation settings
