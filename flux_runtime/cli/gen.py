@@ -318,7 +318,10 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     "images.",
 )
 @click.option(
-    "--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly instead of replaying CUDA graphs."
+    "--no-cuda-graphs",
+    is_flag=True,
+    help="Run the denoiser eagerly. By default CUDA graphs are replayed when the process makes several calls "
+    "(--prompts); one call runs eagerly, as capturing costs more than it saves over one image.",
 )
 @click.option(
     "--gpus",
@@ -775,7 +778,8 @@ def _generate(opts: dict[str, Any]) -> None:
             vae=opts["vae"],
             text_encoder=opts["text_encoder"],
             text_encoder_2=opts["text_encoder_2"],
-            cuda_graphs=not opts["no_cuda_graphs"],
+            # capture pays off over several calls only (one image: eager measured 0.3 s faster on the H200)
+            cuda_graphs=not opts["no_cuda_graphs"] and len(jobs) > 1,
             offload_text_encoders=opts["offload_text_encoders"],
             fp8=opts["fp8"],
             # --fp8 covers the text encoders; a replay takes exactly what the record says

@@ -131,3 +131,22 @@ def test_timings_name_each_stage_and_the_peaks(tmp_path):
     assert {"imports", "load", "image 1", "image 2", "save", "total"} <= {k.strip(" ,") for k in stages}
     assert "peak host RSS" in line
     assert "timings:" not in _run("--prompt", "a fox", "--out", str(tmp_path / "one.png")).output
+
+
+def test_cuda_graphs_only_when_the_process_makes_several_calls(tmp_path, monkeypatch):
+    """One call runs eagerly (capturing costs more than it saves over one image); --prompts replays graphs."""
+    from flux_runtime.pipeline import Pipeline
+
+    asked = []
+
+    def record(path_or_id, **kw):
+        asked.append(kw["cuda_graphs"])
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(Pipeline, "from_pretrained", record)
+    lines = tmp_path / "p.txt"
+    lines.write_text("a red fox\na blue bird\n")
+    _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"))
+    _run("--prompts", str(lines), "--out", str(tmp_path))
+    _run("--prompts", str(lines), "--out", str(tmp_path), "--no-cuda-graphs")
+    assert asked == [False, True, False]
