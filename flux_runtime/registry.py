@@ -30,6 +30,10 @@ QWEN3_4B_ID = "Qwen/Qwen3-4B"  # FLUX.2 [klein] 4B
 QWEN3_8B_ID = "Qwen/Qwen3-8B"  # FLUX.2 [klein] 9B
 QWEN3_VL_4B_ID = "Qwen/Qwen3-VL-4B-Instruct"  # FLUX.3 Image Klein
 FLUX3_UPSAMPLER_ID = "black-forest-labs/flux-3-image-klein-pup"  # FLUX.3's prompt upsampler (Qwen3.5-9B)
+# What a FLUX.2 BFL file pairs with: [dev] (it embeds guidance) Mistral Small 3.2's weights with 3.1's processor,
+# [klein] the Qwen3 of its text width (3 x hidden size: 4B 2560, 8B 4096).
+FLUX2_DEV_TEXT_ENCODERS = (MISTRAL_SMALL_ID, MISTRAL_PROCESSOR_ID)
+KLEIN_TEXT_ENCODERS = {3 * 2560: QWEN3_4B_ID, 3 * 4096: QWEN3_8B_ID}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +147,7 @@ MODELS: dict[str, ModelSpec] = {
             name="flux2-dev",
             family="flux2",
             hub_id="black-forest-labs/FLUX.2-dev",
-            text_encoders=(MISTRAL_SMALL_ID, MISTRAL_PROCESSOR_ID),
+            text_encoders=FLUX2_DEV_TEXT_ENCODERS,
         ),
         ModelSpec(
             name="flux2-klein-4b",

@@ -173,15 +173,20 @@ def serve_random(argv: list[str]) -> None:
     if opts["model"] not in RANDOM_MODELS:
         raise SystemExit(f"--random-weights builds {', '.join(RANDOM_MODELS)}, not {opts['model']!r}")
     device = check_device(opts["device"])
-    began = time.perf_counter()
-    pipe = random_flux1_pipeline(
-        device=device, dtype=dtype_of(opts, device), quality=opts["quality"],
-        cuda_graphs=not opts["no_cuda_graphs"], fp8=opts["fp8"], model_name=opts["model"],
-    )  # fmt: skip
-    print(
-        f"bench_serve: random {opts['model']} built in {time.perf_counter() - began:.1f} s", file=sys.stderr
-    )
-    serve(pipe, opts)
+
+    def build() -> Any:  # on the server's worker thread, while the port answers /health
+        began = time.perf_counter()
+        pipe = random_flux1_pipeline(
+            device=device, dtype=dtype_of(opts, device), quality=opts["quality"],
+            cuda_graphs=not opts["no_cuda_graphs"], fp8=opts["fp8"], model_name=opts["model"],
+        )  # fmt: skip
+        print(
+            f"bench_serve: random {opts['model']} built in {time.perf_counter() - began:.1f} s",
+            file=sys.stderr,
+        )
+        return pipe
+
+    serve(build, opts)
 
 
 # ------------------------------------------------------------------------------------------- the server
@@ -216,12 +221,13 @@ class Server:
                     if health.json().get("pid") != self.proc.pid or health.json().get("model") != model:
                         self.stop()  # another process took the port first
                         raise SystemExit(f"bench_serve: {self.url} is not the server started: {health.text}")
-                    break
+                    if health.json().get("ready"):  # loaded and warmed up once (/ready's answer)
+                        break
             except httpx.TransportError:
                 pass
             if time.monotonic() - began > start_timeout:
                 self.stop()
-                raise SystemExit(f"bench_serve: no /health within {start_timeout:.0f} s:\n{self.tail()}")
+                raise SystemExit(f"bench_serve: not ready within {start_timeout:.0f} s:\n{self.tail()}")
             time.sleep(0.5)
         self.start_s = time.monotonic() - began
 

@@ -59,3 +59,17 @@ def test_the_contract_sees_imports():
     # guard against a parser that finds nothing: the pipeline does import models and kernels
     found = set().union(*(_imports(p) for p in (PACKAGE / "pipeline").rglob("*.py")))
     assert {"models", "kernels", "sampling", "weights", "text"} <= found
+
+
+def test_importing_the_pipeline_imports_no_transformers():
+    """transformers takes seconds to import: only a load that opens a text encoder pays for it, and only for
+    that family's classes, so `import flux_runtime.pipeline` (and `flux-gen --help`) must not import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import flux_runtime.cli.gen; from flux_runtime.pipeline import Pipeline; "
+        "import flux_runtime.text.flux1; print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

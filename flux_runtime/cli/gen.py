@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import click
 from click.core import ParameterSource
 
 from flux_runtime.cli.errors import one_line_errors
+from flux_runtime.cli.timings import Stopwatch
 from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
 from flux_runtime.registry import MODEL_NAMES as MODEL_CHOICES
 
@@ -59,7 +61,7 @@ REPLAYED = (
 # --help's headings (click's parameter names); an option not named here is listed under "Other options"
 GROUPS = (
     ("Prompt and output", "prompt prompts out overwrite num_images seed replay"),
-    ("Model", "model loras fp8 fp8_text vae text_encoder text_encoder_2"),
+    ("Model", "model loras fp8 fp8_text vae text_encoder text_encoder_2 download_only offline"),
     ("Sampling", "steps guidance width height quality max_sequence_length negative_prompt true_cfg"),
     ("Input images", "image mask strength control_image max_area no_auto_resize"),
     ("FLUX.3 prompt upsampler", "no_upsample prompt_upsampler upsampler_prompts boxes"),
@@ -181,8 +183,8 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     "--quality",
     type=click.Choice(["lossless", "high"]),
     default="lossless",
-    help="lossless gives diffusers' bits; high is faster and approximate. high adds approximate fusions, each "
-    "kept within an error budget (docs/quality.md).",
+    help="lossless: diffusers' bits; high: faster. high adds approximate fusions, each kept within an error "
+    "budget (docs/quality.md).",
 )
 @click.option(
     "--steps",
@@ -371,23 +373,47 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     default=None,
     help="Regenerate the image recorded in a flux-gen PNG.",
 )
+@click.option(
+    "--download-only",
+    is_flag=True,
+    help="Fetch what --model reads into the Hugging Face cache, and exit. Only the files the load reads, from the "
+    "Hub; says what was fetched; no --prompt needed.",
+)
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="Never touch the network (as HF_HUB_OFFLINE=1). The model must be a path or in the local Hugging Face "
+    "cache; without it a model id is fetched on first use.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option(
+    "--timings",
+    is_flag=True,
+    help="Print where the time went, at the end. Start-up, imports, load, each image and save, and the peak "
+    "memory.",
+)
 @click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(**opts: Any) -> None:
-    """Generate images with FLUX, offline, from local weights."""
+    """Generate images with FLUX; a model id is fetched from the Hugging Face Hub on first use."""
     logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
+    opts["_watch"] = Stopwatch()
     rank = _launched_rank(opts)
     with one_line_errors(opts["debug"]), _rank_errors(rank, opts["debug"]):
         if opts["prompts"] is not None:
             _prompts_file_options(opts, click.get_current_context())
         elif opts["replay"] is not None:
             _apply_replay(opts, click.get_current_context())
+        if opts["download_only"]:
+            _download_only(opts)
+            return
         if not opts["prompt"] and opts["prompts"] is None:
             raise click.UsageError("--prompt is required (or --replay an image, or --prompts a file)")
         if rank is None and (opts["gpus"] or 1) > 1:
             _spawn_ranks(opts)
         opts["_rank"] = rank
         _generate(opts)
+        if opts["timings"] and rank in (None, 0):
+            click.echo(f"flux-gen: {opts['_watch'].line()}", err=True)
 
 
 def _launched_rank(opts: dict[str, Any]) -> int | None:
@@ -409,6 +435,7 @@ def _spawn_ranks(opts: dict[str, Any]) -> None:
     from flux_runtime.parallel.launch import relaunch_command, supervise
 
     _plan(opts, main_rank=True)
+    _fetch(opts)  # once, here: the ranks read the cache
     status = supervise(relaunch_command(), opts["gpus"], say=lambda m: click.echo(f"flux-gen: {m}", err=True))
     sys.exit(status)
 
@@ -572,6 +599,48 @@ def _open_image(path: Path) -> Any:
     return image
 
 
+def _fetch(opts: dict[str, Any]) -> list[Any]:
+    """Fetch what the model, its parts, the prompt upsampler and the LoRAs read and the local cache lacks
+    (nothing with --offline or HF_HUB_OFFLINE=1); the repos' plans (`weights.download.RepoPlan`)."""
+    from flux_runtime.weights.download import downloads_allowed
+
+    if not downloads_allowed(not opts["offline"]):
+        return []
+    from flux_runtime.pipeline.downloads import fetch_model
+
+    if opts["quiet"]:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    else:
+        logging.getLogger("flux_runtime.weights.download").setLevel(logging.INFO)  # "fetching ..." lines
+    loras = opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
+    return fetch_model(
+        opts["model"],
+        vae=opts["vae"],
+        text_encoder=opts["text_encoder"],
+        text_encoder_2=opts["text_encoder_2"],
+        upsampler=False if opts["no_upsample"] else opts["prompt_upsampler"] or True,
+        loras=[path for path, _ in loras],
+    )
+
+
+def _download_only(opts: dict[str, Any]) -> None:
+    """--download-only: fetch, then one line per repo (what its plan holds and what was fetched)."""
+    from flux_runtime.weights.download import downloads_allowed, size_text
+
+    if not downloads_allowed(not opts["offline"]):
+        raise click.ClickException(
+            "--download-only fetches from the Hugging Face Hub: drop --offline (and unset HF_HUB_OFFLINE)"
+        )
+    plans = _fetch(opts)
+    if not plans:
+        click.echo(f"flux-gen: nothing to fetch for {opts['model']} (built in, or local files)", err=True)
+    for plan in plans:
+        fetched = f"{size_text(plan.to_fetch)} fetched" if plan.missing else "all already in the cache"
+        click.echo(f"flux-gen: {plan.describe()}; {fetched}", err=True)
+
+
 def _check_early(opts: dict[str, Any]) -> None:
     """The call arguments that need no model, checked before any weights are read (the pipeline checks
     them again, with the model's defaults and its size multiple)."""
@@ -692,20 +761,24 @@ def _generate(opts: dict[str, Any]) -> None:
     from flux_runtime.pipeline.sources import model_family
     from flux_runtime.weights.lora_formats import LoraError, check_lora_file
 
+    watch: Stopwatch = opts["_watch"]
     rank = opts.get("_rank")
     main_rank = rank in (None, 0)
     jobs = _plan(opts, main_rank)
     loras = opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
-    for path, _ in loras:  # a missing or damaged LoRA fails before the model loads
-        try:
-            check_lora_file(path)
-        except LoraError as e:
-            raise click.ClickException(f"--lora: {str(e).removeprefix('LoRA ')}") from None
     device = check_device(opts["device"])
     replaying = opts["replay"] is not None
     dtype_name = opts["dtype"] or (
         "bf16" if device.type == "cuda" or opts["fp8"] or opts["fp8_text"] else "fp32"
     )
+    if rank is None:  # the ranks of a parallel run read the cache (`--gpus` fetched before starting them)
+        with watch.lap("download"):
+            _fetch(opts)
+    for path, _ in loras:  # a missing or damaged LoRA fails before the model loads
+        try:
+            check_lora_file(path)
+        except LoraError as e:
+            raise click.ClickException(f"--lora: {str(e).removeprefix('LoRA ')}") from None
 
     # options of another family fail now, before anything loads
     family = model_family(
@@ -722,28 +795,33 @@ def _generate(opts: dict[str, Any]) -> None:
             if family != "flux3":
                 _refuse_flux3_options(job.opts, name)
 
-    pipe = Pipeline.from_pretrained(
-        opts["model"],
-        device=device,
-        dtype=getattr(torch, DTYPES[dtype_name]),
-        quality=opts["quality"],
-        vae=opts["vae"],
-        text_encoder=opts["text_encoder"],
-        text_encoder_2=opts["text_encoder_2"],
-        cuda_graphs=not opts["no_cuda_graphs"],
-        offload_text_encoders=opts["offload_text_encoders"],
-        fp8=opts["fp8"],
-        # --fp8 covers the text encoders; a replay takes exactly what the record says
-        fp8_text=opts["fp8_text"] if replaying else opts["fp8"] or opts["fp8_text"],
-        # a parallel run keeps every model resident (memory plans are for one GPU)
-        memory=opts["memory"] if rank is None else "auto",
-        parallel=None if rank is None else opts["gpus"],
-    )
+    # torch, the pipeline and the checks before the load
+    watch.laps["imports"] = time.perf_counter() - watch.start - sum(watch.laps.values())
+    with watch.lap("load"):
+        pipe = Pipeline.from_pretrained(
+            opts["model"],
+            device=device,
+            dtype=getattr(torch, DTYPES[dtype_name]),
+            quality=opts["quality"],
+            vae=opts["vae"],
+            text_encoder=opts["text_encoder"],
+            text_encoder_2=opts["text_encoder_2"],
+            cuda_graphs=not opts["no_cuda_graphs"],
+            offload_text_encoders=opts["offload_text_encoders"],
+            fp8=opts["fp8"],
+            # --fp8 covers the text encoders; a replay takes exactly what the record says
+            fp8_text=opts["fp8_text"] if replaying else opts["fp8"] or opts["fp8_text"],
+            # a parallel run keeps every model resident (memory plans are for one GPU)
+            memory=opts["memory"] if rank is None else "auto",
+            parallel=None if rank is None else opts["gpus"],
+            download=False,  # fetched above
+        )
     if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
     pipe.vae_tile = opts["vae_tile"]
-    for path, scale in loras:
-        pipe.load_lora(path, scale=scale)
+    with watch.lap("load"):
+        for path, scale in loras:
+            pipe.load_lora(path, scale=scale)
     if main_rank and replaying and opts["_replay_weights"] not in (None, pipe.weights_id):
         click.echo(
             f"flux-gen: warning: the weights differ from the recorded ones ({opts['_replay_weights']}); "
@@ -778,10 +856,13 @@ def _generate(opts: dict[str, Any]) -> None:
         for job in jobs:
             # errors of a parallel run pass unprefixed: _rank_errors tells a lost peer by its type
             with job.errors() if rank is None else nullcontext():
-                out = _call(pipe, job.opts, progress)
+                with watch.lap(f"image {sum(k.startswith('image') for k in watch.laps) + 1}"):
+                    out = _call(pipe, job.opts, progress)
                 progress.close()
                 if main_rank:  # rank 0 writes the images
-                    for path in _save(job, out):
+                    with watch.lap("save"):
+                        saved = _save(job, out)
+                    for path in saved:
                         (file_bar.write if file_bar is not None else click.echo)(str(path))
             if file_bar is not None:
                 file_bar.update()

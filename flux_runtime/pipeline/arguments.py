@@ -46,9 +46,7 @@ _FAMILY: dict[str, str] = {
 
 
 # diffusers' `from_pretrained` arguments: what this runtime takes instead, or why none is needed
-_OFFLINE = (
-    "not needed here: loading is offline, from a path or the local Hugging Face cache (`hf download` first)"
-)
+_HUB = "not needed here: the Hub is reached through huggingface_hub's own settings"
 _DIFFUSERS_LOAD: dict[str, str] = {
     "torch_dtype": "here pass dtype=",
     "device_map": "here pass device= (and memory= for a GPU memory budget)",
@@ -59,10 +57,10 @@ _DIFFUSERS_LOAD: dict[str, str] = {
     "quantization_config": "here pass fp8=True (an FP8 checkpoint loads as FP8 by itself)",
     "use_safetensors": "not needed here: weights are read from .safetensors files only",
     "cache_dir": "not needed here: the cache is found as huggingface_hub finds it (HF_HOME, HF_HUB_CACHE)",
-    "local_files_only": _OFFLINE,
-    "force_download": _OFFLINE,
-    "token": _OFFLINE,
-    "proxies": _OFFLINE,
+    "local_files_only": "here pass download=False (or set HF_HUB_OFFLINE=1)",
+    "force_download": "not needed here: the cache keeps only complete files (delete one there to fetch it again)",
+    "token": f"{_HUB} (`hf auth login`, or HF_TOKEN)",
+    "proxies": f"{_HUB} (HTTPS_PROXY)",
     "revision": "here pass that revision's snapshot folder in the cache as path_or_id",
     "transformer": "here pass the transformer's file or folder as path_or_id (vae=, text_encoder= for the rest)",
     "custom_pipeline": "not needed here: the family is read from the checkpoint's keys",

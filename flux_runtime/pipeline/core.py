@@ -146,6 +146,7 @@ class Recipe:
     schedule: ScheduleConfig
     oom_hint = ""  # extra advice in the out-of-memory message
     parallel: Any = None  # this process's `flux_runtime.parallel.World` in a parallel run (`parallel.attach`)
+    hub_revision: tuple[str, str] | None = None  # (repo, commit) of a transformer read from the Hub's cache
 
     def _setup(
         self,
@@ -348,6 +349,7 @@ class Recipe:
                 getattr(self.transformer, "precision", "bf16"),
             ),
             "fp8_text": self.fp8_text,
+            **self._hub_record(),
             **self.record_inputs(call),
             **fused_loras.provenance_fields(self),  # each fused LoRA: file, sha256, scale
             **({"parallel": call.prepared["parallel"]} if "parallel" in call.prepared else {}),
@@ -357,6 +359,14 @@ class Recipe:
             **({} if decode_kernels is None else {"decode_kernels": decode_kernels}),
         }  # fmt: skip
         return PipelineOutput(images, latents, info)
+
+    def _hub_record(self) -> dict[str, Any]:
+        """The provenance's `hub` field: the repo and commit the transformer was read from (none for a path
+        outside the Hugging Face cache or a built-in model)."""
+        if self.hub_revision is None:
+            return {}
+        repo, revision = self.hub_revision
+        return {"hub": {"repo": repo, "revision": revision}}
 
     def _out_of_memory(self, call: Call) -> NoReturn:
         """After an out-of-memory: nothing left on the device that the plan does not keep there, then one

@@ -43,6 +43,7 @@ from flux_runtime.pipeline.core import (
     RoPE,
     Start,
 )
+from flux_runtime.pipeline.downloads import fetch_model
 from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
@@ -60,6 +61,7 @@ from flux_runtime.sampling import (
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin
+from flux_runtime.weights.download import downloads_allowed
 from flux_runtime.weights.pinned_stream import keep_ring
 from flux_runtime.weights.vae import load_vae
 
@@ -130,6 +132,7 @@ class Pipeline(Recipe):
         memory: str | int | None = "auto",
         fp8_text: bool = False,
         parallel: ParallelConfig | int | None = None,
+        download: bool = True,
         **unknown: Any,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
@@ -137,8 +140,8 @@ class Pipeline(Recipe):
 
         `path_or_id`: `tiny` / `tiny-flux2` (built in, random, offline), a registry name (`flux1-dev`,
         `flux1-schnell`, `flux1-kontext-dev`, `flux1-fill-dev`, `flux1-depth-dev`, `flux1-canny-dev`,
-        `flux2-dev`, `flux2-klein-4b`, `flux2-klein-9b`) or any model id in the local Hugging Face cache, a
-        diffusers pipeline folder, or a BFL transformer file (then `ae.safetensors` beside it, or `vae=`;
+        `flux2-dev`, `flux2-klein-4b`, `flux2-klein-9b`) or any Hugging Face model id, a diffusers pipeline
+        folder, or a BFL transformer file (then `ae.safetensors` beside it, or `vae=`;
         FLUX.1: CLIP-L and T5 from `text_encoder` / `text_encoder_2`, folders or cached ids, default
         openai/clip-vit-large-patch14 and google/t5-v1_1-xxl; FLUX.2: its one LLM from `text_encoder`, default
         the one BFL pairs with the transformer, see `Flux2Pipe.from_sources`).
@@ -160,6 +163,9 @@ class Pipeline(Recipe):
         (Ulysses) and, with CFG, the two branches on two halves of them. Every rank loads the transformer
         and the VAE; rank 0 alone loads the text encoders, and returns the images (the others: None).
         Memory plans are for one GPU: a parallel run keeps every model resident.
+        `download`: fetch what the load reads and the local Hugging Face cache lacks, on first use, exactly those
+        files (`flux_runtime.pipeline.downloads`); False, or HF_HUB_OFFLINE=1, never touches the network. A
+        parallel run reads the cache only (fetch first: `flux-gen --download-only`).
         """
         from flux_runtime.pipeline import flux1_variants
 
@@ -167,7 +173,12 @@ class Pipeline(Recipe):
         flux1_variants.check_variant_name(variant)
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
-        for flag, value in (("fp8", fp8), ("fp8_text", fp8_text), ("cuda_graphs", cuda_graphs)):
+        for flag, value in (
+            ("fp8", fp8),
+            ("fp8_text", fp8_text),
+            ("cuda_graphs", cuda_graphs),
+            ("download", download),
+        ):
             if not isinstance(value, bool):
                 raise FluxError(f"{flag} must be True or False, got {value!r}")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -190,6 +201,8 @@ class Pipeline(Recipe):
         if config is not None and (config.world_size > 1 or launched_world_size() is not None):
             world, device = join(config, device)
         budget = placement.budget_for(memory, device, offload_text_encoders) if world is None else None
+        if parallel is None and downloads_allowed(download):
+            fetch_model(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         # the checkpoint is opened once: its headers tell the family and feed the loader
         family, ckpt = open_family(src)
@@ -241,7 +254,8 @@ class Pipeline(Recipe):
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
         main = world is None or world.is_main  # only rank 0 encodes
-        text = _open_text(src, placement.text_device(budget, device), dtype) if main else None
+        text_device = placement.text_device(budget, device, offload_text_encoders, _text_sources(src))
+        text = _open_text(src, text_device, dtype) if main else None
         if fp8_text and text is not None:
             text.quantize_fp8()
         pipe = cls(
@@ -256,6 +270,7 @@ class Pipeline(Recipe):
             variant=named,
         )
         pipe.fp8_text = fp8_text
+        pipe.hub_revision = src.hub_revision
         placement.place(pipe, budget, offload_text_encoders, device)
         if world is not None:
             assert sharded is not None
@@ -555,6 +570,16 @@ def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, na
             raise FluxError(
                 f"{name}: the transformer's {layer} has width {width}, but the {encoder} gives {given}"
             )
+
+
+def _text_sources(src: Sources) -> list[str | Path]:
+    """The files `_open_text` reads the encoders from (none for a built-in model: its encoders are small)."""
+    spec = builtin(src.name)
+    if spec is not None:
+        return [spec.folder] if spec.trained else []
+    if src.text is not None:
+        return [src.text]
+    return [p for p in (src.clip, src.t5) if p is not None]
 
 
 def _open_text(src: Sources, device: torch.device | str, dtype: torch.dtype) -> Flux1TextEncoder:

@@ -66,10 +66,9 @@ from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import (
+    FLUX2_DEV_TEXT_ENCODERS,
+    KLEIN_TEXT_ENCODERS,
     MISTRAL_PROCESSOR_ID,
-    MISTRAL_SMALL_ID,
-    QWEN3_4B_ID,
-    QWEN3_8B_ID,
     spec_for,
 )
 from flux_runtime.sampling import (
@@ -107,8 +106,6 @@ DEFAULT_STEPS = 50
 DEFAULT_GUIDANCE = 4.0
 # diffusers' `default_sample_size`: the default side is 128 latent pixels times the VAE factor (1024 px).
 DEFAULT_SAMPLE_SIZE = 128
-# Text width (3 x hidden size) of each [klein] encoder: Qwen3-4B for klein 4B, Qwen3-8B for klein 9B.
-_KLEIN_ENCODERS = {3 * 2560: QWEN3_4B_ID, 3 * 4096: QWEN3_8B_ID}
 
 
 def image_fingerprint(image: Image.Image) -> str:
@@ -206,7 +203,10 @@ class Flux2Pipe(Recipe):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
         main = parallel is None or parallel.is_main  # only rank 0 encodes
-        text_device = placement.text_device(budget, device)
+        sources = [text_encoder] if text_encoder is not None else [src.text] if src.text is not None else None
+        if builtin_files(src.name) is not None and text_encoder is None:
+            sources = []  # a built-in model's small encoders
+        text_device = placement.text_device(budget, device, offload_text_encoders, sources)
         text = _open_text(src, text_encoder, transformer, text_device, dtype) if main else None
         if fp8_text and text is not None:
             text.quantize_fp8()
@@ -227,6 +227,7 @@ class Flux2Pipe(Recipe):
             cuda_graphs=cuda_graphs,
         )
         pipe.fp8_text = fp8_text
+        pipe.hub_revision = src.hub_revision
         placement.place(pipe, budget, offload_text_encoders, device)
         if parallel is not None:
             assert sharded is not None
@@ -534,14 +535,14 @@ def _open_text(
     # a BFL file set: the encoder BFL pairs with this transformer
     cfg = transformer.config
     if cfg.guidance_embed:
-        return Flux2TextEncoder.from_components(
-            MISTRAL_SMALL_ID, MISTRAL_PROCESSOR_ID, device=device, dtype=dtype
-        )
-    if cfg.context_in_dim not in _KLEIN_ENCODERS:
+        return Flux2TextEncoder.from_components(*FLUX2_DEV_TEXT_ENCODERS, device=device, dtype=dtype)
+    if cfg.context_in_dim not in KLEIN_TEXT_ENCODERS:
         raise FluxError(
             f"no known [klein] text encoder is {cfg.context_in_dim} wide: pass text_encoder=<Qwen3 folder or id>"
         )
-    return KleinTextEncoder.from_components(_KLEIN_ENCODERS[cfg.context_in_dim], device=device, dtype=dtype)
+    return KleinTextEncoder.from_components(
+        KLEIN_TEXT_ENCODERS[cfg.context_in_dim], device=device, dtype=dtype
+    )
 
 
 def _encoder_class(folder: Path) -> type[Flux2TextEncoder] | type[KleinTextEncoder]:

@@ -204,7 +204,12 @@ class Flux3Pipe(Recipe):
         if not isinstance(vae, Flux2VAE):
             raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.3 needs the FLUX.2 VAE")
         check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
-        text = _open_text(src, text_encoder, placement.text_device(budget, device), dtype)
+        sources = [text_encoder] if text_encoder is not None else [src.text] if src.text is not None else None
+        spec = spec_for(src.name)
+        if spec is not None and spec.builtin and text_encoder is None:
+            sources = []  # a built-in model's small encoders
+        text_device = placement.text_device(budget, device, offload_text_encoders, sources)
+        text = _open_text(src, text_encoder, text_device, dtype)
         if fp8_text:
             text.quantize_fp8()
         pipe = cls(
@@ -213,6 +218,7 @@ class Flux3Pipe(Recipe):
             cuda_graphs=cuda_graphs, prompt_upsampler=_upsampler_source(src),
         )  # fmt: skip
         pipe.fp8_text = fp8_text
+        pipe.hub_revision = src.hub_revision
         placement.place(pipe, budget, offload_text_encoders, device)
         return pipe
 

@@ -170,8 +170,9 @@ def _locate(source: str | Path) -> Path:
         return resolve(source)
     except WeightsError:
         raise FluxError(
-            f"the prompt upsampler {source} is neither a local folder nor in the local Hugging Face cache: download it "
-            f"(`hf download {source}`), or generate without it (upsample=False / --no-upsample)"
+            f"the prompt upsampler {source} is neither a local folder nor in the local Hugging Face cache: fetch it "
+            "while online (`flux-gen --download-only` with the same model, or the pipeline loaded with download=True), "
+            "or generate without it (upsample=False / --no-upsample)"
         ) from None
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -310,9 +311,41 @@ def budget_for(memory: str | int | None, device: torch.device, offload_text_enco
     return UNLIMITED if budget is None and offload_text_encoders else budget
 
 
-def text_device(budget: int | None, device: torch.device) -> torch.device:
-    """Where the text encoders load: host memory when a plan will place them, else the device."""
-    return torch.device("cpu") if budget is not None else device
+def text_device(
+    budget: int | None, device: torch.device, offload: bool, sources: Sequence[str | Path] | None
+) -> torch.device:
+    """Where the text encoders load. Without a budget: the device. With one: the device too when the plan will
+    keep them there (no offload asked, and their weights, by the sizes of their files `sources`, fit beside
+    what the device holds now with a fifth of the budget to spare), so they stream straight onto the GPU;
+    otherwise host memory (also when their size is not known), and the plan moves them as it says."""
+    if budget is None:
+        return device
+    if offload or device.type != "cuda" or sources is None:
+        return torch.device("cpu")
+    size = files_bytes(sources)
+    if size is None or torch.cuda.memory_allocated(device) + size > 0.8 * budget:
+        return torch.device("cpu")
+    return device
+
+
+def files_bytes(sources: Sequence[str | Path]) -> int | None:
+    """The bytes of the safetensors weights under `sources` (files, folders or cached ids; a pipeline root
+    counts its `text_encoder*/` folders only), or None when one cannot be found locally."""
+    from flux_runtime.weights.errors import WeightsError
+    from flux_runtime.weights.hub import resolve
+
+    total = 0
+    for source in sources:
+        try:
+            path = resolve(source)
+        except WeightsError:
+            return None
+        if path.is_file():
+            total += path.stat().st_size
+            continue
+        parts = sorted(path.glob("text_encoder*/")) or [path]
+        total += sum(f.stat().st_size for part in parts for f in part.rglob("*.safetensors"))
+    return total
 
 
 def checkpoint_bytes(ckpt: Any, dtype: torch.dtype, fp8: bool) -> int:

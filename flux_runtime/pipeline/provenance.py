@@ -115,6 +115,11 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
     "fp8_at_load": BOOL,
     "fp8_text": BOOL,
     "memory_plan": STR,  # where the weights lived (moves no bits)
+    # the Hugging Face repo and commit the transformer was read from (a model id, or a path in the cache)
+    "hub": Kind(
+        "a {repo, revision} object of strings",
+        lambda v: isinstance(v, dict) and all(isinstance(v.get(k), str) for k in ("repo", "revision")),
+    ),
     # FLUX.1 variants: true CFG, img2img / inpainting strength, the input images by role
     "negative_prompt": PROMPT,
     "true_cfg_scale": NUMBER,

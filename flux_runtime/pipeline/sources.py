@@ -23,7 +23,7 @@ from flux_runtime.weights.config_files import (
     read_json_if_present,
 )
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.hub import cached_revision, resolve
 from flux_runtime.weights.safetensors_io import read_header
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Sources:
     t5: str | Path | None
     scheduler_config: dict | None
     model_index: dict | None = None  # a diffusers root's model_index.json (FLUX.2 [klein]: `is_distilled`)
+    hub_revision: tuple[str, str] | None = None  # (repo, commit) of a transformer read from the Hub's cache
 
 
 def open_family(src: Sources) -> tuple[str, TransformerCheckpoint | None]:
@@ -120,7 +121,16 @@ def find_sources(
             raise WeightsError(
                 f"{root} is a transformer file; no ae.safetensors beside it: pass vae=<path> (--vae)"
             )
-        return Sources(name, root, ae, None, text_encoder or CLIP_L_ID, text_encoder_2 or T5_XXL_ID, None)
+        return Sources(
+            name,
+            root,
+            ae,
+            None,
+            text_encoder or CLIP_L_ID,
+            text_encoder_2 or T5_XXL_ID,
+            None,
+            hub_revision=cached_revision(root),
+        )
     find_transformer_files(root)
     if (root / "text_encoder").is_dir() and text_encoder is None and text_encoder_2 is None:
         text, clip, t5 = root, None, None
@@ -140,6 +150,7 @@ def find_sources(
         t5,
         scheduler,
         _read_checked(root / "model_index.json", _MODEL_INDEX_FIELDS),
+        cached_revision(root),
     )
 
 

@@ -1,8 +1,10 @@
-"""The FastAPI app: the OpenAI-shaped routes over one `Worker`, the URL store, `/health` and `/metrics`.
+"""The FastAPI app: the OpenAI-shaped routes over one `Worker`, the URL store, the probes and `/metrics`.
 
 Routes: `POST /v1/images/generations`, `POST /v1/images/edits`, `GET /v1/images/files/{name}` (the `url`
-answers), `GET /v1/models`, `GET /health`, `GET /metrics`. A handler checks what needs no model, queues a
-job and waits for it; it gives the job up when its client disconnects or its timeout passes.
+answers), `GET /v1/models`, `GET /health` (the process is up), `GET /ready` (the pipeline is loaded and
+warm), `GET /metrics`. A handler checks what needs no model, queues a job and waits for it; it gives the job
+up when its client disconnects or its timeout passes. Until the worker is ready the model's routes answer 503
+with Retry-After. With API keys every route but the probes (and /metrics with `metrics_public`) needs one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +27,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from PIL import Image
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
+from starlette.routing import Match
 
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.provenance import png_bytes
 from flux_runtime.sampling.flux3_references import MAX_REFERENCES as MAX_FLUX3_REFERENCES
 from flux_runtime.serve.api import SIZE_MULTIPLE, APIError, EditRequest, GenerationRequest, parse_size
+from flux_runtime.serve.auth import PROBES, ApiKeys, RequireKey
 from flux_runtime.serve.worker import Abandoned, Generated, Job, Metrics, QueueFull, Worker
 
 _FILE_NAME = re.compile(r"^[0-9a-f]{32}\.png$")
@@ -58,8 +63,12 @@ class ImageStore:
         self._names: list[str] = []
 
     def put(self, data: bytes) -> str:
+        """Store `data` under a new random name; written beside it and renamed in, so a process killed
+        mid-write leaves no partial PNG to serve (the name pattern never matches the temporary file)."""
         name = f"{secrets.token_hex(16)}.png"
-        (self.folder / name).write_bytes(data)
+        tmp = self.folder / f".{name}.partial"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.folder / name)
         self._names.append(name)
         while len(self._names) > self.max_files:
             (self.folder / self._names.pop(0)).unlink(missing_ok=True)
@@ -149,8 +158,28 @@ def prompt_counter(pipe: Any) -> Callable[[str], int]:
     return lambda prompt: len(tok(te.render([prompt])[0])["input_ids"])
 
 
+REPLICA_HEADER = "X-Flux-Replica"
+"""The response header naming the replica that answered (set when the app serves as one of several)."""
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What the routes read of the loaded pipeline, made once on the worker thread before it is ready."""
+
+    family: str
+    kind: EditKind
+    count_tokens: Callable[[str], int]
+    max_tokens: int
+
+    @classmethod
+    def of(cls, pipe: Any) -> _Served:
+        family = pipe.transformer.config.family
+        kind = family if family in ("flux2", "flux3") else getattr(pipe, "variant", "text2img")
+        return cls(family, kind, prompt_counter(pipe), pipe.default_max_sequence_length)
+
+
 def create_app(
-    pipe: Any,
+    load: Callable[[], Any],
     *,
     model: str,
     store: ImageStore,
@@ -159,18 +188,36 @@ def create_app(
     max_batch: int = 4,
     batching: bool = True,
     drain: bool = True,
+    keys: ApiKeys | None = None,
+    metrics_public: bool = False,
+    replica: str | None = None,
+    wait_ready: bool = False,
+    gather_metrics: Callable[[bytes], Awaitable[bytes]] | None = None,
 ) -> FastAPI:
-    """The server over the loaded `pipe`, served under the name `model`."""
-    family = pipe.transformer.config.family
-    references = family in ("flux2", "flux3")  # edits draw from reference images
-    kind: EditKind = family if references else getattr(pipe, "variant", "text2img")
-    metrics = Metrics(pipe.device)
-    count_tokens = prompt_counter(pipe)
-    worker = Worker(pipe, metrics, max_queue=max_queue, max_batch=max_batch, batching=batching, family=family)
+    """The server of the pipeline `load()` returns, served under the name `model`.
+
+    The worker thread calls `load` when the app starts, then warms the pipeline up; until then /health
+    answers and /ready and the model's routes answer 503 (`wait_ready`: the app's start waits for it, and a
+    failed load fails the start, for a host such as Ray Serve that routes to a replica once it has started).
+    `keys`: the accepted API keys (none: open). `replica`: this app's name among several, sent in the
+    `X-Flux-Replica` header, recorded in each PNG's provenance (`served_replica`) and as a `replica` label of
+    every metric. `gather_metrics`: /metrics answers what it makes of this app's exposition (the replicas:
+    every replica's series).
+    """
+    metrics = Metrics()
+    served: list[_Served] = []  # one item once loaded
+    worker = Worker(
+        load, metrics, max_queue=max_queue, max_batch=max_batch, batching=batching,
+        on_load=lambda pipe: served.append(_Served.of(pipe)),
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.start()
+        if wait_ready:
+            await asyncio.to_thread(worker.loaded.wait)
+            if worker.failure is not None:
+                raise worker.failure
         yield
         # uvicorn has waited for the open requests (their jobs ran); whatever remains is run or refused
         await asyncio.to_thread(worker.close, drain)
@@ -191,9 +238,24 @@ def create_app(
         """One request's bug answers 500; the server lives on."""
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
-    app.add_middleware(_CountAnswers, metrics=metrics)
+    # the last added runs first: count every answer (a 401 too), then name the replica, then check the key
+    open_paths = PROBES + (("/metrics",) if metrics_public else ())
+    app.add_middleware(RequireKey, keys=keys or ApiKeys(), open_paths=open_paths)
+    if replica is not None:
+        app.add_middleware(_NameReplica, replica=replica)
+    app.add_middleware(_CountAnswers, metrics=metrics, routes=app.router.routes)
+
+    def loaded() -> _Served:
+        """The loaded pipeline's facts, or a 503 while it loads and warms up."""
+        if not worker.ready.is_set():
+            raise APIError(
+                503, f"{model} is still loading; retry after {limits.retry_after} s", kind="server_busy",
+                code="model_loading", headers={"Retry-After": str(limits.retry_after)},
+            )  # fmt: skip
+        return served[0]
 
     def check_common(req: GenerationRequest) -> tuple[int, int] | None:
+        family, count_tokens = loaded().family, loaded().count_tokens
         if req.model is not None and req.model != model:
             raise APIError(
                 404, f"model {req.model!r} is not served here; this server serves {model!r}",
@@ -208,7 +270,7 @@ def create_app(
         size = parse_size(req.size, limits.max_side)
         for name, text in (("prompt", req.prompt), ("negative_prompt", req.negative_prompt)):
             if text is not None:
-                tokens, limit = count_tokens(text), pipe.default_max_sequence_length
+                tokens, limit = count_tokens(text), loaded().max_tokens
                 if tokens > limit:
                     raise APIError(
                         400, f"{name} is {tokens} tokens; {model} reads at most {limit}", param=name
@@ -265,7 +327,9 @@ def create_app(
             ) from None
         except FluxError as e:
             raise APIError(400, str(e).strip().splitlines()[0]) from None
-        data = await asyncio.to_thread(_encode, generated, response_format, store, str(request.base_url))
+        data = await asyncio.to_thread(
+            _encode, generated, response_format, store, str(request.base_url), replica
+        )
         metrics.stage.labels("total").observe(time.monotonic() - began)
         return JSONResponse({"created": int(time.time()), "data": data})
 
@@ -278,6 +342,8 @@ def create_app(
     async def edits(request: Request) -> Response:
         """FLUX.2: draw from reference images (`image`, repeatable); FLUX.1: img2img, inpainting with `mask`
         (white = repaint), a Kontext edit, or a Fill inpainting, as the served checkpoint is."""
+        kind = loaded().kind
+        references = kind in ("flux2", "flux3")  # edits draw from reference images
         try:
             form = await request.form(max_files=16, max_fields=64)
         except Exception as e:  # starlette's MultiPartException, a body that is not a form
@@ -322,23 +388,40 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        # the pid tells a client that started this server that it talks to its own process, not to another
-        # that took the same port first
-        return {"status": "ok", "model": model, "queue_depth": worker.depth, "pid": os.getpid()}
+        """The process is up (loading or not). The pid tells a client that started this server that it talks
+        to its own process, not to another that took the same port first."""
+        return {"status": "ok", "model": model, "ready": worker.ready.is_set(), "queue_depth": worker.depth,
+                "pid": os.getpid(), **({"replica": replica} if replica is not None else {})}  # fmt: skip
+
+    @app.get("/ready")
+    async def ready() -> dict[str, Any]:
+        """200 once the pipeline is loaded and warm (the warm-up call made), else 503: what a balancer routes
+        by."""
+        if worker.failure is not None:
+            raise APIError(503, f"{model} failed to load", kind="server_error", code="load_failed")
+        loaded()
+        return {"status": "ready", "model": model}
+
+    registry = metrics.registry if replica is None else _WithReplica(metrics.registry, replica)
+    app.state.exposition = lambda: generate_latest(registry)  # type: ignore[arg-type]
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = app.state.exposition()
+        if gather_metrics is not None:
+            text = await gather_metrics(text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
 class _CountAnswers:
     """Count every answer by route and status: a plain ASGI middleware (it leaves `receive` alone, so a
-    handler still sees its client disconnect, which Starlette's BaseHTTPMiddleware would hide)."""
+    handler still sees its client disconnect, which Starlette's BaseHTTPMiddleware would hide). An answer
+    given before routing (a 401) is counted under the route its path would have taken."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Any, metrics: Metrics, routes: list[Any]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -352,8 +435,42 @@ class _CountAnswers:
             await send(message)
 
         await self.app(scope, receive, send_status)
-        route = getattr(scope.get("route"), "path", "other")
-        self.metrics.requests.labels(route, str(status.get("code", 0))).inc()
+        route = scope.get("route") or next(
+            (r for r in self.routes if r.matches(scope)[0] is Match.FULL), None
+        )
+        self.metrics.requests.labels(getattr(route, "path", "other"), str(status.get("code", 0))).inc()
+
+
+class _NameReplica:
+    """Name the replica in every answer's `X-Flux-Replica` header (plain ASGI, as `_CountAnswers`)."""
+
+    def __init__(self, app: Any, replica: str) -> None:
+        self.app, self.header = app, (REPLICA_HEADER.lower().encode(), replica.encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+class _WithReplica:
+    """A registry's metrics with a `replica` label on every sample, for `generate_latest`."""
+
+    def __init__(self, registry: CollectorRegistry, replica: str) -> None:
+        self.registry, self.replica = registry, replica
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, "replica": self.replica}) for s in family.samples]
+            yield out
 
 
 async def _read_image(upload: UploadFile, param: str, limit: int) -> Image.Image:
@@ -372,12 +489,12 @@ async def _read_image(upload: UploadFile, param: str, limit: int) -> Image.Image
 
 
 def _encode(
-    generated: Generated, response_format: str, store: ImageStore, base_url: str
+    generated: Generated, response_format: str, store: ImageStore, base_url: str, replica: str | None
 ) -> list[dict[str, Any]]:
-    """PNGs with the provenance chunk, as base64 or as URLs into the store."""
+    """PNGs with the provenance chunk (and the replica that made them), as base64 or as URLs into the store."""
     data = []
     for image, info in generated:
-        png = png_bytes(image, info)
+        png = png_bytes(image, info if replica is None else {**info, "served_replica": replica})
         if response_format == "url":
             data.append({"url": f"{base_url}v1/images/files/{store.put(png)}", "revised_prompt": None})
         else:

@@ -1,13 +1,20 @@
-"""`flux-serve`: load one pipeline and serve it over HTTP with uvicorn until SIGINT / SIGTERM.
+"""`flux-serve`: serve one pipeline over HTTP with uvicorn until SIGINT / SIGTERM, or `--replicas` of it on Ray Serve.
 
-On a signal uvicorn stops listening and waits up to `--shutdown-timeout` for the open requests, whose queued
-jobs the worker keeps running; what is still queued after that is refused (`--drain` off: at once).
+The port opens at once; the pipeline loads and warms up on the worker thread meanwhile (/health answers,
+/ready says 503 until it is warm), and a failed load ends the process with one line. On a signal uvicorn
+stops listening and waits up to `--shutdown-timeout` for the open requests, whose queued jobs the worker keeps
+running; what is still queued after that is refused (`--drain` off: at once).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import ipaddress
 import logging
+import os
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +24,12 @@ from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
 from flux_runtime.registry import MODEL_NAMES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# the modules of each optional extra the command needs, checked before anything is loaded
+EXTRAS = {
+    "serve": ("fastapi", "uvicorn", "pydantic", "prometheus_client", "multipart"),
+    "ray": ("ray.serve",),
+}
+KEY_ENV = "FLUX_SERVE_API_KEY"  # the keys, comma-separated, when no --api-key is given
 
 
 @click.command(
@@ -24,15 +37,19 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
     # --help's headings (click's parameter names); an option not named here is listed under "Other options"
     groups=(
         ("Model", "model fp8 quality device dtype no_cuda_graphs offload_text_encoders"),
-        ("Listening", "host port shutdown_timeout"),
+        ("Listening and access", "host port api_keys metrics_public shutdown_timeout"),
         ("Requests and batching", "max_queue max_batch no_batching max_n max_size max_upload_mb timeout"),
         ("Images answered by URL", "store_dir store_max"),
+        ("Replicas on Ray Serve", "replicas gpus_per_replica ray_address"),
     ),
     epilog=f"Every option in full: {DOCS_PAGE} (flux-serve).",
     context_settings={"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 120},
 )
 @click.option(
-    "--model", "-m", default="tiny", help=f"A preset ({', '.join(MODEL_NAMES)}), a cached id or a path."
+    "--model",
+    "-m",
+    default="tiny",
+    help=f"A preset, a cached id or a path. The presets: {', '.join(MODEL_NAMES)}.",
 )
 @click.option("--fp8", is_flag=True, help="Quantize the transformer's block projections to FP8 at load.")
 @click.option(
@@ -42,8 +59,17 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, help="Port to listen on.")
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
 @click.option(
-    "--dtype", type=click.Choice(list(DTYPES)), default=None, help="[default: bf16 on GPU, fp32 on CPU]"
+    "--dtype",
+    type=click.Choice(list(DTYPES)),
+    default=None,
+    help="Model dtype [default: bf16 on GPU, fp32 on CPU].",
 )
+@click.option(
+    "--api-key", "api_keys", multiple=True, metavar="KEY",
+    help=f"Accept 'Authorization: Bearer KEY' (repeatable); every route but /health and /ready needs one. "
+    f"[default: ${KEY_ENV}, comma-separated; neither: no key needed]",
+)  # fmt: skip
+@click.option("--metrics-public", is_flag=True, help="Serve /metrics without an API key.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=16, help="Requests waiting; more get 503.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=4, help="Images in one pipeline call.")
 @click.option(
@@ -70,31 +96,81 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 @click.option(
     "--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU between calls."
 )
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="Serve N replicas as a Ray Serve deployment (pip install 'flux-runtime[ray]').")  # fmt: skip
+@click.option("--gpus-per-replica", type=click.FloatRange(min=0), default=None,
+              help="GPUs Ray gives each replica [default: 1 with CUDA here or --device cuda, else 0].")  # fmt: skip
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="An existing Ray cluster (ray://HOST:10001, auto) [default: a local Ray instance].")  # fmt: skip
 @click.option("--debug", is_flag=True, help="Log each batch; show the traceback of a failed load.")
 def main(**opts: Any) -> None:
     """Serve FLUX over an OpenAI-compatible HTTP API (/v1/images/generations, /v1/images/edits)."""
-    serve(load_pipeline(opts), opts)
+    require_extra("serve", "flux-serve")
+    if opts["replicas"] is None:
+        for name in ("gpus_per_replica", "ray_address"):
+            if opts[name] is not None:
+                raise click.UsageError(f"--{name.replace('_', '-')} goes with --replicas")
+        serve(pipeline_loader(opts), opts)
+        return
+    require_extra("ray", "flux-serve --replicas")
+    from flux_runtime.serve.replicas import run
+
+    run(opts, api_keys(opts))
 
 
-def load_pipeline(opts: dict[str, Any]) -> Any:
-    """The pipeline `--model` names, on `--device` in `--dtype`; a load error is one line (unless `--debug`)."""
+def require_extra(extra: str, what: str) -> None:
+    """One line naming the install command when a module of the optional `extra` is missing."""
+    for name in EXTRAS[extra]:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a missing parent package; a module set to None in sys.modules
+            found = False
+        if not found:
+            raise click.ClickException(
+                f"{what} needs the {extra} extra ({name.partition('.')[0]} is missing): "
+                f"pip install 'flux-runtime[{extra}]'"
+            )
+
+
+def api_keys(opts: dict[str, Any]) -> list[str]:
+    """The keys of `--api-key`, else of FLUX_SERVE_API_KEY; an empty or blank one is a one-line error that
+    names where it came from, never the key."""
+    from flux_runtime.serve.auth import check_key
+
+    env = os.environ.get(KEY_ENV)
+    if opts["api_keys"]:
+        keys, where = list(opts["api_keys"]), "--api-key"
+    elif env is not None:
+        keys, where = env.split(","), KEY_ENV
+    else:
+        return []
+    for i, key in enumerate(keys, 1):
+        try:
+            check_key(key, f"{where}: key {i} of {len(keys)}" if len(keys) > 1 else where)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    return keys
+
+
+def pipeline_loader(opts: dict[str, Any]) -> Callable[[], Any]:
+    """A function loading the pipeline `--model` names on `--device` in `--dtype` (run on the worker thread);
+    the device is checked here, before the port opens."""
     from flux_runtime.pipeline import FluxError, Pipeline
     from flux_runtime.pipeline.checks import check_device
-    from flux_runtime.weights.errors import WeightsError
 
-    _configure_logging(opts)
     try:
         device = check_device(opts["device"])
-        pipe = Pipeline.from_pretrained(
+    except FluxError as e:
+        raise click.ClickException(str(e)) from None
+
+    def load() -> Any:
+        return Pipeline.from_pretrained(
             opts["model"], device=device, dtype=dtype_of(opts, device), quality=opts["quality"],
             cuda_graphs=not opts["no_cuda_graphs"], offload_text_encoders=opts["offload_text_encoders"],
             fp8=opts["fp8"],
         )  # fmt: skip
-    except (FluxError, WeightsError, OSError) as e:
-        if opts["debug"]:
-            raise
-        raise click.ClickException(str(e).strip().splitlines()[0]) from None
-    return pipe
+
+    return load
 
 
 def dtype_of(opts: dict[str, Any], device: Any) -> Any:
@@ -105,22 +181,14 @@ def dtype_of(opts: dict[str, Any], device: Any) -> Any:
     return getattr(torch, DTYPES[name])
 
 
-def serve(pipe: Any, opts: dict[str, Any]) -> None:
-    """Serve `pipe` under the name `--model` with `flux-serve`'s options until a signal.
+def app_options(opts: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """`create_app`'s keyword arguments from `flux-serve`'s options (the pipeline's loader and the store
+    aside); the keys go in as digests only."""
+    from flux_runtime.serve.app import Limits
+    from flux_runtime.serve.auth import ApiKeys
 
-    `opts` are `main`'s parameters; a caller that builds its own pipeline (scripts/bench_serve.py, with random
-    full-size weights) gets them from `main.make_context("flux-serve", args).params`.
-    """
-    import uvicorn
-
-    from flux_runtime.serve.app import ImageStore, Limits, create_app
-
-    _configure_logging(opts)
-    store_dir = opts["store_dir"] or Path(tempfile.mkdtemp(prefix="flux-serve-"))
-    app = create_app(
-        pipe,
+    return dict(
         model=opts["model"],
-        store=ImageStore(store_dir, opts["store_max"]),
         limits=Limits(
             max_n=opts["max_n"],
             max_side=opts["max_size"],
@@ -130,14 +198,80 @@ def serve(pipe: Any, opts: dict[str, Any]) -> None:
         max_queue=opts["max_queue"],
         max_batch=opts["max_batch"],
         batching=not opts["no_batching"],
+        keys=ApiKeys.of(keys),
+        metrics_public=opts["metrics_public"],
     )
+
+
+def warn_if_open(opts: dict[str, Any], keys: list[str]) -> None:
+    """One line on stderr when no key guards a port that other machines may reach."""
+    if keys or _loopback(opts["host"]):
+        return
     click.echo(
-        f"flux-serve: {opts['model']} on {pipe.device}, http://{opts['host']}:{opts['port']}", err=True
+        f"flux-serve: warning: no API key and {opts['host']} is not a loopback address: anyone who reaches "
+        f"port {opts['port']} can generate (set --api-key or ${KEY_ENV})",
+        err=True,
     )
-    uvicorn.run(
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def serve(load: Callable[[], Any], opts: dict[str, Any]) -> None:
+    """Serve the pipeline `load()` returns under the name `--model` with `flux-serve`'s options until a
+    signal; a failed load ends the server and is one line here (`--debug`: its traceback).
+
+    `opts` are `main`'s parameters; a caller that builds its own pipeline (scripts/bench_serve.py, with random
+    full-size weights) gets them from `main.make_context("flux-serve", args).params`.
+    """
+    import uvicorn
+
+    from flux_runtime.serve.app import ImageStore, create_app
+
+    _configure_logging(opts)
+    keys = api_keys(opts)
+    store_dir = opts["store_dir"] or Path(tempfile.mkdtemp(prefix="flux-serve-"))
+    app = create_app(load, store=ImageStore(store_dir, opts["store_max"]), **app_options(opts, keys))
+    warn_if_open(opts, keys)
+    click.echo(
+        f"flux-serve: loading {opts['model']}; http://{opts['host']}:{opts['port']} (/ready once warm)",
+        err=True,
+    )
+    config = uvicorn.Config(
         app, host=opts["host"], port=opts["port"], log_level="warning", access_log=False,
         timeout_graceful_shutdown=opts["shutdown_timeout"],
     )  # fmt: skip
+    server = uvicorn.Server(config)
+    worker = app.state.worker
+
+    def stop_on_failed_load() -> None:
+        worker.loaded.wait()
+        if worker.failure is not None:
+            server.should_exit = True
+
+    threading.Thread(target=stop_on_failed_load, name="flux-serve-load-watch", daemon=True).start()
+    server.run()
+    if worker.failure is not None:
+        if opts["debug"]:
+            raise worker.failure
+        raise click.ClickException(load_error(worker.failure))
+
+
+def load_error(e: BaseException) -> str:
+    """A failed load in one line: our errors' first line, another error's type and first line."""
+    from flux_runtime.pipeline import FluxError
+    from flux_runtime.weights.errors import WeightsError
+
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, (FluxError, WeightsError, OSError)):
+        return first
+    return f"loading failed: {type(e).__name__}: {first} (--debug shows the traceback)"
 
 
 def _configure_logging(opts: dict[str, Any]) -> None:

@@ -1,5 +1,7 @@
 """The bounded queue, the batching and the one GPU worker thread, with the metrics they report.
 
+The worker thread owns the pipeline from its load to the shutdown: it loads it, makes one warm-up call (what
+the first call pays: CUDA graph capture, Triton compiles, cuBLAS handles) and only then says it is `ready`.
 Handlers `submit` a `Job` (a full queue raises `QueueFull` at once) and wait on its `concurrent.futures`
 future. The worker thread takes the oldest job and, unless batching is off, every queued job that can share
 its batch (same size, steps, guidance, tier, negative prompt; text to image only) up to `max_batch` images,
@@ -18,6 +20,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +93,8 @@ class Metrics:
     DROP_REASONS = ("queue_full", "disconnected", "timeout", "abandoned")
     RATE_WINDOW = 60.0  # seconds of flux_serve_images_per_second
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        """`device`: the pipeline's, for the GPU memory gauges; None until it is loaded (`watch_memory`)."""
         disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
@@ -129,7 +133,13 @@ class Metrics:
             registry=r,
         )
         rate.set_function(self.images_per_second)
+        if device is not None:
+            self.watch_memory(device)
+
+    def watch_memory(self, device: torch.device) -> None:
+        """The GPU memory gauges of `device` (none on the CPU)."""
         if device.type == "cuda":
+            r = self.registry
             mem = Gauge(
                 "flux_serve_gpu_memory_bytes", "GPU memory of the server's device", ["kind"], registry=r
             )
@@ -170,30 +180,44 @@ class _StageTimer:
 
 
 class Worker:
-    """The queue and the thread that runs the pipeline; `close(drain=True)` finishes what is queued."""
+    """The queue and the thread that loads and runs the pipeline; `close(drain=True)` finishes what is queued.
+
+    `ready` is set once the pipeline is loaded and warm; `loaded` once loading ended either way (`failure`
+    holds the error of a failed load or warm-up, and the thread has ended).
+    """
 
     def __init__(
         self,
-        pipe: Any,
+        load: Callable[[], Any],
         metrics: Metrics,
         *,
         max_queue: int,
         max_batch: int,
         batching: bool,
-        family: str,
+        on_load: Callable[[Any], None] | None = None,
     ) -> None:
-        """`family` ("flux1", "flux2", "flux3") says how a call is made: FLUX.3 takes one prompt per call, so
-        its jobs never share a batch (a job's images still run as one call)."""
-        self.pipe, self.metrics = pipe, metrics
-        self.max_queue, self.max_batch, self.family = max_queue, max_batch, family
-        self.batching = batching and family != "flux3"
+        """`load()` returns the pipeline, on the worker thread; `on_load(pipe)` runs there next, before the
+        warm-up (the app reads what it needs of the pipeline)."""
+        self.load, self.on_load, self.metrics = load, on_load, metrics
+        self.max_queue, self.max_batch, self.batching = max_queue, max_batch, batching
+        self.pipe: Any = None
+        self.family = ""
+        self.ready, self.loaded = threading.Event(), threading.Event()
+        self.failure: Exception | None = None
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="flux-serve-gpu", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="flux-serve-gpu", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        """False after a failed load, or once the thread has ended while the server still takes jobs."""
+        if self.failure is not None:
+            return False
+        return self._closing or not self.loaded.is_set() or self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -220,7 +244,8 @@ class Worker:
         return len(self._queue)
 
     def close(self, drain: bool, timeout: float | None = None) -> None:
-        """Stop taking jobs; with `drain` run what is queued, else fail it with QueueFull; join the thread."""
+        """Stop taking jobs; with `drain` run what is queued, else fail it with QueueFull; join the thread
+        (not while it still loads: it is a daemon, and a load is not cut short cleanly)."""
         with self._cond:
             self._closing = True
             if not drain:
@@ -230,7 +255,7 @@ class Worker:
                         job.future.set_exception(QueueFull("the server shut down before this request ran"))
                 self.metrics.queue_depth.set(0)
             self._cond.notify_all()
-        if self._thread.is_alive():
+        if self.ready.is_set() and self._thread.is_alive():
             self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the worker thread
@@ -262,6 +287,27 @@ class Worker:
                 self.metrics.stage.labels("queue").observe(now - job.enqueued)
                 live.append(job)
         return live
+
+    def _main(self) -> None:
+        try:
+            pipe = self.load()
+            if self.on_load is not None:
+                self.on_load(pipe)
+            self.family = pipe.transformer.config.family
+            # FLUX.3 takes one prompt per call: its jobs never share a batch (a job's images still run as one)
+            self.batching = self.batching and self.family != "flux3"
+            self.metrics.watch_memory(pipe.device)
+            began = time.perf_counter()
+            warm_up(pipe)
+            log.debug("warmed up in %.2fs", time.perf_counter() - began)
+        except Exception as e:  # the server reports it and exits: a load has no request to fail instead
+            self.failure = e
+            self.loaded.set()
+            return
+        self.pipe = pipe
+        self.ready.set()
+        self.loaded.set()
+        self._loop()
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:
@@ -349,3 +395,19 @@ class Worker:
                 info["served_batch"] = len(units)  # how many images shared this image's pipeline call
             results.append((image, info))
         return results
+
+
+def warm_up(pipe: Any) -> None:
+    """One 1-step call, as a first request would make, so that what a first call pays (CUDA graph capture and
+    Triton compiles, per shape; cuBLAS handles; the text encoders' first run) is paid before the server says
+    it is ready. On a GPU it is made at the default size, the shape most requests take; on the CPU nothing is
+    captured or compiled per shape, so a small size does. A Fill checkpoint gets a blank image and a full mask,
+    a Depth / Canny one a blank control image (each takes only a call with them), Kontext the size as its area."""
+    side = pipe.default_size if pipe.device.type == "cuda" else 64
+    blank = Image.new("RGB", (side, side))
+    extra: dict[str, Any] = {
+        "fill": {"image": blank, "mask_image": Image.new("L", (side, side), 255)},
+        "control": {"control_image": blank},
+        "kontext": {"max_area": side * side},
+    }.get(getattr(pipe, "variant", ""), {})
+    pipe("warm-up", width=side, height=side, num_steps=1, seed=0, **extra)

@@ -13,13 +13,28 @@ from flux_runtime.registry import (
     QWEN3_VL_4B_ID,
     T5_XXL_ID,
 )
-from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEmbeddings, Flux1TextEncoder
-from flux_runtime.text.flux2 import (
-    Flux2TextEmbeddings,
-    Flux2TextEncoder,
-    KleinTextEncoder,
-)
-from flux_runtime.text.flux3 import Flux3TextEmbeddings, Flux3TextEncoder
+
+# The encoders load lazily (PEP 562): importing one family's encoder does not import the others' transformers
+# classes, which take seconds.
+_WHERE = {
+    "MAX_SEQUENCE_LENGTH": "flux1",
+    "Flux1TextEmbeddings": "flux1",
+    "Flux1TextEncoder": "flux1",
+    "Flux2TextEmbeddings": "flux2",
+    "Flux2TextEncoder": "flux2",
+    "KleinTextEncoder": "flux2",
+    "Flux3TextEmbeddings": "flux3",
+    "Flux3TextEncoder": "flux3",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"flux_runtime.text.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'flux_runtime.text' has no attribute {name!r}")
+
 
 __all__ = [
     "CLIP_L_ID",

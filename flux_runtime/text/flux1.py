@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from transformers import CLIPTextModel, PreTrainedModel, PreTrainedTokenizerBase, T5EncoderModel
 
 from flux_runtime.registry import CLIP_L_ID, T5_XXL_ID
 from flux_runtime.text.fp8 import quantize_text_layers
@@ -40,6 +39,9 @@ from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.safetensors_io import check_safetensors_folder
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
+    from transformers import CLIPTextModel, PreTrainedModel, PreTrainedTokenizerBase, T5EncoderModel
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ class Flux1TextEncoder:
         and `tokenizer_2/` (T5TokenizerFast) with the classes FLUX.1's model_index.json names, loads the
         weights in `dtype` (FLUX.1 runs them in bf16) and moves them to `device`. Never touches the network.
         """
+        from transformers import CLIPTextModel, T5EncoderModel
+
         root = resolve(path_or_id)
         missing = [f"{name}/" for name in _DIFFUSERS_FOLDERS if not (root / name).is_dir()]
         if missing:
@@ -136,6 +140,8 @@ class Flux1TextEncoder:
         the defaults); a full CLIPModel or T5ForConditionalGeneration checkpoint works, only the text tower /
         encoder weights are read. Never touches the network.
         """
+        from transformers import CLIPTextModel, T5EncoderModel
+
         clip_dir, t5_dir = resolve(clip), resolve(t5)
         encoder = cls(
             _load_model(CLIPTextModel, clip_dir, dtype, device, "CLIP text encoder"),
@@ -154,6 +160,8 @@ class Flux1TextEncoder:
         Their outputs fit the tiny DiT preset (`context_in_dim=32`, `vec_in_dim=32`). The same `seed` gives
         the same weights everywhere; the global RNG is left as it was.
         """
+        from transformers import CLIPTextModel, T5EncoderModel
+
         clip_tokenizer = load_clip_tokenizer(tiny_tokenizer_path("clip"))
         t5_tokenizer = load_t5_tokenizer(tiny_tokenizer_path("t5"))
         # transformers' initializers draw from the global RNG; fork it so building leaves it untouched.
@@ -275,7 +283,7 @@ def _load_model(
     # a damaged config or safetensors file fails here in our words, not inside transformers
     read_json_object(folder / "config.json")
     check_safetensors_folder(folder)
-    if cls is T5EncoderModel and dtype == torch.float16:
+    if cls.__name__ == "T5EncoderModel" and dtype == torch.float16:
         logger.warning(
             "T5 overflows in float16 (transformers keeps its `wo` layers in float32); FLUX.1 uses bfloat16"
         )

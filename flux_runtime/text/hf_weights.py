@@ -13,15 +13,17 @@ size).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
 
 from flux_runtime.text.quiet import no_progress_bars
 from flux_runtime.weights import pinned_stream
 from flux_runtime.weights.hub import safetensors_files
 from flux_runtime.weights.safetensors_io import read_state_dict
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
+    from transformers import GenerationConfig, PreTrainedModel
 
 
 def load_pretrained(
@@ -39,8 +41,11 @@ def load_pretrained(
             return model, info
         config = cls.config_class.from_pretrained(folder, local_files_only=True)
         state = read_state_dict(files, dev)
+        # device_map: transformers materializes each parameter where the map says (the CPU without one,
+        # which would copy every streamed GPU tensor back to host memory); a tensor already there in `dtype`
+        # is taken as it is
         model, info = cls.from_pretrained(
-            None, config=config, state_dict=state, dtype=dtype, output_loading_info=True
+            None, config=config, state_dict=state, dtype=dtype, output_loading_info=True, device_map={"": dev}
         )
     del state
     if model.can_generate():  # what a load from the folder also reads: its generation settings
@@ -50,6 +55,8 @@ def load_pretrained(
 
 def _generation_config(folder: Path) -> GenerationConfig:
     """The folder's `generation_config.json`, else the generation settings of its `config.json`."""
+    from transformers import GenerationConfig
+
     if (folder / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(folder, local_files_only=True)
     return GenerationConfig.from_pretrained(

@@ -7,9 +7,13 @@ not from transformers' initializers, so a seed gives the same encoders on every 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import CLIPTextConfig, T5Config
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
+    from transformers import CLIPTextConfig, T5Config
 
 TINY_WIDTH = 32
 
@@ -20,6 +24,8 @@ def tiny_clip_config(vocab_size: int) -> CLIPTextConfig:
     `eos_token_id=2` is what openai/clip-vit-large-patch14's config says; it makes transformers pool at
     `argmax(input_ids)`, which is the first `<|endoftext|>` because that token has the highest id, as in CLIP-L.
     """
+    from transformers import CLIPTextConfig
+
     return CLIPTextConfig(
         vocab_size=vocab_size,
         hidden_size=TINY_WIDTH,
@@ -38,6 +44,8 @@ def tiny_clip_config(vocab_size: int) -> CLIPTextConfig:
 
 def tiny_t5_config(vocab_size: int) -> T5Config:
     """T5 v1.1's encoder shrunk to d_model 32, 2 blocks; gated-GELU, 32 relative-position buckets as T5-XXL."""
+    from transformers import T5Config
+
     return T5Config(
         vocab_size=vocab_size,
         d_model=TINY_WIDTH,

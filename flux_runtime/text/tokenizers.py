@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from transformers import CLIPTokenizer, PreTrainedTokenizerBase, T5TokenizerFast
 
 from flux_runtime.weights.errors import WeightsError
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ def load_clip_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
         raise WeightsError(
             f"{folder}: no CLIP tokenizer here (expected tokenizer.json or vocab.json + merges.txt)"
         )
+    from transformers import CLIPTokenizer
+
     return CLIPTokenizer.from_pretrained(folder, local_files_only=True)
 
 
@@ -43,6 +47,8 @@ def load_t5_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     """T5's tokenizer from `folder` (`tokenizer.json` or `spiece.model`) with `T5TokenizerFast`, as diffusers opens it."""
     if not (folder / "tokenizer.json").is_file() and not (folder / "spiece.model").is_file():
         raise WeightsError(f"{folder}: no T5 tokenizer here (expected tokenizer.json or spiece.model)")
+    from transformers import T5TokenizerFast
+
     return T5TokenizerFast.from_pretrained(folder, local_files_only=True)
 
 

@@ -1,4 +1,5 @@
-"""Finding checkpoints: a local path, or a Hugging Face model id already in the local cache."""
+"""Finding checkpoints: a local path, or a Hugging Face model id in the local cache (`weights.download` fetches
+them)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve(path_or_id: str | Path) -> Path:
-    """Return a local path for a file, a folder, or a cached model id (never touches the network)."""
+    """Return a local path for a file, a folder, or a model id in the local cache (never touches the network).
+
+    A cached id gives its snapshot folder, which may hold only the files a load reads (`weights.download`
+    fetches no more); the loaders check their own files."""
     path = Path(path_or_id).expanduser()
     if path.exists():
         return path
@@ -21,16 +25,45 @@ def resolve(path_or_id: str | Path) -> Path:
         raise WeightsError(
             f"{name!r} is neither an existing file or folder nor a Hugging Face model id (org/name)"
         )
+    folder = cached_snapshot(name)
+    if folder is None:
+        raise WeightsError(
+            f"{name!r} is not in the local Hugging Face cache, and this load fetches nothing (offline: "
+            "--offline, HF_HUB_OFFLINE=1 or download=False): fetch it once online (`flux-gen --model ... "
+            "--download-only`, or a load with download=True), or pass a local path"
+        )
+    return folder
+
+
+def hub_id(path_or_id: str | Path) -> str | None:
+    """`path_or_id` if it names a Hugging Face model (org/name) rather than an existing file or folder."""
+    name = str(path_or_id)
+    if Path(name).expanduser().exists() or not _REPO_ID.match(name):
+        return None
+    return name
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The local cache's snapshot folder of `repo_id`'s default branch, or None (no network)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(name, local_files_only=True))
+        # allow_patterns=[]: the folder whatever part of the repo it holds (else huggingface_hub refuses a
+        # snapshot that lacks files of the repo that no load reads)
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=[]))
     except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
-        raise WeightsError(
-            f"unknown model id {name!r}: it is not in the local Hugging Face cache; "
-            f"fetch it first with `hf download {name}` (or pass a local path)"
-        ) from None
+        return None
+
+
+def cached_revision(path: Path) -> tuple[str, str] | None:
+    """(repo id, commit) when `path` lies in a snapshot of the Hugging Face cache
+    (`.../models--org--name/snapshots/<commit>/...`), else None."""
+    parts = path.absolute().parts  # not resolved: a snapshot's files are links into blobs/
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            return parts[i - 1].removeprefix("models--").replace("--", "/"), parts[i + 1]
+    return None
 
 
 def safetensors_files(folder: Path, stem: str) -> list[Path]:

@@ -91,7 +91,10 @@ def test_never_overwrites_silently(tmp_path):
 def test_errors_are_one_line(tmp_path):
     cases = [
         (["--prompt", "a", "--height", "30"], "height 30 is not divisible by 16"),
-        (["--prompt", "a", "--model", "nobody/nothing"], "unknown model id 'nobody/nothing'"),
+        (
+            ["--prompt", "a", "--model", "nobody/nothing", "--offline"],
+            "'nobody/nothing' is not in the local Hugging Face cache",
+        ),
         (["--prompt", "a", "--model", str(tmp_path / "missing.safetensors")], "neither an existing file"),
         ([], "--prompt is required"),
         (["--prompt", "a", "--vae-tile", "6"], "vae_tile 6 must be None or a positive multiple of 4"),
@@ -111,3 +114,20 @@ def test_replay_needs_a_flux_png(tmp_path):
     Image.new("RGB", (8, 8)).save(plain)
     res = CliRunner().invoke(main, ["--replay", str(plain)])
     assert res.exit_code != 0 and "carries no flux-runtime provenance" in res.output
+
+
+def test_timings_name_each_stage_and_the_peaks(tmp_path):
+    """--timings: one line with the stages a user waits through, each image on its own, and the peaks."""
+    import re
+
+    lines = tmp_path / "p.txt"
+    lines.write_text("a red fox\na blue bird\n")
+    res = CliRunner().invoke(
+        main, [*BASE, "--prompts", str(lines), "--out", str(tmp_path), "--timings"], catch_exceptions=False
+    )
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if "timings:" in x)
+    stages = dict(re.findall(r"([a-z0-9 -]+?) ([0-9]+\.[0-9]+) s", line.split("timings: ")[1]))
+    assert {"imports", "load", "image 1", "image 2", "save", "total"} <= {k.strip(" ,") for k in stages}
+    assert "peak host RSS" in line
+    assert "timings:" not in _run("--prompt", "a fox", "--out", str(tmp_path / "one.png")).output

@@ -90,8 +90,9 @@ def test_an_ignored_argument_warns_at_the_callers_line(pipe):
         (dict(devise="cpu"), "devise is not an argument: did you mean device?"),
         (
             dict(local_files_only=True),
-            "local_files_only is diffusers' argument; not needed here: loading is offline",
+            "local_files_only is diffusers' argument; here pass download=False (or set HF_HUB_OFFLINE=1)",
         ),
+        (dict(download="no"), "download must be True or False, got 'no'"),
         (
             dict(variant="fp16"),
             "unknown variant 'fp16': choose one of text2img, kontext, fill, control (diffusers'",
@@ -107,6 +108,7 @@ def test_from_pretrained_names_what_it_does_not_take_before_loading(kwargs, mess
         raise AssertionError("the checkpoint was opened")
 
     monkeypatch.setattr(flux1, "find_sources", no_sources)
+    monkeypatch.setattr(flux1, "fetch_model", no_sources)
     with pytest.raises(FluxError) as e:
         Pipeline.from_pretrained("tiny", device="cpu", **kwargs)
     assert message in str(e.value) and "\n" not in str(e.value)

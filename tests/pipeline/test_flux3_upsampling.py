@@ -184,7 +184,7 @@ def test_refusals_are_one_line_and_early(folders, upsampler, tmp_path):  # noqa:
         pipe(PROMPT)
     msg = str(e.value)
     assert "\n" not in msg and "nor in the local Hugging Face cache" in msg
-    assert f"hf download {FLUX3_UPSAMPLER_ID}" in msg and "--no-upsample" in msg
+    assert FLUX3_UPSAMPLER_ID in msg and "--download-only" in msg and "--no-upsample" in msg
     pipe.set_prompt_upsampler(upsampler, prompts=tmp_path / "missing.json")
     with pytest.raises(FluxError, match=r"no prompt-upsampler system prompts at .*missing.json"):
         pipe(PROMPT)

@@ -18,14 +18,22 @@ ROOT = Path(__file__).resolve().parents[2]
 class Server:
     """A `python -m flux_runtime.serve` child process; `url` is its base address."""
 
-    def __init__(self, *args: str, store: Path) -> None:
+    def __init__(
+        self,
+        *args: str,
+        store: Path,
+        env: dict[str, str] | None = None,
+        own_pid: bool = True,
+        start_s: float = 90,
+    ) -> None:
+        """`own_pid`: /health names this process (not so under Ray, where a replica answers)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         # this checkout first, then whatever the caller's path holds (the device's private site of the serve wheels)
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -42,7 +50,7 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + start_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"flux-serve exited {self.proc.returncode}: {self.proc.stdout.read()}")
@@ -50,16 +58,20 @@ class Server:
                 health = httpx.get(f"{self.url}/health", timeout=1)
                 if health.status_code == 200:
                     # the process started here, not another that took the same port first
-                    assert health.json()["pid"] == self.proc.pid, f"{self.url} is another server"
-                    return
+                    assert not own_pid or health.json()["pid"] == self.proc.pid, (
+                        f"{self.url} is another server"
+                    )
+                    if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                        return
             except httpx.TransportError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         self.stop()
-        raise RuntimeError("flux-serve did not answer /health within 90 s")
+        raise RuntimeError(f"flux-serve was not ready within {start_s:.0f} s")
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
         """The value of one sample line of /metrics (`name` with its labels), 0 when absent."""
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+        for line in httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
         return 0.0

@@ -52,10 +52,11 @@ def test_child_serves_the_random_pipeline_with_flux_serve_options(monkeypatch):
 
     monkeypatch.setattr(bench_serve, "random_flux1_pipeline", build)
     monkeypatch.setattr(
-        "flux_runtime.serve.command.serve", lambda pipe, opts: seen.update(pipe=pipe, opts=opts)
+        "flux_runtime.serve.command.serve", lambda load, opts: seen.update(load=load, opts=opts)
     )
     bench_serve.serve_random(["--model", "flux1-dev", "--device", "cpu", "--max-batch", "3", "--no-batching"])
-    assert seen["pipe"] == "the pipeline"
+    assert "build" not in seen  # built by the server's worker thread, once the port answers
+    assert seen["load"]() == "the pipeline"
     assert (seen["opts"]["model"], seen["opts"]["max_batch"], seen["opts"]["no_batching"]) == (
         "flux1-dev",
         3,

@@ -267,3 +267,32 @@ def test_gpu_quantize_at_load_through_the_ring_is_unchanged(checkpoints) -> None
     finally:
         Src.streaming = orig  # type: ignore[method-assign]
     _same(streamed, plain)
+
+
+@pytest.mark.gpu
+def test_a_text_encoder_streamed_onto_the_gpu_keeps_the_streamed_tensors(tmp_path: Path, monkeypatch) -> None:
+    """transformers builds the model around the streamed GPU tensors (device_map): no copy back to the host,
+    no second GPU copy; the parameters equal a load from the folder moved to the GPU."""
+    from transformers import T5Config, T5EncoderModel
+
+    from flux_runtime.text import hf_weights
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    T5EncoderModel(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    streamed: list[int] = []
+    read = hf_weights.read_state_dict
+
+    def recording(files, device):
+        state = read(files, device)
+        streamed.extend(t.data_ptr() for t in state.values())
+        return state
+
+    monkeypatch.setattr(hf_weights, "read_state_dict", recording)
+    model, info = hf_weights.load_pretrained(T5EncoderModel, tmp_path, torch.bfloat16, "cuda")
+    assert not info["missing_keys"] and streamed
+    params = dict(model.named_parameters())
+    assert all(p.is_cuda for p in params.values())
+    assert {p.data_ptr() for p in params.values()} <= set(streamed)
+    plain = T5EncoderModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, p in plain.named_parameters():
+        assert torch.equal(params[name].cpu(), p), name
