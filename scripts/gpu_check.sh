@@ -22,7 +22,7 @@
 #                                       (the shipped text encoders frozen, or trained too with TEXT=train; SECONDS each [360],
 #                                       side by side; with TEXT=train each model's DiT, loss log and text encoders come
 #                                       back as one $OUT/<name>.tar), then their held-out scores and
-#                                       grid (the shipped weights' are in the README); the new DiTs come back as $OUT/<name>.safetensors
+#                                       grid (the shipped weights' are in docs/tiny-models.md); the new DiTs come back as $OUT/<name>.safetensors
 #                                       (copy them over the shipped DiT files if they score better); FG > 0 weights
 #                                       the shapes' tokens 1 + FG in the loss (train_tiny.py --fg-weight); SEED [0] picks the run's
 #                                       pool of scenes and its noise (train_tiny.py --seed), so successive runs see new scenes

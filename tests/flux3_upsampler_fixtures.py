@@ -99,12 +99,7 @@ def make_tiny_upsampler(folder: Path, seed: int = 0, prompts: dict[str, str] | N
 def text_only_processor(folder: Path):
     """A Qwen3VLProcessor with only the folder's tokenizer and chat template (its image and video processors need
     torchvision): what diffusers' upsampler step calls `apply_chat_template` and `decode` on for a text request."""
-    from transformers import AutoTokenizer, Qwen3VLProcessor
-
-    processor = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
-    processor.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    processor.chat_template = (folder / "chat_template.jinja").read_text()
-    return processor
+    return qwen3_vl_processor(_tokenizer(folder), (folder / "chat_template.jinja").read_text())
 
 
 def _pil_image_processor():
@@ -117,18 +112,32 @@ def image_processor(folder: Path):
     """A Qwen3VLProcessor of the folder's tokenizer and chat template with the PIL image processor and no video
     processor: one that takes images without torchvision (`AutoProcessor` opens the video processor too, which needs
     it). What both diffusers' upsampler step and ours are handed in the tests of edit requests."""
-    from transformers import AutoTokenizer, Qwen3VLProcessor
+    return qwen3_vl_processor(
+        _tokenizer(folder), (folder / "chat_template.jinja").read_text(), _pil_image_processor()
+    )
 
-    class ImagesOnlyProcessor(Qwen3VLProcessor):
-        # the absent video processor passes the check of the processors' classes
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def qwen3_vl_processor(tokenizer, chat_template: str, image_processor=None):
+    """A Qwen3VLProcessor without a video processor, and without an image processor unless one is given, built
+    through its constructor (which sets what `__call__` reads: the vision tokens, since transformers 5.25)."""
+    from transformers import Qwen3VLProcessor
+
+    class PartialProcessor(Qwen3VLProcessor):
+        # an absent image or video processor passes the check of the processors' classes
         def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
+            if argument_name in ("image_processor", "video_processor") and argument is None:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    return ImagesOnlyProcessor(
-        image_processor=_pil_image_processor(),
-        tokenizer=AutoTokenizer.from_pretrained(folder, local_files_only=True),
+    return PartialProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
         video_processor=None,
-        chat_template=(folder / "chat_template.jinja").read_text(),
+        chat_template=chat_template,
     )

@@ -14,6 +14,7 @@ from typing import cast
 import click
 
 from flux_runtime.cli.errors import one_line_errors
+from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
 
 # `flux_runtime.weights.convert`'s COMPONENTS and DEFAULT_MAX_SHARD_SIZE (a test keeps them equal), written
 # out so that importing this command loads no torch: Ctrl-C while torch loads is then one line too.
@@ -44,7 +45,18 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(
+    cls=GroupedCommand,
+    groups=(
+        ("Writing", "max_shard_size overwrite"),
+        (
+            "Quantize (flux-convert quantize)",
+            "calibration_prompts calibration_steps calibration_size device vae text_encoder text_encoder_2",
+        ),
+    ),
+    epilog=f"Every option in full: {DOCS_PAGE} (flux-convert).",
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 120},
+)
 @click.argument("component", type=click.Choice([*COMPONENTS, "quantize"]))
 @click.argument("src", type=str)
 @click.argument("dst", type=click.Path(path_type=Path))

@@ -27,6 +27,7 @@ from click.core import ParameterSource
 
 from flux_runtime.cli.errors import one_line_errors
 from flux_runtime.cli.timings import Stopwatch
+from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
 from flux_runtime.registry import MODEL_NAMES as MODEL_CHOICES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -56,6 +57,15 @@ REPLAYED = (
     "prompt_upsampler",
     "upsampler_prompts",
     "boxes",
+)
+# --help's headings (click's parameter names); an option not named here is listed under "Other options"
+GROUPS = (
+    ("Prompt and output", "prompt prompts out overwrite num_images seed replay"),
+    ("Model", "model loras fp8 fp8_text vae text_encoder text_encoder_2 download_only offline"),
+    ("Sampling", "steps guidance width height quality max_sequence_length negative_prompt true_cfg"),
+    ("Input images", "image mask strength control_image max_area no_auto_resize"),
+    ("FLUX.3 prompt upsampler", "no_upsample prompt_upsampler upsampler_prompts boxes"),
+    ("Device and memory", "device dtype memory offload_text_encoders vae_tile no_cuda_graphs gpus"),
 )
 
 
@@ -148,74 +158,86 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
         raise click.ClickException(f"{shown} already {verb}; pass --overwrite or choose another --out")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(
+    cls=GroupedCommand,
+    groups=GROUPS,
+    epilog=f"Every option in full: {DOCS_PAGE} (flux-gen).",
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 120},
+)
 @click.option("--prompt", "-p", type=str, help="What to draw.")
 @click.option(
     "--prompts",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help='A file of prompts, one a line, or of JSON objects of per-image options ({"prompt", "seed", '
-    '"width", ...}, named like the options); the model loads once and each line is one run into the --out '
-    "folder [default: the current folder], e.g. 0007-a-red-fox.png.",
+    help='A file of prompts, one run a line. A line is a prompt or a JSON object of per-image options ({"prompt", '
+    '"seed", "width", ...}, named like the options); the model loads once and each line is one run into the '
+    "--out folder [default: the current folder], e.g. 0007-a-red-fox.png.",
 )
 @click.option(
     "--model",
     "-m",
     default="tiny",
-    help=f"A preset ({', '.join(MODEL_CHOICES)}), a cached model id or a path.",
+    help=f"A preset, a cached model id or a path. The presets: {', '.join(MODEL_CHOICES)}.",
 )
 @click.option(
     "--quality",
     type=click.Choice(["lossless", "high"]),
     default="lossless",
-    help="lossless = diffusers' bits.",
+    help="lossless: diffusers' bits; high: faster. high adds approximate fusions, each kept within an error "
+    "budget (docs/quality.md).",
 )
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
     default=None,
-    help="Denoising steps, at most 1000 [default: FLUX.1 28 dev, 4 schnell; FLUX.2 50 (distilled klein is "
-    "made for 4)].",
+    help="Denoising steps, at most 1000. [default: FLUX.1 28 dev, 4 schnell; FLUX.2 50 (distilled klein is "
+    "made for 4)]",
 )
 @click.option(
     "--guidance",
     type=click.FloatRange(min=0),
     default=None,
-    help="FLUX.1 / FLUX.2 dev: embedded guidance; klein: CFG scale (CFG when > 1, not on distilled models) "
-    "[default: FLUX.1 3.5 (the built-in tiny 2.5), FLUX.2 4.0; schnell and distilled klein ignore it].",
+    help="Guidance scale. FLUX.1 / FLUX.2 dev: embedded guidance; klein: CFG scale (CFG when > 1, not on "
+    "distilled models) [default: FLUX.1 3.5 (the built-in tiny 2.5), FLUX.2 4.0; schnell and distilled klein "
+    "ignore it].",
 )
-@click.option("--seed", type=click.IntRange(min=0), default=0)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    help="The noise's seed.",
+)
 @click.option(
     "--width",
     type=click.IntRange(min=1),
     default=None,
-    help="Pixels [default: 1024, tiny models 256; with --image the first image's].",
+    help="Width in pixels, a multiple of 16. [default: 1024, tiny models 256; with --image the first image's]",
 )
 @click.option(
     "--height",
     type=click.IntRange(min=1),
     default=None,
-    help="Pixels [default: 1024, tiny models 256; with --image the first image's].",
+    help="Height in pixels, a multiple of 16. [default: 1024, tiny models 256; with --image the first image's]",
 )
 @click.option(
     "--image",
     "-i",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     multiple=True,
-    help="FLUX.2 / FLUX.3: a reference image to edit or draw from (repeatable; FLUX.3 up to 10). FLUX.1: the "
-    "image for img2img or, with --mask, inpainting (once).",
+    help="An input image. FLUX.2 / FLUX.3: a reference image to edit or draw from (repeatable; FLUX.3 up to "
+    "10). FLUX.1: the image for img2img or, with --mask, inpainting (once).",
 )
 @click.option(
     "--mask",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="FLUX.1 inpainting: white where --image is repainted (its size).",
+    help="FLUX.1 inpainting mask. White where --image is repainted (its size).",
 )
 @click.option(
     "--strength",
     type=float,
     default=None,
-    help="FLUX.1 img2img / inpainting: how much of --image is redrawn, in (0, 1] [default: 0.6].",
+    help="FLUX.1 img2img / inpainting: how much of --image is redrawn. In (0, 1] [default: 0.6].",
 )
 @click.option(
     "--control-image",
@@ -227,44 +249,46 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     "--max-area",
     type=click.IntRange(min=1),
     default=None,
-    help="FLUX.1 Kontext: output pixels; the size keeps --width / --height at this area [default: 1024²].",
+    help="FLUX.1 Kontext: output pixels. The size keeps --width / --height at this area [default: 1024²].",
 )
 @click.option(
     "--no-auto-resize",
     is_flag=True,
-    help="FLUX.1 Kontext: keep --image's size (rounded) instead of the nearest preferred Kontext resolution.",
+    help="FLUX.1 Kontext: keep --image's size (rounded). Without it, the nearest preferred Kontext "
+    "resolution.",
 )
 @click.option("--negative-prompt", type=str, default=None, help="FLUX.1 true CFG: what to steer away from.")
 @click.option(
     "--true-cfg",
     type=click.FloatRange(min=1),
     default=1.0,
-    help="FLUX.1 true CFG scale; with --negative-prompt and > 1 each step runs twice.",
+    help="FLUX.1 true CFG scale. With --negative-prompt and > 1 each step runs twice.",
 )
 @click.option(
     "--no-upsample",
     is_flag=True,
-    help="FLUX.3: encode the prompt as given, without the prompt upsampler (on by default where the model has one).",
+    help="FLUX.3: encode the prompt as given. Without it, the prompt upsampler rewrites it first where the "
+    "model has one.",
 )
 @click.option(
     "--prompt-upsampler",
     type=str,
     default=None,
-    help="FLUX.3: the prompt upsampler's folder or cached id [default: black-forest-labs/flux-3-image-klein-pup "
-    "for flux3-klein*; none for tiny-flux3 and tiny-flux3-random].",
+    help="FLUX.3: the prompt upsampler's folder or cached id. [default: "
+    "black-forest-labs/flux-3-image-klein-pup for flux3-klein*; none for tiny-flux3 and tiny-flux3-random]",
 )
 @click.option(
     "--upsampler-prompts",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="FLUX.3: the upsampler's system prompts (JSON) [default: system_prompts.json in its folder].",
+    help="FLUX.3: the upsampler's system prompts (JSON). [default: system_prompts.json in its folder]",
 )
 @click.option(
     "--boxes",
     type=str,
     default=None,
     metavar="JSON|FILE",
-    help="FLUX.3: layout boxes for the prompt upsampler's layout mode, a JSON list (inline, or a .json file) of "
+    help="FLUX.3: layout boxes for the prompt upsampler. A JSON list (inline, or a .json file) of "
     '{"id", "desc", "bbox"} or, with --image, {"id", "desc", "from": "target" | "ref_image_N", "src_bbox", '
     '"tgt_bbox"}; boxes [y_min, x_min, y_max, x_max] in 0-1.',
 )
@@ -273,18 +297,22 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     "loras",
     multiple=True,
     metavar="PATH[:SCALE]",
-    help="A LoRA (.safetensors file, folder or cached id) fused at SCALE [default 1] (repeatable).",
+    help="A LoRA fused at SCALE (repeatable). PATH is a .safetensors file, a folder or a cached id; SCALE "
+    "defaults to 1.",
 )
-@click.option("--num-images", type=click.IntRange(min=1), default=1)
+@click.option("--num-images", type=click.IntRange(min=1), default=1, help="Images per prompt, one batch.")
 @click.option(
     "--max-sequence-length",
     type=click.IntRange(1, 512),
     default=None,
-    help="Text tokens (T5, Mistral, Qwen3) [default: 512; the tiny models 64, what they were trained with].",
+    help="Text tokens (T5, Mistral, Qwen3). [default: 512; the tiny models 64, what they were trained with]",
 )
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
 @click.option(
-    "--dtype", type=click.Choice(list(DTYPES)), default=None, help="[default: bf16 on GPU, fp32 on CPU]"
+    "--dtype",
+    type=click.Choice(list(DTYPES)),
+    default=None,
+    help="Model dtype [default: bf16 on GPU, fp32 on CPU].",
 )
 @click.option(
     "--out", "-o", type=click.Path(path_type=Path), default=Path("flux.png"), help="A .png file or a folder."
@@ -293,19 +321,21 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
 @click.option(
     "--fp8",
     is_flag=True,
-    help="Quantize the transformer's block projections to FP8 at load (bf16; FP8 checkpoints need no flag).",
+    help="Quantize the transformer to FP8 at load. Its block projections, from bf16; FP8 checkpoints need no "
+    "flag.",
 )
 @click.option(
     "--fp8-text",
     is_flag=True,
-    help="Quantize the text encoders' layers (T5, Qwen3, Qwen3-VL, Mistral) to FP8 at load (bf16; --fp8 includes this).",
+    help="Quantize the text encoders to FP8 at load. Their layers (T5, Qwen3, Qwen3-VL, Mistral), from bf16; "
+    "--fp8 includes this.",
 )
 @click.option(
     "--memory",
     default="auto",
     show_default=True,
-    help="GPU memory budget (e.g. 24GB, 16GB): the fastest plan that fits (resident, offload-text, swap, "
-    "stream); 'auto' is the GPU's free memory. Plans move weights, never change the pixels.",
+    help="GPU memory budget (24GB, 16GB, ...) or auto. The fastest plan that fits (resident, offload-text, "
+    "swap, stream); 'auto' is the GPU's free memory. Plans move weights, never change the pixels.",
 )
 @click.option(
     "--offload-text-encoders", is_flag=True, help="Keep the text encoders off the GPU except while encoding."
@@ -314,8 +344,7 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     "--vae-tile",
     type=click.IntRange(min=4),
     default=None,
-    help="Decode in tiles of this many latent pixels (a multiple of 4, at least 16) to bound memory for large "
-    "images.",
+    help="Decode in tiles of N latent pixels. N a multiple of 4, at least 16: bounds memory for large images.",
 )
 @click.option(
     "--no-cuda-graphs",
@@ -327,7 +356,7 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     "--gpus",
     type=click.IntRange(min=1),
     default=None,
-    help="Spread the image over N GPUs (sequence parallelism; with CFG, the two passes on two halves): starts "
+    help="Spread the image over N GPUs. Sequence parallelism; with CFG, the two passes on two halves: starts "
     "N ranks itself, or is one rank under torchrun. With --device cpu: N CPU processes (gloo).",
 )
 @click.option("--vae", type=str, default=None, help="Autoencoder file/folder for a BFL transformer file.")
@@ -335,7 +364,8 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     "--text-encoder",
     type=str,
     default=None,
-    help="CLIP-L (FLUX.1) or the Mistral / Qwen3 model (FLUX.2) folder or id for a BFL transformer file.",
+    help="Text encoder folder or id for a BFL transformer file. CLIP-L (FLUX.1) or the Mistral / Qwen3 model "
+    "(FLUX.2).",
 )
 @click.option(
     "--text-encoder-2", type=str, default=None, help="T5-XXL folder or id for a BFL transformer file."
@@ -349,20 +379,21 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
 @click.option(
     "--download-only",
     is_flag=True,
-    help="Fetch what --model reads from the Hugging Face Hub into its cache (only the files the load reads), "
-    "say what was fetched, and exit; no --prompt needed.",
+    help="Fetch what --model reads into the Hugging Face cache, and exit. Only the files the load reads, from the "
+    "Hub; says what was fetched; no --prompt needed.",
 )
 @click.option(
     "--offline",
     is_flag=True,
-    help="Never touch the network (as HF_HUB_OFFLINE=1): the model must be a path or in the local Hugging Face "
-    "cache. Without it a model id is fetched on first use.",
+    help="Never touch the network (as HF_HUB_OFFLINE=1). The model must be a path or in the local Hugging Face "
+    "cache; without it a model id is fetched on first use.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option(
     "--timings",
     is_flag=True,
-    help="At the end, print where the time went (start-up, imports, load, each image, save) and the peak memory.",
+    help="Print where the time went, at the end. Start-up, imports, load, each image and save, and the peak "
+    "memory.",
 )
 @click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(**opts: Any) -> None:

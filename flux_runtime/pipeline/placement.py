@@ -252,6 +252,13 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
 def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, device: torch.device) -> Plan:
     """Choose `pipe`'s plan for `memory` on `device` and place its models by it (see `Recipe.set_memory`)."""
     budget = budget_for(memory, device, offload_text_encoders)
+    return apply_budget(pipe, budget, offload_text_encoders, device)
+
+
+def apply_budget(pipe: Any, budget: int | None, offload_text_encoders: bool, device: torch.device) -> Plan:
+    """`apply` for a budget already resolved to bytes (`budget_for`), which is not checked against the device
+    again: loading takes some memory outside the allocator (CUDA modules, library workspaces), so an "auto"
+    budget resolved before the load would now read as more than the process can have."""
     fp = footprint(pipe, device)
     plan = plan_memory(fp, budget, force="offload-text" if offload_text_encoders else None)
     apply_plan(pipe, plan, device, fp)
@@ -370,6 +377,7 @@ def transformer_device(
 
 
 def place(pipe: Any, budget: int | None, offload_text_encoders: bool, device: torch.device) -> None:
-    """Apply the plan for `budget` to a freshly loaded pipeline (no plan without a budget)."""
+    """Apply the plan for `budget` (resolved before the load) to a freshly loaded pipeline (no plan without a
+    budget)."""
     if budget is not None:
-        pipe.set_memory(budget, offload_text_encoders=offload_text_encoders, device=device)
+        apply_budget(pipe, budget, offload_text_encoders, device)

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
 from flux_runtime.registry import MODEL_NAMES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -31,19 +32,37 @@ EXTRAS = {
 KEY_ENV = "FLUX_SERVE_API_KEY"  # the keys, comma-separated, when no --api-key is given
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(
+    cls=GroupedCommand,
+    # --help's headings (click's parameter names); an option not named here is listed under "Other options"
+    groups=(
+        ("Model", "model fp8 quality device dtype no_cuda_graphs offload_text_encoders"),
+        ("Listening and access", "host port api_keys metrics_public shutdown_timeout"),
+        ("Requests and batching", "max_queue max_batch no_batching max_n max_size max_upload_mb timeout"),
+        ("Images answered by URL", "store_dir store_max"),
+        ("Replicas on Ray Serve", "replicas gpus_per_replica ray_address"),
+    ),
+    epilog=f"Every option in full: {DOCS_PAGE} (flux-serve).",
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 120},
+)
 @click.option(
-    "--model", "-m", default="tiny", help=f"A preset ({', '.join(MODEL_NAMES)}), a cached id or a path."
+    "--model",
+    "-m",
+    default="tiny",
+    help=f"A preset, a cached id or a path. The presets: {', '.join(MODEL_NAMES)}.",
 )
 @click.option("--fp8", is_flag=True, help="Quantize the transformer's block projections to FP8 at load.")
 @click.option(
     "--quality", type=click.Choice(["lossless", "high"]), default="lossless", help="The default tier."
 )
 @click.option("--host", default="127.0.0.1", help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, help="Port to listen on.")
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
 @click.option(
-    "--dtype", type=click.Choice(list(DTYPES)), default=None, help="[default: bf16 on GPU, fp32 on CPU]"
+    "--dtype",
+    type=click.Choice(list(DTYPES)),
+    default=None,
+    help="Model dtype [default: bf16 on GPU, fp32 on CPU].",
 )
 @click.option(
     "--api-key", "api_keys", multiple=True, metavar="KEY",
@@ -53,10 +72,17 @@ KEY_ENV = "FLUX_SERVE_API_KEY"  # the keys, comma-separated, when no --api-key i
 @click.option("--metrics-public", is_flag=True, help="Serve /metrics without an API key.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=16, help="Requests waiting; more get 503.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=4, help="Images in one pipeline call.")
-@click.option("--no-batching", is_flag=True, help="Run every request alone (see README: batching and bits).")
+@click.option(
+    "--no-batching", is_flag=True, help="Run every request alone (docs/serving.md: batching and bits)."
+)
 @click.option("--max-n", type=click.IntRange(min=1), default=4, help="Images one request may ask for.")
 @click.option("--max-size", type=click.IntRange(min=16), default=2048, help="Largest width or height.")
-@click.option("--max-upload-mb", type=click.FloatRange(min=0, min_open=True), default=16.0)
+@click.option(
+    "--max-upload-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=16.0,
+    help="Largest uploaded image or mask, in MiB.",
+)
 @click.option(
     "--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds per request."
 )

@@ -82,7 +82,7 @@ class Job:
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own (one per app, so tests may build several).
 
-    The names, types and labels are the README's table (section flux-serve); every label value is made at
+    The names, types and labels are docs/serving.md's table (Metrics); every label value is made at
     start, so each series exists, at 0, before its first event. Counters and histograms carry no `_created`
     series: the switch is process-wide, and the server's process holds no other Prometheus metrics. The GPU
     memory gauges read the caching allocator's counters (no CUDA call, so a scrape never touches a stream

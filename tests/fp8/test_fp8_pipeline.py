@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -24,26 +25,30 @@ def _record(png):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
 def test_fp8_pipeline_records_its_precision_and_stays_close(model):
-    """FP8 moves the image less than half as far as a new seed does (means over three seeds).
+    """FP8 moves a typical image less than 0.6x as far as a new seed does: the median over seeds 0-7 of each
+    seed's ratio (mean |FP8 - bf16| over mean |bf16 at seed s+1 - bf16 at seed s|).
 
-    One seed's distance is no measure: two steps of a tiny model amplify the per-layer e4m3 error
-    unevenly (tiny-flux2, seeds 0-4: mean |diff| 0.025 to 0.12 on one CPU), so the bound is relative to
-    how far the images themselves move between seeds (measured: 0.13x for tiny, 0.33x for tiny-flux2)."""
+    Why a median: two steps of a tiny model amplify the per-layer e4m3 error unevenly, so a few seeds move far
+    (a shape's edge flips) and a mean over three seeds sat on a machine's rounding: 0.1829 against a bound of
+    0.1821 on a fresh machine. Measured here over seeds 0-23 (CPU, bf16): per-seed ratios 0.06-0.75 for
+    tiny-flux2 (median 0.19) and 0.03-0.43 for tiny (median 0.10); the median of any 8 consecutive seeds is
+    at most 0.25 and 0.11. The bound is 2.4x the larger; crossing it takes 4 of 8 seeds above 0.6, where 1 of
+    the 48 measured seeds lies. Each layer's own e4m3 error is bounded by the next test."""
     kw = dict(height=64, width=64, num_steps=2, output_type="pt")
+    seeds = range(8)
     fp8 = Pipeline.from_pretrained(model, device="cpu", dtype=torch.bfloat16, fp8=True)
     bf16 = Pipeline.from_pretrained(model, device="cpu", dtype=torch.bfloat16)
-    a = [fp8("a red fox", seed=s, **kw) for s in range(3)]
-    b = [bf16("a red fox", seed=s, **kw) for s in range(4)]
+    a = [fp8("a red fox", seed=s, **kw) for s in seeds]
+    b = [bf16("a red fox", seed=s, **kw) for s in range(len(seeds) + 1)]
     assert a[0].info["precision"] == "fp8-dynamic" and a[0].info["fp8_at_load"] is True
     assert b[0].info["precision"] == "bf16"
 
     def dist(x, y):
         return (x.images.float() - y.images.float()).abs().mean().item()
 
-    moved = [dist(a[s], b[s]) for s in range(3)]
-    seed_moves = [dist(b[s], b[s + 1]) for s in range(3)]
-    assert min(moved) > 0
-    assert sum(moved) < 0.5 * sum(seed_moves), (moved, seed_moves)
+    ratios = [dist(a[s], b[s]) / dist(b[s], b[s + 1]) for s in seeds]
+    assert min(ratios) > 0
+    assert statistics.median(ratios) < 0.6, ratios
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])

@@ -169,6 +169,42 @@ def test_forced_offload_and_no_budget() -> None:
     assert plan_memory(_fp(), None).name == "resident"
 
 
+def test_only_a_named_budget_is_lowered_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--memory auto` is resolved once, before the load; the load then takes some memory outside the allocator
+    (CUDA modules, library workspaces: 0.1 GB on an H200). The budget used to be checked against the device
+    again after the load and lowered, with a warning on every default run. A budget the user names above what
+    the process can have is still lowered, with the warning. The device's memory figures are mocked."""
+    from flux_runtime.pipeline import placement
+    from flux_runtime.pipeline.memory import resolve_budget
+
+    cuda = torch.device("cuda")
+    device = {"free": 80 * GiB, "reserved": 0, "allocated": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (device["free"], 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: device["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: device["allocated"])
+    budget = placement.budget_for("auto", cuda, offload_text_encoders=False)
+    assert budget == 80 * GiB
+    # the load: 20 GiB of weights through the allocator, 0.1 GiB outside it
+    device.update(free=80 * GiB - 20 * GiB - GiB // 10, reserved=20 * GiB, allocated=20 * GiB)
+    placed: list[Plan] = []
+    monkeypatch.setattr(placement, "footprint", lambda pipe, d=None: _fp())
+    monkeypatch.setattr(placement, "apply_plan", lambda pipe, plan, d, fp=None: placed.append(plan))
+
+    class Pipe:  # what `place` may reach of a pipeline, as `Pipeline.set_memory` does it
+        def set_memory(self, memory, *, offload_text_encoders=False, device=None):
+            return placement.apply(self, memory, offload_text_encoders, device)
+
+    with caplog.at_level("WARNING"):
+        placement.place(Pipe(), budget, False, cuda)
+    assert [p.budget for p in placed] == [budget]
+    assert not caplog.records, caplog.text
+    with caplog.at_level("WARNING"):
+        assert resolve_budget("100GB", cuda) == 80 * GiB - GiB // 10
+    assert "memory budget 100.0 GB is more than the 79.9 GB this process can have" in caplog.text
+
+
 def test_streamed_blocks_are_spread() -> None:
     assert spread(10, 5) == (1, 3, 5, 7, 9) and spread(4, 4) == (0, 1, 2, 3) and spread(7, 0) == ()
 

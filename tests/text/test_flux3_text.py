@@ -19,12 +19,9 @@ PROMPTS = {
 def text_only_processor(encoder: Flux3TextEncoder):
     """A Qwen3VLProcessor holding only the tokenizer and chat template (all a text prompt uses: its image and video
     processors would need torchvision); diffusers calls its `apply_chat_template` and `.tokenizer`."""
-    from transformers import Qwen3VLProcessor
+    from tests.flux3_upsampler_fixtures import qwen3_vl_processor
 
-    processor = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
-    processor.tokenizer = encoder.tokenizer
-    processor.chat_template = encoder.chat_template
-    return processor
+    return qwen3_vl_processor(encoder.tokenizer, encoder.chat_template)
 
 
 def diffusers_embeds(encoder: Flux3TextEncoder, prompt: str, max_sequence_length: int = 8192) -> torch.Tensor:
