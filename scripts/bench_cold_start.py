@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time to first image, as a user meets it: fresh processes from the command to the PNG, ours against diffusers.
 
-Device only (a CUDA GPU, diffusers importable). Three steps, each a subcommand, results as JSON lines in --out:
+Device only (a CUDA GPU, diffusers importable). Four steps, each a subcommand, results as JSON lines in --out:
 
 - `build ROOT`: full-size random pipeline folders written by diffusers and transformers, laid out as on the Hub:
   `ROOT/flux1-dev` (FLUX.1-dev transformer, FLUX.1 VAE, CLIP-L, T5-XXL in bf16, sharded like the real repo) and
@@ -17,6 +17,9 @@ Device only (a CUDA GPU, diffusers importable). Three steps, each a subcommand, 
   same call, each timed from the command to the PNG (wall, and the stages each process prints), the PNGs
   compared pixel for pixel; `flux-gen --prompts` with 8 prompts (per-image time after the first); peak host RSS
   of each process.
+- `imports ROOT`: what a fresh process spends before any weights: torch alone, a CUDA context, triton, our
+  pipeline and CLI, transformers' text encoders, diffusers' FluxPipeline, each in its own process; then the
+  heaviest modules of our imports (`python -X importtime`).
 """
 
 from __future__ import annotations
@@ -365,7 +368,7 @@ pipe.set_progress_bar_config(disable=True)
 torch.cuda.synchronize(); t2 = time.perf_counter()
 kw = dict(height=1024, width=1024, num_inference_steps=steps, guidance_scale=guidance,
           generator=torch.Generator().manual_seed(0))
-image = pipe({prompt!r}, **kw).images[0]
+image = pipe(prompt={prompt!r}, **kw).images[0]  # Flux2KleinPipeline's first argument is the image
 torch.cuda.synchronize(); t3 = time.perf_counter()
 image.save(out)
 t4 = time.perf_counter()
@@ -469,9 +472,50 @@ def cmd_cold(args: argparse.Namespace) -> None:
             _emit(args.out, {"prompts": args.prompts, **row})
 
 
+IMPORT_STAGES = {
+    "python alone": "pass",
+    "import torch": "import torch",
+    "torch + CUDA context": "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()",
+    "import triton": "import torch, triton",
+    "import flux_runtime.pipeline": "import flux_runtime.pipeline",
+    "import flux_runtime.cli.gen": "import flux_runtime.cli.gen",
+    "pipeline + transformers (T5, CLIP)": "import flux_runtime.pipeline; from transformers import T5EncoderModel, CLIPTextModel",
+    "import diffusers FluxPipeline": "import torch; from diffusers import FluxPipeline",
+}
+
+
+def cmd_imports(args: argparse.Namespace) -> None:
+    """Where a fresh process's start goes: each import alone in its own process (twice; bytecode cached, as on a
+    user's machine after the first run), then `python -X importtime`'s heaviest modules of the CLI's imports."""
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=str(args.root / "pycache"))
+    row: dict = {}
+    for label, code in IMPORT_STAGES.items():
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            rc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode
+            walls.append(round(time.perf_counter() - t0, 2))
+        row[label] = {"wall_s": walls[1:], "rc": rc}  # the first writes the bytecode
+    _emit(args.out, {"imports": row})
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import flux_runtime.cli.gen, flux_runtime.pipeline"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    rows = []
+    for line in proc.stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[0].strip().isdigit():
+            rows.append((int(parts[1]), int(parts[0]), parts[2].rstrip()))
+    top = [
+        f"{cum / 1e6:.2f} s cumulative, {own / 1e6:.2f} s own: {name}"
+        for cum, own, name in sorted(rows)[-30:]
+    ]
+    _emit(args.out, {"importtime (heaviest 30)": top[::-1]})
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=("build", "read", "cold"))
+    p.add_argument("step", choices=("build", "read", "cold", "imports"))
     p.add_argument("root", type=Path)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "cold_start.jsonl")
     p.add_argument("--models", default="flux1-dev,klein-4b")
@@ -490,7 +534,7 @@ def main() -> int:
     args = p.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     args.models = args.models.split(",")
-    {"build": cmd_build, "read": cmd_read, "cold": cmd_cold}[args.step](args)
+    {"build": cmd_build, "read": cmd_read, "cold": cmd_cold, "imports": cmd_imports}[args.step](args)
     return 0
 
 
