@@ -167,9 +167,10 @@ def _randomize(model: Any, seed: int, device: Any, dtype: Any) -> None:
 def serve_random(argv: list[str]) -> None:
     """The child: flux-serve's options in `argv`, a random full-size pipeline instead of a checkpoint."""
     from flux_runtime.pipeline.checks import check_device
-    from flux_runtime.serve.command import dtype_of, main, serve
+    from flux_runtime.serve.command import serve
+    from flux_runtime.serve.options import dtype_of, parse
 
-    opts = main.make_context("flux-serve", list(argv)).params
+    opts = parse(list(argv))
     if opts["model"] not in RANDOM_MODELS:
         raise SystemExit(f"--random-weights builds {', '.join(RANDOM_MODELS)}, not {opts['model']!r}")
     device = check_device(opts["device"])

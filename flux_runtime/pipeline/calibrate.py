@@ -62,7 +62,7 @@ def quantize_checkpoint(
 ) -> list[Path]:
     """Generate `prompts` with the bf16 pipeline at `src`, recording activation ranges, and write FP8 to `dst`.
     `vae` / `text_encoder` / `text_encoder_2`: a BFL transformer file's other parts, as for `Pipeline`."""
-    from flux_runtime.pipeline.flux1 import Pipeline
+    from flux_runtime.pipeline.entry import Pipeline
 
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise FluxError(f"{dst} already exists and is not empty; pass --overwrite to replace it")

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.registry import Variant
 from flux_runtime.weights import checks as weight_checks
 from flux_runtime.weights.errors import WeightsError
+
+if TYPE_CHECKING:
+    from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer, Flux3Transformer
+    from flux_runtime.models.vae import Flux1VAE, Flux2VAE
 
 OUTPUT_TYPES = ("pil", "pt", "np", "latent")
 QUALITIES = ("lossless", "high")
@@ -224,3 +230,35 @@ class StepWatch:
             f"the latents became NaN or infinite at denoising step {i + 1} of {self.num_steps}, so no image was "
             f"made ({str(self.dtype).removeprefix('torch.')} overflow? try bfloat16, a smaller guidance, or other weights)"
         )
+
+
+def input_width(variant: Variant, z: int, f: int) -> int:
+    """The transformer's input width for a variant: latents packed 2x2 (4z), Fill adds the masked image's
+    latents (4z) and the f x f mask packed 2x2 (4 f^2), control the control image's latents (4z)."""
+    if variant == "fill":
+        return 8 * z + 4 * f * f
+    if variant == "control":
+        return 8 * z
+    return 4 * z
+
+
+def check_latent_widths(
+    transformer: Flux1Transformer | Flux2Transformer | Flux3Transformer,
+    vae: Flux1VAE | Flux2VAE,
+    name: str,
+    variant: Variant = "text2img",
+) -> None:
+    """The transformer reads and predicts the VAE's latents packed 2x2 (Fill adds the masked image and its
+    8x8 mask, Depth/Canny the control image's latents): fail at load, naming the checkpoint, not at the
+    first step with a bare shape error. (Every family alike.)"""
+    z = vae.config.z_channels
+    f = getattr(vae.config, "spatial_factor", 8)
+    for layer, width, want in (
+        ("img_in", transformer.config.in_channels, input_width(variant, z, f)),
+        ("final_layer", transformer.config.out_channels, 4 * z),
+    ):
+        if width != want:
+            raise FluxError(
+                f"{name}: the transformer's {layer} has width {width}, but the VAE's {z} latent channels "
+                f"packed 2x2 are {4 * z}" + ("" if want == 4 * z else f" ({variant}: {want})")
+            )

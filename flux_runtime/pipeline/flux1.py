@@ -1,4 +1,4 @@
-"""`Pipeline`: FLUX.1 text to image with the same pixels as diffusers' FluxPipeline, and its variants.
+"""`Flux1Pipe`: FLUX.1 text to image with the same pixels as diffusers' FluxPipeline, and its variants.
 
 The FLUX.1 recipe for the pipeline core: encode the prompt (CLIP pooled + T5 states; with true CFG also
 the negative prompt), draw noise with a CPU generator in the text dtype, pack it, build the schedule from
@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from PIL import Image
 from torch import Tensor
 
-from flux_runtime.models.dit import Flux1Transformer, Flux2Transformer
-from flux_runtime.models.vae import Flux1VAE, Flux2VAE
-from flux_runtime.parallel.group import ParallelConfig, as_config, join, launched_world_size
+from flux_runtime.models.dit import Flux1Transformer
+from flux_runtime.models.vae import Flux1VAE
+from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
-from flux_runtime.pipeline import placement
-from flux_runtime.pipeline.arguments import reject_unknown, reject_unknown_load
+from flux_runtime.pipeline import flux1_variants, placement
+from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
-    check_device,
     check_guidance,
+    check_latent_widths,
     check_prompt_embeds,
     check_prompts,
     check_sampling,
@@ -33,23 +33,14 @@ from flux_runtime.pipeline.checks import (
     check_steps,
     check_vae_tile,
 )
-from flux_runtime.pipeline.core import (
-    Call,
-    Conditioning,
-    OutputType,
-    PipelineOutput,
-    Progress,
-    Recipe,
-    RoPE,
-    Start,
-)
-from flux_runtime.pipeline.downloads import fetch_model
+from flux_runtime.pipeline.core import Recipe, RoPE
 from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
-from flux_runtime.pipeline.sources import Sources, find_sources, open_family, schedule_config
+from flux_runtime.pipeline.sources import Sources, schedule_config
+from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
 from flux_runtime.pipeline.tiers import Tier
-from flux_runtime.registry import MODEL_IDS, Variant, spec_for
+from flux_runtime.registry import Variant, spec_for
 from flux_runtime.sampling import (
     denormalize_latents,
     draw_noise,
@@ -61,15 +52,10 @@ from flux_runtime.sampling import (
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin
-from flux_runtime.weights.download import downloads_allowed
-from flux_runtime.weights.pinned_stream import keep_ring
+from flux_runtime.weights.checkpoint import TransformerCheckpoint
 from flux_runtime.weights.vae import load_vae
 
-if TYPE_CHECKING:
-    from flux_runtime.pipeline.flux2 import Flux2Pipe
-    from flux_runtime.pipeline.flux3 import Flux3Pipe
-
-__all__ = ["MODEL_IDS", "Pipeline", "PipelineOutput", "check_latent_widths"]
+__all__ = ["Flux1Pipe"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +65,7 @@ FILL_STEPS, FILL_GUIDANCE = 50, 30.0
 DEFAULT_SIZE = 1024
 
 
-class Pipeline(Recipe):
+class Flux1Pipe(Recipe):
     """FLUX.1 [dev] / [schnell] text-to-image, true CFG, and the FLUX.1 variants. Build with `from_pretrained`.
 
     `variant` is what the checkpoint does besides text to image (`text2img`, `kontext`, `fill`,
@@ -100,8 +86,6 @@ class Pipeline(Recipe):
         offload_text_encoders: bool = False,
         variant: Variant | None = None,
     ) -> None:
-        from flux_runtime.pipeline import flux1_variants
-
         self.variant: Variant = flux1_variants.variant_of(transformer, vae, variant, model_name)
         check_latent_widths(transformer, vae, model_name, self.variant)
         if text_encoder is not None:  # None on the ranks of a parallel run other than rank 0
@@ -113,133 +97,35 @@ class Pipeline(Recipe):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    @keep_ring()  # every component's GPU load shares one pinned ring
-    def from_pretrained(
+    def from_sources(
         cls,
-        path_or_id: str | Path,
+        src: Sources,
         *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device,
+        dtype: torch.dtype,
         quality: Tier = "lossless",
-        vae: str | Path | None = None,
-        text_encoder: str | Path | None = None,
-        text_encoder_2: str | Path | None = None,
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
-        is_distilled: bool | None = None,
         fp8: bool = False,
-        variant: Variant | None = None,
-        memory: str | int | None = "auto",
         fp8_text: bool = False,
-        parallel: ParallelConfig | int | None = None,
-        download: bool = True,
-        **unknown: Any,
-    ) -> Pipeline | Flux2Pipe | Flux3Pipe:
-        """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
-        keys are theirs.
+        variant: Variant | None = None,
+        checkpoint: TransformerCheckpoint | None = None,
+        budget: int | None = None,
+        parallel: World | None = None,
+    ) -> Flux1Pipe:
+        """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`;
+        `checkpoint`: the transformer already opened there, so its headers are not read again).
 
-        `path_or_id`: `tiny` / `tiny-flux2` (built in, random, offline), a registry name (`flux1-dev`,
-        `flux1-schnell`, `flux1-kontext-dev`, `flux1-fill-dev`, `flux1-depth-dev`, `flux1-canny-dev`,
-        `flux2-dev`, `flux2-klein-4b`, `flux2-klein-9b`) or any Hugging Face model id, a diffusers pipeline
-        folder, or a BFL transformer file (then `ae.safetensors` beside it, or `vae=`;
-        FLUX.1: CLIP-L and T5 from `text_encoder` / `text_encoder_2`, folders or cached ids, default
-        openai/clip-vit-large-patch14 and google/t5-v1_1-xxl; FLUX.2: its one LLM from `text_encoder`, default
-        the one BFL pairs with the transformer, see `Flux2Pipe.from_sources`).
-        `quality`: `lossless` (bit-identical to diffusers) or `high` (approximate fused kernels).
-        `is_distilled` (FLUX.2 [klein] only): whether the model is step-distilled (no CFG); default: the
-        folder's model_index.json, else False. BFL klein files carry no such flag: say so here.
-        `fp8`: quantize the transformer's block projections to e4m3 at load (bf16 only; FP8 checkpoints
-        load as FP8 without it). Precision is the model's, orthogonal to `quality`; the provenance records it.
-        `variant` (FLUX.1): `kontext` for a Kontext checkpoint that is neither a diffusers folder saying so
-        (model_index.json) nor a registry name; Fill and Depth/Canny are told by the transformer's width.
-        `memory`: the GPU memory budget, "auto" (the GPU's free memory; off a GPU: no plan), a size ("24GB",
-        "512MB", bytes) or None (everything on the device, as before plans). The plan it picks (resident,
-        offload-text, swap, stream; see `flux_runtime.pipeline.memory`) is logged once and recorded in the
-        provenance; it moves weights, never changes bits. `offload_text_encoders` asks for at least the
-        offload-text plan. `fp8_text`: quantize the text encoders' layers (T5 / Qwen3 / Mistral) to FP8 at
-        load (bf16 only), as `fp8` does the transformer's.
-        `parallel`: spread each image over this many processes (an int, or a `ParallelConfig`), one per
-        GPU, started together by `torchrun` or `flux-gen --gpus N`: the sequence split over the ranks
-        (Ulysses) and, with CFG, the two branches on two halves of them. Every rank loads the transformer
-        and the VAE; rank 0 alone loads the text encoders, and returns the images (the others: None).
-        Memory plans are for one GPU: a parallel run keeps every model resident.
-        `download`: fetch what the load reads and the local Hugging Face cache lacks, on first use, exactly those
-        files (`flux_runtime.pipeline.downloads`); False, or HF_HUB_OFFLINE=1, never touches the network. A
-        parallel run reads the cache only (fetch first: `flux-gen --download-only`).
+        The text encoders: the folder's CLIP-L and T5 (`text_encoder/`, `text_encoder_2/` and their tokenizers),
+        else the ones `find_sources` was given or defaults to; a built-in model's small ones.
+        `parallel`: this process's rank of a parallel run (the text encoders load on rank 0 only).
         """
-        from flux_runtime.pipeline import flux1_variants
-
-        reject_unknown_load(cls.from_pretrained, unknown)
-        flux1_variants.check_variant_name(variant)
-        if quality not in ("lossless", "high"):
-            raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")
-        for flag, value in (
-            ("fp8", fp8),
-            ("fp8_text", fp8_text),
-            ("cuda_graphs", cuda_graphs),
-            ("download", download),
-        ):
-            if not isinstance(value, bool):
-                raise FluxError(f"{flag} must be True or False, got {value!r}")
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise FluxError(
-                f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32"
-            )
-        device = check_device(device)
-        for flag, on in (("fp8", fp8), ("fp8_text", fp8_text)):
-            if on and dtype != torch.bfloat16:
-                raise FluxError(
-                    f"{flag}=True computes in bf16 between the FP8 GEMMs; pass dtype=torch.bfloat16, not {dtype}"
-                )
-        if parallel is not None and (offload_text_encoders or memory not in ("auto", None)):
-            raise FluxError(
-                "memory budgets and text-encoder offload plan one GPU; a parallel run keeps every model resident: "
-                "drop memory= / offload_text_encoders, or parallel="
-            )
-        world = None
-        config = None if parallel is None else as_config(parallel)
-        if config is not None and (config.world_size > 1 or launched_world_size() is not None):
-            world, device = join(config, device)
-        budget = placement.budget_for(memory, device, offload_text_encoders) if world is None else None
-        if parallel is None and downloads_allowed(download):
-            fetch_model(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
-        src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
-        # the checkpoint is opened once: its headers tell the family and feed the loader
-        family, ckpt = open_family(src)
-        if family == "flux2":
-            from flux_runtime.pipeline.flux2 import Flux2Pipe
-
-            if variant is not None:
-                raise FluxError(f"variant {variant!r} is a FLUX.1 setting; this checkpoint is FLUX.2")
-            return Flux2Pipe.from_sources(
-                src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
-                text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
-                is_distilled=is_distilled, fp8=fp8, checkpoint=ckpt, budget=budget, fp8_text=fp8_text,
-                parallel=world,
-            )  # fmt: skip
-        if family == "flux3":
-            from flux_runtime.pipeline.flux3 import Flux3Pipe
-
-            if variant is not None or is_distilled is not None or text_encoder_2 is not None:
-                raise FluxError(
-                    "variant, is_distilled and text_encoder_2 are not FLUX.3 settings (a FLUX.3 checkpoint says "
-                    "itself whether it is the flow map)"
-                )
-            if parallel is not None:
-                raise FluxError("parallel is not available for FLUX.3 yet: drop it (one GPU runs FLUX.3)")
-            return Flux3Pipe.from_sources(
-                src, device=device, dtype=dtype, quality=quality, text_encoder=text_encoder,
-                cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders, checkpoint=ckpt,
-                fp8=fp8, fp8_text=fp8_text, budget=budget,
-            )  # fmt: skip
-        if is_distilled is not None:
-            raise FluxError("is_distilled is a FLUX.2 [klein] setting; this checkpoint is FLUX.1")
         # with a budget the transformer loads to host memory unless it fits the device, the text encoders
         # to host memory always: the plan then puts on the device what it keeps there
-        dit_device = placement.transformer_device(budget, ckpt, dtype, fp8, device)
-        transformer = load_transformer(ckpt or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
+        dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
+        transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux1Transformer)  # told by the keys
-        sharded = None if world is None else SequenceParallel(transformer, world)  # heads checked first
+        sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
         if vae_model.config.family != "flux1":
             raise FluxError(
@@ -253,7 +139,7 @@ class Pipeline(Recipe):
             src.name,
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
-        main = world is None or world.is_main  # only rank 0 encodes
+        main = parallel is None or parallel.is_main  # only rank 0 encodes
         text_device = placement.text_device(budget, device, offload_text_encoders, _text_sources(src))
         text = _open_text(src, text_device, dtype) if main else None
         if fp8_text and text is not None:
@@ -272,10 +158,16 @@ class Pipeline(Recipe):
         pipe.fp8_text = fp8_text
         pipe.hub_revision = src.hub_revision
         placement.place(pipe, budget, offload_text_encoders, device)
-        if world is not None:
+        if parallel is not None:
             assert sharded is not None
-            attach(pipe, world, sharded)
+            attach(pipe, parallel, sharded)
         return pipe
+
+    def input_widened(self, name: str) -> None:
+        """A LoRA (`name`) widened the transformer's input (a Control LoRA): the variant follows the new width,
+        and the widths are checked again against the VAE."""
+        self.variant = flux1_variants.variant_of(self.transformer, self.vae, None, self.model_name)
+        check_latent_widths(self.transformer, self.vae, name, self.variant)
 
     @property
     def is_distilled(self) -> bool:
@@ -377,8 +269,6 @@ class Pipeline(Recipe):
 
     # ------------------------------------------------------------------ the recipe
     def check(self, call: Call) -> None:
-        from flux_runtime.pipeline import flux1_variants
-
         cfg = self.transformer.config
         if call.prompt_embeds is None:
             check_prompts(call.prompt)
@@ -462,8 +352,6 @@ class Pipeline(Recipe):
         return Conditioning(txt, vec, neg[0], neg[1])
 
     def prepare(self, call: Call, cond: Conditioning) -> Start:
-        from flux_runtime.pipeline import flux1_variants
-
         return flux1_variants.prepare(self, call, cond)
 
     def text2img_start(
@@ -530,33 +418,7 @@ class Pipeline(Recipe):
         )
 
     def record_inputs(self, call: Call) -> dict[str, Any]:
-        from flux_runtime.pipeline import flux1_variants
-
         return flux1_variants.record_inputs(self, call)
-
-
-def check_latent_widths(
-    transformer: Flux1Transformer | Flux2Transformer,
-    vae: Flux1VAE | Flux2VAE,
-    name: str,
-    variant: Variant = "text2img",
-) -> None:
-    """The transformer reads and predicts the VAE's latents packed 2x2 (Fill adds the masked image and its
-    8x8 mask, Depth/Canny the control image's latents): fail at load, naming the checkpoint, not at the
-    first step with a bare shape error. (FLUX.1 and FLUX.2 alike.)"""
-    from flux_runtime.pipeline.flux1_variants import input_width
-
-    z = vae.config.z_channels
-    f = getattr(vae.config, "spatial_factor", 8)
-    for layer, width, want in (
-        ("img_in", transformer.config.in_channels, input_width(variant, z, f)),
-        ("final_layer", transformer.config.out_channels, 4 * z),
-    ):
-        if width != want:
-            raise FluxError(
-                f"{name}: the transformer's {layer} has width {width}, but the VAE's {z} latent channels "
-                f"packed 2x2 are {4 * z}" + ("" if want == 4 * z else f" ({variant}: {want})")
-            )
 
 
 def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, name: str) -> None:

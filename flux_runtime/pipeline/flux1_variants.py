@@ -22,16 +22,18 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from flux_runtime.pipeline.checks import MAX_GUIDANCE
-from flux_runtime.pipeline.core import Call, Conditioning, Start, first_step
+from flux_runtime.pipeline.checks import MAX_GUIDANCE, input_width
+from flux_runtime.pipeline.core import first_step
 from flux_runtime.pipeline.errors import FluxError, warn_caller
+from flux_runtime.pipeline.provenance import image_record
 from flux_runtime.pipeline.sources import Sources
+from flux_runtime.pipeline.state import Call, Conditioning, Start
 from flux_runtime.registry import Variant, spec_for
 from flux_runtime.sampling import draw_noise, image_ids, latent_size, pack
 from flux_runtime.sampling.reference_images import require_image
 
 if TYPE_CHECKING:
-    from flux_runtime.pipeline.flux1 import Pipeline
+    from flux_runtime.pipeline.core import Recipe as Pipeline  # the FLUX.1 recipe
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +62,6 @@ _PIPELINE_CLASSES: dict[str, Variant] = {
     "FluxControlImg2ImgPipeline": "control",
     "FluxControlInpaintPipeline": "control",
 }
-
-
-def input_width(variant: Variant, z: int, f: int) -> int:
-    """The transformer's input width for a variant: latents packed 2x2 (4z), Fill adds the masked image's
-    latents (4z) and the f x f mask packed 2x2 (4 f^2), control the control image's latents (4z)."""
-    if variant == "fill":
-        return 8 * z + 4 * f * f
-    if variant == "control":
-        return 8 * z
-    return 4 * z
 
 
 def check_variant_name(variant: object) -> None:
@@ -401,8 +393,6 @@ def _inpaint_blend(
 def record_inputs(pipe: Pipeline, call: Call) -> dict[str, Any]:
     """Provenance of the variant's inputs: the negative prompt and CFG scale when true CFG ran, the
     strength and each input image's file and fingerprint."""
-    from flux_runtime.pipeline.flux2 import image_record
-
     out: dict[str, Any] = {}
     if pipe.variant != "text2img":
         out["variant"] = pipe.variant

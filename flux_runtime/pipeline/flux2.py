@@ -23,9 +23,8 @@ layout; on CUDA each denoiser branch (conditional, unconditional) replays its ow
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
+    check_latent_widths,
     check_prompt_embeds,
     check_prompts,
     check_sampling,
@@ -48,22 +48,13 @@ from flux_runtime.pipeline.checks import (
     check_steps,
     check_vae_tile,
 )
-from flux_runtime.pipeline.core import (
-    Call,
-    Conditioning,
-    OutputType,
-    PipelineOutput,
-    Progress,
-    Recipe,
-    RoPE,
-    Start,
-)
+from flux_runtime.pipeline.core import Recipe, RoPE
 from flux_runtime.pipeline.errors import FluxError, warn_caller
-from flux_runtime.pipeline.flux1 import check_latent_widths
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.parallel import attach
-from flux_runtime.pipeline.provenance import weights_id
+from flux_runtime.pipeline.provenance import ReferenceImages, image_fingerprint, image_record, weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
+from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import (
     FLUX2_DEV_TEXT_ENCODERS,
@@ -99,20 +90,11 @@ __all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "Flux2Pipe", "image_fingerprint"
 log = logging.getLogger(__name__)
 
 TextEncoder = Flux2TextEncoder | KleinTextEncoder
-ReferenceImages = Image.Image | Sequence[Image.Image]
-
 # Flux2Pipeline.__call__ and Flux2KleinPipeline.__call__ defaults (both pipelines, every checkpoint).
 DEFAULT_STEPS = 50
 DEFAULT_GUIDANCE = 4.0
 # diffusers' `default_sample_size`: the default side is 128 latent pixels times the VAE factor (1024 px).
 DEFAULT_SAMPLE_SIZE = 128
-
-
-def image_fingerprint(image: Image.Image) -> str:
-    """sha256 over a PIL image's mode, size and pixels: what the pipeline saw, whatever file it came from."""
-    digest = hashlib.sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
-    digest.update(image.tobytes())
-    return digest.hexdigest()
 
 
 class Flux2Pipe(Recipe):
@@ -496,16 +478,6 @@ class Flux2Pipe(Recipe):
     def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
         # through this module's name, so a test can stand a CPU fake in for the CUDA graphs
         return GraphedDenoiser(fn)
-
-
-def image_record(image: Image.Image) -> dict[str, Any]:
-    """What the provenance keeps of an input image: its file (or None), size and `image_fingerprint`."""
-    return {
-        "path": getattr(image, "filename", "") or None,
-        "width": image.width,
-        "height": image.height,
-        "sha256": image_fingerprint(image),
-    }
 
 
 def _open_text(

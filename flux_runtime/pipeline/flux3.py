@@ -37,19 +37,19 @@ from flux_runtime.pipeline import flux3_upsample, placement
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
+    check_latent_widths,
     check_prompt_embeds,
     check_sampling,
     check_size,
     check_steps,
     check_vae_tile,
 )
-from flux_runtime.pipeline.core import Call, Conditioning, OutputType, PipelineOutput, Progress, Recipe, Start
+from flux_runtime.pipeline.core import Recipe
 from flux_runtime.pipeline.errors import FluxError, warn_caller
-from flux_runtime.pipeline.flux1 import check_latent_widths
-from flux_runtime.pipeline.flux2 import ReferenceImages, image_record
 from flux_runtime.pipeline.graphs import GraphedDenoiser
-from flux_runtime.pipeline.provenance import weights_id
+from flux_runtime.pipeline.provenance import ReferenceImages, image_record, weights_id
 from flux_runtime.pipeline.sources import Sources
+from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import QWEN3_VL_4B_ID, spec_for
 from flux_runtime.sampling import (

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 
-from flux_runtime.pipeline.core import Call
 from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.pipeline.state import Call
 from flux_runtime.text.flux3_boxes import box_record, canvas_rows
 from flux_runtime.text.flux3_upsampler import (
     PROMPTS_FILE,
@@ -42,7 +42,7 @@ from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 
 if TYPE_CHECKING:
-    from flux_runtime.pipeline.flux3 import Flux3Pipe
+    from flux_runtime.pipeline.core import Recipe as Flux3Pipe  # the FLUX.3 recipe
 
 log = logging.getLogger(__name__)
 

@@ -90,14 +90,10 @@ def load_lora(pipe: Any, path: str | Path, scale: float = 1.0) -> LoadedLora:
         text_encoder=clip, name=file.name,
     )  # fmt: skip
     pipe._graphed.clear()  # graphs replay the old weights' addresses
-    if report.widened is not None and hasattr(pipe, "variant"):
-        from flux_runtime.pipeline.flux1 import check_latent_widths
-        from flux_runtime.pipeline.flux1_variants import variant_of
-
+    if report.widened is not None and hasattr(pipe, "input_widened"):  # a recipe with variants (FLUX.1)
         if loras.variant is None:
             loras.variant = pipe.variant
-        pipe.variant = variant_of(pipe.transformer, pipe.vae, None, pipe.model_name)
-        check_latent_widths(pipe.transformer, pipe.vae, file.name, pipe.variant)
+        pipe.input_widened(file.name)
     loaded = LoadedLora(
         str(file), sha, scale, weights.format, report.layers, report.text_layers, report.fp8_layers,
         report.widened,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,9 +18,7 @@ from torch import Tensor
 from flux_runtime.parallel.cfg import ModelFn, cfg_branches
 from flux_runtime.parallel.group import Plan, World
 from flux_runtime.parallel.ulysses import SequenceParallel
-
-if TYPE_CHECKING:
-    from flux_runtime.pipeline.core import Conditioning, Start
+from flux_runtime.pipeline.state import Conditioning, Start
 
 _FIELDS = ("txt", "vec", "negative_txt", "negative_vec")
 
@@ -34,8 +32,6 @@ def attach(recipe: Any, world: World, transformer: SequenceParallel) -> None:
 
 def share_conditioning(world: World, cond: Conditioning | None) -> Conditioning:
     """Rank 0's encoded prompts on every rank (`cond` is None on the others)."""
-    from flux_runtime.pipeline.core import Conditioning  # the core imports this module
-
     layout = [None]
     if world.is_main:
         assert cond is not None

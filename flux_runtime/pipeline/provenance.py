@@ -17,7 +17,7 @@ import platform
 import secrets
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from flux_runtime.weights.hub import resolve
 # The PNG text chunk holding the record.
 CHUNK = "flux_runtime"
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+# What a FLUX.2 / FLUX.3 call takes as `image`: one reference image or several.
+ReferenceImages = Image.Image | Sequence[Image.Image]
 
 
 def _one_of(*values: str) -> Kind:
@@ -301,3 +303,20 @@ def _clash(path: Path) -> FluxError:
         f"{path} already exists (another run wrote it meanwhile?); it was left as it is and this image was "
         "not saved: choose another output path"
     )
+
+
+def image_fingerprint(image: Image.Image) -> str:
+    """sha256 over a PIL image's mode, size and pixels: what the pipeline saw, whatever file it came from."""
+    digest = hashlib.sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def image_record(image: Image.Image) -> dict[str, Any]:
+    """What the provenance keeps of an input image: its file (or None), size and `image_fingerprint`."""
+    return {
+        "path": getattr(image, "filename", "") or None,
+        "width": image.width,
+        "height": image.height,
+        "sha256": image_fingerprint(image),
+    }

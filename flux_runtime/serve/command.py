@@ -8,10 +8,6 @@ running; what is still queued after that is refused (`--drain` off: at once).
 
 from __future__ import annotations
 
-import importlib.util
-import ipaddress
-import logging
-import os
 import tempfile
 import threading
 from collections.abc import Callable
@@ -21,15 +17,18 @@ from typing import Any
 import click
 
 from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
-from flux_runtime.registry import MODEL_NAMES
+from flux_runtime.serve.options import (
+    api_keys,
+    app_options,
+    configure_logging,
+    load_error,
+    pipeline_loader,
+    require_extra,
+    serve_options,
+    warn_if_open,
+)
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# the modules of each optional extra the command needs, checked before anything is loaded
-EXTRAS = {
-    "serve": ("fastapi", "uvicorn", "pydantic", "prometheus_client", "multipart"),
-    "ray": ("ray.serve",),
-}
-KEY_ENV = "FLUX_SERVE_API_KEY"  # the keys, comma-separated, when no --api-key is given
+__all__ = ["main", "serve"]
 
 
 @click.command(
@@ -45,64 +44,7 @@ KEY_ENV = "FLUX_SERVE_API_KEY"  # the keys, comma-separated, when no --api-key i
     epilog=f"Every option in full: {DOCS_PAGE} (flux-serve).",
     context_settings={"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 120},
 )
-@click.option(
-    "--model",
-    "-m",
-    default="tiny",
-    help=f"A preset, a cached id or a path. The presets: {', '.join(MODEL_NAMES)}.",
-)
-@click.option("--fp8", is_flag=True, help="Quantize the transformer's block projections to FP8 at load.")
-@click.option(
-    "--quality", type=click.Choice(["lossless", "high"]), default="lossless", help="The default tier."
-)
-@click.option("--host", default="127.0.0.1", help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, help="Port to listen on.")
-@click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda if available].")
-@click.option(
-    "--dtype",
-    type=click.Choice(list(DTYPES)),
-    default=None,
-    help="Model dtype [default: bf16 on GPU, fp32 on CPU].",
-)
-@click.option(
-    "--api-key", "api_keys", multiple=True, metavar="KEY",
-    help=f"Accept 'Authorization: Bearer KEY' (repeatable); every route but /health and /ready needs one. "
-    f"[default: ${KEY_ENV}, comma-separated; neither: no key needed]",
-)  # fmt: skip
-@click.option("--metrics-public", is_flag=True, help="Serve /metrics without an API key.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=16, help="Requests waiting; more get 503.")
-@click.option("--max-batch", type=click.IntRange(min=1), default=4, help="Images in one pipeline call.")
-@click.option(
-    "--no-batching", is_flag=True, help="Run every request alone (docs/serving.md: batching and bits)."
-)
-@click.option("--max-n", type=click.IntRange(min=1), default=4, help="Images one request may ask for.")
-@click.option("--max-size", type=click.IntRange(min=16), default=2048, help="Largest width or height.")
-@click.option(
-    "--max-upload-mb",
-    type=click.FloatRange(min=0, min_open=True),
-    default=16.0,
-    help="Largest uploaded image or mask, in MiB.",
-)
-@click.option(
-    "--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds per request."
-)
-@click.option(
-    "--shutdown-timeout", type=click.FloatRange(min=0), default=60.0, help="Seconds to finish on a signal."
-)
-@click.option("--store-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder of the PNGs answered by URL [default: a temporary folder].")  # fmt: skip
-@click.option("--store-max", type=click.IntRange(min=1), default=256, help="PNGs kept for URL answers.")
-@click.option("--no-cuda-graphs", is_flag=True, help="Run the denoiser eagerly.")
-@click.option(
-    "--offload-text-encoders", is_flag=True, help="Keep the text encoders on the CPU between calls."
-)
-@click.option("--replicas", type=click.IntRange(min=1), default=None,
-              help="Serve N replicas as a Ray Serve deployment (pip install 'flux-runtime[ray]').")  # fmt: skip
-@click.option("--gpus-per-replica", type=click.FloatRange(min=0), default=None,
-              help="GPUs Ray gives each replica [default: 1 with CUDA here or --device cuda, else 0].")  # fmt: skip
-@click.option("--ray-address", default=None, metavar="ADDR",
-              help="An existing Ray cluster (ray://HOST:10001, auto) [default: a local Ray instance].")  # fmt: skip
-@click.option("--debug", is_flag=True, help="Log each batch; show the traceback of a failed load.")
+@serve_options
 def main(**opts: Any) -> None:
     """Serve FLUX over an OpenAI-compatible HTTP API (/v1/images/generations, /v1/images/edits)."""
     require_extra("serve", "flux-serve")
@@ -118,123 +60,18 @@ def main(**opts: Any) -> None:
     run(opts, api_keys(opts))
 
 
-def require_extra(extra: str, what: str) -> None:
-    """One line naming the install command when a module of the optional `extra` is missing."""
-    for name in EXTRAS[extra]:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a missing parent package; a module set to None in sys.modules
-            found = False
-        if not found:
-            raise click.ClickException(
-                f"{what} needs the {extra} extra ({name.partition('.')[0]} is missing): "
-                f"pip install 'flux-runtime[{extra}]'"
-            )
-
-
-def api_keys(opts: dict[str, Any]) -> list[str]:
-    """The keys of `--api-key`, else of FLUX_SERVE_API_KEY; an empty or blank one is a one-line error that
-    names where it came from, never the key."""
-    from flux_runtime.serve.auth import check_key
-
-    env = os.environ.get(KEY_ENV)
-    if opts["api_keys"]:
-        keys, where = list(opts["api_keys"]), "--api-key"
-    elif env is not None:
-        keys, where = env.split(","), KEY_ENV
-    else:
-        return []
-    for i, key in enumerate(keys, 1):
-        try:
-            check_key(key, f"{where}: key {i} of {len(keys)}" if len(keys) > 1 else where)
-        except ValueError as e:
-            raise click.ClickException(str(e)) from None
-    return keys
-
-
-def pipeline_loader(opts: dict[str, Any]) -> Callable[[], Any]:
-    """A function loading the pipeline `--model` names on `--device` in `--dtype` (run on the worker thread);
-    the device is checked here, before the port opens."""
-    from flux_runtime.pipeline import FluxError, Pipeline
-    from flux_runtime.pipeline.checks import check_device
-
-    try:
-        device = check_device(opts["device"])
-    except FluxError as e:
-        raise click.ClickException(str(e)) from None
-
-    def load() -> Any:
-        return Pipeline.from_pretrained(
-            opts["model"], device=device, dtype=dtype_of(opts, device), quality=opts["quality"],
-            cuda_graphs=not opts["no_cuda_graphs"], offload_text_encoders=opts["offload_text_encoders"],
-            fp8=opts["fp8"],
-        )  # fmt: skip
-
-    return load
-
-
-def dtype_of(opts: dict[str, Any], device: Any) -> Any:
-    """`--dtype`, else bf16 on a GPU or with `--fp8`, fp32 on the CPU."""
-    import torch
-
-    name = opts["dtype"] or ("bf16" if device.type == "cuda" or opts["fp8"] else "fp32")
-    return getattr(torch, DTYPES[name])
-
-
-def app_options(opts: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    """`create_app`'s keyword arguments from `flux-serve`'s options (the pipeline's loader and the store
-    aside); the keys go in as digests only."""
-    from flux_runtime.serve.app import Limits
-    from flux_runtime.serve.auth import ApiKeys
-
-    return dict(
-        model=opts["model"],
-        limits=Limits(
-            max_n=opts["max_n"],
-            max_side=opts["max_size"],
-            max_upload_bytes=int(opts["max_upload_mb"] * 2**20),
-            timeout=opts["timeout"],
-        ),
-        max_queue=opts["max_queue"],
-        max_batch=opts["max_batch"],
-        batching=not opts["no_batching"],
-        keys=ApiKeys.of(keys),
-        metrics_public=opts["metrics_public"],
-    )
-
-
-def warn_if_open(opts: dict[str, Any], keys: list[str]) -> None:
-    """One line on stderr when no key guards a port that other machines may reach."""
-    if keys or _loopback(opts["host"]):
-        return
-    click.echo(
-        f"flux-serve: warning: no API key and {opts['host']} is not a loopback address: anyone who reaches "
-        f"port {opts['port']} can generate (set --api-key or ${KEY_ENV})",
-        err=True,
-    )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
-
-
 def serve(load: Callable[[], Any], opts: dict[str, Any]) -> None:
     """Serve the pipeline `load()` returns under the name `--model` with `flux-serve`'s options until a
     signal; a failed load ends the server and is one line here (`--debug`: its traceback).
 
     `opts` are `main`'s parameters; a caller that builds its own pipeline (scripts/bench_serve.py, with random
-    full-size weights) gets them from `main.make_context("flux-serve", args).params`.
+    full-size weights) gets them from `flux_runtime.serve.options.parse(args)`.
     """
     import uvicorn
 
     from flux_runtime.serve.app import ImageStore, create_app
 
-    _configure_logging(opts)
+    configure_logging(opts)
     keys = api_keys(opts)
     store_dir = opts["store_dir"] or Path(tempfile.mkdtemp(prefix="flux-serve-"))
     app = create_app(load, store=ImageStore(store_dir, opts["store_max"]), **app_options(opts, keys))
@@ -261,20 +98,3 @@ def serve(load: Callable[[], Any], opts: dict[str, Any]) -> None:
         if opts["debug"]:
             raise worker.failure
         raise click.ClickException(load_error(worker.failure))
-
-
-def load_error(e: BaseException) -> str:
-    """A failed load in one line: our errors' first line, another error's type and first line."""
-    from flux_runtime.pipeline import FluxError
-    from flux_runtime.weights.errors import WeightsError
-
-    first = (str(e).strip().splitlines() or [""])[0]
-    if isinstance(e, (FluxError, WeightsError, OSError)):
-        return first
-    return f"loading failed: {type(e).__name__}: {first} (--debug shows the traceback)"
-
-
-def _configure_logging(opts: dict[str, Any]) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if opts["debug"] else logging.WARNING, format="flux-serve: %(message)s"
-    )

@@ -31,7 +31,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from flux_runtime.serve import command
+from flux_runtime.serve import options as serve_options
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class FluxServe:
         from flux_runtime.serve.app import ImageStore, create_app
         from flux_runtime.serve.auth import ApiKeys
 
-        options = command.app_options(self.opts, [])
+        options = serve_options.app_options(self.opts, [])
         options["keys"] = ApiKeys(self.key_digests)
         store = ImageStore(Path(self.store_dir), self.opts["store_max"])
         # detached: the board outlives the replica that happened to create it
@@ -94,7 +94,7 @@ class FluxServe:
             name=METRICS_ACTOR, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
         ).remote()
         self.flux_app = create_app(
-            command.pipeline_loader(self.opts), store=store, replica=self.replica, wait_ready=True,
+            serve_options.pipeline_loader(self.opts), store=store, replica=self.replica, wait_ready=True,
             gather_metrics=self._gather_metrics, **options,
         )  # fmt: skip
         threading.Thread(target=self._push_metrics, name="flux-serve-metrics", daemon=True).start()
@@ -155,20 +155,20 @@ def build(args: dict[str, Any]) -> Any:
             argv.append(flag)
         elif value is not False and value is not None:
             argv += [flag, str(value)]
-    opts = command.main.make_context("flux-serve", argv).params
+    opts = serve_options.parse(argv)
     opts["replicas"] = opts["replicas"] or 1
-    return application(opts, command.api_keys(opts))
+    return application(opts, serve_options.api_keys(opts))
 
 
 def run(opts: dict[str, Any], keys: list[str]) -> None:
     """`flux-serve --replicas N`: start (or join) Ray, deploy, serve until SIGINT / SIGTERM, then take the
     application down (a local Ray instance with it)."""
-    command._configure_logging(opts)
+    serve_options.configure_logging(opts)
     address = opts["ray_address"]
     ray.init(address=address, logging_level=logging.WARNING, log_to_driver=opts["debug"])
     try:
         serve.start(http_options={"host": opts["host"], "port": opts["port"]})
-        command.warn_if_open(opts, keys)
+        serve_options.warn_if_open(opts, keys)
         click.echo(
             f"flux-serve: {opts['replicas']} replicas of {opts['model']} on Ray Serve, "
             f"http://{opts['host']}:{opts['port']} (answers once a replica is warm)",

@@ -9,7 +9,7 @@ import pytest
 
 from flux_runtime.pipeline import Pipeline, arguments
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.flux1 import Pipeline as Flux1Pipe
+from flux_runtime.pipeline.flux1 import Flux1Pipe
 from flux_runtime.pipeline.flux2 import Flux2Pipe
 from flux_runtime.pipeline.flux3 import Flux3Pipe
 
@@ -102,13 +102,13 @@ def test_an_ignored_argument_warns_at_the_callers_line(pipe):
     ],
 )
 def test_from_pretrained_names_what_it_does_not_take_before_loading(kwargs, message, monkeypatch):
-    from flux_runtime.pipeline import flux1
+    from flux_runtime.pipeline import entry
 
     def no_sources(*args, **kw):
         raise AssertionError("the checkpoint was opened")
 
-    monkeypatch.setattr(flux1, "find_sources", no_sources)
-    monkeypatch.setattr(flux1, "fetch_model", no_sources)
+    monkeypatch.setattr(entry, "find_sources", no_sources)
+    monkeypatch.setattr(entry, "fetch_model", no_sources)
     with pytest.raises(FluxError) as e:
         Pipeline.from_pretrained("tiny", device="cpu", **kwargs)
     assert message in str(e.value) and "\n" not in str(e.value)
