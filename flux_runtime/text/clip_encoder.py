@@ -1,8 +1,8 @@
 """CLIP text transformer (FLUX.1's CLIP-L) in plain PyTorch, bit-identical to transformers' `CLIPTextModel`.
 
 Importing `transformers`' modeling code costs a fresh process ~12 s; FLUX.1 only needs CLIP's pooled output.
-This module rebuilds the text tower with `CLIPTextModel`'s parameter names (`text_model.embeddings.*`,
-`text_model.encoder.layers.{i}.self_attn.q_proj.weight`, ..., `text_model.final_layer_norm.*`), the same module
+This module rebuilds the text tower with `CLIPTextModel`'s parameter names as transformers 5 has them
+(`embeddings.*`, `encoder.layers.{i}.self_attn.q_proj.weight`, ..., `final_layer_norm.*`), the same module
 types (`nn.Linear`, `nn.Embedding`, `nn.LayerNorm`) and the same torch operations in the same order and dtypes
 as transformers 5.17-5.25 run by default (`attn_implementation="sdpa"`, called without an attention mask as
 diffusers' FLUX pipelines do): with no padding mask transformers builds no mask tensor and calls
@@ -13,8 +13,8 @@ Pooling picks, per row, the final-norm state at: the largest token id (configs w
 the first `eos_token_id`.
 
 Position ids are `arange(L)` made at call time (transformers' non-persistent `position_ids` buffer holds the
-same values); a checkpoint's `text_model.embeddings.position_ids` is accepted and ignored, as transformers does.
-Checkpoints with and without the `text_model.` prefix both load (transformers 5 saves them without).
+same values); a checkpoint's `embeddings.position_ids` is accepted and ignored, as transformers does.
+Checkpoints with and without the `text_model.` prefix (original CLIP-L files have it) both load.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from flux_runtime.text.encoder_base import EncoderModule
 
 _ACTIVATIONS = ("quick_gelu", "gelu")
 
@@ -139,7 +141,7 @@ class ClipEncoderLayer(nn.Module):
 
 
 class ClipEncoder(nn.Module):
-    """`text_model.encoder`: the stack of `layers`."""
+    """`encoder`: the stack of `layers`."""
 
     def __init__(self, cfg: ClipTextConfig) -> None:
         super().__init__()
@@ -151,17 +153,33 @@ class ClipEncoder(nn.Module):
         return x
 
 
-class ClipTextTransformer(nn.Module):
-    """`text_model`: embeddings, encoder, final LayerNorm and the end-of-text pooling."""
+class ClipTextEncoder(EncoderModule):
+    """CLIP's text tower with `CLIPTextModel`'s module names: `embeddings`, `encoder`, `final_layer_norm`.
 
-    def __init__(self, cfg: ClipTextConfig) -> None:
+    `forward(input_ids)` is the pooled output (B, D) FLUX.1 feeds its DiT; `encode` also gives the final-norm
+    states. The module tree is transformers 5's (no `text_model` level), so what addresses CLIP's layers by
+    name (a LoRA's text-encoder weights) finds them as it does in a transformers model.
+    """
+
+    def __init__(self, config: ClipTextConfig) -> None:
         super().__init__()
-        self.eos_token_id = cfg.eos_token_id
-        self.embeddings = ClipEmbeddings(cfg)
-        self.encoder = ClipEncoder(cfg)
-        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.config = config
+        self.eos_token_id = config.eos_token_id
+        self.embeddings = ClipEmbeddings(config)
+        self.encoder = ClipEncoder(config)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Accept both checkpoint layouts: `text_model.*` (original CLIP-L files) and the un-prefixed names
+        transformers 5 saves (it strips the prefix on load too)."""
+        outer = prefix + "text_model."
+        for key in [k for k in state_dict if k.startswith(outer)]:
+            state_dict.setdefault(prefix + key[len(outer) :], state_dict.pop(key))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def encode(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Token ids (B, L) -> (final-norm hidden states (B, L, D), pooled (B, D)): transformers'
+        `last_hidden_state` and `pooler_output`."""
         input_ids = input_ids.view(-1, input_ids.shape[-1])
         hidden = self.final_layer_norm(self.encoder(self.embeddings(input_ids)))
         ids = input_ids.to(dtype=torch.int, device=hidden.device)
@@ -172,31 +190,9 @@ class ClipTextTransformer(nn.Module):
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), index]
         return hidden, pooled
 
-
-class ClipTextEncoder(nn.Module):
-    """CLIP text encoder with `CLIPTextModel`'s state-dict names; `forward(input_ids)` -> pooled (B, D)."""
-
-    def __init__(self, config: ClipTextConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.text_model = ClipTextTransformer(config)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Accept both checkpoint layouts: `text_model.*` (original CLIP-L files) and the un-prefixed names
-        transformers 5 saves (its `CLIPTextModel` dropped the `text_model` level; it strips the prefix on load)."""
-        inner = prefix + "text_model."
-        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-            state_dict.setdefault(inner + key[len(prefix) :], state_dict.pop(key))
-        super()._load_from_state_dict(state_dict, prefix, *args)
-
-    def encode(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Token ids (B, L) -> (final-norm hidden states (B, L, D), pooled (B, D)): transformers'
-        `last_hidden_state` and `pooler_output`."""
-        return self.text_model(input_ids)
-
     def forward(self, input_ids: Tensor) -> Tensor:
-        """Token ids (B, L) -> the pooled output (B, D) FLUX.1 feeds its DiT; no attention mask."""
-        return self.text_model(input_ids)[1]
+        """Token ids (B, L) -> the pooled output (B, D); no attention mask."""
+        return self.encode(input_ids)[1]
 
 
 def build(

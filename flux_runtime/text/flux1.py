@@ -26,8 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from flux_runtime.registry import CLIP_L_ID, T5_XXL_ID
+from flux_runtime.text.clip_encoder import ClipTextEncoder
 from flux_runtime.text.fp8 import quantize_text_layers
 from flux_runtime.text.hf_weights import load_pretrained
+from flux_runtime.text.native_weights import Kind, has_safetensors, load_native
+from flux_runtime.text.t5_encoder import T5Encoder
 from flux_runtime.text.tiny import init_random, tiny_clip_config, tiny_t5_config
 from flux_runtime.text.tokenizers import (
     load_clip_tokenizer,
@@ -41,7 +44,7 @@ from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.safetensors_io import check_safetensors_folder
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
-    from transformers import CLIPTextModel, PreTrainedModel, PreTrainedTokenizerBase, T5EncoderModel
+    from transformers import CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +110,6 @@ class Flux1TextEncoder:
         and `tokenizer_2/` (T5TokenizerFast) with the classes FLUX.1's model_index.json names, loads the
         weights in `dtype` (FLUX.1 runs them in bf16) and moves them to `device`. Never touches the network.
         """
-        from transformers import CLIPTextModel, T5EncoderModel
-
         root = resolve(path_or_id)
         missing = [f"{name}/" for name in _DIFFUSERS_FOLDERS if not (root / name).is_dir()]
         if missing:
@@ -118,9 +119,9 @@ class Flux1TextEncoder:
                 "Flux1TextEncoder.from_components)"
             )
         encoder = cls(
-            _load_model(CLIPTextModel, root / "text_encoder", dtype, device, "CLIP text encoder"),
+            _load_model("clip", root / "text_encoder", dtype, device, "CLIP text encoder"),
             load_clip_tokenizer(root / "tokenizer"),
-            _load_model(T5EncoderModel, root / "text_encoder_2", dtype, device, "T5 encoder"),
+            _load_model("t5", root / "text_encoder_2", dtype, device, "T5 encoder"),
             load_t5_tokenizer(root / "tokenizer_2"),
         )
         return encoder.to(device)
@@ -140,13 +141,11 @@ class Flux1TextEncoder:
         the defaults); a full CLIPModel or T5ForConditionalGeneration checkpoint works, only the text tower /
         encoder weights are read. Never touches the network.
         """
-        from transformers import CLIPTextModel, T5EncoderModel
-
         clip_dir, t5_dir = resolve(clip), resolve(t5)
         encoder = cls(
-            _load_model(CLIPTextModel, clip_dir, dtype, device, "CLIP text encoder"),
+            _load_model("clip", clip_dir, dtype, device, "CLIP text encoder"),
             load_clip_tokenizer(clip_dir),
-            _load_model(T5EncoderModel, t5_dir, dtype, device, "T5 encoder"),
+            _load_model("t5", t5_dir, dtype, device, "T5 encoder"),
             load_t5_tokenizer(t5_dir),
         )
         return encoder.to(device)
@@ -238,13 +237,13 @@ class Flux1TextEncoder:
 
         # CLIP-L: pooled state at the first <|endoftext|>; no attention mask (CLIP applies its causal mask)
         clip_ids = tokenize(self.clip_tokenizer, prompts, self.clip_max_length, "CLIP")
-        pooled = self.clip(clip_ids.to(self.clip.device), output_hidden_states=False).pooler_output
+        pooled = _clip_pooled(self.clip, clip_ids.to(self.clip.device))
         pooled = pooled.to(dtype=self.clip.dtype, device=device)
         pooled = pooled.repeat(1, n).view(batch * n, -1)  # (B * n, D_clip)
 
         # T5: every position's last hidden state; no attention mask, so padding attends and is attended to
         t5_ids = tokenize(self.t5_tokenizer, prompts_2, max_sequence_length, "T5")
-        prompt_embeds = self.t5(t5_ids.to(self.t5.device), output_hidden_states=False)[0]
+        prompt_embeds = _t5_states(self.t5, t5_ids.to(self.t5.device))
         prompt_embeds = prompt_embeds.to(dtype=self.t5.dtype, device=device)
         prompt_embeds = prompt_embeds.repeat(1, n, 1).view(
             batch * n, max_sequence_length, -1
@@ -252,6 +251,20 @@ class Flux1TextEncoder:
 
         text_ids = torch.zeros(max_sequence_length, 3).to(device=device, dtype=self.clip.dtype)  # (L, 3)
         return Flux1TextEmbeddings(prompt_embeds, pooled, text_ids)
+
+
+def _clip_pooled(clip: nn.Module, ids: Tensor) -> Tensor:
+    """CLIP's pooled output: our `ClipTextEncoder` returns it, transformers' model in `.pooler_output`."""
+    if isinstance(clip, ClipTextEncoder):
+        return clip(ids)
+    return clip(ids, output_hidden_states=False).pooler_output
+
+
+def _t5_states(t5: nn.Module, ids: Tensor) -> Tensor:
+    """T5's last hidden state: our `T5Encoder` returns it, transformers' model as its first output."""
+    if isinstance(t5, T5Encoder):
+        return t5(ids)
+    return t5(ids, output_hidden_states=False)[0]
 
 
 def _prompt_list(prompts: str | list[str], name: str) -> list[str]:
@@ -266,28 +279,31 @@ def _prompt_list(prompts: str | list[str], name: str) -> list[str]:
 
 
 def _load_model(
-    cls: type[CLIPTextModel] | type[T5EncoderModel],
-    folder: Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    what: str,
-) -> PreTrainedModel:
-    """`cls.from_pretrained(folder)` in `dtype` on `device` (streamed onto a GPU), offline, failing on missing
-    files or weights in our words."""
+    kind: Kind, folder: Path, dtype: torch.dtype, device: torch.device | str, what: str
+) -> nn.Module:
+    """The `kind` encoder of `folder` in `dtype` on `device`, offline, failing on missing files or weights in our
+    words. Safetensors weights load into our own modules (`native_weights`: the same bits as transformers',
+    without importing it); `.bin` weights through transformers' `from_pretrained`."""
     if not (folder / "config.json").is_file():
         raise WeightsError(f"{folder}: no config.json; expected the {what} (config.json and its weights)")
     if not any((folder / name).is_file() for name in _WEIGHT_FILES):
         raise WeightsError(
             f"{folder}: no weights for the {what} (expected one of {', '.join(_WEIGHT_FILES)})"
         )
-    # a damaged config or safetensors file fails here in our words, not inside transformers
+    # a damaged config or safetensors file fails here in our words, not inside a loader
     read_json_object(folder / "config.json")
     check_safetensors_folder(folder)
-    if cls.__name__ == "T5EncoderModel" and dtype == torch.float16:
+    if kind == "t5" and dtype == torch.float16:
         logger.warning(
-            "T5 overflows in float16 (transformers keeps its `wo` layers in float32); FLUX.1 uses bfloat16"
+            "T5 overflows in float16 (its `wo` layers stay in float32, as transformers keeps them); FLUX.1 uses "
+            "bfloat16"
         )
+    if has_safetensors(folder):
+        return load_native(kind, folder, dtype, device, what)
+    from transformers import CLIPTextModel, T5EncoderModel
+
     # transformers random-initializes weights missing from the checkpoint; for us that is an error.
+    cls = CLIPTextModel if kind == "clip" else T5EncoderModel
     model, info = load_pretrained(cls, folder, dtype, device)
     missing = sorted(info["missing_keys"])
     if missing:

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flux_runtime.text.encoder_base import EncoderModule
+
 _FEED_FORWARD = {"gated-gelu": True, "relu": False}  # feed_forward_proj -> gated
 ATTENTION = ("sdpa", "sdpa-strided", "eager")
 
@@ -246,7 +248,7 @@ class T5Stack(nn.Module):
 _TIED = ("shared.weight", "encoder.embed_tokens.weight")
 
 
-class T5Encoder(nn.Module):
+class T5Encoder(EncoderModule):
     """T5 encoder with `T5EncoderModel`'s state-dict names; `forward(input_ids)` -> last hidden state (B, L, D).
 
     `shared` and `encoder.embed_tokens` are one module (tied, as transformers ties them), so the state dict

@@ -1,0 +1,66 @@
+"""FLUX.1's CLIP-L and T5 as our own PyTorch modules, their safetensors streamed in by our reader.
+
+`clip_encoder` and `t5_encoder` give the same bits as transformers' `CLIPTextModel` and `T5EncoderModel`
+without importing transformers (seconds of a fresh process). Here a model is built on the `meta` device from the
+folder's `config.json`, only the tensors it uses are read (a full CLIP or T5 checkpoint also holds a vision tower
+or a decoder), each is cast to the dtype transformers would give that parameter, and the model takes them as
+its parameters. Onto a GPU the read goes through the pinned ring, as the transformer's does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from flux_runtime.text import clip_encoder, t5_encoder
+from flux_runtime.weights import pinned_stream
+from flux_runtime.weights.config_files import read_json_object
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.hub import safetensors_files
+from flux_runtime.weights.safetensors_io import TensorSource
+
+Kind = Literal["clip", "t5"]
+
+
+def has_safetensors(folder: Path) -> bool:
+    """Whether `folder`'s model weights are safetensors (what this loader reads; `.bin` files go to transformers)."""
+    return bool(safetensors_files(folder, "model"))
+
+
+def load_native(
+    kind: Kind, folder: Path, dtype: torch.dtype, device: torch.device | str, what: str
+) -> nn.Module:
+    """The `kind` encoder of `folder` in `dtype` on `device`; a weight the model needs and the files lack is a
+    WeightsError naming it (transformers would draw it at random)."""
+    dev = torch.device(device)
+    config = read_json_object(folder / "config.json")
+    build = clip_encoder.build if kind == "clip" else t5_encoder.build
+    try:
+        model = build(config, dtype, "meta")
+    except (ValueError, TypeError) as e:
+        raise WeightsError(f"{folder}/config.json: {e}") from None
+    wanted = {name: t.dtype for name, t in model.state_dict().items()}
+    src = TensorSource(safetensors_files(folder, "model"))
+    keys = {}  # the checkpoint's name -> ours
+    for key in src.keys():
+        ours = key.removeprefix("text_model.") if kind == "clip" else key
+        if ours in wanted:
+            keys[key] = ours
+    read_on = dev if dev.type == "cuda" or pinned_stream.stream_on_cpu else torch.device("cpu")
+    order = src.file_order(keys)
+    state = {}
+    with src.streaming(order, read_on):
+        for key in order:
+            t = src.get(key, read_on)
+            want = wanted[keys[key]]
+            state[keys[key]] = t.to(want) if t.is_floating_point() and t.dtype != want else t
+    model.load_state_dict(state, strict=False, assign=True)
+    lacking = sorted(name for name, p in model.named_parameters() if p.is_meta)
+    if lacking:
+        raise WeightsError(
+            f"{folder}: the {what} checkpoint lacks {len(lacking)} weights, e.g. {', '.join(lacking[:3])}"
+        )
+    return model.to(dev)
