@@ -1,0 +1,299 @@
+"""FLUX.1's CLIP-L and T5 tokenizers built directly on the `tokenizers` library, without importing transformers.
+
+Importing transformers only to tokenize prompts costs seconds per process; `tokenizers` (the Rust library under
+transformers' tokenizers) imports in a fraction of that. The loaders here rebuild, from the files of a tokenizer
+folder, the same `tokenizers.Tokenizer` that transformers 5's `CLIPTokenizer` / `T5TokenizerFast.from_pretrained`
+assemble, and `FastTokenizer` calls it the way transformers does for `tokenizer(prompts, padding="max_length",
+max_length=..., truncation=True)`, for the untruncated ids and for `decode`, so the token ids are the same.
+
+What transformers does, and so what is reproduced:
+
+* Neither class uses `tokenizer.json` as-is: both rebuild the pipeline (normalizer, pre-tokenizer, model options,
+  decoder, post-processor) in code and take from the file only the vocabulary (CLIP: also the merges; T5: also
+  the SentencePiece `Precompiled` normalizer map) and its added tokens. Without `tokenizer.json`, CLIP reads
+  `vocab.json` + `merges.txt`.
+* Special tokens: `tokenizer_config.json`'s `added_tokens_decoder` when it has one, otherwise
+  `special_tokens_map.json` and `tokenizer.json`'s `added_tokens`; the named tokens (bos, eos, unk, pad...) are
+  then added to the backend, in the same order and with the same flags (`normalized`, `special`...), since these
+  decide how a prompt that types `<|endoftext|>` is split.
+* Padding to `max_length` with the pad token on `padding_side`; "longest_first" truncation on `truncation_side`
+  that keeps room for the closing special token; decode with special tokens kept, CLIP's `</w>` turned into
+  spaces and the text stripped, and transformers' space clean-up for non-BPE models when the config asks for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE, Unigram
+
+from flux_runtime.weights.errors import WeightsError
+
+# The named special tokens of transformers' tokenizers, in the order it adds them to the backend.
+_NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# CLIP's word split: its special tokens, English contractions, letter runs, single digits, other-symbol runs.
+_CLIP_SPLIT = (
+    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+)
+_CLIP_WORD_SUFFIX = "</w>"
+# transformers' `clean_up_tokenization`: spaces before punctuation and inside English contractions are removed.
+_CLEAN_UP = [(" " + s, s) for s in (".", "?", "!", ",")] + [(" ' ", "'")]
+_CLEAN_UP += [(" " + s, s) for s in ("n't", "'m", "'s", "'ve", "'re")]
+
+Token = str | AddedToken
+
+
+class FastTokenizer:
+    """A `tokenizers.Tokenizer` called as transformers calls it: padded/truncated ids, untruncated ids, decode."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        pad_token: str,
+        padding_side: str = "right",
+        truncation_side: str = "right",
+        word_suffix: str | None = None,
+        clean_up_spaces: bool = False,
+    ) -> None:
+        """Wrap `tokenizer` (special tokens and post-processor set) padding with `pad_token` on `padding_side`."""
+        pad_id = tokenizer.token_to_id(pad_token)
+        if pad_id is None:
+            raise WeightsError(f"the pad token {pad_token!r} is not in the tokenizer's vocabulary")
+        self.backend = tokenizer
+        self.pad_token, self.pad_id = pad_token, pad_id
+        self.padding_side, self.truncation_side = padding_side, truncation_side
+        self.word_suffix, self.clean_up_spaces = word_suffix, clean_up_spaces
+        self._lock = (
+            threading.Lock()
+        )  # padding and truncation are backend settings, switched on for `ids` only
+
+    def ids(self, prompts: list[str], max_length: int) -> torch.Tensor:
+        """Token ids int64 `[B, max_length]`: special tokens added, truncated keeping the closing one, padded."""
+        if not prompts:
+            return torch.zeros((0, max_length), dtype=torch.int64)
+        with self._lock:
+            self.backend.enable_truncation(
+                max_length, stride=0, strategy="longest_first", direction=self.truncation_side
+            )
+            self.backend.enable_padding(
+                direction=self.padding_side,
+                pad_id=self.pad_id,
+                pad_type_id=0,
+                pad_token=self.pad_token,
+                length=max_length,
+                pad_to_multiple_of=None,
+            )
+            try:
+                encodings = self.backend.encode_batch(prompts, add_special_tokens=True)
+            finally:
+                self.backend.no_truncation()
+                self.backend.no_padding()
+        return torch.tensor([e.ids for e in encodings], dtype=torch.int64)
+
+    def untruncated(self, prompts: list[str]) -> list[list[int]]:
+        """Each prompt's full token ids with its special tokens, neither truncated nor padded."""
+        with self._lock:
+            return [e.ids for e in self.backend.encode_batch(prompts, add_special_tokens=True)]
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        """The text of `ids`, special tokens kept, as transformers' `decode(ids)` writes it."""
+        text = self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+        if self.word_suffix is not None:
+            text = text.replace(self.word_suffix, " ").strip()
+        if self.clean_up_spaces:
+            for before, after in _CLEAN_UP:
+                text = text.replace(before, after)
+        return text
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or `{}` when there is no such file."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _added_token(fields: dict[str, Any], **override: Any) -> AddedToken:
+    """An `AddedToken` from its serialized fields (transformers' `__type` marker dropped)."""
+    return AddedToken(**({k: v for k, v in fields.items() if k != "__type"} | override))
+
+
+def _special_tokens(
+    folder: Path, config: dict[str, Any], tokenizer_json: dict[str, Any], defaults: dict[str, str]
+) -> tuple[list[AddedToken], dict[str, Token]]:
+    """The added tokens (by id) and the named special tokens, resolved from the folder's files as transformers does.
+
+    Updates `config` in place with `special_tokens_map.json`'s entries when those are read (no `added_tokens_decoder`
+    in the config). Named tokens that match an added token by text become that token (and its flags).
+    """
+    added: dict[int, AddedToken] = {}
+    if "added_tokens_decoder" in config:
+        added = {int(i): _added_token(t) for i, t in config["added_tokens_decoder"].items()}
+    else:
+        for key, value in _read_json(folder / "special_tokens_map.json").items():
+            if isinstance(value, dict):
+                value = _added_token({k: v for k, v in value.items() if k != "special"}, special=True)
+            if key == "extra_special_tokens" and isinstance(value, list):
+                merged = list(config.get(key) or [])
+                value = merged + [t for t in value if t not in merged]
+            config[key] = value
+        for fields in tokenizer_json.get("added_tokens", []):
+            added[fields["id"]] = _added_token({k: v for k, v in fields.items() if k != "id"})
+    by_text = {t.content: t for t in added.values()}
+    named: dict[str, Token] = {}
+    for key in _NAMED:
+        value = config.get(key, defaults.get(key))
+        if isinstance(value, dict):
+            value = _added_token(value)
+        if value:
+            named[key] = by_text.get(str(value), value)
+    return [added[i] for i in sorted(added)], named
+
+
+def _add_special_tokens(
+    tokenizer: Tokenizer, added: list[AddedToken], named: dict[str, Token], extras: list
+) -> None:
+    """Add the added tokens, then the named and extra special tokens not among them, as transformers does."""
+    pending: list[Token] = list(added)
+    known = {str(t) for t in added}
+    for value in [*named.values(), *extras]:
+        if str(value) not in known and value not in pending:
+            pending.append(value)
+    named_texts = {str(t) for t in named.values()}
+    tokens = []
+    for token in pending:
+        if isinstance(token, str):
+            token = AddedToken(token, special=True)
+        elif not token.special and str(token) in named_texts:
+            token.special = True
+        tokens.append(token)
+    if tokens:
+        tokenizer.add_tokens(tokens)
+
+
+def _config_extras(config: dict[str, Any]) -> list | None:
+    """The config's extra special tokens (`additional_special_tokens` is their older name), None when it names none."""
+    extras = config.get("extra_special_tokens")
+    if not extras and "additional_special_tokens" in config:
+        return list(config["additional_special_tokens"] or [])
+    if isinstance(extras, dict):
+        return list(extras.values())
+    return None if "extra_special_tokens" not in config else list(extras or [])
+
+
+def _sides(config: dict[str, Any], tokenizer_json: dict[str, Any]) -> tuple[str, str]:
+    """(padding side, truncation side): the config's, else those saved in `tokenizer.json`, else right."""
+    padding = (tokenizer_json.get("padding") or {}).get("direction", "Right").lower()
+    truncation = (tokenizer_json.get("truncation") or {}).get("direction", "Right").lower()
+    return config.get("padding_side", padding), config.get("truncation_side", truncation)
+
+
+def clip_tokenizer(folder: Path) -> FastTokenizer:
+    """CLIP-L's byte-level BPE tokenizer from `folder` (`tokenizer.json`, or `vocab.json` + `merges.txt`)."""
+    folder = Path(folder)
+    config = _read_json(folder / "tokenizer_config.json")
+    tokenizer_json = _read_json(folder / "tokenizer.json")
+    if tokenizer_json:
+        model = tokenizer_json["model"]
+        vocab = model["vocab"]
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        vocab, merges = BPE.read_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    else:
+        raise WeightsError(f"{folder}: no CLIP tokenizer here (tokenizer.json or vocab.json + merges.txt)")
+    defaults = dict.fromkeys(("eos_token", "unk_token", "pad_token"), "<|endoftext|>")
+    defaults["bos_token"] = "<|startoftext|>"
+    added, named = _special_tokens(folder, config, tokenizer_json, defaults)
+    extras = _config_extras(config) or []
+
+    tokenizer = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix=_CLIP_WORD_SUFFIX,
+            fuse_unk=False,
+            unk_token=str(named["unk_token"]),
+        )
+    )
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    _add_special_tokens(tokenizer, added, named, extras)
+    tokenizer.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    bos, eos = str(named["bos_token"]), str(named["eos_token"])
+    tokenizer.post_processor = processors.RobertaProcessing(
+        (eos, tokenizer.token_to_id(eos)),
+        (bos, tokenizer.token_to_id(bos)),
+        trim_offsets=False,
+        add_prefix_space=False,
+    )
+    clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and bool(
+        config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    )
+    padding_side, truncation_side = _sides(config, tokenizer_json)
+    return FastTokenizer(
+        tokenizer, str(named["pad_token"]), padding_side, truncation_side, _CLIP_WORD_SUFFIX, clean_up
+    )
+
+
+def _precompiled_charsmap(tokenizer_json: dict[str, Any]) -> bytes | None:
+    """The SentencePiece normalization map of `tokenizer.json`'s `Precompiled` normalizer, if it has one."""
+    normalizer = tokenizer_json.get("normalizer") or {}
+    steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    for step in steps:
+        if step.get("type") == "Precompiled" and "precompiled_charsmap" in step:
+            return base64.b64decode(step["precompiled_charsmap"])
+    return None
+
+
+def t5_tokenizer(folder: Path) -> FastTokenizer:
+    """T5's SentencePiece Unigram tokenizer from `folder`'s `tokenizer.json` (a lone `spiece.model` is refused)."""
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise WeightsError(
+            f"{folder}: no tokenizer.json here (T5 is read from tokenizer.json, not spiece.model)"
+        )
+    config = _read_json(folder / "tokenizer_config.json")
+    tokenizer_json = _read_json(folder / "tokenizer.json")
+    defaults = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    added, named = _special_tokens(folder, config, tokenizer_json, defaults)
+    extras = _config_extras(config)
+    if extras is None:  # T5 names `extra_ids` sentinels of its own when the config lists no extra tokens
+        extras = [f"<extra_id_{i}>" for i in range(config.get("extra_ids", 100))]
+
+    vocab = [(str(piece), float(score)) for piece, score in tokenizer_json["model"]["vocab"]]
+    tokenizer = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
+    charsmap = _precompiled_charsmap(tokenizer_json)
+    if charsmap is not None:
+        tokenizer.normalizer = normalizers.Precompiled(charsmap)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        ]
+    )
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    _add_special_tokens(tokenizer, added, named, extras)
+    tokenizer.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    # T5 closes every sequence with the literal "</s>", given the eos token's id.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"],
+        pair=["$A", "</s>", "$B", "</s>"],
+        special_tokens=[("</s>", tokenizer.token_to_id(str(named["eos_token"])))],
+    )
+    clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+    padding_side, truncation_side = _sides(config, tokenizer_json)
+    return FastTokenizer(tokenizer, str(named["pad_token"]), padding_side, truncation_side, None, clean_up)
