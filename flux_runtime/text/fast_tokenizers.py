@@ -27,7 +27,7 @@ import base64
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
@@ -47,6 +47,14 @@ _CLEAN_UP = [(" " + s, s) for s in (".", "?", "!", ",")] + [(" ' ", "'")]
 _CLEAN_UP += [(" " + s, s) for s in ("n't", "'m", "'s", "'ve", "'re")]
 
 Token = str | AddedToken
+# transformers' `model_max_length` when tokenizer_config.json gives none
+_NO_LIMIT = int(1e30)
+
+
+class Encoded(NamedTuple):
+    """What `FastTokenizer(text)` returns: transformers' `BatchEncoding.input_ids`, without the rest."""
+
+    input_ids: list[int] | list[list[int]]
 
 
 class FastTokenizer:
@@ -60,6 +68,7 @@ class FastTokenizer:
         truncation_side: str = "right",
         word_suffix: str | None = None,
         clean_up_spaces: bool = False,
+        model_max_length: int = _NO_LIMIT,
     ) -> None:
         """Wrap `tokenizer` (special tokens and post-processor set) padding with `pad_token` on `padding_side`."""
         pad_id = tokenizer.token_to_id(pad_token)
@@ -69,9 +78,21 @@ class FastTokenizer:
         self.pad_token, self.pad_id = pad_token, pad_id
         self.padding_side, self.truncation_side = padding_side, truncation_side
         self.word_suffix, self.clean_up_spaces = word_suffix, clean_up_spaces
+        self.model_max_length = model_max_length  # tokenizer_config.json's, as transformers reads it
         self._lock = (
             threading.Lock()
         )  # padding and truncation are backend settings, switched on for `ids` only
+
+    def __call__(self, text: str | list[str]) -> Encoded:
+        """`tokenizer(text).input_ids` as transformers answers it with no options: the untruncated ids (a list
+        of them for a list of prompts)."""
+        if isinstance(text, str):
+            return Encoded(self.untruncated([text])[0])
+        return Encoded(self.untruncated(list(text)))
+
+    def __len__(self) -> int:
+        """The vocabulary with its added tokens (transformers' `len(tokenizer)`)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     def ids(self, prompts: list[str], max_length: int) -> torch.Tensor:
         """Token ids int64 `[B, max_length]`: special tokens added, truncated keeping the closing one, padded."""
@@ -245,8 +266,9 @@ def clip_tokenizer(folder: Path) -> FastTokenizer:
     )
     padding_side, truncation_side = _sides(config, tokenizer_json)
     return FastTokenizer(
-        tokenizer, str(named["pad_token"]), padding_side, truncation_side, _CLIP_WORD_SUFFIX, clean_up
-    )
+        tokenizer, str(named["pad_token"]), padding_side, truncation_side, _CLIP_WORD_SUFFIX, clean_up,
+        int(config.get("model_max_length", _NO_LIMIT)),
+    )  # fmt: skip
 
 
 def _precompiled_charsmap(tokenizer_json: dict[str, Any]) -> bytes | None:
@@ -296,4 +318,7 @@ def t5_tokenizer(folder: Path) -> FastTokenizer:
     )
     clean_up = bool(config.get("clean_up_tokenization_spaces", False))
     padding_side, truncation_side = _sides(config, tokenizer_json)
-    return FastTokenizer(tokenizer, str(named["pad_token"]), padding_side, truncation_side, None, clean_up)
+    return FastTokenizer(
+        tokenizer, str(named["pad_token"]), padding_side, truncation_side, None, clean_up,
+        int(config.get("model_max_length", _NO_LIMIT)),
+    )  # fmt: skip

@@ -37,6 +37,7 @@ from flux_runtime.text.tokenizers import (
     load_t5_tokenizer,
     tiny_tokenizer_path,
     tokenize,
+    transformers_tokenizers,
 )
 from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
@@ -161,8 +162,10 @@ class Flux1TextEncoder:
         """
         from transformers import CLIPTextModel, T5EncoderModel
 
-        clip_tokenizer = load_clip_tokenizer(tiny_tokenizer_path("clip"))
-        t5_tokenizer = load_t5_tokenizer(tiny_tokenizer_path("t5"))
+        # transformers' models and tokenizers alike: a test hands them to diffusers as they are
+        clip_tokenizer, t5_tokenizer = transformers_tokenizers(
+            tiny_tokenizer_path("clip"), tiny_tokenizer_path("t5")
+        )
         # transformers' initializers draw from the global RNG; fork it so building leaves it untouched.
         with torch.random.fork_rng(devices=[]):
             clip = CLIPTextModel(tiny_clip_config(len(clip_tokenizer)))
