@@ -93,6 +93,8 @@
 #                                       trainings (SECONDS [240]) beside them, then their scores
 #   bash scripts/gpu_check.sh memory-28  the FLUX.1-dev FP8 and FLUX.2-dev FP8 memory plans at the issue's 28 steps
 #                                       (seconds per image, and ms/step with one new prompt's graph capture amortised)
+#   BEFORE=DIR bash scripts/gpu_check.sh refactor  the text encoders' and kernels' GPU tests, the FLUX.1-dev step bench of
+#                                       the tree in DIR (an export of an older commit) and of this one, FLUX.1-dev's cold start
 #   bash scripts/gpu_check.sh flux1-reach  FLUX.1-dev's memory plans in bf16 and FP8 (ours only), then the
 #                                       flux-serve FLUX.1-dev bench with 8 requests per mode
 # Carry .whl (the diffusers wheel: pip download diffusers==0.42.1 importlib_metadata --no-deps -d .whl).
@@ -486,6 +488,18 @@ case "$phase" in
     [ "${READ:-1}" = 0 ] || timeout 200 python3 scripts/bench_cold_start.py read /tmp/cold --out "$OUT/cold_start.jsonl" ${RING:+--ring $RING} || status=1
     [ -z "${COLD:-}" ] || timeout 200 python3 scripts/bench_cold_start.py read /tmp/cold --cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" || status=1
     timeout 400 python3 scripts/bench_cold_start.py cold /tmp/cold --models "$models" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-8}" --out "$OUT/cold_start.jsonl" || status=1
+    ;;
+  refactor)
+    # one call after a refactor and the native text encoders: their GPU tests and the kernels', the FLUX.1-dev
+    # step bench before (BEFORE=dir: an export of the older tree's flux_runtime and scripts) and after, then
+    # FLUX.1-dev's cold start (flux-gen bf16 and --fp8 against the diffusers script)
+    timeout 240 python3 -m pytest -q -x -m gpu tests/text/test_native_encoders.py tests/text/test_flux1_text.py tests/kernels tests/pipeline/test_text_device.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    if [ -n "${BEFORE:-}" ]; then
+      (cd "$BEFORE" && PYTHONPATH=/tmp/site:$PWD timeout 110 python3 scripts/bench.py --dit --iters 5 --json "$OUT/bench_dit_before.json" 2>&1 | tail -12) || status=1
+    fi
+    timeout 110 python3 scripts/bench.py --dit --iters 5 --json "$OUT/bench_dit_after.json" 2>&1 | tail -12 || status=1
+    timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout 200 python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 --out "$OUT/cold_start.jsonl" 2>&1 | tail -3 || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
