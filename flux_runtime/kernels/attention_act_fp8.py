@@ -33,18 +33,8 @@ from flux_runtime.kernels.fp8 import (
     quantize_reference,
 )
 from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, shortcut_consts
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    e4m3_code,
-    e4m3_consts,
-    e4m3_row_scale,
-    jit,
-    tl,
-    upcast,
-)
+from flux_runtime.kernels.launch import check_half, check_int32_offsets, check_launchable
+from flux_runtime.kernels.triton_utils import ON_GPU, e4m3_code, e4m3_consts, e4m3_row_scale, jit, tl, upcast
 
 ATTENTION_ACTS = ("gelu_tanh", "swiglu")
 

@@ -28,15 +28,17 @@ from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
 from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh, shortcut_consts
-from flux_runtime.kernels.swiglu import _silu
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
+from flux_runtime.kernels.launch import (
     as_rows,
     check_half,
     check_int32_offsets,
     check_launchable,
     check_no_overlap,
     check_unit_stride,
+)
+from flux_runtime.kernels.swiglu import _silu
+from flux_runtime.kernels.triton_utils import (
+    ON_GPU,
     e4m3_code,
     e4m3_consts,
     e4m3_row_scale,
@@ -325,37 +327,21 @@ def act_quantize_triton(
     return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
 
 
-def _quantize_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_triton(x, "identity", scale, inv_scale, out)
+def _act_op(name: str, act: str) -> FusedOp:
+    """The op `act` then quantize; both paths are called `(x, scale, inv_scale, out)`."""
+
+    def fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+        return act_quantize_triton(x, act, scale, inv_scale, out)
+
+    def reference(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+        return act_quantize_reference(x, act, scale, inv_scale, out)
+
+    return FusedOp(name, fused=fused, reference=reference)
 
 
-def _quantize_reference(
-    x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None
-) -> Fp8Act:
-    return act_quantize_reference(x, "identity", scale, inv_scale, out)
-
-
-def _gelu_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_triton(x, "gelu_tanh", scale, inv_scale, out)
-
-
-def _swiglu_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_triton(x, "swiglu", scale, inv_scale, out)
-
-
-def _gelu_reference(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_reference(x, "gelu_tanh", scale, inv_scale, out)
-
-
-def _swiglu_reference(
-    x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None
-) -> Fp8Act:
-    return act_quantize_reference(x, "swiglu", scale, inv_scale, out)
-
-
-_QUANTIZE = FusedOp("fp8_quantize", fused=_quantize_fused, reference=_quantize_reference)
-_GELU_FP8 = FusedOp("gelu_tanh_fp8", fused=_gelu_fused, reference=_gelu_reference)
-_SWIGLU_FP8 = FusedOp("swiglu_fp8", fused=_swiglu_fused, reference=_swiglu_reference)
+_QUANTIZE = _act_op("fp8_quantize", "identity")
+_GELU_FP8 = _act_op("gelu_tanh_fp8", "gelu_tanh")
+_SWIGLU_FP8 = _act_op("swiglu_fp8", "swiglu")
 
 
 def quantize(

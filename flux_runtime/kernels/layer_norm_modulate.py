@@ -24,15 +24,18 @@ from torch import Tensor
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
 from flux_runtime.kernels.fp8 import E4M3, Fp8Act, check_quant, quantize_reference
 from flux_runtime.kernels.gated_residual import check_gated_residual, gated_residual_reference
-from flux_runtime.kernels.modulate import modulate_reference
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
+from flux_runtime.kernels.launch import (
     check_aten_vectorized,
     check_half,
     check_int32_offsets,
     check_launchable,
     check_shape,
     check_unit_stride,
+    triton_dtype,
+)
+from flux_runtime.kernels.modulate import modulate_reference
+from flux_runtime.kernels.triton_utils import (
+    ON_GPU,
     e4m3_code,
     e4m3_consts,
     e4m3_row_scale,
@@ -43,7 +46,6 @@ from flux_runtime.kernels.triton_utils import (
     tl,
     to_storage,
     triton,
-    triton_dtype,
     upcast,
 )
 

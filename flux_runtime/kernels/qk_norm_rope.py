@@ -27,14 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
+from flux_runtime.kernels.launch import (
+    EXACT,
     check_aten_vectorized,
     check_half,
     check_int32_offsets,
     check_launchable,
     check_shape,
     check_unit_stride,
+)
+from flux_runtime.kernels.triton_utils import (
     halves,
     jit,
     mul_rn,
@@ -385,13 +387,13 @@ def qk_norm_rope_triton(
     if variant == "v1":
         _qk_norm_rope_kernel[(b * l_joint, triton.cdiv(h, heads_per_program))](
             txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps, *strides,
-            HEADS=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+            HEADS=heads_per_program, num_warps=4, **EXACT,
         )  # fmt: skip
     else:
         grid = (triton.cdiv(l_joint, tokens_per_program), triton.cdiv(h, heads_per_program), b)
         _qk_norm_rope_tiles_kernel[grid](
             txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps, *strides,
-            TOKS=tokens_per_program, HB=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+            TOKS=tokens_per_program, HB=heads_per_program, num_warps=4, **EXACT,
         )  # fmt: skip
     return out
 

@@ -22,6 +22,15 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.launch import (
+    EXACT,
+    check_aten_vectorized,
+    check_half,
+    check_int32_offsets,
+    check_launchable,
+    check_shape,
+    check_unit_stride,
+)
 from flux_runtime.kernels.qk_norm_rope import (
     _lane_tree_sum,
     cast_heads,
@@ -29,22 +38,7 @@ from flux_runtime.kernels.qk_norm_rope import (
     rms_norm_reference,
     rope_reference,
 )
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_aten_vectorized,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_shape,
-    check_unit_stride,
-    jit,
-    mul_rn,
-    rsqrtf,
-    tl,
-    to_storage,
-    triton,
-    upcast,
-)
+from flux_runtime.kernels.triton_utils import jit, mul_rn, rsqrtf, tl, to_storage, triton, upcast
 
 HEAD_DIM = 128  # aten's RMSNorm for one 128-wide row: 32 lanes × 4
 
@@ -193,7 +187,7 @@ def qk_norm_rope_fp32_triton(
         q, k, weight_q, weight_k, cos, sin, q_out, k_out, b, length, h, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        TOKS=tokens_per_program, HB=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        TOKS=tokens_per_program, HB=heads_per_program, num_warps=4, **EXACT,
     )  # fmt: skip
     return q_out, k_out
 

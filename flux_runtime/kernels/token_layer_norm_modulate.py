@@ -24,6 +24,15 @@ from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
 from flux_runtime.kernels.fp8 import E4M3, Fp8Act, check_quant, quantize_reference
+from flux_runtime.kernels.launch import (
+    check_aten_vectorized,
+    check_half,
+    check_int32_offsets,
+    check_launchable,
+    check_shape,
+    check_unit_stride,
+    triton_dtype,
+)
 from flux_runtime.kernels.layer_norm_modulate import (
     MAX_WIDTH,
     _even_counts_halve,
@@ -32,12 +41,6 @@ from flux_runtime.kernels.layer_norm_modulate import (
 )
 from flux_runtime.kernels.triton_utils import (
     ON_GPU,
-    check_aten_vectorized,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_shape,
-    check_unit_stride,
     e4m3_code,
     e4m3_consts,
     e4m3_row_scale,
@@ -46,7 +49,6 @@ from flux_runtime.kernels.triton_utils import (
     tl,
     to_storage,
     triton,
-    triton_dtype,
     upcast,
 )
 
