@@ -57,6 +57,28 @@ def check_inputs(op: str, *others: Tensor, **tensors: Tensor) -> torch.dtype:
     return check_half(op, **tensors)
 
 
+def optional_stream(op: str, **tensors: Tensor | None) -> dict[str, Tensor]:
+    """The tensors of an optional stream (the text stream of a joint op): all given, returned by name, or all
+    None, an empty dict."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    if given and len(given) != len(tensors):
+        names = list(tensors)
+        each = "both" if len(names) == 2 else "all"
+        listed = f"{', '.join(names[:-1])} and {names[-1]}"
+        raise UnsupportedInput(f"{op}: {listed} must {each} be given or {each} be None")
+    return given
+
+
+def check_joins(op: str, name: str, t: Tensor, other_name: str, other: Tensor) -> int:
+    """`t` joins `other` along dim 1 (a text stream before the image's): the same shape but for that dim.
+    Returns its length there."""
+    if t.ndim != other.ndim or t.shape[0] != other.shape[0] or t.shape[2:] != other.shape[2:]:
+        raise UnsupportedInput(
+            f"{op}: {name} {tuple(t.shape)} does not match {other_name} {tuple(other.shape)}"
+        )
+    return t.shape[1]
+
+
 def check_shape(op: str, name: str, t: Tensor, shape: tuple[int, ...]) -> None:
     """`t.shape == shape`."""
     if tuple(t.shape) != shape:
