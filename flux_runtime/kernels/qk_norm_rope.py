@@ -44,6 +44,7 @@ from flux_runtime.kernels.triton_utils import (
     mul_rn,
     round_to,
     rsqrtf,
+    split4,
     temporarily,
     tl,
     to_storage,
@@ -137,9 +138,7 @@ def cast_heads(x: Tensor, dtype: torch.dtype, head_major: bool) -> Tensor:
 def _lane_sum_squares(x4):
     """aten's per-lane sum of squares, `fma(x, x, sum)` over each lane's 4 elements in order: `x4` (..., 2, 2)
     holds a lane's elements 0..3 in its last two dims."""
-    x02, x13 = tl.split(x4)
-    x0, x2 = tl.split(x02)
-    x1, x3 = tl.split(x13)
+    x0, x1, x2, x3 = split4(x4)
     total = tl.fma(x0, x0, 0.0)
     total = tl.fma(x1, x1, total)
     total = tl.fma(x2, x2, total)

@@ -241,6 +241,16 @@ def batch_row_tile(L, D, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @jit
+def split4(x4):
+    """The elements of 4-element lane vectors, in order: `x4` (..., 2, 2) holds a lane's elements 0..3 in its
+    last two dims; returns them as four (...) tensors."""
+    x02, x13 = tl.split(x4)
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    return x0, x1, x2, x3
+
+
+@jit
 def halves(v, R: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
     """Split lanes `v` (R, W, 2K) into their lower (R, W, K) and upper (R, W, K) halves.
 
