@@ -28,17 +28,9 @@ from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
 from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh, shortcut_consts
-from flux_runtime.kernels.launch import (
-    as_rows,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_no_overlap,
-    check_unit_stride,
-)
+from flux_runtime.kernels.launch import EXACT, check_inputs, check_no_overlap, check_unit_stride, rows_pair
 from flux_runtime.kernels.swiglu import _silu
 from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
     e4m3_code,
     e4m3_consts,
     e4m3_row_scale,
@@ -285,8 +277,7 @@ def act_quantize_triton(
     op = f"{act}_fp8"
     if act not in ACTS:
         raise ValueError(f"act_quantize: unknown activation {act!r}; expected one of {tuple(ACTS)}")
-    check_launchable(op, *(t for t in (x, scale, inv_scale, out) if t is not None))
-    check_half(op, x=x)
+    check_inputs(op, *(t for t in (scale, inv_scale, out) if t is not None), x=x)
     if x.numel() == 0:
         raise UnsupportedInput(f"{op}: empty input")
     check_quant(op, scale, inv_scale)
@@ -304,9 +295,7 @@ def act_quantize_triton(
                 f"{op}: out= needs a static scale (a dynamic row scale spans the whole row)"
             )
     check_no_overlap(op, x, out)
-    x3, q3 = as_rows(op, "x", x), as_rows(op, "out", out.view(torch.uint8))
-    for name, t in (("x", x3), ("out", q3)):
-        check_int32_offsets(op, name, t)
+    x3, q3 = rows_pair(op, x, out.view(torch.uint8))
     b, length, _ = x3.shape
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if dynamic else scale
     if block_n is None and dynamic:
@@ -321,8 +310,8 @@ def act_quantize_triton(
     _act_quant_rows_kernel[(length, b)](
         x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
         x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),
-        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, ONE_BLOCK=one_block, GPU=ON_GPU, BETA=K_BETA,
-        KAPPA=K_KAPPA, num_warps=warps if one_block else 4, enable_fp_fusion=False, **consts,
+        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, ONE_BLOCK=one_block, BETA=K_BETA,
+        KAPPA=K_KAPPA, num_warps=warps if one_block else 4, **EXACT, **consts,
     )  # fmt: skip
     return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.launch import check_half, check_launchable
+from flux_runtime.kernels.launch import check_inputs
 from flux_runtime.kernels.triton_utils import ON_GPU, jit, tl, to_storage, triton, upcast
 
 # elements of one program's tile (positions x channels): 32 fp32 registers a thread at 8 warps
@@ -122,8 +122,7 @@ def group_norm_silu_triton(
 ) -> Tensor:
     """The two-pass GroupNorm (+ SiLU) described above, in `x`'s layout."""
     op = "group_norm_silu"
-    check_launchable(op, x, weight, bias)
-    check_half(op, x=x, weight=weight, bias=bias)
+    check_inputs(op, x=x, weight=weight, bias=bias)
     c = x.shape[1]
     if c % groups or c & (c - 1) or (c // groups) & (c // groups - 1) or c > MAX_CHANNELS:
         raise UnsupportedInput(
