@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.launch import EXACT, check_bld, check_inputs, check_strided, row_tiles
+from flux_runtime.kernels.launch import EXACT, check_bld, check_inputs, check_joins, check_strided, row_tiles
 from flux_runtime.kernels.triton_utils import jit, round_to, row_tile, tl, to_storage, triton, upcast
 
 
@@ -78,9 +78,9 @@ def _launch(
     n_txt = 0
     if txt is not None:
         x_txt, gate_txt = txt
-        if x_txt.ndim != 3 or x_txt.shape[0] != bsz or x_txt.shape[2] != d or x_txt.shape[1] == 0:
-            raise UnsupportedInput(f"{op}: x_txt {tuple(x_txt.shape)} does not match x {tuple(x.shape)}")
-        n_txt = x_txt.shape[1]
+        n_txt = check_joins(op, "x_txt", x_txt, "x", x)
+        if n_txt == 0:
+            raise UnsupportedInput(f"{op}: x_txt is empty")
         check_strided(op, tuple(x_txt.shape), x_txt=x_txt, gate_txt=gate_txt)
     length = n_txt + n
     check_strided(op, (bsz, length, d), a=a, b=b)
