@@ -33,18 +33,8 @@ from flux_runtime.kernels.fp8 import (
     quantize_reference,
 )
 from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, shortcut_consts
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    e4m3_code,
-    e4m3_consts,
-    e4m3_row_scale,
-    jit,
-    tl,
-    upcast,
-)
+from flux_runtime.kernels.launch import EXACT, check_inputs, check_int32_offsets
+from flux_runtime.kernels.triton_utils import e4m3_code, e4m3_consts, e4m3_row_scale, jit, tl, upcast
 
 ATTENTION_ACTS = ("gelu_tanh", "swiglu")
 
@@ -156,8 +146,7 @@ def attention_act_quantize_triton(
         raise ValueError(
             f"attention_act_quantize: unknown activation {act!r}; expected one of {ATTENTION_ACTS}"
         )
-    check_launchable(op, o, x)
-    check_half(op, o=o, x=x)
+    check_inputs(op, o=o, x=x)
     if o.ndim != 4 or x.ndim != 3 or o.shape[:2] != x.shape[:2]:
         raise UnsupportedInput(
             f"{op}: needs o (B, L, H, Dh) and x (B, L, K), got {tuple(o.shape)}, {tuple(x.shape)}"
@@ -176,7 +165,7 @@ def attention_act_quantize_triton(
         check_int32_offsets(op, name, t)
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device)
     args = (o, x, q, row_scale, length, d, n, hd, o.stride(0), o.stride(1), o.stride(2), x.stride(0), x.stride(1))  # fmt: skip
-    consts = dict(ACT=ACTS[act], GPU=ON_GPU, BETA=K_BETA, KAPPA=K_KAPPA, enable_fp_fusion=False)
+    consts = dict(ACT=ACTS[act], BETA=K_BETA, KAPPA=K_KAPPA, **EXACT)
     consts |= e4m3_consts(x.device)
     consts |= shortcut_consts(x.dtype, x.device, gelu_shortcut if act == "gelu_tanh" else False)
     _attention_act_quant_rows_kernel[(length, b)](*args, BLOCK=block, num_warps=num_warps, **consts)

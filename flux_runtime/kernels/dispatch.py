@@ -188,24 +188,32 @@ def run_op(op: FusedOp, *args: Any) -> Any:
             return op.reference(*args)
         return _verify(op, sig, args)
 
-    try:
-        out = op.fused(*args)
-    except UnsupportedInput as e:
-        _remember(sig, str(e))
-        _fallback(op.name, str(e))
+    out = _fused(op, sig, args)
+    if out is _REJECTED:
         return op.reference(*args)
     with _lock:
         _record.fused_calls[op.name] += 1
     return out
 
 
-def _verify(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
-    """First call of a lossless signature: run both paths, keep the fused one only if bit-identical."""
+_REJECTED = object()  # `_fused`'s result when the kernel's guards rejected the input
+
+
+def _fused(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+    """`op.fused(*args)`, or `_REJECTED` when its guards raise `UnsupportedInput`: the reason is then remembered
+    for `sig` (the reference runs from now on) and counted as a fallback."""
     try:
-        out = op.fused(*args)
+        return op.fused(*args)
     except UnsupportedInput as e:
         _remember(sig, str(e))
         _fallback(op.name, str(e))
+        return _REJECTED
+
+
+def _verify(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+    """First call of a lossless signature: run both paths, keep the fused one only if bit-identical."""
+    out = _fused(op, sig, args)
+    if out is _REJECTED:
         return op.reference(*args)
     fused_out = _unaliased(out, args)
     ref = op.reference(*args)

@@ -28,15 +28,9 @@ from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, fused_tier, run_op
 from flux_runtime.kernels.gelu import K_BETA, K_KAPPA, _gelu_tanh, shortcut_consts
+from flux_runtime.kernels.launch import EXACT, check_inputs, check_no_overlap, check_unit_stride, rows_pair
 from flux_runtime.kernels.swiglu import _silu
 from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    as_rows,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_no_overlap,
-    check_unit_stride,
     e4m3_code,
     e4m3_consts,
     e4m3_row_scale,
@@ -283,8 +277,7 @@ def act_quantize_triton(
     op = f"{act}_fp8"
     if act not in ACTS:
         raise ValueError(f"act_quantize: unknown activation {act!r}; expected one of {tuple(ACTS)}")
-    check_launchable(op, *(t for t in (x, scale, inv_scale, out) if t is not None))
-    check_half(op, x=x)
+    check_inputs(op, *(t for t in (scale, inv_scale, out) if t is not None), x=x)
     if x.numel() == 0:
         raise UnsupportedInput(f"{op}: empty input")
     check_quant(op, scale, inv_scale)
@@ -302,9 +295,7 @@ def act_quantize_triton(
                 f"{op}: out= needs a static scale (a dynamic row scale spans the whole row)"
             )
     check_no_overlap(op, x, out)
-    x3, q3 = as_rows(op, "x", x), as_rows(op, "out", out.view(torch.uint8))
-    for name, t in (("x", x3), ("out", q3)):
-        check_int32_offsets(op, name, t)
+    x3, q3 = rows_pair(op, x, out.view(torch.uint8))
     b, length, _ = x3.shape
     row_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if dynamic else scale
     if block_n is None and dynamic:
@@ -319,43 +310,27 @@ def act_quantize_triton(
     _act_quant_rows_kernel[(length, b)](
         x3, q3, row_scale, inv_scale if not dynamic else row_scale, length, n,
         x3.stride(0), x3.stride(1), q3.stride(0), q3.stride(1),
-        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, ONE_BLOCK=one_block, GPU=ON_GPU, BETA=K_BETA,
-        KAPPA=K_KAPPA, num_warps=warps if one_block else 4, enable_fp_fusion=False, **consts,
+        ACT=ACTS[act], DYNAMIC=dynamic, BLOCK_N=block_n, ONE_BLOCK=one_block, BETA=K_BETA,
+        KAPPA=K_KAPPA, num_warps=warps if one_block else 4, **EXACT, **consts,
     )  # fmt: skip
     return Fp8Act(out, row_scale.view(*shape[:-1], 1) if dynamic else scale)
 
 
-def _quantize_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_triton(x, "identity", scale, inv_scale, out)
+def _act_op(name: str, act: str) -> FusedOp:
+    """The op `act` then quantize; both paths are called `(x, scale, inv_scale, out)`."""
+
+    def fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+        return act_quantize_triton(x, act, scale, inv_scale, out)
+
+    def reference(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
+        return act_quantize_reference(x, act, scale, inv_scale, out)
+
+    return FusedOp(name, fused=fused, reference=reference)
 
 
-def _quantize_reference(
-    x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None
-) -> Fp8Act:
-    return act_quantize_reference(x, "identity", scale, inv_scale, out)
-
-
-def _gelu_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_triton(x, "gelu_tanh", scale, inv_scale, out)
-
-
-def _swiglu_fused(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_triton(x, "swiglu", scale, inv_scale, out)
-
-
-def _gelu_reference(x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None) -> Fp8Act:
-    return act_quantize_reference(x, "gelu_tanh", scale, inv_scale, out)
-
-
-def _swiglu_reference(
-    x: Tensor, scale: Tensor | None, inv_scale: Tensor | None, out: Tensor | None
-) -> Fp8Act:
-    return act_quantize_reference(x, "swiglu", scale, inv_scale, out)
-
-
-_QUANTIZE = FusedOp("fp8_quantize", fused=_quantize_fused, reference=_quantize_reference)
-_GELU_FP8 = FusedOp("gelu_tanh_fp8", fused=_gelu_fused, reference=_gelu_reference)
-_SWIGLU_FP8 = FusedOp("swiglu_fp8", fused=_swiglu_fused, reference=_swiglu_reference)
+_QUANTIZE = _act_op("fp8_quantize", "identity")
+_GELU_FP8 = _act_op("gelu_tanh_fp8", "gelu_tanh")
+_SWIGLU_FP8 = _act_op("swiglu_fp8", "swiglu")
 
 
 def quantize(

@@ -6,24 +6,19 @@ both roundings (lossless), reading residual and update once and writing the sum 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
+from flux_runtime.kernels.dispatch import FusedOp, run_op
+from flux_runtime.kernels.launch import (
+    EXACT,
+    check_bld,
     check_half,
-    check_int32_offsets,
     check_launchable,
-    check_shape,
-    check_unit_stride,
-    jit,
-    round_to,
-    tl,
-    to_storage,
-    triton,
-    upcast,
+    check_strided,
+    empty_out,
+    row_tiles,
 )
+from flux_runtime.kernels.triton_utils import batch_row_tile, jit, round_to, tl, to_storage, triton, upcast
 
 
 @jit
@@ -45,13 +40,7 @@ def _gated_residual_kernel(
 ):
     # grid: (cdiv(L, BLOCK_L), cdiv(D, BLOCK_D), B)
     DTYPE = out_ptr.dtype.element_ty
-    pid_l = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    rows = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    mask = (rows < L)[:, None] & col_ok[None, :]
+    b, rows, cols, col_ok, mask = batch_row_tile(L, D, BLOCK_L, BLOCK_D)
 
     gate = upcast(tl.load(gate_ptr + b * stride_gate + cols, mask=col_ok, other=0.0), GPU)
     res = tl.load(res_ptr + b * stride_rb + rows[:, None] * stride_rl + cols[None, :], mask=mask, other=0.0)
@@ -64,16 +53,9 @@ def _gated_residual_kernel(
 def check_gated_residual(op: str, residual: Tensor, gate: Tensor, update: Tensor) -> tuple[int, int, int]:
     """Guards shared with the deferred-residual norm: returns (B, L, D)."""
     check_half(op, residual=residual, gate=gate, update=update)
-    if residual.ndim != 3 or residual.numel() == 0:
-        raise UnsupportedInput(
-            f"{op}: residual must be a non-empty (B, L, D) tensor, got {tuple(residual.shape)}"
-        )
-    b, length, d = residual.shape
-    check_shape(op, "update", update, (b, length, d))
-    check_shape(op, "gate", gate, (b, d))
-    for name, t in (("residual", residual), ("gate", gate), ("update", update)):
-        check_unit_stride(op, name, t)
-        check_int32_offsets(op, name, t)
+    b, length, d = check_bld(op, "residual", residual)
+    check_strided(op, (b, length, d), update=update)
+    check_strided(op, (b, d), gate=gate)
     return b, length, d
 
 
@@ -84,14 +66,12 @@ def gated_residual_triton(
     op = "gated_residual"
     check_launchable(op, residual, gate, update)
     b, length, d = check_gated_residual(op, residual, gate, update)
-    out = torch.empty((b, length, d), dtype=residual.dtype, device=residual.device)
-    check_int32_offsets(op, "out", out)
+    out = empty_out(op, (b, length, d), residual)
     block_d = min(block_d, triton.next_power_of_2(d))
-    grid = (triton.cdiv(length, block_l), triton.cdiv(d, block_d), b)
-    _gated_residual_kernel[grid](
+    _gated_residual_kernel[row_tiles(b, length, d, block_l, block_d)](
         residual, gate, update, out, length, d,
         residual.stride(0), residual.stride(1), gate.stride(0), update.stride(0), update.stride(1),
-        BLOCK_L=block_l, BLOCK_D=block_d, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4, **EXACT,
     )  # fmt: skip
     return out
 

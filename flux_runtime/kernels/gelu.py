@@ -19,17 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.dispatch import FusedOp, run_op
+from flux_runtime.kernels.launch import EXACT, check_int32_offsets, check_into, launch_rows, rows_pair
 from flux_runtime.kernels.triton_utils import (
     HAS_TRITON,
-    ON_GPU,
-    as_rows,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_no_overlap,
-    check_out,
     jit,
+    row_tile,
     temporarily,
     tl,
     to_storage,
@@ -123,10 +118,7 @@ def _gelu_tanh_rows_kernel(
 ):
     # grid: (cdiv(L, BLOCK_L), cdiv(N, BLOCK_N), B)
     DTYPE = out_ptr.dtype.element_ty
-    b = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < L)[:, None] & (cols < N)[None, :]
+    b, rows, cols, mask = row_tile(L, N, BLOCK_L, BLOCK_N)
     x = tl.load(x_ptr + b * stride_xb + rows[:, None] * stride_xl + cols[None, :], mask=mask, other=0.0)
     out = _gelu_tanh(upcast(x, GPU), K_BETA, K_KAPPA, GPU)
     out_ptrs = out_ptr + b * stride_ob + rows[:, None] * stride_ol + cols[None, :]
@@ -142,33 +134,16 @@ def gelu_tanh_triton(
     strided input or `out` (unit last stride, e.g. `h[..., D:]`) the row kernel (`block_l` x `block_n`).
     """
     op = "gelu_tanh"
-    check_launchable(op, *((x,) if out is None else (x, out)))
-    check_half(op, **({"x": x} if out is None else {"x": x, "out": out}))
-    if x.numel() == 0:
-        raise UnsupportedInput(f"{op}: empty input")
-    if out is not None:
-        check_out(op, out, tuple(x.shape))
-        check_no_overlap(op, x, out)
+    check_into(op, x, out, tuple(x.shape))
+    consts = {"K_BETA": K_BETA, "K_KAPPA": K_KAPPA, "num_warps": 8}
     if x.is_contiguous() and (out is None or out.is_contiguous()):
         check_int32_offsets(op, "x", x)
         result = torch.empty_like(x) if out is None else out
         n = x.numel()
-        _gelu_tanh_kernel[(triton.cdiv(n, block),)](
-            x, result, n, K_BETA=K_BETA, K_KAPPA=K_KAPPA, BLOCK=block, GPU=ON_GPU, num_warps=8,
-            enable_fp_fusion=False,
-        )  # fmt: skip
+        _gelu_tanh_kernel[(triton.cdiv(n, block),)](x, result, n, BLOCK=block, **EXACT, **consts)
         return result
     result = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    x3, out3 = as_rows(op, "x", x), as_rows(op, "out", result)
-    check_int32_offsets(op, "x", x3)
-    check_int32_offsets(op, "out", out3)
-    b, length, n = x3.shape
-    grid = (triton.cdiv(length, block_l), triton.cdiv(n, block_n), b)
-    _gelu_tanh_rows_kernel[grid](
-        x3, out3, length, n, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1),
-        K_BETA=K_BETA, K_KAPPA=K_KAPPA, BLOCK_L=block_l, BLOCK_N=block_n, GPU=ON_GPU, num_warps=8,
-        enable_fp_fusion=False,
-    )  # fmt: skip
+    launch_rows(_gelu_tanh_rows_kernel, *rows_pair(op, x, result), x.shape[-1], block_l, block_n, **consts)
     return result
 
 
@@ -178,15 +153,20 @@ def all_half_values(dtype: torch.dtype, device: torch.device | str) -> Tensor:
     return bits.view(dtype)
 
 
-def exhaustive_check(x: Tensor, out: Tensor | None = None) -> str | None:
-    """None if the fused GELU equals aten's on all 65,536 inputs of `x.dtype`, else a description."""
-    values = all_half_values(x.dtype, x.device)
-    out, ref = gelu_tanh_triton(values), gelu_tanh_reference(values)
-    same = (out == ref) | (out.isnan() & ref.isnan())
+def all_values_difference(values: Tensor, fused: Tensor, ref: Tensor, what: str = "") -> str | None:
+    """None if `fused` equals `ref` (NaN where it is NaN), a unary function's two results at all 65,536 16-bit
+    `values` (`all_half_values`); else a description, prefixed by `what`."""
+    same = (fused == ref) | (fused.isnan() & ref.isnan())
     if bool(same.all()):
         return None
     bad = values[~same]
-    return f"{bad.numel()} of 65536 {x.dtype} inputs differ, e.g. x={bad[:4].float().tolist()}"
+    return f"{what}{bad.numel()} of 65536 {values.dtype} inputs differ, e.g. x={bad[:4].float().tolist()}"
+
+
+def exhaustive_check(x: Tensor, out: Tensor | None = None) -> str | None:
+    """None if the fused GELU equals aten's on all 65,536 inputs of `x.dtype`, else a description."""
+    values = all_half_values(x.dtype, x.device)
+    return all_values_difference(values, gelu_tanh_triton(values), gelu_tanh_reference(values))
 
 
 def gelu_tanh_reference(x: Tensor, out: Tensor | None = None) -> Tensor:

@@ -27,20 +27,32 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_half,
-    check_launchable,
-    jit,
-    tl,
-    to_storage,
-    triton,
-    upcast,
-)
+from flux_runtime.kernels.launch import check_inputs
+from flux_runtime.kernels.triton_utils import ON_GPU, jit, tl, to_storage, triton, upcast
 
 # elements of one program's tile (positions x channels): 32 fp32 registers a thread at 8 warps
 TILE = 8192
 MAX_CHANNELS = TILE
+
+
+@jit
+def _load_tile(
+    x_ptr, HW, stride_b, stride_hw, stride_c, C: tl.constexpr, BLOCK_HW: tl.constexpr, GPU: tl.constexpr,
+    FULL_MASK: tl.constexpr,
+):  # fmt: skip
+    """This program's tile (grid (tiles, B)): `BLOCK_HW` positions x all `C` channels of image b as fp32, with
+    its mask ((BLOCK_HW, C) when FULL_MASK, else (BLOCK_HW, 1)) and element offsets; returns
+    (t, b, channels, mask, offsets, x)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    hw = t * BLOCK_HW + tl.arange(0, BLOCK_HW)
+    c = tl.arange(0, C)
+    mask = (hw < HW)[:, None]
+    if FULL_MASK:
+        mask = tl.broadcast_to(mask, (BLOCK_HW, C))
+    offs = b.to(tl.int64) * stride_b + hw[:, None].to(tl.int64) * stride_hw + c[None, :] * stride_c
+    x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0), GPU)
+    return t, b, c, mask, offs, x
 
 
 @jit
@@ -57,13 +69,7 @@ def _group_stats_kernel(
     BLOCK_HW: tl.constexpr,
     GPU: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    b = tl.program_id(1)
-    hw = t * BLOCK_HW + tl.arange(0, BLOCK_HW)
-    c = tl.arange(0, C)
-    mask = tl.broadcast_to((hw < HW)[:, None], (BLOCK_HW, C))
-    offs = b.to(tl.int64) * stride_b + hw[:, None].to(tl.int64) * stride_hw + c[None, :] * stride_c
-    x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0), GPU)
+    t, b, _, mask, _, x = _load_tile(x_ptr, HW, stride_b, stride_hw, stride_c, C, BLOCK_HW, GPU, True)
     x3 = tl.reshape(x, (BLOCK_HW, G, C // G))
     m3 = tl.reshape(mask, (BLOCK_HW, G, C // G))
     n = (tl.minimum(HW - t * BLOCK_HW, BLOCK_HW) * (C // G)).to(tl.float32)
@@ -90,13 +96,7 @@ def _group_apply_kernel(
     SILU: tl.constexpr,
     GPU: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    b = tl.program_id(1)
-    hw = t * BLOCK_HW + tl.arange(0, BLOCK_HW)
-    c = tl.arange(0, C)
-    mask = (hw < HW)[:, None]
-    offs = b.to(tl.int64) * stride_b + hw[:, None].to(tl.int64) * stride_hw + c[None, :] * stride_c
-    x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0), GPU)
+    _, b, c, mask, offs, x = _load_tile(x_ptr, HW, stride_b, stride_hw, stride_c, C, BLOCK_HW, GPU, False)
     a = tl.load(ab_ptr + b * 2 * C + c)
     s = tl.load(ab_ptr + b * 2 * C + C + c)
     y = x * a[None, :] + s[None, :]
@@ -122,8 +122,7 @@ def group_norm_silu_triton(
 ) -> Tensor:
     """The two-pass GroupNorm (+ SiLU) described above, in `x`'s layout."""
     op = "group_norm_silu"
-    check_launchable(op, x, weight, bias)
-    check_half(op, x=x, weight=weight, bias=bias)
+    check_inputs(op, x=x, weight=weight, bias=bias)
     c = x.shape[1]
     if c % groups or c & (c - 1) or (c // groups) & (c // groups - 1) or c > MAX_CHANNELS:
         raise UnsupportedInput(

@@ -16,6 +16,8 @@ fixed by construction, whatever layout Triton picks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -24,15 +26,18 @@ from torch import Tensor
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
 from flux_runtime.kernels.fp8 import E4M3, Fp8Act, check_quant, quantize_reference
 from flux_runtime.kernels.gated_residual import check_gated_residual, gated_residual_reference
+from flux_runtime.kernels.launch import (
+    EXACT,
+    check_aten_vectorized,
+    check_bld,
+    check_half,
+    check_launchable,
+    check_strided,
+    empty_out,
+    triton_dtype,
+)
 from flux_runtime.kernels.modulate import modulate_reference
 from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_aten_vectorized,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_shape,
-    check_unit_stride,
     e4m3_code,
     e4m3_consts,
     e4m3_row_scale,
@@ -40,10 +45,10 @@ from flux_runtime.kernels.triton_utils import (
     jit,
     round_to,
     rsqrtf,
+    split4,
     tl,
     to_storage,
     triton,
-    triton_dtype,
     upcast,
 )
 
@@ -168,13 +173,7 @@ def _layer_norm_modulate_kernel(
             x_ptr, gate_ptr, upd_ptr, r_out_ptr, row, b, x_off, u_off, col, mask, D, stride_gate,
             HAS_RESIDUAL, True, DTYPE, GPU,
         )  # fmt: skip
-        x02, x13 = tl.split(tl.reshape(x, (ROWS, 128, 2, 2)))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        mean, m2, count = _welford_push(mean, m2, count, x0, vec_ok, 1.0 / (it * 4 + 1), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x1, vec_ok, 1.0 / (it * 4 + 2), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x2, vec_ok, 1.0 / (it * 4 + 3), EVEN)
-        mean, m2, count = _welford_push(mean, m2, count, x3, vec_ok, 1.0 / (it * 4 + 4), EVEN)
+        mean, m2, count = _welford_push4(mean, m2, count, tl.reshape(x, (ROWS, 128, 2, 2)), vec_ok, it, EVEN)
 
     # intra-warp shuffle-down 16, 8, 4, 2, 1, then warps (0,2),(1,3) and (0,1)
     mean = tl.reshape(mean, (ROWS, 4, 32))
@@ -289,11 +288,10 @@ def _fold_lanes(mean, m2, count, ROWS: tl.constexpr, EVEN: tl.constexpr):
 
 
 @jit
-def _welford_push_vec4(mean, m2, count, xf, valid, IT: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr):
-    """Each lane's `IT`-th 4-element vector (`xf`: (128, ROWS, 4) fp32) into its Welford, elements in order."""
-    x02, x13 = tl.split(tl.reshape(xf, (128, ROWS, 2, 2)))
-    x0, x2 = tl.split(x02)
-    x1, x3 = tl.split(x13)
+def _welford_push4(mean, m2, count, x4, valid, IT: tl.constexpr, EVEN: tl.constexpr):
+    """Each lane's `IT`-th 4-element vector into its Welford, elements in order: `x4` fp32 (..., 2, 2), a lane's
+    elements 0..3 in its last two dims."""
+    x0, x1, x2, x3 = split4(x4)
     mean, m2, count = _welford_push(mean, m2, count, x0, valid, 1.0 / (IT * 4 + 1), EVEN)
     mean, m2, count = _welford_push(mean, m2, count, x1, valid, 1.0 / (IT * 4 + 2), EVEN)
     mean, m2, count = _welford_push(mean, m2, count, x2, valid, 1.0 / (IT * 4 + 3), EVEN)
@@ -309,6 +307,131 @@ def _row_stats(mean, m2, count, D, eps, ROWS: tl.constexpr, EVEN: tl.constexpr, 
     var = tl.math.div_rn(m2, tl.full(m2.shape, D, tl.float32))
     rstd = rsqrtf(var + eps, GPU)[None, :, None]
     return mean[None, :, None], rstd
+
+
+@jit
+def _row_block(L, ROWS: tl.constexpr):
+    """This program's ROWS rows of batch b (grid (cdiv(L, ROWS), B)): b and the positions (int64), surplus rows
+    re-reading the last row (never stored), and which are rows."""
+    b = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = pos < L
+    return b, tl.where(row_ok, pos, L - 1).to(tl.int64), row_ok
+
+
+@jit
+def _vectors(ptr, b, stride, col, col_ok, PER_ROW: tl.constexpr, EVEN: tl.constexpr):
+    """Each lane's 4-element vectors at columns `col` (128, 1, 4) of the rows at pointers `ptr` (ROWS,) when
+    PER_ROW, else of the batch's one row at `ptr + b * stride`; unmasked when EVEN, else zeros past the row."""
+    if PER_ROW:  # noqa: SIM108 (constexpr branches)
+        ptrs = ptr[None, :, None] + col
+    else:
+        ptrs = ptr + b * stride + col
+    if EVEN:  # noqa: SIM108
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=col_ok, other=0.0)
+    return v
+
+
+@jit
+def _read_rows(
+    x_row, scale_ptr, shift_ptr, gate_ptr, u_row, b, stride_scale, stride_shift, stride_gate, D, eps,
+    ITERS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, PER_ROW: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, GPU: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 of the rows kernels: every load, and each lane's Welford over its vectors in aten's order, folded.
+
+    The rows are at pointers `x_row` (ROWS,); their scale and shift rows at pointers (ROWS,) when PER_ROW, else
+    the batch's (`_vectors`). With HAS_RESIDUAL they are the residual and the LayerNorm input is
+    r = r(residual + r(gate * update)), the gate per batch, the update rows at `u_row`. Returns per vector
+    (tuples of ITERS) the LayerNorm input in the storage dtype, the scale (raw when PER_ROW; else r(1 + scale),
+    once for the program's rows) and the raw shift, then each row's mean and rstd, (1, ROWS, 1).
+    """
+    lane = tl.arange(0, 128)  # aten's thrx = threadIdx.x + 32 * threadIdx.y
+    c4 = tl.arange(0, 4)
+    mean = tl.zeros((128, ROWS), tl.float32)
+    m2 = tl.zeros((128, ROWS), tl.float32)
+    count = tl.zeros((128, ROWS), tl.float32)
+    xs = ()  # the LayerNorm input of each vector, in the storage dtype
+    scales = ()
+    shifts = ()
+    for it in tl.static_range(ITERS):
+        vec = it * 128 + lane
+        col = (vec * 4)[:, None, None] + c4[None, None, :]  # (128, 1, 4): lane t holds 4t..4t+3
+        vec_ok = vec < D // 4
+        col_ok = vec_ok[:, None, None]
+        x = _vectors(x_row, b, 0, col, col_ok, True, EVEN)  # (128, ROWS, 4)
+        scale = _vectors(scale_ptr, b, stride_scale, col, col_ok, PER_ROW, EVEN)
+        shift = _vectors(shift_ptr, b, stride_shift, col, col_ok, PER_ROW, EVEN)
+        if HAS_RESIDUAL:
+            g = _vectors(gate_ptr, b, stride_gate, col, col_ok, False, EVEN)
+            u = _vectors(u_row, b, 0, col, col_ok, True, EVEN)
+            prod = round_to(upcast(g, GPU) * upcast(u, GPU), DTYPE, GPU)
+            x = to_storage(upcast(x, GPU) + prod, DTYPE, GPU)  # r = r(residual + r(gate * update))
+        # tuples grow by `+` in Triton's frontend (it has no starred unpacking)
+        xs = xs + (x,)  # noqa: RUF005
+        if PER_ROW:  # noqa: SIM108 (constexpr branch)
+            scales = scales + (scale,)  # noqa: RUF005
+        else:
+            scales = scales + (round_to(1.0 + upcast(scale, GPU), DTYPE, GPU),)  # noqa: RUF005
+        shifts = shifts + (shift,)  # noqa: RUF005
+        xf = upcast(x, GPU)
+        mean, m2, count = _welford_push4(
+            mean, m2, count, tl.reshape(xf, (128, ROWS, 2, 2)), vec_ok[:, None], it, EVEN
+        )
+    mean, rstd = _row_stats(mean, m2, count, D, eps, ROWS, EVEN, GPU)
+    return xs, scales, shifts, mean, rstd
+
+
+@jit
+def _write_rows(
+    xs, scales, shifts, mean, rstd, y_ptr, r_ptr, q_scale_ptr, q_inv_ptr, out_row, b, L, pos, row_ok, D,
+    ITERS: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr, PER_ROW: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, HW_E4M3: tl.constexpr, DTYPE: tl.constexpr,
+    GPU: tl.constexpr,
+):  # fmt: skip
+    """Pass 2 of the rows kernels (`_read_rows`' values): normalise and modulate,
+    r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift), and store at `y_ptr + out_row` (and r at
+    `r_ptr + out_row` with HAS_RESIDUAL). QUANT 0: y; 1: e4m3(y * 1 / static scale); 2: e4m3 with each row's
+    scale from its absmax, written to `q_scale_ptr + b * L + pos`."""
+    lane = tl.arange(0, 128)
+    c4 = tl.arange(0, 4)
+    store_ok = row_ok[None, :, None]
+    ys = ()  # QUANT 2: the rounded values, quantized once the row's amax is known
+    amax = tl.zeros((ROWS,), tl.float32)
+    if QUANT == 1:
+        inv = tl.load(q_inv_ptr)
+    for it in tl.static_range(ITERS):
+        col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
+        mask = store_ok if EVEN else store_ok & (col < D)
+        if HAS_RESIDUAL:
+            tl.store(r_ptr + out_row[None, :, None] + col, xs[it], mask=mask)
+        ln = round_to(rstd * (upcast(xs[it], GPU) - mean), DTYPE, GPU)
+        if PER_ROW:  # noqa: SIM108 (constexpr branch)
+            scale1 = round_to(1.0 + upcast(scales[it], GPU), DTYPE, GPU)
+        else:
+            scale1 = scales[it]
+        prod = round_to(ln * scale1, DTYPE, GPU)
+        if QUANT == 0:
+            y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
+            tl.store(y_ptr + out_row[None, :, None] + col, y, mask=mask)
+        else:
+            y = round_to(prod + upcast(shifts[it], GPU), DTYPE, GPU)  # the 16-bit value eager would store
+            if QUANT == 1:
+                tl.store(y_ptr + out_row[None, :, None] + col, e4m3_code(y * inv, HW_E4M3), mask=mask)
+            else:
+                ys = ys + (y,)  # noqa: RUF005
+                a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
+                amax = tl.maximum(amax, tl.max(tl.max(a, axis=2), axis=0))
+    if QUANT == 2:
+        s, inv_row = e4m3_row_scale(amax)  # one scale per row
+        tl.store(q_scale_ptr + b * L + pos, s, mask=row_ok)
+        for it in tl.static_range(ITERS):
+            col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
+            mask = store_ok if EVEN else store_ok & (col < D)
+            q = e4m3_code(ys[it] * inv_row[None, :, None], HW_E4M3)
+            tl.store(y_ptr + out_row[None, :, None] + col, q, mask=mask)
 
 
 @jit
@@ -342,102 +465,36 @@ def _layer_norm_modulate_rows_kernel(
     DTYPE: tl.constexpr,  # the activations' dtype (y_out_ptr holds bytes when QUANT)
 ):
     # grid: (cdiv(L, ROWS), B)
-    b = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = pos < L
-    pos = tl.where(row_ok, pos, L - 1).to(tl.int64)  # surplus rows re-read the last row, never stored
+    b, pos, row_ok = _row_block(L, ROWS)
     x_row = x_ptr + b * stride_xb + pos * stride_xl  # (ROWS,)
     u_row = upd_ptr + b * stride_ub + pos * stride_ul
     out_row = (b * L + pos) * D
-    lane = tl.arange(0, 128)  # aten's thrx = threadIdx.x + 32 * threadIdx.y
-    c4 = tl.arange(0, 4)
-
-    # pass 1: every load, and each lane's Welford over its vectors in aten's order
-    mean = tl.zeros((128, ROWS), tl.float32)
-    m2 = tl.zeros((128, ROWS), tl.float32)
-    count = tl.zeros((128, ROWS), tl.float32)
-    xs = ()  # the LayerNorm input of each vector, in the storage dtype
-    scales = ()  # r(1 + scale), shared by the rows
-    shifts = ()
-    for it in tl.static_range(ITERS):
-        vec = it * 128 + lane
-        col = (vec * 4)[:, None, None] + c4[None, None, :]  # (128, 1, 4): lane t holds 4t..4t+3
-        vec_ok = vec < D // 4
-        if EVEN:
-            x = tl.load(x_row[None, :, None] + col)
-            scale = tl.load(scale_ptr + b * stride_scale + col)
-            shift = tl.load(shift_ptr + b * stride_shift + col)
-        else:
-            col_ok = vec_ok[:, None, None]
-            x = tl.load(x_row[None, :, None] + col, mask=col_ok, other=0.0)
-            scale = tl.load(scale_ptr + b * stride_scale + col, mask=col_ok, other=0.0)
-            shift = tl.load(shift_ptr + b * stride_shift + col, mask=col_ok, other=0.0)
-        if HAS_RESIDUAL:
-            if EVEN:
-                g = tl.load(gate_ptr + b * stride_gate + col)
-                u = tl.load(u_row[None, :, None] + col)
-            else:
-                g = tl.load(gate_ptr + b * stride_gate + col, mask=col_ok, other=0.0)
-                u = tl.load(u_row[None, :, None] + col, mask=col_ok, other=0.0)
-            prod = round_to(upcast(g, GPU) * upcast(u, GPU), DTYPE, GPU)
-            x = to_storage(upcast(x, GPU) + prod, DTYPE, GPU)  # r = r(residual + r(gate * update))
-        # tuples grow by `+` in Triton's frontend (it has no starred unpacking)
-        xs = xs + (x,)  # noqa: RUF005
-        scales = scales + (round_to(1.0 + upcast(scale, GPU), DTYPE, GPU),)  # noqa: RUF005
-        shifts = shifts + (shift,)  # noqa: RUF005
-        xf = upcast(x, GPU)
-        mean, m2, count = _welford_push_vec4(mean, m2, count, xf, vec_ok[:, None], it, ROWS, EVEN)
-
-    mean, rstd = _row_stats(mean, m2, count, D, eps, ROWS, EVEN, GPU)  # (1, ROWS, 1) each
-
-    # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
-    store_ok = row_ok[None, :, None]
-    ys = ()  # QUANT 2: the rounded values, quantized once the row's amax is known
-    amax = tl.zeros((ROWS,), tl.float32)
-    if QUANT == 1:
-        inv = tl.load(q_inv_ptr)
-    for it in tl.static_range(ITERS):
-        col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
-        mask = store_ok if EVEN else store_ok & (col < D)
-        if HAS_RESIDUAL:
-            tl.store(r_out_ptr + out_row[None, :, None] + col, xs[it], mask=mask)
-        ln = round_to(rstd * (upcast(xs[it], GPU) - mean), DTYPE, GPU)
-        prod = round_to(ln * scales[it], DTYPE, GPU)
-        if QUANT == 0:
-            y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
-            tl.store(y_out_ptr + out_row[None, :, None] + col, y, mask=mask)
-        else:
-            y = round_to(prod + upcast(shifts[it], GPU), DTYPE, GPU)  # the bf16 value eager would store
-            if QUANT == 1:
-                tl.store(y_out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv, HW_E4M3), mask=mask)
-            else:
-                ys = ys + (y,)  # noqa: RUF005
-                a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
-                amax = tl.maximum(amax, tl.max(tl.max(a, axis=2), axis=0))
-    if QUANT == 2:
-        s, inv_row = e4m3_row_scale(amax)
-        tl.store(q_scale_ptr + b * L + pos, s, mask=row_ok)
-        for it in tl.static_range(ITERS):
-            col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
-            mask = store_ok if EVEN else store_ok & (col < D)
-            q = e4m3_code(ys[it] * inv_row[None, :, None], HW_E4M3)
-            tl.store(y_out_ptr + out_row[None, :, None] + col, q, mask=mask)
+    xs, scales, shifts, mean, rstd = _read_rows(
+        x_row, scale_ptr, shift_ptr, gate_ptr, u_row, b, stride_scale, stride_shift, stride_gate, D, eps,
+        ITERS, EVEN, ROWS, False, HAS_RESIDUAL, DTYPE, GPU,
+    )  # fmt: skip
+    _write_rows(
+        xs, scales, shifts, mean, rstd, y_out_ptr, r_out_ptr, q_scale_ptr, q_inv_ptr, out_row, b, L, pos, row_ok,
+        D, ITERS, EVEN, ROWS, False, HAS_RESIDUAL, QUANT, HW_E4M3, DTYPE, GPU,
+    )  # fmt: skip
 
 
-def _check_norm_modulate(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[int, int, int]:
-    b, length, d = x.shape
+def _check_width(op: str, d: int) -> None:
+    """A row width whose LayerNorm the kernels replay: aten's vectorised kernel's (a multiple of 4), at most
+    `MAX_WIDTH`."""
     if d % _VEC != 0:
         raise UnsupportedInput(
             f"{op}: width {d} is not a multiple of 4 (aten's vectorised LayerNorm needs it)"
         )
     if d > MAX_WIDTH:
         raise UnsupportedInput(f"{op}: width {d} exceeds the maximum fused width {MAX_WIDTH}")
+
+
+def _check_norm_modulate(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[int, int, int]:
+    b, length, d = x.shape
+    _check_width(op, d)
     check_half(op, x=x, shift=shift, scale=scale)
-    check_shape(op, "shift", shift, (b, d))
-    check_shape(op, "scale", scale, (b, d))
-    for name, t in (("shift", shift), ("scale", scale)):
-        check_unit_stride(op, name, t)
-        check_int32_offsets(op, name, t)
+    check_strided(op, (b, d), shift=shift, scale=scale)
     return b, length, d
 
 
@@ -445,11 +502,8 @@ def _check_plain_input(op: str, x: Tensor, shift: Tensor, scale: Tensor) -> None
     """Guards of the kernels that normalise `x` itself (no pending residual): launchable, (B, L, D), and laid
     out as the aten kernel they replay sees it."""
     check_launchable(op, x, shift, scale)
-    if x.ndim != 3 or x.numel() == 0:
-        raise UnsupportedInput(f"{op}: x must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
+    check_bld(op, "x", x)
     _check_norm_modulate(op, x, shift, scale)
-    check_unit_stride(op, "x", x)
-    check_int32_offsets(op, "x", x)
     check_aten_vectorized(op, "x", x)
 
 
@@ -468,6 +522,33 @@ def default_rows_per_program(d: int, variant: str) -> int:
     return 2 if d <= 6144 else 1
 
 
+def _rows_quant(
+    quant: tuple[Tensor | None, Tensor | None] | None, b: int, length: int, unused: Tensor
+) -> tuple[int, Tensor, Tensor]:
+    """The rows kernels' `QUANT` and their q_scale / q_inv pointers: 0 without `quant` (`unused` for both, never
+    read); 1 with a static (scale, inv_scale); 2 for per-row scales, both a new (B * L,) fp32 buffer."""
+    if quant is None:
+        return 0, unused, unused
+    q_scale, q_inv = quant
+    if q_scale is not None and q_inv is not None:
+        return 1, q_scale, q_inv
+    row_scales = torch.empty(b * length, dtype=torch.float32, device=unused.device)
+    return 2, row_scales, row_scales
+
+
+def _rows_consts(x: Tensor, rows: int, quant: int) -> dict[str, Any]:
+    """The rows kernels' constexprs and launch options for `x` (..., D), `rows` per program, `QUANT` quant."""
+    iters = triton.cdiv(x.shape[-1], _THREADS * _VEC)
+    even = x.shape[-1] % (_THREADS * _VEC) == 0 and _even_counts_halve(iters)
+    consts = {"ITERS": iters, "EVEN": even, "ROWS": rows, "QUANT": quant, "DTYPE": triton_dtype(x.dtype)}
+    return consts | {"num_warps": 4, **EXACT, **e4m3_consts(x.device)}
+
+
+def _rows_fp8(out: Tensor, quant: int, q_scale: Tensor) -> Fp8Act:
+    """The e4m3 output `out` (B, L, D) of a quantizing launch with its scale: static, or (B, L, 1) per row."""
+    return Fp8Act(out.view(E4M3), q_scale.view(*out.shape[:2], 1) if quant == 2 else q_scale)
+
+
 def _launch(
     x: Tensor, gate: Tensor | None, update: Tensor | None, shift: Tensor, scale: Tensor, eps: float,
     variant: str | None, rows_per_program: int | None,
@@ -480,39 +561,35 @@ def _launch(
         raise UnsupportedInput("layer_norm_modulate: the e4m3 output exists in the v2 kernel only")
     b, length, d = x.shape
     rows = default_rows_per_program(d, variant) if rows_per_program is None else rows_per_program
-    y = torch.empty((b, length, d), dtype=x.dtype if quant is None else torch.uint8, device=x.device)
+    y = empty_out("layer_norm_modulate", (b, length, d), x, None if quant is None else torch.uint8)
     r = torch.empty((b, length, d), dtype=x.dtype, device=x.device) if gate is not None else y
-    check_int32_offsets("layer_norm_modulate", "out", y)
     upd = update if update is not None else x
-    iters = triton.cdiv(d, _THREADS * _VEC)
-    even = d % (_THREADS * _VEC) == 0
     g = gate if gate is not None else shift
+    strides = (
+        x.stride(0),
+        x.stride(1),
+        g.stride(0),
+        upd.stride(0),
+        upd.stride(1),
+        shift.stride(0),
+        scale.stride(0),
+    )
     if variant == "v1":
         m = b * length
+        iters = triton.cdiv(d, _THREADS * _VEC)
         _layer_norm_modulate_kernel[(triton.cdiv(m, rows),)](
-            x, g, upd, shift, scale, r, y, m, length, d, eps,
-            x.stride(0), x.stride(1), g.stride(0), upd.stride(0), upd.stride(1), shift.stride(0), scale.stride(0),
-            ITERS=iters, EVEN=even, ROWS=rows, HAS_RESIDUAL=gate is not None, GPU=ON_GPU, num_warps=4,
-            enable_fp_fusion=False,
+            x, g, upd, shift, scale, r, y, m, length, d, eps, *strides,
+            ITERS=iters, EVEN=d % (_THREADS * _VEC) == 0, ROWS=rows, HAS_RESIDUAL=gate is not None, num_warps=4,
+            **EXACT,
         )  # fmt: skip
     else:
-        mode, q_scale, q_inv = 0, shift, shift  # the pointers are not read without QUANT
-        if quant is not None:
-            q_static, q_inv_static = quant
-            mode = 2 if q_static is None else 1
-            q_scale = torch.empty(b * length, dtype=torch.float32, device=x.device) if mode == 2 else q_static
-            q_inv = q_inv_static if mode == 1 else q_scale
+        mode, q_scale, q_inv = _rows_quant(quant, b, length, shift)
         _layer_norm_modulate_rows_kernel[(triton.cdiv(length, rows), b)](
-            x, g, upd, shift, scale, r, y, q_scale, q_inv, length, d, eps,
-            x.stride(0), x.stride(1), g.stride(0), upd.stride(0), upd.stride(1), shift.stride(0), scale.stride(0),
-            ITERS=iters, EVEN=even and _even_counts_halve(iters), ROWS=rows, HAS_RESIDUAL=gate is not None,
-            QUANT=mode, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4, enable_fp_fusion=False,
-            **e4m3_consts(x.device),
+            x, g, upd, shift, scale, r, y, q_scale, q_inv, length, d, eps, *strides,
+            HAS_RESIDUAL=gate is not None, **_rows_consts(x, rows, mode),
         )  # fmt: skip
         if quant is not None:
-            data = y.view(E4M3)
-            row_scale = q_scale.view(b, length, 1) if mode == 2 else q_scale
-            return (r if gate is not None else x), Fp8Act(data, row_scale)
+            return (r if gate is not None else x), _rows_fp8(y, mode, q_scale)
     return r, y
 
 

@@ -6,24 +6,11 @@ does the same three roundings in one pass over `y` (lossless: one rounding per e
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_shape,
-    check_unit_stride,
-    jit,
-    round_to,
-    tl,
-    to_storage,
-    triton,
-    upcast,
-)
+from flux_runtime.kernels.dispatch import FusedOp, run_op
+from flux_runtime.kernels.launch import EXACT, check_bld, check_inputs, check_strided, empty_out, row_tiles
+from flux_runtime.kernels.triton_utils import batch_row_tile, jit, round_to, tl, to_storage, triton, upcast
 
 
 @jit
@@ -44,13 +31,7 @@ def _modulate_kernel(
 ):
     # grid: (cdiv(L, BLOCK_L), cdiv(D, BLOCK_D), B)
     DTYPE = out_ptr.dtype.element_ty
-    pid_l = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    rows = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    mask = (rows < L)[:, None] & col_ok[None, :]
+    b, rows, cols, col_ok, mask = batch_row_tile(L, D, BLOCK_L, BLOCK_D)
 
     scale = upcast(tl.load(scale_ptr + b * stride_scale + cols, mask=col_ok, other=0.0), GPU)
     shift = upcast(tl.load(shift_ptr + b * stride_shift + cols, mask=col_ok, other=0.0), GPU)
@@ -67,23 +48,14 @@ def modulate_triton(
 ) -> Tensor:
     """Fused `modulate_reference`: y (B, L, D), shift/scale (B, D) with unit last stride → (B, L, D)."""
     op = "modulate"
-    check_launchable(op, y, shift, scale)
-    check_half(op, y=y, shift=shift, scale=scale)
-    if y.ndim != 3 or y.numel() == 0:
-        raise UnsupportedInput(f"{op}: y must be a non-empty (B, L, D) tensor, got {tuple(y.shape)}")
-    b, length, d = y.shape
-    check_shape(op, "shift", shift, (b, d))
-    check_shape(op, "scale", scale, (b, d))
-    for name, t in (("y", y), ("shift", shift), ("scale", scale)):
-        check_unit_stride(op, name, t)
-        check_int32_offsets(op, name, t)
-    out = torch.empty((b, length, d), dtype=y.dtype, device=y.device)
-    check_int32_offsets(op, "out", out)
+    check_inputs(op, y=y, shift=shift, scale=scale)
+    b, length, d = check_bld(op, "y", y)
+    check_strided(op, (b, d), shift=shift, scale=scale)
+    out = empty_out(op, (b, length, d), y)
     block_d = min(block_d, triton.next_power_of_2(d))
-    grid = (triton.cdiv(length, block_l), triton.cdiv(d, block_d), b)
-    _modulate_kernel[grid](
+    _modulate_kernel[row_tiles(b, length, d, block_l, block_d)](
         y, shift, scale, out, length, d, y.stride(0), y.stride(1), shift.stride(0), scale.stride(0),
-        BLOCK_L=block_l, BLOCK_D=block_d, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4, **EXACT,
     )  # fmt: skip
     return out
 

@@ -27,19 +27,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
+from flux_runtime.kernels.launch import (
+    EXACT,
     check_aten_vectorized,
-    check_half,
+    check_inputs,
     check_int32_offsets,
-    check_launchable,
+    check_joins,
     check_shape,
-    check_unit_stride,
+    check_strided,
+    optional_stream,
+    row_tiles,
+)
+from flux_runtime.kernels.triton_utils import (
     halves,
     jit,
     mul_rn,
     round_to,
     rsqrtf,
+    split4,
     temporarily,
     tl,
     to_storage,
@@ -130,6 +135,26 @@ def cast_heads(x: Tensor, dtype: torch.dtype, head_major: bool) -> Tensor:
 
 
 @jit
+def _lane_sum_squares(x4):
+    """aten's per-lane sum of squares, `fma(x, x, sum)` over each lane's 4 elements in order: `x4` (..., 2, 2)
+    holds a lane's elements 0..3 in its last two dims."""
+    x0, x1, x2, x3 = split4(x4)
+    total = tl.fma(x0, x0, 0.0)
+    total = tl.fma(x1, x1, total)
+    total = tl.fma(x2, x2, total)
+    return tl.fma(x3, x3, total)
+
+
+@jit
+def _rope_pairs(x_e, x_o, cos_e, cos_o, sin_e, sin_o, GPU: tl.constexpr):
+    """RoPE of channel pairs (2i, 2i+1), the reference's three fp32 ops each: r(x * cos + rot(x) * sin) with
+    rot = (-x[2i+1], x[2i]); the pairs joined back along a last axis of 2."""
+    out_e = mul_rn(x_e, cos_e, GPU) + mul_rn(-x_o, sin_e, GPU)
+    out_o = mul_rn(x_o, cos_o, GPU) + mul_rn(x_e, sin_o, GPU)
+    return tl.join(out_e, out_o)
+
+
+@jit
 def _qk_norm_rope_kernel(
     txt_ptr,  # (B, L_txt, H, 128), strides (stride_tb, stride_tl, stride_th, 1); img_ptr when no text
     img_ptr,  # (B, L_img, H, 128), strides (stride_ib, stride_il, stride_ih, 1)
@@ -174,14 +199,7 @@ def _qk_norm_rope_kernel(
     x = upcast(x, GPU)
 
     # RMSNorm statistics: per lane fma(x, x, sum) in element order, then shuffle-down 16..1
-    x02, x13 = tl.split(tl.reshape(x, (HEADS, 32, 2, 2)))
-    x0, x2 = tl.split(x02)
-    x1, x3 = tl.split(x13)
-    total = tl.fma(x0, x0, 0.0)
-    total = tl.fma(x1, x1, total)
-    total = tl.fma(x2, x2, total)
-    total = tl.fma(x3, x3, total)
-    total = tl.reshape(total, (HEADS, 1, 32))
+    total = tl.reshape(_lane_sum_squares(tl.reshape(x, (HEADS, 32, 2, 2))), (HEADS, 1, 32))
     lo, hi = halves(total, HEADS, 1, 16)
     total = lo + hi  # self + other
     lo, hi = halves(total, HEADS, 1, 8)
@@ -205,9 +223,8 @@ def _qk_norm_rope_kernel(
     sin_e = tl.load(sin_ptr + row)
     sin_o = tl.load(sin_ptr + row + 1)
     x_e, x_o = tl.split(tl.reshape(x, (HEADS, 64, 2)))
-    out_e = mul_rn(x_e, cos_e[None, :], GPU) + mul_rn(-x_o, sin_e[None, :], GPU)
-    out_o = mul_rn(x_o, cos_o[None, :], GPU) + mul_rn(x_e, sin_o[None, :], GPU)
-    out = tl.reshape(tl.join(out_e, out_o), (HEADS, 32, 4))
+    out = _rope_pairs(x_e, x_o, cos_e[None, :], cos_o[None, :], sin_e[None, :], sin_o[None, :], GPU)
+    out = tl.reshape(out, (HEADS, 32, 4))
     out_off = b * stride_ob + pos * stride_ol + head[:, None, None] * stride_oh + col[None, :, :]
     tl.store(out_ptr + out_off, to_storage(out, DTYPE, GPU), mask=head_ok)
 
@@ -239,6 +256,45 @@ def _lane_tree_sum(total, TOKS: tl.constexpr, HB: tl.constexpr):
 
 
 @jit
+def _token_head_tile(L, H, TOKS: tl.constexpr, HB: tl.constexpr):
+    """This program's TOKS tokens x HB heads (grid axes 0 and 1): the positions and heads, clamped to valid
+    ones (surplus tokens and heads re-read valid rows, never stored), and the (TOKS, HB, 1) mask of the stores."""
+    pos = tl.program_id(0) * TOKS + tl.arange(0, TOKS)
+    head = tl.program_id(1) * HB + tl.arange(0, HB)
+    ok = (pos < L)[:, None, None] & (head < H)[None, :, None]
+    return tl.minimum(pos, L - 1), tl.minimum(head, H - 1), ok
+
+
+@jit
+def _norm_rope_tile(
+    x, w, cos_ptr, sin_ptr, pos, col, eps, TOKS: tl.constexpr, HB: tl.constexpr, ROUND: tl.constexpr,
+    DTYPE: tl.constexpr, GPU: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm with weight `w` (fp32, (TOKS, 1, 128)), then RoPE, of the fp32 head rows `x` (TOKS, HB, 128) at
+    positions `pos` (their cos/sin rows read here); the norm output rounded to DTYPE first when ROUND (the
+    16-bit value eager stores), kept fp32 otherwise. Returns the rotated fp32 (TOKS, HB, 128)."""
+    table = pos[:, None, None] * 128 + col
+    cos = tl.load(cos_ptr + table)  # (TOKS, 1, 128)
+    sin = tl.load(sin_ptr + table)
+
+    # RMSNorm statistics: lane t sums fma(x, x, sum) over elements 4t..4t+3 in order, then the
+    # shuffle-down tree over the 32 lanes
+    total = _lane_sum_squares(tl.reshape(x, (TOKS, HB, 32, 2, 2)))
+    # aten's `sum / 128`: multiplying by 1/128 (a power of 2) gives the same correctly rounded value
+    ms = _lane_tree_sum(total, TOKS, HB) * (1.0 / 128)
+    rstd = rsqrtf(ms + eps, GPU)[:, :, None]  # warps 1-3 of aten's block added zeros: nothing
+    x = w * (rstd * x)  # fp32: no add follows, nothing to contract
+    if ROUND:
+        x = round_to(x, DTYPE, GPU)
+
+    # RoPE on channel pairs (2i, 2i+1): out = r(x * cos + rot(x) * sin), rot = (-x[2i+1], x[2i])
+    x_e, x_o = tl.split(tl.reshape(x, (TOKS, HB, 64, 2)))
+    cos_e, cos_o = tl.split(tl.reshape(cos, (TOKS, 1, 64, 2)))
+    sin_e, sin_o = tl.split(tl.reshape(sin, (TOKS, 1, 64, 2)))
+    return tl.reshape(_rope_pairs(x_e, x_o, cos_e, cos_o, sin_e, sin_o, GPU), (TOKS, HB, 128))
+
+
+@jit
 def _qk_norm_rope_tiles_kernel(
     txt_ptr,  # (B, L_txt, H, 128), strides (stride_tb, stride_tl, stride_th, 1); img_ptr when no text
     img_ptr,  # (B, L_img, H, 128), strides (stride_ib, stride_il, stride_ih, 1)
@@ -267,11 +323,7 @@ def _qk_norm_rope_tiles_kernel(
     # grid: (cdiv(L_joint, TOKS), cdiv(H, HB), B)
     DTYPE = out_ptr.dtype.element_ty
     b = tl.program_id(2).to(tl.int64)
-    pos = tl.program_id(0) * TOKS + tl.arange(0, TOKS)
-    head = tl.program_id(1) * HB + tl.arange(0, HB)
-    ok = (pos < L_joint)[:, None, None] & (head < H)[None, :, None]
-    pos = tl.minimum(pos, L_joint - 1)  # surplus tokens and heads re-read valid rows, never stored
-    head = tl.minimum(head, H - 1)
+    pos, head, ok = _token_head_tile(L_joint, H, TOKS, HB)
     is_txt = pos < L_txt
     tok_base = tl.where(
         is_txt, txt_ptr + b * stride_tb + pos * stride_tl, img_ptr + b * stride_ib + (pos - L_txt) * stride_il
@@ -282,45 +334,40 @@ def _qk_norm_rope_tiles_kernel(
     x = tl.load(tok_base[:, None, None] + head[None, :, None] * stride_h[:, None, None] + col)
     x = upcast(x, GPU)  # (TOKS, HB, 128)
     w = upcast(tl.load(w_base[:, None, None] + col), GPU)  # (TOKS, 1, 128)
-    table = pos[:, None, None] * 128 + col
-    cos = tl.load(cos_ptr + table)
-    sin = tl.load(sin_ptr + table)
-
-    # RMSNorm statistics: lane t sums fma(x, x, sum) over elements 4t..4t+3 in order, then the
-    # shuffle-down tree over the 32 lanes
-    x02, x13 = tl.split(tl.reshape(x, (TOKS, HB, 32, 2, 2)))
-    x0, x2 = tl.split(x02)
-    x1, x3 = tl.split(x13)
-    total = tl.fma(x0, x0, 0.0)
-    total = tl.fma(x1, x1, total)
-    total = tl.fma(x2, x2, total)
-    total = tl.fma(x3, x3, total)
-    # aten's `sum / 128`: multiplying by 1/128 (a power of 2) gives the same correctly rounded value
-    ms = _lane_tree_sum(total, TOKS, HB) * (1.0 / 128)
-    rstd = rsqrtf(ms + eps, GPU)[:, :, None]  # warps 1-3 of aten's block added zeros: nothing
-    x = round_to(w * (rstd * x), DTYPE, GPU)  # RMSNorm output, stored as DTYPE by eager
-
-    # RoPE on channel pairs (2i, 2i+1): out = r(x * cos + rot(x) * sin), rot = (-x[2i+1], x[2i])
-    x_e, x_o = tl.split(tl.reshape(x, (TOKS, HB, 64, 2)))
-    cos_e, cos_o = tl.split(tl.reshape(cos, (TOKS, 1, 64, 2)))
-    sin_e, sin_o = tl.split(tl.reshape(sin, (TOKS, 1, 64, 2)))
-    out_e = mul_rn(x_e, cos_e, GPU) + mul_rn(-x_o, sin_e, GPU)
-    out_o = mul_rn(x_o, cos_o, GPU) + mul_rn(x_e, sin_o, GPU)
-    out = tl.reshape(tl.join(out_e, out_o), (TOKS, HB, 128))
+    out = _norm_rope_tile(x, w, cos_ptr, sin_ptr, pos, col, eps, TOKS, HB, True, DTYPE, GPU)
     out_off = b * stride_ob + pos[:, None, None] * stride_ol + head[None, :, None] * stride_oh + col
     tl.store(out_ptr + out_off, to_storage(out, DTYPE, GPU), mask=ok)
 
 
-def _check_stream(op: str, name: str, x: Tensor, w: Tensor) -> None:
+def check_heads(op: str, name: str, x: Tensor) -> None:
+    """`x` is (B, L, H, 128), read through its strides."""
     if x.ndim != 4 or x.shape[-1] != HEAD_DIM:
         raise UnsupportedInput(f"{op}: {name} must be (B, L, H, {HEAD_DIM}), got {tuple(x.shape)}")
-    check_unit_stride(op, name, x)
-    check_int32_offsets(op, name, x)
-    check_aten_vectorized(op, name, x)
-    check_shape(op, f"{name} weight", w, (HEAD_DIM,))
+    check_strided(op, **{name: x})
+
+
+def check_norm_weight(op: str, name: str, w: Tensor) -> None:
+    """`w` is a (128,) RMSNorm weight, contiguous and aligned as aten's vectorised kernel reads it."""
+    check_shape(op, name, w, (HEAD_DIM,))
     if w.stride(0) != 1:
-        raise UnsupportedInput(f"{op}: {name} weight must be contiguous, got stride {w.stride()}")
-    check_aten_vectorized(op, f"{name} weight", w)
+        raise UnsupportedInput(f"{op}: {name} must be contiguous, got stride {w.stride()}")
+    check_aten_vectorized(op, name, w)
+
+
+def check_rope_tables(op: str, cos: Tensor, sin: Tensor, length: int) -> None:
+    """`cos` and `sin` are fp32 (L, 128) and contiguous."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32:
+            raise UnsupportedInput(f"{op}: {name} must be fp32, got {t.dtype}")
+        check_shape(op, name, t, (length, HEAD_DIM))
+        if not t.is_contiguous():
+            raise UnsupportedInput(f"{op}: {name} must be contiguous")
+
+
+def _check_stream(op: str, name: str, x: Tensor, w: Tensor) -> None:
+    check_heads(op, name, x)
+    check_aten_vectorized(op, name, x)
+    check_norm_weight(op, f"{name} weight", w)
 
 
 def qk_norm_rope_triton(
@@ -349,33 +396,18 @@ def qk_norm_rope_triton(
     variant = VARIANT if variant is None else variant
     if variant not in VARIANTS:
         raise ValueError(f"{op}: unknown variant {variant!r}; expected one of {VARIANTS}")
-    tensors = [x_img, weight_img, cos, sin] + [t for t in (x_txt, weight_txt) if t is not None]
-    check_launchable(op, *tensors)
-    if (x_txt is None) != (weight_txt is None):
-        raise UnsupportedInput(f"{op}: x_txt and weight_txt must both be given or both be None")
-    named = {"x_img": x_img, "weight_img": weight_img}
-    if x_txt is not None and weight_txt is not None:
-        named |= {"x_txt": x_txt, "weight_txt": weight_txt}
-    check_half(op, **named)
+    txt_stream = optional_stream(op, x_txt=x_txt, weight_txt=weight_txt)
+    check_inputs(op, cos, sin, x_img=x_img, weight_img=weight_img, **txt_stream)
     _check_stream(op, "x_img", x_img, weight_img)
     b, l_img, h, _ = x_img.shape
     l_txt = 0
     if x_txt is not None and weight_txt is not None:
         _check_stream(op, "x_txt", x_txt, weight_txt)
-        if x_txt.shape[0] != b or x_txt.shape[2] != h:
-            raise UnsupportedInput(
-                f"{op}: x_txt {tuple(x_txt.shape)} does not match x_img {tuple(x_img.shape)}"
-            )
-        l_txt = x_txt.shape[1]
+        l_txt = check_joins(op, "x_txt", x_txt, "x_img", x_img)
     l_joint = l_txt + l_img
     if b == 0 or l_joint == 0 or h == 0:
         raise UnsupportedInput(f"{op}: empty input {tuple(x_img.shape)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32:
-            raise UnsupportedInput(f"{op}: {name} must be fp32, got {t.dtype}")
-        check_shape(op, name, t, (l_joint, HEAD_DIM))
-        if not t.is_contiguous():
-            raise UnsupportedInput(f"{op}: {name} must be contiguous")
+    check_rope_tables(op, cos, sin, l_joint)
     out = empty_heads(b, l_joint, h, HEAD_DIM, dtype=x_img.dtype, device=x_img.device, head_major=head_major)
     check_int32_offsets(op, "out", out)
     txt = x_txt if x_txt is not None else x_img
@@ -385,13 +417,12 @@ def qk_norm_rope_triton(
     if variant == "v1":
         _qk_norm_rope_kernel[(b * l_joint, triton.cdiv(h, heads_per_program))](
             txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps, *strides,
-            HEADS=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+            HEADS=heads_per_program, num_warps=4, **EXACT,
         )  # fmt: skip
     else:
-        grid = (triton.cdiv(l_joint, tokens_per_program), triton.cdiv(h, heads_per_program), b)
-        _qk_norm_rope_tiles_kernel[grid](
+        _qk_norm_rope_tiles_kernel[row_tiles(b, l_joint, h, tokens_per_program, heads_per_program)](
             txt, x_img, w_txt, weight_img, cos, sin, out, l_txt, l_joint, h, eps, *strides,
-            TOKS=tokens_per_program, HB=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+            TOKS=tokens_per_program, HB=heads_per_program, num_warps=4, **EXACT,
         )  # fmt: skip
     return out
 

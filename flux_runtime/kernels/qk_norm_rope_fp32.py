@@ -22,31 +22,20 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
+from flux_runtime.kernels.launch import EXACT, check_inputs, check_int32_offsets, check_strided, row_tiles
 from flux_runtime.kernels.qk_norm_rope import (
-    _lane_tree_sum,
+    HEAD_DIM,
+    _norm_rope_tile,
+    _token_head_tile,
     cast_heads,
+    check_heads,
+    check_norm_weight,
+    check_rope_tables,
     heads_view,
     rms_norm_reference,
     rope_reference,
 )
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_aten_vectorized,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_shape,
-    check_unit_stride,
-    jit,
-    mul_rn,
-    rsqrtf,
-    tl,
-    to_storage,
-    triton,
-    upcast,
-)
-
-HEAD_DIM = 128  # aten's RMSNorm for one 128-wide row: 32 lanes × 4
+from flux_runtime.kernels.triton_utils import jit, tl, to_storage, upcast
 
 
 @jit
@@ -92,51 +81,16 @@ def _qk_norm_rope_fp32_kernel(
     stride_ol = tl.where(is_k, stride_kol, stride_qol)
     stride_oh = tl.where(is_k, stride_koh, stride_qoh)
 
-    pos = tl.program_id(0) * TOKS + tl.arange(0, TOKS)
-    head = tl.program_id(1) * HB + tl.arange(0, HB)
-    ok = (pos < L)[:, None, None] & (head < H)[None, :, None]
-    pos = tl.minimum(pos, L - 1).to(tl.int64)  # surplus tokens and heads re-read valid rows, never stored
-    head = tl.minimum(head, H - 1)
+    pos, head, ok = _token_head_tile(L, H, TOKS, HB)
+    pos = pos.to(tl.int64)
     col = tl.arange(0, 128)[None, None, :]
     x = tl.load(base + pos[:, None, None] * stride_l + head[None, :, None] * stride_h + col)
     x = upcast(x, GPU)  # (TOKS, HB, 128): `.float()` is exact
     w = tl.load(w_ptr + col)  # (1, 1, 128) fp32
-    table = pos[:, None, None] * 128 + col
-    cos = tl.load(cos_ptr + table)  # (TOKS, 1, 128)
-    sin = tl.load(sin_ptr + table)
-
-    # RMSNorm statistics: lane t sums fma(x, x, sum) over elements 4t..4t+3 in order, then the
-    # shuffle-down tree over the 32 lanes
-    x02, x13 = tl.split(tl.reshape(x, (TOKS, HB, 32, 2, 2)))
-    x0, x2 = tl.split(x02)
-    x1, x3 = tl.split(x13)
-    total = tl.fma(x0, x0, 0.0)
-    total = tl.fma(x1, x1, total)
-    total = tl.fma(x2, x2, total)
-    total = tl.fma(x3, x3, total)
-    # aten's `sum / 128`: multiplying by 1/128 (a power of 2) gives the same correctly rounded value
-    ms = _lane_tree_sum(total, TOKS, HB) * (1.0 / 128)
-    rstd = rsqrtf(ms + eps, GPU)[:, :, None]  # warps 1-3 of aten's block added zeros: nothing
-    x = w * (rstd * x)  # the fp32 RMSNorm output, kept fp32 (no add follows: nothing to contract)
-
-    # RoPE on channel pairs (2i, 2i+1): out = r(x * cos + rot(x) * sin), rot = (-x[2i+1], x[2i])
-    x_e, x_o = tl.split(tl.reshape(x, (TOKS, HB, 64, 2)))
-    cos_e, cos_o = tl.split(tl.reshape(cos, (TOKS, 1, 64, 2)))
-    sin_e, sin_o = tl.split(tl.reshape(sin, (TOKS, 1, 64, 2)))
-    out_e = mul_rn(x_e, cos_e, GPU) + mul_rn(-x_o, sin_e, GPU)
-    out_o = mul_rn(x_o, cos_o, GPU) + mul_rn(x_e, sin_o, GPU)
-    out = tl.reshape(tl.join(out_e, out_o), (TOKS, HB, 128))
+    # the fp32 RMSNorm output is kept fp32: RoPE rotates it before the one cast back
+    out = _norm_rope_tile(x, w, cos_ptr, sin_ptr, pos, col, eps, TOKS, HB, False, DTYPE, GPU)
     out_off = pos[:, None, None] * stride_ol + head[None, :, None] * stride_oh + col
     tl.store(out_base + out_off, to_storage(out, DTYPE, GPU), mask=ok)
-
-
-def _check_weight(op: str, name: str, w: Tensor) -> None:
-    if w.dtype != torch.float32:
-        raise UnsupportedInput(f"{op}: {name} must be fp32 (the norm weights are kept fp32), got {w.dtype}")
-    check_shape(op, name, w, (HEAD_DIM,))
-    if w.stride(0) != 1:
-        raise UnsupportedInput(f"{op}: {name} must be contiguous, got stride {w.stride()}")
-    check_aten_vectorized(op, name, w)
 
 
 def qk_norm_rope_fp32_triton(
@@ -162,25 +116,19 @@ def qk_norm_rope_fp32_triton(
     the two halves of one buffer, each written through its own strides.
     """
     op = "qk_norm_rope_fp32"
-    check_launchable(op, q, k, weight_q, weight_k, cos, sin)
-    check_half(op, q=q, k=k)
-    if q.ndim != 4 or q.shape[-1] != HEAD_DIM:
-        raise UnsupportedInput(f"{op}: q must be (B, L, H, {HEAD_DIM}), got {tuple(q.shape)}")
+    check_inputs(op, weight_q, weight_k, cos, sin, q=q, k=k)
+    check_heads(op, "q", q)
     b, length, h, _ = q.shape
     if b == 0 or length == 0 or h == 0:
         raise UnsupportedInput(f"{op}: empty input {tuple(q.shape)}")
-    check_shape(op, "k", k, tuple(q.shape))
-    for name, t in (("q", q), ("k", k)):
-        check_unit_stride(op, name, t)
-        check_int32_offsets(op, name, t)
-    _check_weight(op, "weight_q", weight_q)
-    _check_weight(op, "weight_k", weight_k)
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32:
-            raise UnsupportedInput(f"{op}: {name} must be fp32, got {t.dtype}")
-        check_shape(op, name, t, (length, HEAD_DIM))
-        if not t.is_contiguous():
-            raise UnsupportedInput(f"{op}: {name} must be contiguous")
+    check_strided(op, tuple(q.shape), k=k)
+    for name, w in (("weight_q", weight_q), ("weight_k", weight_k)):
+        if w.dtype != torch.float32:
+            raise UnsupportedInput(
+                f"{op}: {name} must be fp32 (the norm weights are kept fp32), got {w.dtype}"
+            )
+        check_norm_weight(op, name, w)
+    check_rope_tables(op, cos, sin, length)
     # one allocation: q's half, then k's, each (B, H, L, 128) or (B, L, H, 128) contiguous
     halves = torch.empty((2, b * length * h * HEAD_DIM), dtype=q.dtype, device=q.device)
     check_int32_offsets(op, "out", halves)
@@ -188,12 +136,11 @@ def qk_norm_rope_fp32_triton(
         heads_view(half, b, length, h, HEAD_DIM, major)
         for half, major in zip(halves, (head_major_q, head_major_k), strict=True)
     )
-    grid = (triton.cdiv(length, tokens_per_program), triton.cdiv(h, heads_per_program), 2 * b)
-    _qk_norm_rope_fp32_kernel[grid](
+    _qk_norm_rope_fp32_kernel[row_tiles(2 * b, length, h, tokens_per_program, heads_per_program)](
         q, k, weight_q, weight_k, cos, sin, q_out, k_out, b, length, h, eps,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        TOKS=tokens_per_program, HB=heads_per_program, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        TOKS=tokens_per_program, HB=heads_per_program, num_warps=4, **EXACT,
     )  # fmt: skip
     return q_out, k_out
 

@@ -22,23 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.gelu import all_half_values
-from flux_runtime.kernels.triton_utils import (
-    HAS_TRITON,
-    ON_GPU,
-    as_rows,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_no_overlap,
-    check_out,
-    jit,
-    round_to,
-    tl,
-    to_storage,
-    triton,
-    upcast,
-)
+from flux_runtime.kernels.gelu import all_half_values, all_values_difference
+from flux_runtime.kernels.launch import check_into, launch_rows, rows_pair
+from flux_runtime.kernels.triton_utils import HAS_TRITON, jit, round_to, row_tile, tl, to_storage, upcast
 
 if HAS_TRITON:
     from triton.language.extra import libdevice
@@ -56,27 +42,24 @@ def _silu(x, GPU: tl.constexpr):
 
 @jit
 def _swiglu_kernel(
-    x_ptr,  # (B, L, 2M), strides (stride_xb, stride_xl, 1): [gate | up]
-    out_ptr,  # (B, L, M), strides (stride_ob, stride_ol, 1)
+    x_ptr,  # (B, L, 2N), strides (stride_xb, stride_xl, 1): [gate | up]
+    out_ptr,  # (B, L, N), strides (stride_ob, stride_ol, 1)
     L,
-    M,
+    N,
     stride_xb,
     stride_xl,
     stride_ob,
     stride_ol,
     BLOCK_L: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     GPU: tl.constexpr,
 ):
-    # grid: (cdiv(L, BLOCK_L), cdiv(M, BLOCK_M), B)
+    # grid: (cdiv(L, BLOCK_L), cdiv(N, BLOCK_N), B)
     DTYPE = out_ptr.dtype.element_ty
-    b = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (rows < L)[:, None] & (cols < M)[None, :]
+    b, rows, cols, mask = row_tile(L, N, BLOCK_L, BLOCK_N)
     gate_ptr = x_ptr + b * stride_xb + rows[:, None] * stride_xl + cols[None, :]
     gate = upcast(tl.load(gate_ptr, mask=mask, other=0.0), GPU)
-    up = upcast(tl.load(gate_ptr + M, mask=mask, other=0.0), GPU)
+    up = upcast(tl.load(gate_ptr + N, mask=mask, other=0.0), GPU)
     s = round_to(_silu(gate, GPU), DTYPE, GPU)  # r(silu(gate)), stored by eager's first op
     out = to_storage(s * up, DTYPE, GPU)  # r(s * up)
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_ol + cols[None, :], out, mask=mask)
@@ -85,29 +68,14 @@ def _swiglu_kernel(
 def swiglu_triton(x: Tensor, out: Tensor | None = None, *, block_l: int = 4, block_m: int = 1024) -> Tensor:
     """Fused `swiglu_reference`: x (..., 2M) with unit last stride → (..., M), into `out` if given."""
     op = "swiglu"
-    tensors = (x,) if out is None else (x, out)
-    check_launchable(op, *tensors)
-    check_half(op, **({"x": x} if out is None else {"x": x, "out": out}))
-    if x.ndim == 0 or x.numel() == 0:
-        raise UnsupportedInput(f"{op}: empty input {tuple(x.shape)}")
-    if x.shape[-1] % 2:
-        raise UnsupportedInput(f"{op}: expected an even last dim ([gate | up]), got {x.shape[-1]}")
+    if x.ndim == 0 or x.shape[-1] % 2:
+        raise UnsupportedInput(f"{op}: expected an even last dim ([gate | up]), got shape {tuple(x.shape)}")
     m = x.shape[-1] // 2
     shape = (*x.shape[:-1], m)
+    check_into(op, x, out, shape)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    else:
-        check_out(op, out, shape)
-        check_no_overlap(op, x, out)
-    x3, out3 = as_rows(op, "x", x), as_rows(op, "out", out)
-    check_int32_offsets(op, "x", x3)
-    check_int32_offsets(op, "out", out3)
-    b, length, _ = x3.shape
-    grid = (triton.cdiv(length, block_l), triton.cdiv(m, block_m), b)
-    _swiglu_kernel[grid](
-        x3, out3, length, m, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1),
-        BLOCK_L=block_l, BLOCK_M=block_m, GPU=ON_GPU, num_warps=8, enable_fp_fusion=False,
-    )  # fmt: skip
+    launch_rows(_swiglu_kernel, *rows_pair(op, x, out), m, block_l, block_m, num_warps=8)
     return out
 
 
@@ -118,12 +86,7 @@ def silu_exhaustive_check(x: Tensor, out: Tensor | None = None) -> str | None:
     """
     values = all_half_values(x.dtype, x.device)
     fused = swiglu_triton(torch.cat([values, torch.ones_like(values)]))  # one row [gate | up]
-    ref = F.silu(values)
-    same = (fused == ref) | (fused.isnan() & ref.isnan())
-    if bool(same.all()):
-        return None
-    bad = values[~same]
-    return f"silu: {bad.numel()} of 65536 {x.dtype} inputs differ, e.g. x={bad[:4].float().tolist()}"
+    return all_values_difference(values, fused, F.silu(values), "silu: ")
 
 
 def swiglu_reference(x: Tensor, out: Tensor | None = None) -> Tensor:

@@ -13,20 +13,8 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_shape,
-    check_unit_stride,
-    jit,
-    round_to,
-    tl,
-    to_storage,
-    triton,
-    upcast,
-)
+from flux_runtime.kernels.launch import EXACT, check_bld, check_inputs, check_joins, check_strided, row_tiles
+from flux_runtime.kernels.triton_utils import jit, round_to, row_tile, tl, to_storage, triton, upcast
 
 
 @jit
@@ -60,10 +48,7 @@ def _token_gated_residual_kernel(
 ):
     # grid: (cdiv(L, BLOCK_L), cdiv(D, BLOCK_D), B); a program's rows may straddle the two streams
     DTYPE = outb_ptr.dtype.element_ty
-    bi = tl.program_id(2).to(tl.int64)
-    pos = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = (pos < L)[:, None] & (cols < D)[None, :]
+    bi, pos, cols, mask = row_tile(L, D, BLOCK_L, BLOCK_D)
     pos = tl.minimum(pos, L - 1).to(tl.int64)  # surplus rows re-read the last row, never stored
     in_a = pos < La
     pos_b = pos - La
@@ -80,12 +65,6 @@ def _token_gated_residual_kernel(
     tl.store(out_row[:, None] + c, to_storage(upcast(x, GPU) + prod, DTYPE, GPU), mask=mask)  # r(x + prod)
 
 
-def _check_rows(op: str, name: str, t: Tensor, shape: tuple[int, ...]) -> None:
-    check_shape(op, name, t, shape)
-    check_unit_stride(op, name, t)
-    check_int32_offsets(op, name, t)
-
-
 def _launch(
     op: str, txt: tuple[Tensor, Tensor] | None, x: Tensor, gate: Tensor, a: Tensor, b: Tensor,
     block_l: int, block_d: int,
@@ -93,33 +72,26 @@ def _launch(
     named = {"x": x, "gate": gate, "a": a, "b": b}
     if txt is not None:
         named |= {"x_txt": txt[0], "gate_txt": txt[1]}
-    check_launchable(op, *named.values())
-    check_half(op, **named)
-    if x.ndim != 3 or x.numel() == 0:
-        raise UnsupportedInput(f"{op}: x must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
-    bsz, n, d = x.shape
-    _check_rows(op, "x", x, (bsz, n, d))
-    _check_rows(op, "gate", gate, (bsz, n, d))
+    check_inputs(op, **named)
+    bsz, n, d = check_bld(op, "x", x)
+    check_strided(op, (bsz, n, d), gate=gate)
     n_txt = 0
     if txt is not None:
         x_txt, gate_txt = txt
-        if x_txt.ndim != 3 or x_txt.shape[0] != bsz or x_txt.shape[2] != d or x_txt.shape[1] == 0:
-            raise UnsupportedInput(f"{op}: x_txt {tuple(x_txt.shape)} does not match x {tuple(x.shape)}")
-        n_txt = x_txt.shape[1]
-        _check_rows(op, "x_txt", x_txt, tuple(x_txt.shape))
-        _check_rows(op, "gate_txt", gate_txt, tuple(x_txt.shape))
+        n_txt = check_joins(op, "x_txt", x_txt, "x", x)
+        if n_txt == 0:
+            raise UnsupportedInput(f"{op}: x_txt is empty")
+        check_strided(op, tuple(x_txt.shape), x_txt=x_txt, gate_txt=gate_txt)
     length = n_txt + n
-    _check_rows(op, "a", a, (bsz, length, d))
-    _check_rows(op, "b", b, (bsz, length, d))
+    check_strided(op, (bsz, length, d), a=a, b=b)
     out = torch.empty((bsz, n, d), dtype=x.dtype, device=x.device)
     out_txt = torch.empty((bsz, n_txt, d), dtype=x.dtype, device=x.device) if txt is not None else None
     xa, ga, oa = (txt[0], txt[1], out_txt) if txt is not None and out_txt is not None else (x, gate, out)
     block_d = min(block_d, triton.next_power_of_2(d))
-    grid = (triton.cdiv(length, block_l), triton.cdiv(d, block_d), bsz)
     strides = [s for t in (xa, ga, x, gate, a, b) for s in (t.stride(0), t.stride(1))]
-    _token_gated_residual_kernel[grid](
+    _token_gated_residual_kernel[row_tiles(bsz, length, d, block_l, block_d)](
         xa, ga, x, gate, a, b, oa, out, n_txt, length, d, *strides,
-        BLOCK_L=block_l, BLOCK_D=block_d, GPU=ON_GPU, num_warps=4, enable_fp_fusion=False,
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4, **EXACT,
     )  # fmt: skip
     return out, out_txt
 

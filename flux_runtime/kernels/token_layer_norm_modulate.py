@@ -22,33 +22,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flux_runtime.kernels.dispatch import FusedOp, UnsupportedInput, run_op
-from flux_runtime.kernels.fp8 import E4M3, Fp8Act, check_quant, quantize_reference
-from flux_runtime.kernels.layer_norm_modulate import (
-    MAX_WIDTH,
-    _even_counts_halve,
-    _row_stats,
-    _welford_push_vec4,
-)
-from flux_runtime.kernels.triton_utils import (
-    ON_GPU,
+from flux_runtime.kernels.dispatch import FusedOp, run_op
+from flux_runtime.kernels.fp8 import Fp8Act, check_quant, quantize_reference
+from flux_runtime.kernels.launch import (
     check_aten_vectorized,
-    check_half,
-    check_int32_offsets,
-    check_launchable,
-    check_shape,
-    check_unit_stride,
-    e4m3_code,
-    e4m3_consts,
-    e4m3_row_scale,
-    jit,
-    round_to,
-    tl,
-    to_storage,
-    triton,
-    triton_dtype,
-    upcast,
+    check_bld,
+    check_inputs,
+    check_joins,
+    check_strided,
+    empty_out,
+    optional_stream,
 )
+from flux_runtime.kernels.layer_norm_modulate import (
+    _check_width,
+    _read_rows,
+    _row_block,
+    _rows_consts,
+    _rows_fp8,
+    _rows_quant,
+    _write_rows,
+)
+from flux_runtime.kernels.triton_utils import jit, tl, triton
 
 _THREADS = 128  # aten's block: 32 lanes × 4 warps, one row per block
 _VEC = 4  # aten's vec_size for every dtype
@@ -93,10 +87,7 @@ def _token_layer_norm_modulate_kernel(
     DTYPE: tl.constexpr,  # the activations' dtype (out_ptr holds bytes when QUANT)
 ):
     # grid: (cdiv(L, ROWS), B); a program's rows may straddle the two streams
-    b = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = pos < L
-    pos = tl.where(row_ok, pos, L - 1).to(tl.int64)  # surplus rows re-read the last row, never stored
+    b, pos, row_ok = _row_block(L, ROWS)
     in_a = pos < La
     pos_b = pos - La
     x_row = tl.where(
@@ -105,78 +96,20 @@ def _token_layer_norm_modulate_kernel(
     sh_row = tl.where(in_a, sha_ptr + b * s_sha_b + pos * s_sha_l, shb_ptr + b * s_shb_b + pos_b * s_shb_l)
     sc_row = tl.where(in_a, sca_ptr + b * s_sca_b + pos * s_sca_l, scb_ptr + b * s_scb_b + pos_b * s_scb_l)
     out_row = (b * L + pos) * D
-    lane = tl.arange(0, 128)  # aten's thrx = threadIdx.x + 32 * threadIdx.y
-    c4 = tl.arange(0, 4)
-
-    # pass 1: every load, and each lane's Welford over its vectors in aten's order
-    mean = tl.zeros((128, ROWS), tl.float32)
-    m2 = tl.zeros((128, ROWS), tl.float32)
-    count = tl.zeros((128, ROWS), tl.float32)
-    xs = ()  # the LayerNorm input of each vector, in the storage dtype
-    scales = ()  # the rows' scale and shift vectors, in the storage dtype
-    shifts = ()
-    for it in tl.static_range(ITERS):
-        vec = it * 128 + lane
-        col = (vec * 4)[:, None, None] + c4[None, None, :]  # (128, 1, 4): lane t holds 4t..4t+3
-        vec_ok = vec < D // 4
-        if EVEN:
-            x = tl.load(x_row[None, :, None] + col)  # (128, ROWS, 4)
-            scale = tl.load(sc_row[None, :, None] + col)
-            shift = tl.load(sh_row[None, :, None] + col)
-        else:
-            col_ok = vec_ok[:, None, None]
-            x = tl.load(x_row[None, :, None] + col, mask=col_ok, other=0.0)
-            scale = tl.load(sc_row[None, :, None] + col, mask=col_ok, other=0.0)
-            shift = tl.load(sh_row[None, :, None] + col, mask=col_ok, other=0.0)
-        # tuples grow by `+` in Triton's frontend (it has no starred unpacking)
-        xs = xs + (x,)  # noqa: RUF005
-        scales = scales + (scale,)  # noqa: RUF005
-        shifts = shifts + (shift,)  # noqa: RUF005
-        xf = upcast(x, GPU)
-        mean, m2, count = _welford_push_vec4(mean, m2, count, xf, vec_ok[:, None], it, ROWS, EVEN)
-
-    mean, rstd = _row_stats(mean, m2, count, D, eps, ROWS, EVEN, GPU)  # (1, ROWS, 1) each
-
-    # pass 2: normalise and modulate, r(r(r(rstd * (x - mean)) * r(1 + scale)) + shift); stores
-    store_ok = row_ok[None, :, None]
-    ys = ()  # QUANT 2: the rounded values, quantized once the row's amax is known
-    amax = tl.zeros((ROWS,), tl.float32)
-    if QUANT == 1:
-        inv = tl.load(q_inv_ptr)
-    for it in tl.static_range(ITERS):
-        col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
-        mask = store_ok if EVEN else store_ok & (col < D)
-        ln = round_to(rstd * (upcast(xs[it], GPU) - mean), DTYPE, GPU)
-        scale1 = round_to(1.0 + upcast(scales[it], GPU), DTYPE, GPU)
-        prod = round_to(ln * scale1, DTYPE, GPU)
-        if QUANT == 0:
-            y = to_storage(prod + upcast(shifts[it], GPU), DTYPE, GPU)
-            tl.store(out_ptr + out_row[None, :, None] + col, y, mask=mask)
-        else:
-            y = round_to(prod + upcast(shifts[it], GPU), DTYPE, GPU)  # the 16-bit value eager would store
-            if QUANT == 1:
-                tl.store(out_ptr + out_row[None, :, None] + col, e4m3_code(y * inv, HW_E4M3), mask=mask)
-            else:
-                ys = ys + (y,)  # noqa: RUF005
-                a = tl.abs(y) if EVEN else tl.where(col < D, tl.abs(y), 0.0)
-                amax = tl.maximum(amax, tl.max(tl.max(a, axis=2), axis=0))
-    if QUANT == 2:
-        s, inv_row = e4m3_row_scale(amax)  # one scale per token
-        tl.store(q_scale_ptr + b * L + pos, s, mask=row_ok)
-        for it in tl.static_range(ITERS):
-            col = ((it * 128 + lane) * 4)[:, None, None] + c4[None, None, :]
-            mask = store_ok if EVEN else store_ok & (col < D)
-            q = e4m3_code(ys[it] * inv_row[None, :, None], HW_E4M3)
-            tl.store(out_ptr + out_row[None, :, None] + col, q, mask=mask)
+    # pass 1: every load, each lane's Welford in aten's order; pass 2: normalise, modulate with the token's own
+    # scale and shift rows, store
+    xs, scales, shifts, mean, rstd = _read_rows(
+        x_row, sc_row, sh_row, x_row, x_row, b, 0, 0, 0, D, eps, ITERS, EVEN, ROWS, True, False, DTYPE, GPU
+    )
+    _write_rows(
+        xs, scales, shifts, mean, rstd, out_ptr, out_ptr, q_scale_ptr, q_inv_ptr, out_row, b, L, pos, row_ok, D,
+        ITERS, EVEN, ROWS, True, False, QUANT, HW_E4M3, DTYPE, GPU,
+    )  # fmt: skip
 
 
 def _check_stream(op: str, name: str, x: Tensor, shift: Tensor, scale: Tensor) -> None:
-    if x.ndim != 3 or x.numel() == 0:
-        raise UnsupportedInput(f"{op}: {name} must be a non-empty (B, L, D) tensor, got {tuple(x.shape)}")
-    for label, t in ((name, x), (f"{name} shift", shift), (f"{name} scale", scale)):
-        check_shape(op, label, t, tuple(x.shape))
-        check_unit_stride(op, label, t)
-        check_int32_offsets(op, label, t)
+    check_bld(op, name, x)
+    check_strided(op, tuple(x.shape), **{f"{name} shift": shift, f"{name} scale": scale})
     # aten normalises a contiguous x in place (a misaligned one takes another kernel); others it copies
     check_aten_vectorized(op, name, x)
 
@@ -212,53 +145,40 @@ def _launch(
 ) -> Tensor | Fp8Act:
     """Check and launch the kernel: the 16-bit output, or (with `quant`) its e4m3 with the scale(s)."""
     x_txt, shift_txt, scale_txt, x, shift, scale = args
-    txt = (x_txt, shift_txt, scale_txt)
-    if any(t is None for t in txt) and not all(t is None for t in txt):
-        raise UnsupportedInput(f"{op}: x_txt, shift_txt and scale_txt must all be given or all be None")
-    named = {"x": x, "shift": shift, "scale": scale}
-    named |= {k: t for k, t in zip(("x_txt", "shift_txt", "scale_txt"), txt, strict=True) if t is not None}
-    check_launchable(op, *named.values(), *(t for t in quant or () if t is not None))
-    check_half(op, **named)
+    txt = optional_stream(op, x_txt=x_txt, shift_txt=shift_txt, scale_txt=scale_txt)
+    check_inputs(op, *(t for t in quant or () if t is not None), x=x, shift=shift, scale=scale, **txt)
     _check_stream(op, "x", x, shift, scale)
     b, n, d = x.shape
-    if d % _VEC != 0:
-        raise UnsupportedInput(
-            f"{op}: width {d} is not a multiple of 4 (aten's vectorised LayerNorm needs it)"
-        )
-    if d > MAX_WIDTH:
-        raise UnsupportedInput(f"{op}: width {d} exceeds the maximum fused width {MAX_WIDTH}")
+    _check_width(op, d)
     n_txt = 0
+    a = (x, shift, scale)  # the first stream's pointers, never read without a text stream (La = 0)
     if x_txt is not None and shift_txt is not None and scale_txt is not None:
         _check_stream(op, "x_txt", x_txt, shift_txt, scale_txt)
-        if x_txt.shape[0] != b or x_txt.shape[2] != d:
-            raise UnsupportedInput(f"{op}: x_txt {tuple(x_txt.shape)} does not match x {tuple(x.shape)}")
-        n_txt = x_txt.shape[1]
+        n_txt = check_joins(op, "x_txt", x_txt, "x", x)
         a = (x_txt, shift_txt, scale_txt)
-    else:
-        a = (x, shift, scale)  # never read: La = 0
     length = n_txt + n
-    mode, q_scale, q_inv = 0, shift, shift  # the pointers are not read without QUANT
     if quant is not None:
         check_quant(op, *quant)
-        mode = 1 if quant[0] is not None else 2
-        if mode == 1:
-            q_scale, q_inv = quant  # type: ignore[assignment]
-        else:
-            q_scale = q_inv = torch.empty(b * length, dtype=torch.float32, device=x.device)
-    out = torch.empty((b, length, d), dtype=x.dtype if quant is None else torch.uint8, device=x.device)
-    check_int32_offsets(op, "out", out)
+    mode, q_scale, q_inv = _rows_quant(quant, b, length, shift)
+    out = empty_out(op, (b, length, d), x, None if quant is None else torch.uint8)
     rows = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
-    iters = triton.cdiv(d, _THREADS * _VEC)
-    even = d % (_THREADS * _VEC) == 0 and _even_counts_halve(iters)
     strides = [s for t in (*a, x, shift, scale) for s in (t.stride(0), t.stride(1))]
     _token_layer_norm_modulate_kernel[(triton.cdiv(length, rows), b)](
-        *a, x, shift, scale, out, q_scale, q_inv, n_txt, length, d, eps, *strides,
-        ITERS=iters, EVEN=even, ROWS=rows, QUANT=mode, GPU=ON_GPU, DTYPE=triton_dtype(x.dtype), num_warps=4,
-        enable_fp_fusion=False, **e4m3_consts(x.device),
-    )  # fmt: skip
-    if quant is None:
-        return out
-    return Fp8Act(out.view(E4M3), q_scale.view(b, length, 1) if mode == 2 else q_scale)
+        *a,
+        x,
+        shift,
+        scale,
+        out,
+        q_scale,
+        q_inv,
+        n_txt,
+        length,
+        d,
+        eps,
+        *strides,
+        **_rows_consts(x, rows, mode),
+    )
+    return out if quant is None else _rows_fp8(out, mode, q_scale)
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float) -> Tensor:

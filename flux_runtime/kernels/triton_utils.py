@@ -1,4 +1,5 @@
-"""Shared pieces of the fused Triton kernels: optional import, exact rounding helpers, input guards.
+"""Shared device pieces of the fused Triton kernels: optional import, exact rounding helpers, tiles (the
+launchers' input guards are in `launch`).
 
 Exactness rules that every kernel here relies on:
 
@@ -28,9 +29,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
-from torch import Tensor
-
-from flux_runtime.kernels.dispatch import UnsupportedInput
 
 try:
     import triton
@@ -218,6 +216,41 @@ def e4m3_consts(device: torch.device) -> dict[str, bool]:
 
 
 @jit
+def row_tile(L, N, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of a (B, L, N) problem on the grid `row_tiles` makes: its batch (int64), its rows
+    (BLOCK_L,) and columns (BLOCK_N,) and the (BLOCK_L, BLOCK_N) mask of the ones inside."""
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < L)[:, None] & (cols < N)[None, :]
+    return b, rows, cols, mask
+
+
+@jit
+def batch_row_tile(L, D, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`row_tile` for the kernels that also read one (B, D) row per batch: with the columns' own mask (BLOCK_D,).
+    Its program ids are read in grid order (the instruction order these kernels compile to)."""
+    pid_l = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    rows = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    mask = (rows < L)[:, None] & col_ok[None, :]
+    return b, rows, cols, col_ok, mask
+
+
+@jit
+def split4(x4):
+    """The elements of 4-element lane vectors, in order: `x4` (..., 2, 2) holds a lane's elements 0..3 in its
+    last two dims; returns them as four (...) tensors."""
+    x02, x13 = tl.split(x4)
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    return x0, x1, x2, x3
+
+
+@jit
 def halves(v, R: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
     """Split lanes `v` (R, W, 2K) into their lower (R, W, K) and upper (R, W, K) halves.
 
@@ -227,103 +260,3 @@ def halves(v, R: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
     v = tl.reshape(v, (R, W, 2, K))
     v = tl.permute(v, (0, 1, 3, 2))
     return tl.split(v)
-
-
-# --------------------------------------------------------------------------------------------------
-# launcher guards
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def triton_dtype(dtype: torch.dtype) -> Any:
-    """The Triton element type of a bf16/fp16 torch dtype."""
-    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
-
-
-def check_launchable(op: str, *tensors: Tensor) -> None:
-    """Triton present, all tensors on one CUDA device (CPU tensors only under the interpreter)."""
-    if not HAS_TRITON:
-        raise UnsupportedInput(f"{op}: Triton is not importable")
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise UnsupportedInput(f"{op}: inputs on several devices {sorted(map(str, devices))}")
-    device = devices.pop()
-    if device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
-        raise UnsupportedInput(f"{op}: needs CUDA tensors, got device {device.type}")
-    if device.type == "cuda" and torch.version.hip is not None:
-        raise UnsupportedInput(f"{op}: the kernels use NVIDIA PTX; ROCm is not supported")
-
-
-def check_half(op: str, **tensors: Tensor) -> torch.dtype:
-    """All named tensors share one dtype, bf16 or fp16; returns it."""
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) != 1:
-        got = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
-        raise UnsupportedInput(f"{op}: expected one dtype for all inputs, got {got}")
-    dtype = dtypes.pop()
-    if dtype not in HALF_DTYPES:
-        raise UnsupportedInput(f"{op}: expected bf16/fp16 tensors, got {dtype}")
-    return dtype
-
-
-def check_shape(op: str, name: str, t: Tensor, shape: tuple[int, ...]) -> None:
-    """`t.shape == shape`."""
-    if tuple(t.shape) != shape:
-        raise UnsupportedInput(f"{op}: {name} must be {shape}, got {tuple(t.shape)}")
-
-
-def check_unit_stride(op: str, name: str, t: Tensor) -> None:
-    """The last dim is dense (stride 1); other strides are passed to the kernel."""
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise UnsupportedInput(f"{op}: {name} needs a unit last stride, got strides {t.stride()}")
-
-
-def check_int32_offsets(op: str, name: str, t: Tensor) -> None:
-    """Every element offset of `t` fits the kernels' int32 index arithmetic."""
-    span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-    if span >= 2**31:
-        raise UnsupportedInput(f"{op}: {name} spans {span} elements; the kernel indexes with int32")
-
-
-def check_aten_vectorized(op: str, name: str, t: Tensor) -> None:
-    """aten's vectorised norm kernel (the one replicated) needs a 4-element-aligned buffer.
-
-    A non-contiguous input is copied by aten first (a fresh, aligned buffer); a contiguous one is used
-    in place, and if its data pointer is misaligned aten runs a different kernel with other numerics.
-    """
-    if t.is_contiguous() and t.data_ptr() % (4 * t.element_size()) != 0:
-        raise UnsupportedInput(f"{op}: {name} is not 4-element aligned, so aten takes its unvectorised path")
-
-
-def check_out(op: str, out: Tensor, shape: tuple[int, ...]) -> None:
-    """A preallocated output: the result's shape, a unit last stride (other strides are passed on)."""
-    check_shape(op, "out", out, shape)
-    check_unit_stride(op, "out", out)
-
-
-def check_no_overlap(op: str, x: Tensor, out: Tensor) -> None:
-    """`out` shares no memory with `x` (the reference computes first and copies; the kernel streams)."""
-
-    def span(t: Tensor) -> tuple[int, int]:
-        start = t.data_ptr()
-        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-        return start, start + extent * t.element_size()
-
-    if x.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
-        return
-    (a0, a1), (b0, b1) = span(x), span(out)
-    if a0 < b1 and b0 < a1:
-        raise UnsupportedInput(f"{op}: out overlaps the input's memory")
-
-
-def as_rows(op: str, name: str, t: Tensor) -> Tensor:
-    """`t` (..., N) as a (B, L, N) view with unit last stride, for row-strided kernels."""
-    check_unit_stride(op, name, t)
-    if t.ndim <= 3:
-        return t.reshape((1,) * (3 - t.ndim) + tuple(t.shape))
-    try:
-        return t.view(-1, *t.shape[-2:])
-    except RuntimeError:
-        raise UnsupportedInput(
-            f"{op}: {name}'s leading dims {tuple(t.shape[:-2])} cannot be merged (strides {t.stride()})"
-        ) from None

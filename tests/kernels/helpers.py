@@ -14,7 +14,11 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels import triton_utils
-from flux_runtime.kernels.gelu import all_half_values, gelu_amax_bound, gelu_tanh_triton
+from flux_runtime.kernels.gelu import (
+    all_half_values,
+    gelu_amax_bound,
+    gelu_tanh_triton,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = triton_utils.INTERPRET and triton_utils.HAS_TRITON
@@ -74,6 +78,15 @@ def activations(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.
     return (x * spread + offset).to(dtype)
 
 
+def modulated_rows(
+    shape: tuple[int, int, int], dtype: torch.dtype, device: str | torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, shift, scale) at a (B, L, D) site: `activations`, then the (B, D) shift and scale of a `modulation`."""
+    b, _, d = shape
+    shift, scale = modulation(b, d, dtype, device)[:2]
+    return activations(shape, dtype, device), shift, scale
+
+
 def rope_tables(length: int, device: str | torch.device) -> tuple[Tensor, Tensor]:
     """(L, 128) fp32 cos/sin built as diffusers builds FLUX.1's (axes 16/56/56, theta 10000)."""
     pos = torch.stack(
@@ -111,6 +124,42 @@ FLUX3_SEQ_LENS = tuple(
         | {t + n * (1 + refs) for t in FLUX3_TXT_TOKENS for n in FLUX3_IMAGE_TOKENS for refs in (0, 1)}
     )
 )
+
+
+# (B, L_txt, L, D): FLUX.3's per-mode blocks (text, image or reference alone) and joint blocks
+# ([txt | image (| ref)])
+FLUX3_SITES = sorted(
+    {(b, 0, n, FLUX3_WIDTH) for b in (1, 2) for n in (*FLUX3_TXT_TOKENS, *FLUX3_IMAGE_TOKENS)}
+    | {
+        (b, t, n * (1 + refs), FLUX3_WIDTH)
+        for b in (1, 2)
+        for t in FLUX3_TXT_TOKENS
+        for n in FLUX3_IMAGE_TOKENS
+        for refs in (0, 1)
+    }
+)
+# (B, L): the rows of those sites' joint sequences
+FLUX3_ROWS = sorted({(b, n_txt + n) for b, n_txt, n, _ in FLUX3_SITES})
+
+
+def token_modulation(
+    b: int, n: int, d: int, dtype: torch.dtype, device: str | torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(shift, scale, gate) (B, L, D) chunks of one per-token (B, L, 3D) projection, as FLUX.3's `chunk` gives."""
+    mod = (torch.randn(b, n, 3 * d, device=device) * 0.6).to(dtype)
+    shift, scale, gate = mod.chunk(3, dim=-1)
+    return shift, scale, gate
+
+
+def same(out: Tensor, ref: Tensor) -> Tensor:
+    """Elementwise equality that counts NaN == NaN (the exhaustive inputs include NaNs)."""
+    return (out == ref) | (out.isnan() & ref.isnan())
+
+
+def assert_within_one_ulp(out: Tensor, ref: Tensor) -> None:
+    """At most 1 ulp from aten's CPU kernel (which reduces in another order), and equal almost everywhere."""
+    assert int(ulp_distance(out, ref).max()) <= 1
+    assert (out == ref).float().mean() > 0.99
 
 
 def bits(t: Tensor) -> Tensor:

@@ -173,15 +173,11 @@ def test_gpu_e4m3_hardware_conversion_matches_the_integer_one_on_every_input(dty
         assert_same(got[False], want)
 
 
-@interpreter
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", [512, 96])
-@pytest.mark.parametrize("scale", [None, 0.01], ids=["dynamic", "static"])
-def test_layer_norm_modulate_fp8(dtype, d, scale):
-    x = activations((2, 5, d), dtype, "cpu")
-    shift, sc, gate = modulation(2, d, dtype, "cpu", chunks=3)
-    u = activations((2, 5, d), dtype, "cpu")
-    q = static(scale, "cpu") if scale else (None, None)
+def assert_layer_norm_modulate_fp8_exact(
+    x: Tensor, gate: Tensor, u: Tensor, shift: Tensor, sc: Tensor, q: tuple[Tensor | None, Tensor | None]
+) -> None:
+    """Both e4m3 LayerNorm producers, plain (of `x`) and with the deferred residual (of r = x + gate * u), equal
+    their references: the codes, the scales and r."""
     assert_same(
         lnm.layer_norm_modulate_fp8_triton(x, shift, sc, 1e-6, *q),
         lnm.layer_norm_modulate_fp8_reference(x, shift, sc, 1e-6, *q),
@@ -192,6 +188,18 @@ def test_layer_norm_modulate_fp8(dtype, d, scale):
     )
     assert torch.equal(r, rr)
     assert_same(a, ra)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [512, 96])
+@pytest.mark.parametrize("scale", [None, 0.01], ids=["dynamic", "static"])
+def test_layer_norm_modulate_fp8(dtype, d, scale):
+    x = activations((2, 5, d), dtype, "cpu")
+    shift, sc, gate = modulation(2, d, dtype, "cpu", chunks=3)
+    u = activations((2, 5, d), dtype, "cpu")
+    q = static(scale, "cpu") if scale else (None, None)
+    assert_layer_norm_modulate_fp8_exact(x, gate, u, shift, sc, q)
 
 
 def test_fp8_linear_on_cpu_matches_the_dequantized_product():
@@ -225,16 +233,7 @@ def test_gpu_layer_norm_modulate_fp8(shape, dtype, scale):
     x, u = activations(shape, dtype, "cuda"), activations(shape, dtype, "cuda")
     shift, sc, gate = modulation(b, d, dtype, "cuda", chunks=3)
     q = static(scale, "cuda") if scale else (None, None)
-    assert_same(
-        lnm.layer_norm_modulate_fp8_triton(x, shift, sc, 1e-6, *q),
-        lnm.layer_norm_modulate_fp8_reference(x, shift, sc, 1e-6, *q),
-    )
-    (r, a), (rr, ra) = (
-        lnm.residual_layer_norm_modulate_fp8_triton(x, gate, u, shift, sc, 1e-6, *q),
-        lnm.residual_layer_norm_modulate_fp8_reference(x, gate, u, shift, sc, 1e-6, *q),
-    )
-    assert torch.equal(r, rr)
-    assert_same(a, ra)
+    assert_layer_norm_modulate_fp8_exact(x, gate, u, shift, sc, q)
 
 
 @gpu

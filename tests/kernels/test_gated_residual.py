@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from flux_runtime.kernels.dispatch import UnsupportedInput
 from flux_runtime.kernels.gated_residual import gated_residual_reference, gated_residual_triton
@@ -12,14 +13,18 @@ from tests.kernels.helpers import DTYPES, FLUX_ROWS, activations, gpu, interpret
 CPU_ROWS = [(1, 3, 3072), (2, 2, 6144), (2, 5, 1000)]
 
 
+def inputs(shape: tuple[int, int, int], dtype: torch.dtype, device: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(residual, gate, update) at a (B, L, D) site; the gate (B, D) one chunk of a modulation."""
+    b, _, d = shape
+    gate = modulation(b, d, dtype, device)[2]
+    return activations(shape, dtype, device) * 8, gate, activations(shape, dtype, device)
+
+
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", CPU_ROWS, ids=row_id)
 def test_gated_residual_interpreter_bit_exact(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    b, _, d = shape
-    gate = modulation(b, d, dtype, "cpu")[2]
-    residual = activations(shape, dtype, "cpu") * 8
-    update = activations(shape, dtype, "cpu")
+    residual, gate, update = inputs(shape, dtype, "cpu")
     out = gated_residual_triton(residual, gate, update, block_l=2, block_d=512)
     ref = gated_residual_reference(residual, gate, update)
     assert torch.equal(out, ref)
@@ -56,10 +61,7 @@ def test_gated_residual_guards_name_the_problem() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", FLUX_ROWS, ids=row_id)
 def test_gated_residual_gpu_bit_exact(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    b, _, d = shape
-    gate = modulation(b, d, dtype, "cuda")[2]
-    residual = activations(shape, dtype, "cuda") * 8
-    update = activations(shape, dtype, "cuda")
+    residual, gate, update = inputs(shape, dtype, "cuda")
     out = gated_residual_triton(residual, gate, update)
     assert torch.equal(out, gated_residual_reference(residual, gate, update))
 

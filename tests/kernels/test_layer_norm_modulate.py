@@ -32,6 +32,7 @@ from tests.kernels.helpers import (
     activations,
     gpu,
     interpreter,
+    modulated_rows,
     modulation,
     row_id,
 )
@@ -45,6 +46,27 @@ def replayed(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return modulate_reference(layer_norm_replay(x, EPS), shift, scale)
 
 
+def residual_inputs(shape: tuple[int, int, int], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
+    """(residual, gate, update, shift, scale) at a (B, L, D) site: gate, shift and scale (B, D) chunks of one
+    modulation."""
+    b, _, d = shape
+    shift, scale, gate = modulation(b, d, dtype, device)[:3]
+    return activations(shape, dtype, device) * 4, gate, activations(shape, dtype, device), shift, scale
+
+
+def assert_residual_replayed(
+    residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    variant: str, rows_per_program: int,
+) -> None:  # fmt: skip
+    """The residual kernel's r equals the gated residual's, its y aten's LayerNorm of r (replayed), modulated."""
+    r, y = residual_layer_norm_modulate_triton(
+        residual, gate, update, shift, scale, EPS, variant=variant, rows_per_program=rows_per_program
+    )
+    r_ref = gated_residual_reference(residual, gate, update)
+    assert torch.equal(r, r_ref)
+    assert torch.equal(y, replayed(r_ref, shift, scale))
+
+
 @interpreter
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -52,9 +74,7 @@ def replayed(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 def test_layer_norm_modulate_interpreter_replays_aten(
     shape: tuple[int, int, int], dtype: torch.dtype, variant: str
 ) -> None:
-    b, _, d = shape
-    shift, scale = modulation(b, d, dtype, "cpu")[:2]
-    x = activations(shape, dtype, "cpu")
+    x, shift, scale = modulated_rows(shape, dtype, "cpu")
     out = layer_norm_modulate_triton(x, shift, scale, EPS, variant=variant, rows_per_program=4)
     assert torch.equal(out, replayed(x, shift, scale))
 
@@ -63,9 +83,7 @@ def test_layer_norm_modulate_interpreter_replays_aten(
 @pytest.mark.parametrize("rows_per_program", [1, 2])
 def test_layer_norm_modulate_v2_rows_per_program(rows_per_program: int) -> None:
     """v2 with one and two rows per program (its GPU defaults), a batch of 2 and a partial last program."""
-    b, n, d = 2, 3, 3072
-    shift, scale = modulation(b, d, torch.bfloat16, "cpu")[:2]
-    x = activations((b, n, d), torch.bfloat16, "cpu")
+    x, shift, scale = modulated_rows((2, 3, 3072), torch.bfloat16, "cpu")
     out = layer_norm_modulate_triton(x, shift, scale, EPS, variant="v2", rows_per_program=rows_per_program)
     assert torch.equal(out, replayed(x, shift, scale))
 
@@ -150,16 +168,8 @@ def test_layer_norm_modulate_strided_input(variant: str) -> None:
 def test_residual_layer_norm_modulate_interpreter(
     shape: tuple[int, int, int], dtype: torch.dtype, variant: str
 ) -> None:
-    b, _, d = shape
-    shift, scale, gate = modulation(b, d, dtype, "cpu")[:3]
-    residual = activations(shape, dtype, "cpu") * 4
-    update = activations(shape, dtype, "cpu")
-    r, y = residual_layer_norm_modulate_triton(
-        residual, gate, update, shift, scale, EPS, variant=variant, rows_per_program=4
-    )
-    r_ref = gated_residual_reference(residual, gate, update)
-    assert torch.equal(r, r_ref)
-    assert torch.equal(y, replayed(r_ref, shift, scale))
+    residual, gate, update, shift, scale = residual_inputs(shape, dtype, "cpu")
+    assert_residual_replayed(residual, gate, update, shift, scale, variant, 4)
 
 
 @interpreter
@@ -170,12 +180,7 @@ def test_residual_layer_norm_modulate_subnormal_residual(variant: str) -> None:
     residual = (torch.randn(1, 2, 512) * tiny).bfloat16()
     update = (torch.randn(1, 2, 512) * tiny).bfloat16()
     shift, scale, gate = modulation(1, 512, torch.bfloat16, "cpu")[:3]
-    r, y = residual_layer_norm_modulate_triton(
-        residual, gate, update, shift, scale, EPS, variant=variant, rows_per_program=2
-    )
-    r_ref = gated_residual_reference(residual, gate, update)
-    assert torch.equal(r, r_ref)
-    assert torch.equal(y, replayed(r_ref, shift, scale))
+    assert_residual_replayed(residual, gate, update, shift, scale, variant, 2)
 
 
 @interpreter
@@ -187,12 +192,7 @@ def test_residual_layer_norm_modulate_token_slices(variant: str) -> None:
     joint_res = activations((b, n_txt + n_img, d), torch.bfloat16, "cpu")
     joint_upd = activations((b, n_txt + n_img, d), torch.bfloat16, "cpu")
     res, upd = joint_res[:, n_txt:], joint_upd[:, n_txt:]
-    r, y = residual_layer_norm_modulate_triton(
-        res, gate, upd, shift, scale, EPS, variant=variant, rows_per_program=2
-    )
-    r_ref = gated_residual_reference(res, gate, upd)
-    assert torch.equal(r, r_ref)
-    assert torch.equal(y, replayed(r_ref, shift, scale))
+    assert_residual_replayed(res, gate, upd, shift, scale, variant, 2)
 
 
 @interpreter
@@ -221,9 +221,7 @@ def test_layer_norm_modulate_guards_name_the_problem() -> None:
 def test_layer_norm_modulate_gpu_bit_exact(
     shape: tuple[int, int, int], dtype: torch.dtype, variant: str
 ) -> None:
-    b, _, d = shape
-    shift, scale = modulation(b, d, dtype, "cuda")[:2]
-    x = activations(shape, dtype, "cuda")
+    x, shift, scale = modulated_rows(shape, dtype, "cuda")
     out = layer_norm_modulate_triton(x, shift, scale, EPS, variant=variant)
     assert torch.equal(out, layer_norm_modulate_reference(x, shift, scale, EPS))
 
@@ -236,10 +234,7 @@ def test_layer_norm_modulate_gpu_bit_exact(
 def test_residual_layer_norm_modulate_gpu_bit_exact(
     shape: tuple[int, int, int], dtype: torch.dtype, variant: str
 ) -> None:
-    b, _, d = shape
-    shift, scale, gate = modulation(b, d, dtype, "cuda")[:3]
-    residual = activations(shape, dtype, "cuda") * 4
-    update = activations(shape, dtype, "cuda")
+    residual, gate, update, shift, scale = residual_inputs(shape, dtype, "cuda")
     r, y = residual_layer_norm_modulate_triton(residual, gate, update, shift, scale, EPS, variant=variant)
     r_ref, y_ref = residual_layer_norm_modulate_reference(residual, gate, update, shift, scale, EPS)
     assert torch.equal(r, r_ref)

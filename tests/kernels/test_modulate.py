@@ -7,7 +7,7 @@ import torch
 
 from flux_runtime.kernels.dispatch import UnsupportedInput
 from flux_runtime.kernels.modulate import modulate_reference, modulate_triton
-from tests.kernels.helpers import DTYPES, FLUX_ROWS, activations, gpu, interpreter, modulation, row_id
+from tests.kernels.helpers import DTYPES, FLUX_ROWS, gpu, interpreter, modulated_rows, row_id
 
 # few rows for the 2-core CI; blocks small enough to exercise row and column masking
 CPU_ROWS = [(1, 3, 3072), (2, 2, 6144), (2, 5, 1000)]
@@ -17,9 +17,7 @@ CPU_ROWS = [(1, 3, 3072), (2, 2, 6144), (2, 5, 1000)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", CPU_ROWS, ids=row_id)
 def test_modulate_interpreter_bit_exact(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    b, _, d = shape
-    shift, scale = modulation(b, d, dtype, "cpu")[:2]
-    y = activations(shape, dtype, "cpu")
+    y, shift, scale = modulated_rows(shape, dtype, "cpu")
     out = modulate_triton(y, shift, scale, block_l=2, block_d=512)
     assert torch.equal(out, modulate_reference(y, shift, scale))
 
@@ -28,9 +26,8 @@ def test_modulate_interpreter_bit_exact(shape: tuple[int, int, int], dtype: torc
 def test_modulate_strided_input_and_rounding_cases() -> None:
     """A token-strided `y` view, and values where each of the three roundings decides the result."""
     b, n, d = 2, 4, 256
-    base = activations((b, 2 * n, d), torch.bfloat16, "cpu")
+    base, shift, scale = modulated_rows((b, 2 * n, d), torch.bfloat16, "cpu")
     y = base[:, ::2]  # stride (2nd, 2d, 1)
-    shift, scale = modulation(b, d, torch.bfloat16, "cpu")[:2]
     scale[:, :8] = torch.tensor([2**-9, -(2**-9), 3 * 2**-9, 1.0, -1.0, 0.0, 255.0, -0.0])
     out = modulate_triton(y, shift, scale, block_l=4, block_d=128)
     ref = modulate_reference(y, shift, scale)
@@ -59,7 +56,5 @@ def test_modulate_guards_name_the_problem() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", FLUX_ROWS, ids=row_id)
 def test_modulate_gpu_bit_exact(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    b, _, d = shape
-    shift, scale = modulation(b, d, dtype, "cuda")[:2]
-    y = activations(shape, dtype, "cuda")
+    y, shift, scale = modulated_rows(shape, dtype, "cuda")
     assert torch.equal(modulate_triton(y, shift, scale), modulate_reference(y, shift, scale))

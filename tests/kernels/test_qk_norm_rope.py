@@ -30,7 +30,15 @@ from flux_runtime.kernels.qk_norm_rope import (
 )
 from flux_runtime.kernels.triton_utils import jit, tl
 from tests.kernels.aten_replay import _shuffle_down_tree, rms_norm_replay
-from tests.kernels.helpers import DTYPES, FLUX_QK, gpu, interpreter, rope_tables, row_id, ulp_distance
+from tests.kernels.helpers import (
+    DTYPES,
+    FLUX_QK,
+    assert_within_one_ulp,
+    gpu,
+    interpreter,
+    rope_tables,
+    row_id,
+)
 
 QK = importlib.import_module("flux_runtime.kernels.qk_norm_rope")  # the package's name is the op
 EPS = 1e-6
@@ -210,8 +218,7 @@ def test_qk_norm_interpreter_within_one_ulp_of_cpu_aten(dtype: torch.dtype) -> N
     one, zero = torch.ones_like(cos), torch.zeros_like(cos)
     out = qk_norm_rope_triton(x_txt, x_img, w_txt, w_img, one, zero, EPS, heads_per_program=8)
     ref = qk_norm_rope_reference(x_txt, x_img, w_txt, w_img, one, zero, EPS)
-    assert int(ulp_distance(out, ref).max()) <= 1
-    assert (out == ref).float().mean() > 0.99
+    assert_within_one_ulp(out, ref)
 
 
 @interpreter

@@ -23,7 +23,8 @@ from flux_runtime.kernels.dispatch import (
 )
 from flux_runtime.kernels.gelu import all_half_values
 from flux_runtime.kernels.swiglu import silu_exhaustive_check, swiglu_reference, swiglu_triton
-from tests.kernels.helpers import BATCHES, DTYPES, TXT_TOKENS, gpu, interpreter, row_id, ulp_distance
+from tests.kernels.helpers import BATCHES, DTYPES, TXT_TOKENS, gpu, interpreter, row_id, same, ulp_distance
+from tests.kernels.test_gelu import assert_exhaustive
 
 # the interpreter computes in numpy, which warns on the inf/NaN inputs of the exhaustive sweep
 pytestmark = pytest.mark.filterwarnings(
@@ -35,11 +36,6 @@ FLUX2_WIDTHS = {6144: 18432, 3072: 9216, 4096: 12288}
 TOKENS = (TXT_TOKENS, 4096, TXT_TOKENS + 4096)  # double-block text / image MLP, single-block joint
 # (B, L, D, M): every FLUX.2 MLP site at 1024x1024, batch 1 and 2
 FLUX2_SITES = [(b, n, d, m) for d, m in FLUX2_WIDTHS.items() for n in TOKENS for b in BATCHES]
-
-
-def same(out: Tensor, ref: Tensor) -> Tensor:
-    """Elementwise equality that counts NaN == NaN (the exhaustive inputs include NaNs)."""
-    return (out == ref) | (out.isnan() & ref.isnan())
 
 
 def single_block_mlp(b: int, n: int, d: int, m: int, dtype: torch.dtype, device: str) -> Tensor:
@@ -143,11 +139,10 @@ def test_swiglu_reference_out_is_written_and_returned() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_gpu_exhaustive_bit_exact(dtype: torch.dtype) -> None:
-    x = all_half_values(dtype, "cuda")
-    fused = swiglu_triton(torch.cat([x, torch.ones_like(x)]))
-    bad = ~same(fused, F.silu(x))
-    assert not bool(bad.any()), f"{int(bad.sum())} inputs differ, e.g. {x[bad][:8].float().tolist()}"
-    assert silu_exhaustive_check(x) is None
+    def silu(x: Tensor) -> Tensor:  # the kernel's SiLU: `[gate | 1]` in one row
+        return swiglu_triton(torch.cat([x, torch.ones_like(x)]))
+
+    assert_exhaustive(dtype, silu, F.silu, silu_exhaustive_check)
 
 
 @gpu

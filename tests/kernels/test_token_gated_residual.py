@@ -19,13 +19,13 @@ from flux_runtime.kernels.token_gated_residual import (
 )
 from tests.kernels.helpers import (
     DTYPES,
-    FLUX3_IMAGE_TOKENS,
-    FLUX3_TXT_TOKENS,
+    FLUX3_SITES,
     FLUX3_WIDTH,
     activations,
     gpu,
     interpreter,
     row_id,
+    token_modulation,
 )
 
 # (B, L_txt, L, D): FLUX.3's width, with and without text, and an odd width (a masked column block)
@@ -34,7 +34,7 @@ CPU_SHAPES = [(1, 0, 5, FLUX3_WIDTH), (1, 3, 6, FLUX3_WIDTH), (2, 2, 3, 1000)]
 
 def gates(b: int, n: int, d: int, dtype: torch.dtype, device: str) -> Tensor:
     """The gate chunk (B, L, D) of a per-token (B, L, 3D) modulation, row stride 3D."""
-    return (torch.randn(b, n, 3 * d, device=device) * 0.6).to(dtype)[..., 2 * d :]
+    return token_modulation(b, n, d, dtype, device)[2]
 
 
 def inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str) -> list[Tensor]:
@@ -95,22 +95,9 @@ def test_token_gated_residual_guards_name_the_problem() -> None:
         joint_token_gated_residual_triton(x_txt, g_txt, x, gate, a, b_strided)
 
 
-# (B, L_txt, L, D): per-mode blocks (text, image, reference alone) and joint blocks ([txt | image (| ref)])
-FLUX3_RESIDUAL_SITES = sorted(
-    {(b, 0, n, FLUX3_WIDTH) for b in (1, 2) for n in (*FLUX3_TXT_TOKENS, *FLUX3_IMAGE_TOKENS)}
-    | {
-        (b, t, n * (1 + refs), FLUX3_WIDTH)
-        for b in (1, 2)
-        for t in FLUX3_TXT_TOKENS
-        for n in FLUX3_IMAGE_TOKENS
-        for refs in (0, 1)
-    }
-)
-
-
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", FLUX3_RESIDUAL_SITES, ids=row_id)
+@pytest.mark.parametrize("shape", FLUX3_SITES, ids=row_id)
 def test_token_gated_residual_gpu_bit_exact(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
     check(shape, dtype, "cuda")

@@ -20,28 +20,19 @@ from flux_runtime.kernels.token_layer_norm_modulate import (
 from tests.kernels.aten_replay import layer_norm_replay
 from tests.kernels.helpers import (
     DTYPES,
-    FLUX3_IMAGE_TOKENS,
-    FLUX3_TXT_TOKENS,
+    FLUX3_SITES,
     FLUX3_WIDTH,
     activations,
+    assert_within_one_ulp,
     gpu,
     interpreter,
     row_id,
-    ulp_distance,
+    token_modulation,
 )
 
 EPS = 1e-6
 # (B, L_txt, L, D): FLUX.3's width with and without a text stream, and an odd width (short aten threads)
 CPU_SHAPES = [(1, 0, 3, FLUX3_WIDTH), (1, 2, 3, FLUX3_WIDTH), (1, 2, 3, 1000)]
-
-
-def token_modulation(
-    b: int, n: int, d: int, dtype: torch.dtype, device: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(shift, scale, gate) (B, L, D) chunks of one per-token (B, L, 3D) projection, as FLUX.3's `chunk` gives."""
-    mod = (torch.randn(b, n, 3 * d, device=device) * 0.6).to(dtype)
-    shift, scale, gate = mod.chunk(3, dim=-1)
-    return shift, scale, gate
 
 
 Args = tuple[Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]
@@ -123,8 +114,7 @@ def test_interpreter_within_one_ulp_of_cpu_aten(dtype: torch.dtype) -> None:
     args = (x_txt, zero_t, zero_t, x, zero, zero)
     out = token_layer_norm_modulate_triton(*args, EPS)
     ref = token_layer_norm_modulate_reference(*args, EPS)
-    assert int(ulp_distance(out, ref).max()) <= 1
-    assert (out == ref).float().mean() > 0.99
+    assert_within_one_ulp(out, ref)
 
 
 @interpreter
@@ -147,35 +137,26 @@ def test_token_layer_norm_modulate_guards_name_the_problem() -> None:
         token_layer_norm_modulate_triton(None, None, None, buf[1:].view(1, 3, 64), shift, scale, EPS)
 
 
-# (B, L_txt, L, D): per-mode blocks (text alone, image, reference) and joint blocks ([txt | image (| ref)])
-FLUX3_LN_SITES = sorted(
-    {(b, 0, n, FLUX3_WIDTH) for b in (1, 2) for n in (*FLUX3_TXT_TOKENS, *FLUX3_IMAGE_TOKENS)}
-    | {
-        (b, t, n * (1 + refs), FLUX3_WIDTH)
-        for b in (1, 2)
-        for t in FLUX3_TXT_TOKENS
-        for n in FLUX3_IMAGE_TOKENS
-        for refs in (0, 1)
-    }
-)
+def assert_fused_exact(args: Args, **tiling: int) -> None:
+    """The compiled kernel equals the eager reference (the GPU's own LayerNorm)."""
+    out = token_layer_norm_modulate_triton(*args, EPS, **tiling)
+    assert torch.equal(out, token_layer_norm_modulate_reference(*args, EPS))
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", FLUX3_LN_SITES, ids=row_id)
+@pytest.mark.parametrize("shape", FLUX3_SITES, ids=row_id)
 def test_token_layer_norm_modulate_gpu_bit_exact(
     shape: tuple[int, int, int, int], dtype: torch.dtype
 ) -> None:
-    args = inputs(shape, dtype, "cuda")
-    out = token_layer_norm_modulate_triton(*args, EPS)
-    assert torch.equal(out, token_layer_norm_modulate_reference(*args, EPS))
+    assert_fused_exact(inputs(shape, dtype, "cuda"))
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows_per_program", [1, 2, 4])
 def test_token_layer_norm_modulate_gpu_tilings(rows_per_program: int) -> None:
-    args = inputs((1, 480, 4096, FLUX3_WIDTH), torch.bfloat16, "cuda")
-    out = token_layer_norm_modulate_triton(*args, EPS, rows_per_program=rows_per_program)
-    assert torch.equal(out, token_layer_norm_modulate_reference(*args, EPS))
+    assert_fused_exact(
+        inputs((1, 480, 4096, FLUX3_WIDTH), torch.bfloat16, "cuda"), rows_per_program=rows_per_program
+    )

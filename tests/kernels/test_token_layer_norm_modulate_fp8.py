@@ -18,17 +18,9 @@ from torch import Tensor
 from flux_runtime.kernels import fp8
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.kernels.swiglu import swiglu_triton
-from tests.kernels.helpers import (
-    DTYPES,
-    FLUX3_IMAGE_TOKENS,
-    FLUX3_TXT_TOKENS,
-    FLUX3_WIDTH,
-    gpu,
-    interpreter,
-    row_id,
-)
+from tests.kernels.helpers import DTYPES, FLUX3_ROWS, FLUX3_SITES, FLUX3_WIDTH, gpu, interpreter, row_id
 from tests.kernels.test_fp8 import assert_same, bits, static
-from tests.kernels.test_token_layer_norm_modulate import FLUX3_LN_SITES, inputs, replayed
+from tests.kernels.test_token_layer_norm_modulate import Args, inputs, replayed
 
 tlnm = importlib.import_module("flux_runtime.kernels.token_layer_norm_modulate")
 
@@ -102,18 +94,22 @@ def test_swiglu_fp8_at_flux3_width(scale):
 # GPU: FLUX.3's sites
 
 
+def assert_fused_exact(args: Args, scale: float | None, **tiling: int) -> None:
+    """The compiled kernel's e4m3 and scales equal the eager chain's (16-bit op, then `quantize_reference`)."""
+    q = quant(scale, "cuda")
+    assert_same(
+        tlnm.token_layer_norm_modulate_fp8_triton(*args, EPS, *q, **tiling),
+        tlnm.token_layer_norm_modulate_fp8_reference(*args, EPS, *q),
+    )
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", SCALES, ids=SCALE_IDS)
-@pytest.mark.parametrize("shape", FLUX3_LN_SITES, ids=row_id)
+@pytest.mark.parametrize("shape", FLUX3_SITES, ids=row_id)
 def test_gpu_token_layer_norm_modulate_fp8(shape, scale, dtype):
-    args = inputs(shape, dtype, "cuda")
-    q = quant(scale, "cuda")
-    assert_same(
-        tlnm.token_layer_norm_modulate_fp8_triton(*args, EPS, *q),
-        tlnm.token_layer_norm_modulate_fp8_reference(*args, EPS, *q),
-    )
+    assert_fused_exact(inputs(shape, dtype, "cuda"), scale)
 
 
 @gpu
@@ -122,30 +118,14 @@ def test_gpu_token_layer_norm_modulate_fp8(shape, scale, dtype):
 def test_gpu_token_layer_norm_modulate_fp8_tilings(rows_per_program):
     args = inputs((1, 480, 8192, FLUX3_WIDTH), torch.bfloat16, "cuda")
     for scale in (None, 0.05):
-        q = quant(scale, "cuda")
-        assert_same(
-            tlnm.token_layer_norm_modulate_fp8_triton(*args, EPS, *q, rows_per_program=rows_per_program),
-            tlnm.token_layer_norm_modulate_fp8_reference(*args, EPS, *q),
-        )
-
-
-FLUX3_MLP_ROWS = sorted(
-    {(b, n) for b in (1, 2) for n in (*FLUX3_TXT_TOKENS, *FLUX3_IMAGE_TOKENS)}
-    | {
-        (b, t + n * (1 + r))
-        for b in (1, 2)
-        for t in FLUX3_TXT_TOKENS
-        for n in FLUX3_IMAGE_TOKENS
-        for r in (0, 1)
-    }
-)
+        assert_fused_exact(args, scale, rows_per_program=rows_per_program)
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", [None, 0.05], ids=["per-token", "static"])
-@pytest.mark.parametrize("rows", FLUX3_MLP_ROWS, ids=row_id)
+@pytest.mark.parametrize("rows", FLUX3_ROWS, ids=row_id)
 def test_gpu_swiglu_fp8_at_flux3_sites(rows, scale, dtype):
     b, n = rows
     x = (torch.randn(b, n, 2 * FLUX3_MLP, device="cuda") * 3).to(dtype)
