@@ -490,16 +490,16 @@ case "$phase" in
     timeout 400 python3 scripts/bench_cold_start.py cold /tmp/cold --models "$models" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-8}" --out "$OUT/cold_start.jsonl" || status=1
     ;;
   refactor)
-    # one call after a refactor and the native text encoders: their GPU tests and the kernels', the FLUX.1-dev
-    # step bench before (BEFORE=dir: an export of the older tree's flux_runtime and scripts) and after, then
-    # FLUX.1-dev's cold start (flux-gen bf16 and --fp8 against the diffusers script)
-    timeout 240 python3 -m pytest -q -x -m gpu tests/text/test_native_encoders.py tests/text/test_flux1_text.py tests/kernels tests/pipeline/test_text_device.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    # one call after a refactor and the native text encoders: their GPU tests, FLUX.1-dev's cold start (flux-gen
+    # bf16 and --fp8 against the diffusers script), then the FLUX.1-dev step bench of this tree and of BEFORE (a
+    # dir holding an export of the older tree's flux_runtime and scripts)
+    timeout 60 python3 -m pytest -q -x -m gpu tests/text/test_native_encoders.py tests/text/test_flux1_text.py tests/pipeline/test_text_device.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    timeout 90 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout 150 python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 --out "$OUT/cold_start.jsonl" 2>&1 | tail -3 || status=1
+    timeout 75 python3 scripts/bench.py --dit --iters 5 --json "$OUT/bench_dit_after.json" 2>&1 | tail -12 || status=1
     if [ -n "${BEFORE:-}" ]; then
-      (cd "$BEFORE" && PYTHONPATH=/tmp/site:$PWD timeout 110 python3 scripts/bench.py --dit --iters 5 --json "$OUT/bench_dit_before.json" 2>&1 | tail -12) || status=1
+      (cd "$BEFORE" && PYTHONPATH=/tmp/site:$PWD timeout 75 python3 scripts/bench.py --dit --iters 5 --json "$OUT/bench_dit_before.json" 2>&1 | tail -12) || status=1
     fi
-    timeout 110 python3 scripts/bench.py --dit --iters 5 --json "$OUT/bench_dit_after.json" 2>&1 | tail -12 || status=1
-    timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
-    timeout 200 python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 --out "$OUT/cold_start.jsonl" 2>&1 | tail -3 || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
