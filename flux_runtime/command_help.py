@@ -5,13 +5,17 @@ under a few headings, one row each: the option's names and the first sentence of
 The rest of the help is for the reference page (`reference()`, written to docs/cli.md by
 `scripts/cli_reference.py`, and checked by a test to be current). An option that no group names lands under
 "Other options", in --help and in the reference alike, so a new option needs no edit here to be shown.
+
+A command may declare its options as a table: `option()` rows under their headings (`OTHER` for the rest),
+from which `table_params` and `table_groups` give click's parameters and `GroupedCommand`'s groups.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -105,6 +109,38 @@ def _extras(p: click.Option, ctx: click.Context) -> dict[str, str]:
         else:
             out["range"] = item
     return out
+
+
+# ---------------------------------------------------------------------------------------------- option tables
+
+
+FLAG = "flag"  # the value of an on/off option (off unless given)
+NO_DEFAULT = object()  # no default given: click's own (None, or () for a repeatable option)
+FILE = click.Path(exists=True, dir_okay=False, path_type=Path)  # an input file, which must exist
+
+
+def option(names: str, value: Any, help: str, default: Any = None, **more: Any) -> click.Option:
+    """A row of an option table: click's declarations, space-separated ("--out -o"; "--lora loras" names the
+    parameter `loras`), its value (a click type, or FLAG), its help and its default; `more`: other click
+    settings (multiple, metavar, show_default)."""
+    if value is FLAG:
+        return click.Option(names.split(), is_flag=True, help=help, **more)
+    if default is not NO_DEFAULT:
+        more["default"] = default
+    return click.Option(names.split(), type=value, help=help, **more)
+
+
+def table_params(table: Mapping[str, Sequence[click.Option]]) -> list[click.Option]:
+    """An option table's options (headings to rows), in its order: a command's `params`."""
+    return [p for options in table.values() for p in options]
+
+
+def table_groups(table: Mapping[str, Sequence[click.Option]]) -> tuple[tuple[str, str], ...]:
+    """An option table's headings with their options' names: `GroupedCommand`'s `groups`. The options under
+    `OTHER` are left out, to be listed last under it as any option no group names."""
+    return tuple(
+        (title, " ".join(str(p.name) for p in options)) for title, options in table.items() if title != OTHER
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the reference

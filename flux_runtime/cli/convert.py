@@ -14,7 +14,16 @@ from typing import cast
 import click
 
 from flux_runtime.cli.errors import one_line_errors
-from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
+from flux_runtime.command_help import (
+    DOCS_PAGE,
+    FILE,
+    FLAG,
+    OTHER,
+    GroupedCommand,
+    option,
+    table_groups,
+    table_params,
+)
 
 # `flux_runtime.weights.convert`'s COMPONENTS and DEFAULT_MAX_SHARD_SIZE (a test keeps them equal), written
 # out so that importing this command loads no torch: Ctrl-C while torch loads is then one line too.
@@ -45,51 +54,44 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+# flux-convert's options under their --help headings, in the order it lists them (`command_help.option`)
+OPTIONS: dict[str, tuple[click.Option, ...]] = {
+    "Writing": (
+        option(
+            "--max-shard-size", _Size(), "Largest diffusers shard (GB = 10^9 bytes).", DEFAULT_MAX_SHARD_SIZE
+        ),
+        option("--overwrite", FLAG, "Replace an existing output file or folder."),
+    ),
+    "Quantize (flux-convert quantize)": (
+        option(
+            "--calibration-prompts", FILE, "quantize: one prompt per line [default: a built-in list of 8]."
+        ),
+        option("--calibration-steps", click.IntRange(1, 1000), "quantize: steps per prompt."),
+        option("--calibration-size", click.IntRange(16, 4096), "quantize: image side."),
+        option("--device", str, "quantize: where to run the calibration [default: cuda if available]."),
+        option("--vae", str, "quantize: the autoencoder of a BFL transformer file."),
+        option("--text-encoder", str, "quantize: CLIP-L or the Mistral / Qwen3 model of a BFL file."),
+        option("--text-encoder-2", str, "quantize: T5-XXL of a FLUX.1 BFL file."),
+    ),
+    OTHER: (
+        option("--quiet -q", FLAG, "No progress bar, no summary."),
+        option("--debug", FLAG, "On an error, show the Python traceback instead of one line."),
+    ),
+}
+
+
 @click.command(
     cls=GroupedCommand,
-    groups=(
-        ("Writing", "max_shard_size overwrite"),
-        (
-            "Quantize (flux-convert quantize)",
-            "calibration_prompts calibration_steps calibration_size device vae text_encoder text_encoder_2",
-        ),
-    ),
+    groups=table_groups(OPTIONS),
+    params=[
+        click.Argument(["component"], type=click.Choice([*COMPONENTS, "quantize"])),
+        click.Argument(["src"], type=str),
+        click.Argument(["dst"], type=click.Path(path_type=Path)),
+        *table_params(OPTIONS),
+    ],
     epilog=f"Every option in full: {DOCS_PAGE} (flux-convert).",
     context_settings={"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 120},
 )
-@click.argument("component", type=click.Choice([*COMPONENTS, "quantize"]))
-@click.argument("src", type=str)
-@click.argument("dst", type=click.Path(path_type=Path))
-@click.option(
-    "--max-shard-size",
-    type=_Size(),
-    default=DEFAULT_MAX_SHARD_SIZE,
-    help="Largest diffusers shard (GB = 10^9 bytes).",
-)
-@click.option("--overwrite", is_flag=True, help="Replace an existing output file or folder.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
-@click.option(
-    "--calibration-prompts",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="quantize: one prompt per line [default: a built-in list of 8].",
-)
-@click.option(
-    "--calibration-steps", type=click.IntRange(1, 1000), default=None, help="quantize: steps per prompt."
-)
-@click.option("--calibration-size", type=click.IntRange(16, 4096), default=None, help="quantize: image side.")
-@click.option(
-    "--device", default=None, help="quantize: where to run the calibration [default: cuda if available]."
-)
-@click.option("--vae", type=str, default=None, help="quantize: the autoencoder of a BFL transformer file.")
-@click.option(
-    "--text-encoder",
-    type=str,
-    default=None,
-    help="quantize: CLIP-L or the Mistral / Qwen3 model of a BFL file.",
-)
-@click.option("--text-encoder-2", type=str, default=None, help="quantize: T5-XXL of a FLUX.1 BFL file.")
-@click.option("--debug", is_flag=True, help="On an error, show the Python traceback instead of one line.")
 def main(
     component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool,
     calibration_prompts: Path | None, calibration_steps: int | None, calibration_size: int | None,

@@ -230,7 +230,7 @@ def test_an_unforeseen_error_is_one_line_asking_for_a_report(monkeypatch, tmp_pa
     def broken(opts):
         raise TypeError("unsupported operand")
 
-    monkeypatch.setattr(gen, "_generate", broken)
+    monkeypatch.setattr(gen, "generate", broken)
     argv = ["--prompt", "a", "--out", str(tmp_path / "x.png")]
     res = CliRunner().invoke(gen.main, argv)
     assert res.exit_code == 1 and res.output.count("\n") == 1
@@ -243,7 +243,7 @@ def test_ctrl_c_is_one_line(monkeypatch, tmp_path) -> None:
     def interrupted(opts):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gen, "_generate", interrupted)
+    monkeypatch.setattr(gen, "generate", interrupted)
     res = CliRunner().invoke(gen.main, ["--prompt", "a", "--out", str(tmp_path / "x.png")])
     assert res.exit_code == 130 and res.output.strip() == "Error: interrupted"
 

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from flux_runtime.cli.gen import main
+from tests.cli.gen_helpers import assert_replays, pixels, record
 
 BASE = ["--model", "tiny", "--height", "32", "--width", "48", "--steps", "2", "--quiet"]
 
@@ -36,13 +37,8 @@ def test_replay_regenerates_the_same_pixels(tmp_path):
         _run("--prompt", "a red fox", "--num-images", "2", "--seed", "3", "--out", str(first)).exit_code == 0
     )
     second = first / "flux-3-1.png"
-    res = CliRunner().invoke(
-        main, ["--replay", str(second), "--out", str(again), "--quiet"], catch_exceptions=False
-    )
-    assert res.exit_code == 0, res.output
-    a, b = np.asarray(Image.open(second)), np.asarray(Image.open(again))
-    assert np.array_equal(a, b)
-    assert not np.array_equal(a, np.asarray(Image.open(first / "flux-3-0.png")))
+    assert_replays(second, again)
+    assert not np.array_equal(pixels(second), pixels(first / "flux-3-0.png"))
 
 
 def test_replaying_any_image_of_a_batch_runs_the_recorded_batch(tmp_path):
@@ -54,13 +50,8 @@ def test_replaying_any_image_of_a_batch_runs_the_recorded_batch(tmp_path):
     )
     for i in (0, 1):
         made, again = first / f"flux-3-{i}.png", tmp_path / f"again{i}.png"
-        res = CliRunner().invoke(
-            main, ["--replay", str(made), "--out", str(again), "--quiet"], catch_exceptions=False
-        )
-        assert res.exit_code == 0, res.output
-        assert np.array_equal(np.asarray(Image.open(made)), np.asarray(Image.open(again))), i
-        record = json.loads(Image.open(again).text["flux_runtime"])
-        assert (record["index"], record["num_images"]) == (i, 3)
+        assert_replays(made, again)
+        assert (record(again)["index"], record(again)["num_images"]) == (i, 3)
 
 
 def test_replaying_a_served_batch_image_warns_the_pixels_may_differ(tmp_path):
@@ -68,9 +59,8 @@ def test_replaying_a_served_batch_image_warns_the_pixels_may_differ(tmp_path):
 
     made = tmp_path / "a.png"
     assert _run("--prompt", "a red fox", "--out", str(made)).exit_code == 0
-    record = json.loads(Image.open(made).text["flux_runtime"])
     meta = PngInfo()
-    meta.add_text("flux_runtime", json.dumps({**record, "served_batch": 3}))
+    meta.add_text("flux_runtime", json.dumps({**record(made), "served_batch": 3}))
     served = tmp_path / "served.png"
     Image.open(made).save(served, pnginfo=meta)
     res = CliRunner().invoke(main, ["--replay", str(served), "--out", str(tmp_path / "b.png"), "--quiet"])
@@ -139,11 +129,11 @@ def test_cuda_graphs_only_when_the_process_makes_several_calls(tmp_path, monkeyp
 
     asked = []
 
-    def record(path_or_id, **kw):
+    def ask(path_or_id, **kw):
         asked.append(kw["cuda_graphs"])
         raise RuntimeError("stop before loading")
 
-    monkeypatch.setattr(Pipeline, "from_pretrained", record)
+    monkeypatch.setattr(Pipeline, "from_pretrained", ask)
     lines = tmp_path / "p.txt"
     lines.write_text("a red fox\na blue bird\n")
     _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"))

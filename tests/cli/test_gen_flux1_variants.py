@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from flux_runtime.cli.gen import main
+from tests.cli.gen_helpers import assert_replays
 
 BASE = ["--model", "tiny", "--height", "32", "--width", "32", "--steps", "3", "--quiet"]
 
@@ -38,11 +39,7 @@ def test_inpainting_records_its_inputs_and_replays(tmp_path):
     assert info["strength"] == 0.9 and info["true_cfg_scale"] == 2.0 and info["negative_prompt"] == "blurry"
     assert info["input_images"]["image"]["path"] == str(image.resolve())
     assert set(info["input_images"]) == {"image", "mask_image"}
-    res = CliRunner().invoke(
-        main, ["--replay", str(out), "--out", str(again), "--quiet"], catch_exceptions=False
-    )
-    assert res.exit_code == 0, res.output
-    assert np.array_equal(np.asarray(Image.open(out)), np.asarray(Image.open(again)))
+    assert_replays(out, again)
     _write(mask, 9, "L")  # the mask changed since: the replay refuses
     res = CliRunner().invoke(main, ["--replay", str(out), "--out", str(tmp_path / "x.png"), "--quiet"])
     assert res.exit_code == 1 and "mask.png has changed since" in res.output
@@ -94,11 +91,7 @@ def test_kontext_fill_and_control_record_their_inputs_and_replay(variant_folders
         with Image.open(out) as im:
             info = json.loads(im.text["flux_runtime"])
         assert info["variant"] == variant and set(info["input_images"]) == roles
-        res = CliRunner().invoke(
-            main, ["--replay", str(out), "--out", str(again), "--quiet"], catch_exceptions=False
-        )
-        assert res.exit_code == 0, res.output
-        assert np.array_equal(np.asarray(Image.open(out)), np.asarray(Image.open(again)))
+        assert_replays(out, again)
     res = _gen(variant_folders["control"], "--prompt", "a cat", "--image", str(image), "--strength", "0.5")
     assert res.exit_code == 1 and "it takes no image" in res.output
     res = _gen(variant_folders["fill"], "--prompt", "a cat", "--image", str(image), "--max-area", "1024")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import torch
 from click.testing import CliRunner
@@ -13,6 +11,7 @@ from flux_runtime.cli.gen import MODEL_CHOICES, main
 from flux_runtime.pipeline import Pipeline
 from flux_runtime.pipeline.flux2 import image_fingerprint
 from flux_runtime.pipeline.sources import MODEL_IDS
+from tests.cli.gen_helpers import assert_replays, pixels, record
 from tests.sampling.flux2_helpers import random_image
 
 BASE = ["--model", "tiny-flux2-random", "--steps", "2", "--max-sequence-length", "48", "--quiet"]
@@ -20,16 +19,6 @@ BASE = ["--model", "tiny-flux2-random", "--steps", "2", "--max-sequence-length",
 
 def _run(*args: str):
     return CliRunner().invoke(main, [*BASE, *args], catch_exceptions=False)
-
-
-def _pixels(path) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB"))
-
-
-def _info(path) -> dict:
-    with Image.open(path) as im:
-        return json.loads(im.text["flux_runtime"])
 
 
 def test_models_are_offered() -> None:
@@ -43,7 +32,7 @@ def test_writes_png_with_flux2_defaults_and_provenance(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     with Image.open(out) as im:
         assert im.size == (48, 32)
-    info = _info(out)
+    info = record(out)
     assert info["prompt"] == "a red fox" and info["seed"] == 5 and info["num_steps"] == 2
     assert (
         info["model"] == "tiny-flux2-random"
@@ -59,7 +48,7 @@ def test_writes_png_with_flux2_defaults_and_provenance(tmp_path) -> None:
     want = pipe(
         "a red fox", seed=5, height=32, width=48, num_steps=2, max_sequence_length=48, output_type="np"
     )
-    assert np.array_equal(_pixels(out), want.images[0])
+    assert np.array_equal(pixels(out), want.images[0])
 
 
 def test_image_edits_and_replays(tmp_path) -> None:
@@ -86,15 +75,11 @@ def test_image_edits_and_replays(tmp_path) -> None:
             max_sequence_length=48,
             output_type="np",
         )
-    info = _info(first)
+    info = record(first)
     assert info["reference_images"] == [recorded] and info["guidance"] == 1.0
-    assert np.array_equal(_pixels(first), want.images[0])
+    assert np.array_equal(pixels(first), want.images[0])
 
-    res = CliRunner().invoke(
-        main, ["--replay", str(first), "--out", str(again), "--quiet"], catch_exceptions=False
-    )
-    assert res.exit_code == 0, res.output
-    assert np.array_equal(_pixels(first), _pixels(again))
+    assert_replays(first, again)
 
     # the reference changed or gone: replay refuses in one line
     random_image(64, 72, seed=5).save(ref)
@@ -116,7 +101,7 @@ def test_two_reference_images(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     with Image.open(out) as im:
         assert im.size == (24, 16)
-    refs = _info(out)["reference_images"]
+    refs = record(out)["reference_images"]
     assert [r["path"] for r in refs] == [str(a.resolve()), str(b.resolve())]
     assert [(r["width"], r["height"]) for r in refs] == [(64, 64), (72, 64)]
 

@@ -11,17 +11,13 @@ from PIL import Image
 
 from flux_runtime.cli.gen import MODEL_CHOICES, main
 from flux_runtime.pipeline import Pipeline
+from tests.cli.gen_helpers import assert_replays, pixels
 
 BASE = ["--model", "tiny-flux3-random", "--steps", "2", "--height", "32", "--width", "48", "--quiet"]
 
 
 def _run(*args: str):
     return CliRunner().invoke(main, [*BASE, *args], catch_exceptions=False)
-
-
-def _pixels(path) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB"))
 
 
 def test_generates_replays_and_matches_the_library(tmp_path) -> None:
@@ -35,13 +31,8 @@ def test_generates_replays_and_matches_the_library(tmp_path) -> None:
     assert info["model"] == "tiny-flux3-random" and info["guidance"] == 3.5 and info["num_steps"] == 2
     pipe = Pipeline.from_pretrained("tiny-flux3-random", device="cpu", dtype=torch.float32)
     want = pipe("a red fox", seed=5, height=32, width=48, num_steps=2, output_type="np").images[0]
-    assert np.array_equal(_pixels(out), want)
-    again = tmp_path / "again.png"
-    res = CliRunner().invoke(
-        main, ["--replay", str(out), "--out", str(again), "--quiet"], catch_exceptions=False
-    )
-    assert res.exit_code == 0, res.output
-    assert np.array_equal(_pixels(again), _pixels(out))
+    assert np.array_equal(pixels(out), want)
+    assert_replays(out, tmp_path / "again.png")
 
 
 def test_options_of_other_families_are_refused(tmp_path) -> None:

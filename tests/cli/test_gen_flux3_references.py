@@ -13,17 +13,13 @@ from PIL import Image
 from flux_runtime.cli.gen import main
 from flux_runtime.pipeline import Pipeline
 from flux_runtime.pipeline.flux2 import image_fingerprint
+from tests.cli.gen_helpers import assert_replays, pixels
 
 BASE = ["--model", "tiny-flux3-random", "--steps", "2", "--quiet"]
 
 
 def _run(*args: str):
     return CliRunner().invoke(main, [*BASE, *args], catch_exceptions=False)
-
-
-def _pixels(path) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB"))
 
 
 def _save(path, w: int, h: int, seed: int):
@@ -47,14 +43,9 @@ def test_one_reference_is_cropped_back_recorded_and_replayed(tmp_path) -> None:
     pipe = Pipeline.from_pretrained("tiny-flux3-random", device="cpu", dtype=torch.float32)
     with Image.open(ref) as im:
         want = pipe("the same, at night", image=im, seed=3, num_steps=2, output_type="np").images[0]
-    assert np.array_equal(_pixels(out), want)
+    assert np.array_equal(pixels(out), want)
 
-    again = tmp_path / "again.png"
-    res = CliRunner().invoke(
-        main, ["--replay", str(out), "--out", str(again), "--quiet"], catch_exceptions=False
-    )
-    assert res.exit_code == 0, res.output
-    assert np.array_equal(_pixels(again), _pixels(out))
+    assert_replays(out, tmp_path / "again.png")
 
     _save(ref, 40, 28, seed=2)  # the reference changes
     res = CliRunner().invoke(main, ["--replay", str(out), "--out", str(tmp_path / "x.png"), "--quiet"])
@@ -74,12 +65,7 @@ def test_two_references_replay_at_their_size(tmp_path) -> None:
         assert im.size == (36, 28)  # the first reference, cropped to the 4 px grid
     assert [r["path"] for r in info["reference_images"]] == [str(a.resolve()), str(b.resolve())]
     assert "reference_crop" not in info
-    again = tmp_path / "again.png"
-    res = CliRunner().invoke(
-        main, ["--replay", str(out), "--out", str(again), "--quiet"], catch_exceptions=False
-    )
-    assert res.exit_code == 0, res.output
-    assert np.array_equal(_pixels(again), _pixels(out))
+    assert_replays(out, tmp_path / "again.png")
 
 
 def test_bad_references_fail_in_one_line(tmp_path) -> None:

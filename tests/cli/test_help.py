@@ -9,7 +9,18 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from flux_runtime.command_help import DOCS_PAGE, OTHER, GroupedCommand, reference, summary
+from flux_runtime.command_help import (
+    DOCS_PAGE,
+    FLAG,
+    NO_DEFAULT,
+    OTHER,
+    GroupedCommand,
+    option,
+    reference,
+    summary,
+    table_groups,
+    table_params,
+)
 from scripts.cli_reference import COMMANDS, PAGE, page
 
 SCREEN = 70  # lines of --help at 100 columns
@@ -51,6 +62,32 @@ def test_an_option_no_group_names_is_listed_under_other_options() -> None:
     assert "Named by a group." in out and "More words" not in out  # --help shows the first sentence
     page = reference([("cmd", cmd)])
     assert f"### {OTHER}" in page and "`--brand-new`" in page and "Named by a group. More words." in page
+
+
+def test_an_option_table_gives_the_params_and_the_groups() -> None:
+    """Rows under headings: the options in the table's order, the headings naming theirs (OTHER's left to
+    "Other options"); a flag is off, a value None unless given, NO_DEFAULT leaves click's own (() if repeated)."""
+    table = {
+        "Size": (
+            option("--width -w", click.IntRange(min=1), "Width. In pixels."),
+            option("--big", FLAG, "Big."),
+        ),
+        "Inputs": (option("--image images", str, "An image.", NO_DEFAULT, multiple=True),),
+        OTHER: (option("--seed", int, "The seed.", 0),),
+    }
+    assert table_groups(table) == (("Size", "width big"), ("Inputs", "images"))
+
+    @click.command(cls=GroupedCommand, groups=table_groups(table), params=table_params(table))
+    def cmd(**opts: object) -> None:
+        click.echo(repr(sorted(opts.items())))
+
+    assert [p.name for p in cmd.params] == ["width", "big", "images", "seed"]
+    out = CliRunner().invoke(cmd, []).output
+    assert out.strip() == "[('big', False), ('images', ()), ('seed', 0), ('width', None)]"
+    out = CliRunner().invoke(cmd, ["-w", "3", "--big", "--image", "a", "--image", "b"]).output
+    assert out.strip() == "[('big', True), ('images', ('a', 'b')), ('seed', 0), ('width', 3)]"
+    out = CliRunner().invoke(cmd, ["--help"]).output
+    assert out.index("Size:") < out.index("-w, --width N") < out.index("Inputs:") < out.index(f"{OTHER}:")
 
 
 def test_summary_is_the_first_sentence() -> None:

@@ -3,8 +3,6 @@ the same options run alone, readable names, --overwrite, and bad lines refused b
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -13,6 +11,7 @@ from PIL import Image
 from flux_runtime.cli.gen import main
 from flux_runtime.cli.prompts_file import slug
 from flux_runtime.pipeline import Pipeline
+from tests.cli.gen_helpers import pixels, record
 
 BASE = ["--model", "tiny", "--height", "32", "--width", "32", "--steps", "2", "--quiet"]
 FILE = """# two plain prompts and two JSON lines; the JSON ones override the command line's options
@@ -30,16 +29,6 @@ NAMES = [
     "0005-a-cat.png",
     "0007-a-red-fox.png",
 ]
-
-
-def _pixels(path) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im)
-
-
-def _record(path) -> dict:
-    with Image.open(path) as im:
-        return json.loads(im.text["flux_runtime"])
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +77,16 @@ def test_each_line_equals_its_options_run_alone(made, tmp_path):
         single = CliRunner().invoke(main, [*BASE, *args, "--out", str(out)], catch_exceptions=False)
         assert single.exit_code == 0, single.output
         first = out / "flux-3-0.png" if "--num-images" in args else out
-        assert np.array_equal(_pixels(root / "out" / name), _pixels(first)), name
-        made_record, alone_record = _record(root / "out" / name), _record(first)
+        assert np.array_equal(pixels(root / "out" / name), pixels(first)), name
+        made_record, alone_record = record(root / "out" / name), record(first)
         assert made_record == alone_record, name  # the same provenance, as a single run writes it
-    assert np.array_equal(_pixels(root / "out" / NAMES[0]), _pixels(root / "out" / NAMES[-1]))
-    assert _pixels(root / "out" / NAMES[1]).shape == (32, 48, 3)
+    assert np.array_equal(pixels(root / "out" / NAMES[0]), pixels(root / "out" / NAMES[-1]))
+    assert pixels(root / "out" / NAMES[1]).shape == (32, 48, 3)
 
 
 def test_each_png_records_its_line_and_replays_alone(made, tmp_path):
     root, _, _ = made
-    second = _record(root / "out" / "0004-a-blue-circle-2.png")
+    second = record(root / "out" / "0004-a-blue-circle-2.png")
     assert (second["prompt"], second["seed"], second["num_steps"], second["width"]) == (
         "a blue circle",
         3,
@@ -105,7 +94,7 @@ def test_each_png_records_its_line_and_replays_alone(made, tmp_path):
         48,
     )
     assert (second["index"], second["num_images"]) == (1, 2)
-    cat = _record(root / "out" / "0005-a-cat.png")
+    cat = record(root / "out" / "0005-a-cat.png")
     assert cat["input_images"]["image"]["path"] == str((root / "in.png").resolve())
     assert (cat["strength"], cat["guidance"]) == (0.8, 4.0)
     for name in ("0004-a-blue-circle-2.png", "0005-a-cat.png"):
@@ -116,7 +105,7 @@ def test_each_png_records_its_line_and_replays_alone(made, tmp_path):
             catch_exceptions=False,
         )
         assert res.exit_code == 0, res.output
-        assert np.array_equal(_pixels(root / "out" / name), _pixels(again)), name
+        assert np.array_equal(pixels(root / "out" / name), pixels(again)), name
 
 
 def test_out_defaults_to_the_current_folder_and_never_overwrites_silently(tmp_path, monkeypatch):

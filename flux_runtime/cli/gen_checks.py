@@ -1,0 +1,196 @@
+"""`flux-gen`'s option checks: what can be refused before any weights are read, and what waits for the model.
+
+Before the load: the call's numbers (prompt, size, steps, guidance, strength), the input images (decoded, so a
+bad file fails here), the --boxes, the LoRA specs, --prompts beside options it excludes, and the options of
+another model family than the checkpoint's (`refuse_other_family`, from the `ONE_FAMILY` table). Once the
+model is loaded: the FLUX.1 options only some of its variants take (`check_flux1_variant`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+# Options only one family's models take, by family: each option's parameter name, and the test of its value
+# that says it was given (FLUX.1's: set at all, --true-cfg off its 1.0; FLUX.3's: truthy).
+ONE_FAMILY: tuple[tuple[str, dict[str, Callable[[Any], bool]]], ...] = (
+    (
+        "FLUX.1",
+        {
+            "mask": lambda v: v is not None,
+            "strength": lambda v: v is not None,
+            "control_image": lambda v: v is not None,
+            "max_area": lambda v: v is not None,
+            "no_auto_resize": bool,
+            "negative_prompt": lambda v: v is not None,
+            "true_cfg": lambda v: v != 1.0,
+        },
+    ),
+    ("FLUX.3", {"no_upsample": bool, "prompt_upsampler": bool, "upsampler_prompts": bool, "boxes": bool}),
+)
+FAMILY_NAMES = {"flux1": "FLUX.1", "flux2": "FLUX.2", "flux3": "FLUX.3"}
+
+
+def prompts_file_options(opts: dict[str, Any], ctx: click.Context) -> None:
+    """--prompts: refuse --prompt and --replay beside it; --out is a folder, the current one unless given."""
+    for other, why in (("prompt", "its lines are the prompts"), ("replay", "replay each PNG on its own")):
+        if opts[other] is not None:
+            raise click.ClickException(f"--{other} and --prompts exclude each other: {why}")
+    if ctx.get_parameter_source("out") == ParameterSource.DEFAULT:
+        opts["out"] = Path(".")
+
+
+def check_early(opts: dict[str, Any]) -> None:
+    """The call arguments that need no model, checked before any weights are read (the pipeline checks
+    them again, with the model's defaults and its size multiple)."""
+    from flux_runtime.pipeline.checks import (
+        check_guidance,
+        check_prompts,
+        check_size,
+        check_steps,
+        check_vae_tile,
+    )
+    from flux_runtime.weights.builtin import size_multiple
+
+    check_prompts(opts["prompt"])
+    if opts["height"] is not None or opts["width"] is not None:
+        # the multiple where the registry knows the model's autoencoder; else the pipeline checks it once loaded
+        multiple = (None if opts["vae"] is not None else size_multiple(opts["model"])) or 0
+        other = max(multiple, 16)  # stands in for the side not given
+        check_size(opts["height"] or other, opts["width"] or other, multiple)
+    check_vae_tile(opts["vae_tile"])
+    if opts["steps"] is not None:
+        check_steps(opts["steps"], opts["steps"])
+    if opts["guidance"] is not None:
+        check_guidance(opts["guidance"], opts["guidance"])
+    strength = opts.get("strength")
+    if strength is not None and not 0 < strength <= 1:
+        raise click.ClickException(f"--strength {strength} must be in (0, 1]")
+    if opts.get("mask") is not None and not opts["image"]:
+        raise click.ClickException("--mask needs --image (the image to inpaint)")
+    if opts.get("strength") is not None and not opts["image"]:
+        raise click.ClickException("--strength needs --image (img2img or inpainting)")
+
+
+def check_inputs(opts: dict[str, Any], opened: set[Path]) -> None:
+    """The input images (each path once in `opened`) decode and the boxes hold, before any weights are read."""
+    for path in (*opts["image"], opts["mask"], opts["control_image"]):
+        if path is not None and path.resolve() not in opened:
+            open_image(path.resolve())
+            opened.add(path.resolve())
+    boxes = read_boxes(opts["boxes"])
+    if boxes is not None:
+        from flux_runtime.pipeline.flux3_upsample import check_boxes
+
+        check_boxes(boxes, len(opts["image"]))
+
+
+def open_image(path: Path) -> Any:
+    """A reference image, decoded now (so a bad file fails here); PIL keeps `path` as its `filename`."""
+    from PIL import Image
+
+    try:
+        image = Image.open(path)
+        image.load()
+    except Image.DecompressionBombError as e:
+        raise click.ClickException(f"cannot read image {path}: {e} Shrink it first.") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:  # UnidentifiedImageError is an OSError
+        raise click.ClickException(f"cannot read image {path}: {e}") from None
+    from flux_runtime.sampling.reference_images import wide_pixels
+
+    wide = wide_pixels(str(path), image)  # refused now, before any weights are read
+    if wide is not None:
+        raise click.ClickException(wide)
+    return image
+
+
+def read_boxes(value: str | list[Any] | None) -> Any:
+    """--boxes: inline JSON (starting with '['), else a JSON file; one error if it is neither (a --prompts line
+    may give the list itself). The boxes themselves are checked by the pipeline."""
+    if value is None or isinstance(value, list):
+        return value
+    text, where = value, "--boxes"
+    if not value.lstrip().startswith("["):
+        path = Path(value)
+        if not path.is_file():
+            raise click.ClickException(
+                f"--boxes {value}: neither a JSON list (starting with '[') nor a file; give the boxes inline "
+                "or as a .json file"
+            )
+        try:
+            text, where = path.read_text(encoding="utf-8"), f"--boxes {path}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.ClickException(f"--boxes {path}: cannot read it ({e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.ClickException(f"{where}: not valid JSON ({e})") from None
+
+
+def parse_lora(spec: str) -> tuple[str, float]:
+    """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path."""
+    import math
+
+    path, _, tail = spec.rpartition(":")
+    if path:
+        try:
+            scale = float(tail)
+        except ValueError:
+            return spec, 1.0
+        if not math.isfinite(scale):
+            raise click.ClickException(f"--lora {spec}: the scale {tail} must be a finite number")
+        return path, scale
+    return spec, 1.0
+
+
+def loras_of(opts: dict[str, Any]) -> list[tuple[str, float]]:
+    """The LoRAs to fuse, (path, scale) each: a replayed record's, else --lora's."""
+    return opts.get("_loras") or [parse_lora(spec) for spec in opts["loras"]]
+
+
+def check_lora_files(loras: list[tuple[str, float]]) -> None:
+    """A missing or damaged LoRA fails before the model loads."""
+    from flux_runtime.weights.lora_formats import LoraError, check_lora_file
+
+    for path, _ in loras:
+        try:
+            check_lora_file(path)
+        except LoraError as e:
+            raise click.ClickException(f"--lora: {str(e).removeprefix('LoRA ')}") from None
+
+
+def refuse_other_family(opts: dict[str, Any], family: str) -> None:
+    """One error naming the options given that only another family's models take (FLUX.1's first), for a
+    model of `family` (flux1, flux2, flux3)."""
+    name = FAMILY_NAMES[family]
+    for owner, options in ONE_FAMILY:
+        if owner == name:
+            continue
+        given = ["--" + key.replace("_", "-") for key, is_given in options.items() if is_given(opts[key])]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise click.ClickException(
+                f"{', '.join(given)} {verb} a {owner} model; {opts['model']} is {name}"
+            )
+
+
+def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
+    """The options a FLUX.1 model takes only in some variants, checked once the variant is known."""
+    images = opts["image"]
+    if images and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
+        # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
+        raise click.ClickException(
+            f"--image needs a FLUX.2 model; {opts['model']} is FLUX.1: for img2img give --strength, "
+            "for inpainting --mask"
+        )
+    if len(images) > 1:
+        raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
+    if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
+        raise click.ClickException(
+            f"--max-area and --no-auto-resize need a FLUX.1 Kontext model; {opts['model']} is not one"
+        )

@@ -1,0 +1,150 @@
+"""`flux-gen --replay PNG`: the options of the call that made a flux-gen PNG, from its provenance record.
+
+The record gives every setting that shapes the pixels (`REPLAYED`; given beside --replay they are refused,
+not ignored), the whole batch the image was made in, and the files it read: reference images, masks and LoRAs,
+which must still be at their paths with the same pixels or bytes. A record the command cannot remake
+(a list of prompts, embeddings, a torch.Generator) is refused with what it was made from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from flux_runtime.cli.gen_checks import open_image
+from flux_runtime.cli.gen_options import DTYPES
+
+# What a --replay takes from the image's record; given beside --replay, these are refused, not ignored.
+REPLAYED = (
+    "prompt",
+    "model",
+    "quality",
+    "steps",
+    "guidance",
+    "seed",
+    "width",
+    "height",
+    "max_sequence_length",
+    "dtype",
+    "image",
+    "num_images",
+    "mask",
+    "strength",
+    "control_image",
+    "negative_prompt",
+    "true_cfg",
+    "max_area",
+    "no_auto_resize",
+    "lora",
+    "no_upsample",
+    "prompt_upsampler",
+    "upsampler_prompts",
+    "boxes",
+)
+# the options the record holds as they were given: option -> the record's key
+RECORDED = {
+    "prompt": "prompt",
+    "model": "model",
+    "quality": "quality",
+    "steps": "num_steps",
+    "guidance": "guidance",
+    "seed": "seed",
+    "width": "width",
+    "height": "height",
+    "max_sequence_length": "max_sequence_length",
+}
+# the input images the record names: its role for each -> the option
+INPUT_ROLES = (("image", "image"), ("mask_image", "mask"), ("control_image", "control_image"))
+
+
+def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
+    """Take the recorded settings from the --replay PNG; refuse options beside it that it would override."""
+    from flux_runtime.pipeline.provenance import read_provenance
+
+    given = [
+        name
+        for name in REPLAYED
+        if ctx.get_parameter_source("loras" if name == "lora" else name)
+        in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    ]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise click.ClickException(
+            f"--replay takes {flags} from the image it remakes; drop {'it' if len(given) == 1 else 'them'} "
+            "(or generate without --replay)"
+        )
+    png = opts["replay"]
+    rec = read_provenance(png)
+    if not isinstance(rec["prompt"], str):
+        raise click.ClickException(
+            f"cannot replay {png}: it was made from a list of prompts or from embeddings"
+        )
+    if rec["seed"] is None:
+        raise click.ClickException(f"cannot replay {png}: it was made with a torch.Generator, not a seed")
+    opts.update(
+        {option: rec[key] for option, key in RECORDED.items()},
+        dtype={v: k for k, v in DTYPES.items()}[rec["dtype"]],
+        fp8=bool(rec.get("fp8_at_load", False)),
+        fp8_text=bool(rec.get("fp8_text", False)),
+        image=_replay_images(png, rec.get("reference_images") or []),
+        negative_prompt=rec.get("negative_prompt"),
+        true_cfg=rec.get("true_cfg_scale", 1.0),
+        strength=rec.get("strength"),
+    )
+    if rec.get("reference_crop"):  # FLUX.3 cropped back to its reference: the size comes from it again
+        opts.update(width=None, height=None)
+    if rec.get("variant") == "kontext":  # the recorded size is the rescaled one: keep it as the area
+        opts.update(max_area=rec["width"] * rec["height"], no_auto_resize=rec.get("auto_resize") is False)
+    inputs = rec.get("input_images") or {}
+    for role, opt in INPUT_ROLES:
+        if role in inputs:
+            (path,) = _replay_images(png, [inputs[role]])
+            opts[opt] = (path,) if opt == "image" else path
+    if "upsample" in rec:  # FLUX.3: the caption that was encoded, never the upsampler again
+        opts["_upsampled_prompt"] = rec.get("upsampled_prompt")
+        opts["no_upsample"] = rec.get("upsampled_prompt") is None
+    opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
+    opts["_replay_weights"] = rec.get("weights")
+    opts["_replay_index"] = rec.get("index", 0)
+    # the whole recorded batch runs again: a batch's size changes its GEMMs' rounding, so image i of a
+    # smaller batch is not image i of the recorded one (by one level in some pixels on the CPU)
+    opts["_replay_batch"] = rec.get("num_images", opts["_replay_index"] + 1)
+    served = rec.get("served_batch")  # flux-serve ran this image in one call with other requests' images
+    opts["_served_batch"] = served if isinstance(served, int) and not isinstance(served, bool) else None
+
+
+def _replay_loras(png: Path, recorded: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """The LoRAs a PNG was made with, each still at its path with the same bytes."""
+    import hashlib
+
+    out = []
+    for lo in recorded:
+        path = Path(lo["path"])
+        if not path.is_file():
+            raise click.ClickException(f"cannot replay {png}: its LoRA {path} is gone")
+        if hashlib.sha256(path.read_bytes()).hexdigest() != lo["sha256"]:
+            raise click.ClickException(f"cannot replay {png}: its LoRA {path} has changed since")
+        out.append((str(path), float(lo["scale"])))
+    return out
+
+
+def _replay_images(png: Path, recorded: list[dict[str, Any]]) -> tuple[Path, ...]:
+    """The reference images a FLUX.2 PNG was made from, each still at its path with the same pixels."""
+    from flux_runtime.pipeline.flux2 import image_fingerprint
+
+    paths = []
+    for k, ref in enumerate(recorded):
+        if not ref.get("path"):
+            raise click.ClickException(
+                f"cannot replay {png}: reference image {k} was passed in memory, not as a file"
+            )
+        path = Path(ref["path"])
+        if not path.is_file():
+            raise click.ClickException(f"cannot replay {png}: its reference image {path} is gone")
+        if image_fingerprint(open_image(path)) != ref.get("sha256"):
+            raise click.ClickException(f"cannot replay {png}: its reference image {path} has changed since")
+        paths.append(path)
+    return tuple(paths)
