@@ -11,110 +11,34 @@ the checkout has `kernels/dispatch.py`, with the lossless fused kernels (median 
 Memory: the layout's renames hand over the very tensors diffusers holds, so both models share one copy of
 the weights; only the fused double-block `qkv` and the swapped final adaLN are new tensors (FLUX.2 [dev]:
 64.4 GB of weights + 3.6 GB). Models are freed before the next one is built. Modelled on `bench_dit` in
-bench.py (whose timing, floor and table helpers it uses). Exit status 1 if any step differs. Writes every number to --json.
+bench.py (the timing, floor and table helpers are benchlib.py's). Exit status 1 if any step differs. Writes every number to --json.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import (  # scripts/bench.py, beside this file
-    born_bf16,
-    gemm_floor_ms,
+from benchlib import (  # scripts/benchlib.py, beside this file
+    FLUX2_MODELS,
+    diffusers_fn,
+    finish_run,
+    flux2_library_floor,
+    flux2_pair,
+    flux2_step_inputs,
+    free_cuda,
     parity_then_time,
     print_step_table,
-    sdpa_floor_ms,
-    share_weights,
+    require_cuda,
 )
 
-from flux_runtime.models.dit import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, DiTConfig, Flux2Transformer
-from flux_runtime.weights import flux2_layout
-
-DEV = torch.device("cuda")
 RESULTS: dict[str, object] = {}
-# name -> (our preset, diffusers Flux2Transformer2DModel kwargs); diffusers' defaults are FLUX.2 [dev]
-MODELS: dict[str, tuple[DiTConfig, dict]] = {
-    "dev": (FLUX2_DEV, {}),
-    "klein-4b": (
-        FLUX2_KLEIN_4B,
-        dict(
-            num_layers=5,
-            num_single_layers=20,
-            num_attention_heads=24,
-            joint_attention_dim=7680,
-            guidance_embeds=False,
-        ),
-    ),
-    "klein-9b": (
-        FLUX2_KLEIN_9B,
-        dict(
-            num_layers=8,
-            num_single_layers=24,
-            num_attention_heads=32,
-            joint_attention_dim=12288,
-            guidance_embeds=False,
-        ),
-    ),
-}
-
-
-def library_floor(cfg: DiTConfig, n_img: int = 4096, n_txt: int = 512) -> tuple[float, float]:
-    """Sum of the step's cuBLAS GEMMs (F.linear, no bias, real shapes) and SDPA calls, each timed alone."""
-    d, mlp, L = cfg.hidden_size, cfg.mlp_hidden_dim, n_img + n_txt
-    gemms: Counter[tuple[int, int, int]] = Counter()  # (M, K, N) -> calls per step
-    for m in (n_img, n_txt):  # double blocks, per stream: q, k, v, out, SwiGLU in (2 * mlp), out
-        gemms[(m, d, d)] += 4 * cfg.depth
-        gemms[(m, d, 2 * mlp)] += cfg.depth
-        gemms[(m, mlp, d)] += cfg.depth
-    gemms[(L, d, 3 * d + 2 * mlp)] += cfg.depth_single_blocks  # linear1
-    gemms[(L, d + mlp, d)] += cfg.depth_single_blocks  # linear2
-    # shared modulation (once per step), time (+ guidance) embedders, input/output projections, final adaLN
-    gemms[(1, d, 6 * d)] += 2
-    gemms[(1, d, 3 * d)] += 1
-    gemms[(1, 256, d)] += 1 + cfg.guidance_embed
-    gemms[(1, d, d)] += 1 + cfg.guidance_embed
-    gemms[(n_img, cfg.in_channels, d)] += 1
-    gemms[(n_txt, cfg.context_in_dim, d)] += 1
-    gemms[(n_img, d, cfg.out_channels)] += 1
-    gemms[(1, d, 2 * d)] += 1
-    return gemm_floor_ms(gemms), sdpa_floor_ms(cfg, [(L, cfg.depth + cfg.depth_single_blocks)])
-
-
-def build_pair(cfg: DiTConfig, diffusers_kw: dict):
-    """Full-size FLUX.2 in diffusers (random bf16 init on the GPU) and ours on the same weights."""
-    from diffusers import Flux2Transformer2DModel
-
-    ref = born_bf16(Flux2Transformer2DModel, **diffusers_kw)  # [dev] in fp32 would not fit beside anything
-    with torch.no_grad():  # QK-norm weights start at 1; make them matter
-        for p in ref.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return ref, share_weights(ref, cfg, flux2_layout, Flux2Transformer, cfg.guidance_embed)
-
-
-def step_inputs(cfg: DiTConfig, n_img: int = 4096, n_txt: int = 512, batch: int = 1):
-    """What the pipelines feed one step at 1024²: packed latents, text states, int64 ids, t/1000, guidance."""
-    g = torch.Generator(device=DEV).manual_seed(1)
-    bf = torch.bfloat16
-    img = torch.randn(batch, n_img, cfg.in_channels, device=DEV, generator=g).to(bf)
-    txt = torch.randn(batch, n_txt, cfg.context_in_dim, device=DEV, generator=g).to(bf)
-    side = int(n_img**0.5)
-    zero = torch.zeros(1, dtype=torch.long, device=DEV)
-    img_ids = torch.cartesian_prod(zero, torch.arange(side, device=DEV), torch.arange(side, device=DEV), zero)
-    txt_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(n_txt, device=DEV))
-    t = torch.full((batch,), 988.0, device=DEV, dtype=bf) / 1000
-    guidance = torch.full((batch,), 4.0, device=DEV) if cfg.guidance_embed else None
-    return img, img_ids, txt, txt_ids, t, guidance
 
 
 @torch.no_grad()
@@ -127,10 +51,10 @@ def _step_at(ours, tier, img, img_ids, txt, txt_ids, t, g, pe):
 
 @torch.no_grad()
 def bench_model(name: str, iters: int) -> bool:
-    cfg, diffusers_kw = MODELS[name]
+    cfg, diffusers_kw = FLUX2_MODELS[name]
     res: dict[str, object] = {}
     RESULTS[name] = res
-    gemm_ms, attn_ms = library_floor(cfg)
+    gemm_ms, attn_ms = flux2_library_floor(cfg)
     floor = gemm_ms + attn_ms
     res["floor_ms"] = {"gemm": gemm_ms, "attention": attn_ms, "total": floor}
     print(
@@ -139,7 +63,7 @@ def bench_model(name: str, iters: int) -> bool:
     )
 
     t0 = time.perf_counter()
-    ref, ours = build_pair(cfg, diffusers_kw)
+    ref, ours = flux2_pair(cfg, diffusers_kw)
     n_params = sum(p.numel() for p in ours.parameters())
     res["params"] = n_params
     res["weights_gib_resident"] = torch.cuda.memory_allocated() / 2**30
@@ -148,18 +72,11 @@ def bench_model(name: str, iters: int) -> bool:
         f"resident for both models) in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
-    img, img_ids, txt, txt_ids, t, g = step_inputs(cfg)
+    img, img_ids, txt, txt_ids, t, g = flux2_step_inputs(cfg)
+    diffusers_step = diffusers_fn(ref, txt, img_ids, txt_ids, guidance=g)
 
     def run_ref():
-        return ref(
-            hidden_states=img,
-            encoder_hidden_states=txt,
-            timestep=t,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=g,
-            return_dict=False,
-        )[0]
+        return diffusers_step(img, t)
 
     pe = ours.rope(txt_ids, img_ids)
 
@@ -217,24 +134,18 @@ def bench_model(name: str, iters: int) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=["dev", "klein-4b"])
+    ap.add_argument("--models", nargs="+", choices=list(FLUX2_MODELS), default=["dev", "klein-4b"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_flux2.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("bench_flux2.py"):
         return 2
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
     equal = []
     for name in args.models:
         equal.append(bench_model(name, args.iters))
-        gc.collect()  # the models died with bench_model's frame; hand their memory back before the next
-        torch.cuda.empty_cache()
-    RESULTS["wall_s"] = time.perf_counter() - t0
-    print(f"total {RESULTS['wall_s']:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps(RESULTS, indent=2))
+        free_cuda()  # the models died with bench_model's frame; hand their memory back before the next
+    finish_run(RESULTS, t0, args.json)
     if not all(equal):
         failed = [n for n, ok in zip(args.models, equal, strict=True) if not ok]
         print(

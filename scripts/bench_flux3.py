@@ -23,99 +23,35 @@ the VAE are not in it (the same work for every runtime). Writes every number to 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import (  # scripts/bench.py, beside this file
-    born_bf16,
-    gemm_floor_ms,
+from benchlib import (  # scripts/benchlib.py, beside this file
+    DEV,
+    FLUX3_MODELS,
+    FLUX3_N_IMG,
+    FLUX3_N_TXT,
+    cuda_event_ms,
+    diffusers_fn,
+    finish_run,
+    flux3_library_floor,
+    flux3_pair,
+    flux3_step_inputs,
+    free_cuda,
     parity_then_time,
     print_step_table,
     profile_step,
-    sdpa_floor_ms,
-    share_weights,
+    require_cuda,
 )
 
-from flux_runtime.models.dit import FLUX3_KLEIN, FLUX3_KLEIN_BASE, DiTConfig
-from flux_runtime.models.dit.flux3 import Flux3Transformer
-from flux_runtime.sampling.flux3 import flux3_image_ids
 from flux_runtime.text.flux3 import text_ids
-from flux_runtime.weights import flux3_layout
 
-DEV = torch.device("cuda")
 RESULTS: dict[str, object] = {}
-MODELS: dict[str, DiTConfig] = {"base": FLUX3_KLEIN_BASE, "flow-map": FLUX3_KLEIN}
-N_IMG, N_TXT = 4096, 480  # 1024² (64 x 64 tokens); a prompt of up to 480 Qwen3-VL tokens (6 windows of 80)
-
-
-def library_floor(cfg: DiTConfig, n_ref: int) -> tuple[float, float]:
-    """Sum of the step's cuBLAS GEMMs (F.linear, no bias, real shapes) and SDPA calls, each timed alone."""
-    d, mlp = cfg.hidden_size, cfg.mlp_hidden_dim
-    streams = [n for n in (N_TXT, N_IMG, n_ref) if n]
-    joint = sum(streams)
-    gemms: Counter[tuple[int, int, int]] = Counter()  # (M, K, N) -> calls per step
-
-    def block(m: int, count: int) -> None:  # q, k, v, out, SwiGLU in (2 * mlp), out
-        gemms[(m, d, d)] += 4 * count
-        gemms[(m, d, 2 * mlp)] += count
-        gemms[(m, mlp, d)] += count
-
-    for m in streams:
-        block(m, cfg.depth)
-        gemms[(m, d, 3 * d)] += 2  # per-token modulation: early and single
-    block(joint, cfg.depth_single_blocks)
-    embedders = 2 + cfg.flow_map  # t, t = 0 (+ target)
-    gemms[(1, 256, d)] += embedders
-    gemms[(1, d, d)] += embedders
-    gemms[(N_IMG, cfg.in_channels, d)] += 1
-    if n_ref:
-        gemms[(n_ref, cfg.cond_in_channels, d)] += 1
-    gemms[(N_TXT, cfg.context_in_dim, d)] += 1
-    gemms[(N_IMG, d, 2 * d)] += 1  # final adaLN, per token
-    gemms[(N_IMG, d, cfg.out_channels)] += 1
-    attention = [*((m, cfg.depth) for m in streams), (joint, cfg.depth_single_blocks)]
-    return gemm_floor_ms(gemms), sdpa_floor_ms(cfg, attention)
-
-
-def build_pair(cfg: DiTConfig, **diffusers_kw: object):
-    """Full-size FLUX.3 in diffusers (random bf16 init on the GPU, fp32 QK norms) and ours on the same tensors
-    (`diffusers_kw` shrinks the diffusers model to match a smaller `cfg`)."""
-    from diffusers import Flux3Transformer2DModel
-
-    ref = born_bf16(Flux3Transformer2DModel, flow_map=cfg.flow_map, **diffusers_kw)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.ndim == 1:  # QK-norm weights start at 1; make them matter, then keep them fp32
-                p.add_(0.1 * torch.randn_like(p))
-                if ".norm_q." in name or ".norm_k." in name:
-                    p.data = p.data.float()
-    return ref, share_weights(ref, cfg, flux3_layout, Flux3Transformer, cfg.flow_map)
-
-
-def step_inputs(cfg: DiTConfig, n_ref: int):
-    """What the pipeline feeds one step: packed latents, text states, float ids, t/1000 (and target) in bf16."""
-    g = torch.Generator(device=DEV).manual_seed(1)
-    bf = torch.bfloat16
-    img = torch.randn(1, N_IMG, cfg.in_channels, device=DEV, generator=g).to(bf)
-    txt = torch.randn(1, N_TXT, cfg.context_in_dim, device=DEV, generator=g).to(bf)
-    side = int(N_IMG**0.5)
-    img_ids, txt_ids = flux3_image_ids(side, side, device=DEV), text_ids(N_TXT, DEV)
-    ref = ref_ids = None
-    if n_ref:
-        ref = torch.randn(1, n_ref, cfg.cond_in_channels, device=DEV, generator=g).to(bf)
-        rside = int(n_ref**0.5)
-        ref_ids = flux3_image_ids(rside, rside, -1, device=DEV)
-    t = (torch.tensor(988.0, device=DEV) / 1000).expand(1).to(bf)
-    target = (torch.tensor(953.0, device=DEV) / 1000).expand(1).to(bf) if cfg.flow_map else None
-    return img, img_ids, txt, txt_ids, t, ref, ref_ids, target
 
 
 @torch.no_grad()
@@ -124,21 +60,21 @@ def bench_case(name: str, case: str, ref, ours, iters: int, profile: bool = Fals
     from flux_runtime.pipeline.graphs import GraphedDenoiser
 
     cfg = ours.config
-    n_ref = N_IMG if case == "ref" else 0
+    n_ref = FLUX3_N_IMG if case == "ref" else 0
     label_case = f"{name}, {'one 1024² reference' if n_ref else 'text to image'}"
     res: dict[str, object] = {}
     RESULTS[f"{name}/{case}"] = res
-    gemm_ms, attn_ms = library_floor(cfg, n_ref)
+    gemm_ms, attn_ms = flux3_library_floor(cfg, n_ref)
     floor = gemm_ms + attn_ms
     res["floor_ms"] = {"gemm": gemm_ms, "attention": attn_ms, "total": floor}
     print(f"[{label_case}] library floor: {floor:.1f} ms/step (GEMMs {gemm_ms:.1f}, attention {attn_ms:.1f})")
-    img, img_ids, txt, txt_ids, t, rf, rf_ids, target = step_inputs(cfg, n_ref)
+    img, img_ids, txt, txt_ids, t, rf, rf_ids, target = flux3_step_inputs(cfg, n_ref)
+    diffusers_step = diffusers_fn(
+        ref, txt, img_ids, txt_ids, image_cond_hidden_states=rf, image_cond_ids=rf_ids
+    )
 
     def run_ref():
-        return ref(
-            hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids,
-            image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=target, return_dict=False,
-        )[0]  # fmt: skip
+        return diffusers_step(img, t, target_timestep=target)
 
     pe = ours.rope(txt_ids, img_ids, rf_ids)
 
@@ -179,21 +115,19 @@ def bench_image(case: str, ref, ours, steps: int) -> bool:
     from flux_runtime.sampling.schedule import get_schedule
 
     cfg = ours.config
-    n_ref = N_IMG if case == "ref" else 0
+    n_ref = FLUX3_N_IMG if case == "ref" else 0
     label_case = f"base, {steps} steps CFG 3.5, {'one 1024² reference' if n_ref else 'text to image'}"
-    img, img_ids, txt, txt_ids, _, rf, rf_ids, _ = step_inputs(cfg, n_ref)
+    img, img_ids, txt, txt_ids, _, rf, rf_ids, _ = flux3_step_inputs(cfg, n_ref)
     n_neg = 80  # the empty negative prompt fills one 80-token window
     neg = torch.randn(1, n_neg, cfg.context_in_dim, device=DEV, generator=torch.Generator(DEV).manual_seed(2))
     neg = neg.to(torch.bfloat16)
     neg_ids = text_ids(n_neg, DEV)
-    sched = get_schedule(steps, N_IMG, config=FLUX3_SCHEDULE, device=DEV)
-    pe = {n: ours.rope(text_ids(n, DEV), img_ids, rf_ids) for n in (N_TXT, n_neg)}
+    sched = get_schedule(steps, FLUX3_N_IMG, config=FLUX3_SCHEDULE, device=DEV)
+    pe = {n: ours.rope(text_ids(n, DEV), img_ids, rf_ids) for n in (FLUX3_N_TXT, n_neg)}
 
-    def diffusers_fn(text, ids):
-        return lambda x, tt, _g: ref(
-            hidden_states=x, encoder_hidden_states=text, timestep=tt, img_ids=img_ids, txt_ids=ids,
-            image_cond_hidden_states=rf, image_cond_ids=rf_ids, return_dict=False,
-        )[0]  # fmt: skip
+    def diffusers_denoiser(text, ids):
+        step = diffusers_fn(ref, text, img_ids, ids, image_cond_hidden_states=rf, image_cond_ids=rf_ids)
+        return lambda x, tt, _g: step(x, tt)
 
     def ours_fn(text, ids, fixed: bool):
         n = text.shape[1]
@@ -216,7 +150,7 @@ def bench_image(case: str, ref, ours, steps: int) -> bool:
         return lambda x, tt, _g: graphed(x, tt)
 
     variants = {
-        "diffusers eager": lambda: (diffusers_fn(txt, txt_ids), diffusers_fn(neg, neg_ids)),
+        "diffusers eager": lambda: (diffusers_denoiser(txt, txt_ids), diffusers_denoiser(neg, neg_ids)),
         "ours lossless + CUDA graph, streams every step": lambda: (
             ours_fn(txt, txt_ids, False),
             ours_fn(neg, neg_ids, False),
@@ -245,17 +179,15 @@ def bench_flow_map_image(case: str, ref, ours, steps: int) -> bool:
     from flux_runtime.sampling.schedule import get_schedule
 
     cfg = ours.config
-    n_ref = N_IMG if case == "ref" else 0
+    n_ref = FLUX3_N_IMG if case == "ref" else 0
     label_case = f"flow map, {steps} steps, {'one 1024² reference' if n_ref else 'text to image'}"
-    img, img_ids, txt, txt_ids, _, rf, rf_ids, _ = step_inputs(cfg, n_ref)
-    sched = get_schedule(steps, N_IMG, config=FLUX3_SCHEDULE, device=DEV)
+    img, img_ids, txt, txt_ids, _, rf, rf_ids, _ = flux3_step_inputs(cfg, n_ref)
+    sched = get_schedule(steps, FLUX3_N_IMG, config=FLUX3_SCHEDULE, device=DEV)
     pe = ours.rope(txt_ids, img_ids, rf_ids)
 
-    def diffusers_fn():
-        return lambda x, tt, tg: ref(
-            hidden_states=x, encoder_hidden_states=txt, timestep=tt, img_ids=img_ids, txt_ids=txt_ids,
-            image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=tg, return_dict=False,
-        )[0]  # fmt: skip
+    def diffusers_denoiser():
+        step = diffusers_fn(ref, txt, img_ids, txt_ids, image_cond_hidden_states=rf, image_cond_ids=rf_ids)
+        return lambda x, tt, tg: step(x, tt, target_timestep=tg)
 
     def step(x, tt, tg):
         with use_fused("lossless"):
@@ -264,7 +196,7 @@ def bench_flow_map_image(case: str, ref, ours, steps: int) -> bool:
     # one graph for both images, as the pipeline keeps its graphs across calls: the warm-up image captures
     # it, the timed one replays every step
     graphed = GraphedDenoiser(step)
-    variants = {"diffusers eager": diffusers_fn, "ours lossless + CUDA graph": lambda: graphed}
+    variants = {"diffusers eager": diffusers_denoiser, "ours lossless + CUDA graph": lambda: graphed}
 
     def image(make):
         return flux3_denoise(make(), img, sched.sigmas, sched.timesteps, flow_map=True)
@@ -281,12 +213,8 @@ def time_images(key: str, label_case: str, steps: int, variants: dict, image) ->
     for label, make in variants.items():
         out = image(make)  # warm-up
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = image(make)
-        end.record()
-        torch.cuda.synchronize()
-        times[label] = start.elapsed_time(end) / 1000
+        out, ms = cuda_event_ms(lambda make=make: image(make))
+        times[label] = ms / 1000
         expected = out if expected is None else expected
         equal[label] = torch.equal(out, expected)
         print(f"[{label_case}] {label}: {times[label]:.2f} s, torch.equal = {equal[label]}", flush=True)
@@ -303,7 +231,7 @@ def time_images(key: str, label_case: str, steps: int, variants: dict, image) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=["base", "flow-map"])
+    ap.add_argument("--models", nargs="+", choices=list(FLUX3_MODELS), default=["base", "flow-map"])
     ap.add_argument("--cases", nargs="+", choices=["t2i", "ref"], default=["t2i", "ref"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument(
@@ -314,14 +242,12 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="kernel table of one lossless eager step per case")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_flux3.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("bench_flux3.py"):
         return 2
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
     ok = []
     for name in args.models:
-        ref, ours = build_pair(MODELS[name])
+        ref, ours = flux3_pair(FLUX3_MODELS[name])
         print(f"[{name}] {sum(p.numel() for p in ours.parameters()):,} parameters", flush=True)
         for case in args.cases:
             ok.append(bench_case(name, case, ref, ours, args.iters, args.profile))
@@ -330,12 +256,8 @@ def main() -> int:
             if args.per_image and name == "flow-map":
                 ok.append(bench_flow_map_image(case, ref, ours, args.flow_map_steps))
         del ref, ours
-        gc.collect()
-        torch.cuda.empty_cache()
-    RESULTS["wall_s"] = time.perf_counter() - t0
-    print(f"total {RESULTS['wall_s']:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps(RESULTS, indent=2))
+        free_cuda()
+    finish_run(RESULTS, t0, args.json)
     if not all(ok):
         print("PARITY FAILED: ours is not bit-identical to diffusers", file=sys.stderr)
         return 1

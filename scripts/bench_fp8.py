@@ -42,8 +42,27 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench
-import bench_flux2
+from benchlib import (  # scripts/benchlib.py, beside this file
+    DEV,
+    FLUX2_MODELS,
+    FLUX3_MODELS,
+    FLUX3_N_IMG,
+    cuda_time,
+    diffusers_fn,
+    flux1_pair,
+    flux1_step_inputs,
+    flux2_pair,
+    flux2_step_inputs,
+    flux3_pair,
+    flux3_step_inputs,
+    flux3_step_shapes,
+    free_cuda,
+    gemm_floor_ms,
+    max_abs_diff,
+    profile_step,
+    require_cuda,
+    sdpa_floor_ms,
+)
 
 from flux_runtime.kernels import fp8
 from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
@@ -55,8 +74,6 @@ from flux_runtime.models.dit import FLUX1_DEV
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.weights.fp8 import quantize_model
 
-DEV = torch.device("cuda")
-cuda_time = bench.cuda_time
 RESULTS: dict[str, object] = {}
 PROFILE = False
 LAYOUT_AB = False
@@ -157,11 +174,7 @@ def time_gemms(
                 iters=20,
             )
         del a, w
-    for (m, k, n), count in bf16.items():
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
-        out["bf16_gemm"] += count * cuda_time(lambda x=x, w=w, b=b: F.linear(x, w, b), iters=20)
+    out["bf16_gemm"] = gemm_floor_ms(bf16, bias=bias)
     return out
 
 
@@ -204,12 +217,7 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
     bf16 = Counter((m, k, n) for kind, m, k, n in calls if kind == "bf16")
     L = n_img + n_txt
     out = time_gemms(fp8, bf16, bias=flux1)
-    q, k, v = (
-        torch.randn(1, cfg.num_heads, L, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)
-    )
-    out["attention"] = (cfg.depth + cfg.depth_single_blocks) * cuda_time(
-        lambda: F.scaled_dot_product_attention(q, k, v), iters=20
-    )
+    out["attention"] = sdpa_floor_ms(cfg, [(L, cfg.depth + cfg.depth_single_blocks)])
     layouts = step_layout_attention(cfg, L, 3 * cfg.hidden_size + mlp_in(cfg, flux1))
     for key, (ms, same) in layouts.items():
         out[f"attention_{key}"] = (cfg.depth + cfg.depth_single_blocks) * ms
@@ -301,6 +309,27 @@ def step_layout_attention(cfg, length: int, width: int) -> dict[str, tuple[float
     return out
 
 
+def measure_step(
+    rows: dict[str, dict], tag: str, iters: int, label: str, fn: Callable[[], torch.Tensor], expected=None
+) -> torch.Tensor:
+    """Run `fn` twice (a CUDA graph captures on the second call), then note in `rows` under `label`: "equal"
+    (`torch.equal` to `expected`, or its max abs diff; only with `expected`), "step_ms" (`cuda_time`) and
+    "peak_gib" (the peak allocated while timing); print them on one line tagged `[tag]`. Returns the output."""
+    out = fn()
+    out = fn()  # graphs: the first call runs eagerly, the second captures and replays
+    if expected is not None:
+        rows["equal"][label] = torch.equal(out, expected) or f"max abs diff {max_abs_diff(out, expected):.3g}"
+    torch.cuda.reset_peak_memory_stats()
+    rows["step_ms"][label] = cuda_time(fn, iters=iters)
+    rows["peak_gib"][label] = torch.cuda.max_memory_allocated() / 2**30
+    print(
+        f"[{tag}] {label}: {rows['step_ms'][label]:.1f} ms, peak {rows['peak_gib'][label]:.1f} GiB, "
+        f"equal {rows['equal'].get(label, '-')}",
+        flush=True,
+    )
+    return out
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -312,13 +341,13 @@ def bench_model(name: str, iters: int) -> bool:
     RESULTS[name] = res
     if flux1:
         cfg = FLUX1_DEV
-        ref, ours = bench.build_pair()
-        img, img_ids, txt, txt_ids, t, y, g = bench.step_inputs()
+        ref, ours = flux1_pair()
+        img, img_ids, txt, txt_ids, t, y, g = flux1_step_inputs()
         extra = (y,)
     else:
-        cfg, kw = bench_flux2.MODELS[name.removeprefix("flux2-")]
-        ref, ours = bench_flux2.build_pair(cfg, kw)
-        img, img_ids, txt, txt_ids, t, g = bench_flux2.step_inputs(cfg)
+        cfg, kw = FLUX2_MODELS[name.removeprefix("flux2-")]
+        ref, ours = flux2_pair(cfg, kw)
+        img, img_ids, txt, txt_ids, t, g = flux2_step_inputs(cfg)
         extra = ()
     pe = ours.rope(txt_ids, img_ids)
     models = {"diffusers": ref}
@@ -335,34 +364,10 @@ def bench_model(name: str, iters: int) -> bool:
         gd = GraphedDenoiser(lambda x, tt, gg: ours_step(model, tier)(x, tt, gg))
         return lambda: gd(img, t, g)
 
-    def run_ref():
-        kwargs = dict(
-            hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids
-        )
-        if flux1:
-            kwargs["pooled_projections"] = y
-        return models["diffusers"](**kwargs, guidance=g, return_dict=False)[0]
-
     times: dict[str, float] = {}
     equal: dict[str, object] = {}
     peaks: dict[str, float] = {}
-
-    def measure(label, fn, expected=None):
-        out = fn()
-        out = fn()
-        if expected is not None:
-            equal[label] = (
-                torch.equal(out, expected)
-                or f"max abs diff {(out.float() - expected.float()).abs().max().item():.3g}"
-            )
-        torch.cuda.reset_peak_memory_stats()
-        times[label] = cuda_time(fn, iters=iters)
-        peaks[label] = torch.cuda.max_memory_allocated() / 2**30
-        print(
-            f"[{name}] {label}: {times[label]:.1f} ms, peak {peaks[label]:.1f} GiB, equal {equal.get(label, '-')}",
-            flush=True,
-        )
-        return out
+    measure = partial(measure_step, {"step_ms": times, "equal": equal, "peak_gib": peaks}, name, iters)
 
     def block_ab(act: str, what: str, model, expected) -> None:
         """The FP8 lossless step again with `act`'s per-row producer in each other column block (whole rows,
@@ -378,7 +383,11 @@ def bench_model(name: str, iters: int) -> bool:
                         expected,
                     )
 
-    expected_bf16 = measure("diffusers bf16 eager", run_ref)
+    pooled = {"pooled_projections": y} if flux1 else {}
+    # diffusers' step, held only while measured: `models.clear()` below frees the model
+    run_ref = diffusers_fn(models["diffusers"], txt, img_ids, txt_ids, guidance=g, **pooled)
+    expected_bf16 = measure("diffusers bf16 eager", partial(run_ref, img, t))
+    del run_ref
     out_bf16 = measure("ours bf16 lossless + graph", graphed(ours, "lossless"), expected_bf16)
     models.clear()  # diffusers' model goes; ours keeps the weights it shares
     torch.cuda.empty_cache()
@@ -431,7 +440,7 @@ def bench_model(name: str, iters: int) -> bool:
         }
     print(fused_ops_report(), flush=True)
     if PROFILE:
-        bench.profile_step(ours_step(ours, "lossless"))
+        profile_step(ours_step(ours, "lossless"))
     out_fp8_high = measure("ours fp8 high + graph", graphed(ours, "high"), expected_fp8)
 
     floor = fp8_floor(cfg, flux1)
@@ -459,34 +468,13 @@ def bench_model(name: str, iters: int) -> bool:
 def fp8_floor_flux3(cfg, n_ref: int) -> dict[str, float]:
     """FLUX.3's FP8 step floor: e4m3 row-wise `_scaled_mm` for every block projection (plain and fast
     accumulation), bf16 `F.linear` for the embedders, per-token modulation and final layer, cuDNN attention."""
-    import bench_flux3
-
-    d, mlp = cfg.hidden_size, cfg.mlp_hidden_dim
-    n_img, n_txt = bench_flux3.N_IMG, bench_flux3.N_TXT
-    streams = [n for n in (n_txt, n_img, n_ref) if n]
+    gemms, attention = flux3_step_shapes(cfg, n_ref)
     fp8: Counter[tuple[int, int, int]] = Counter()
     bf16: Counter[tuple[int, int, int]] = Counter()
-
-    def block(m: int, count: int) -> None:
-        fp8[(m, d, d)] += 4 * count
-        fp8[(m, d, 2 * mlp)] += count
-        fp8[(m, mlp, d)] += count
-
-    for m in streams:
-        block(m, cfg.depth)
-        bf16[(m, d, 3 * d)] += 2  # per-token modulation: early and single
-    block(sum(streams), cfg.depth_single_blocks)
-    embedders = 2 + cfg.flow_map
-    bf16[(1, 256, d)] += embedders
-    bf16[(1, d, d)] += embedders
-    bf16[(n_img, cfg.in_channels, d)] += 1
-    if n_ref:
-        bf16[(n_ref, cfg.cond_in_channels, d)] += 1
-    bf16[(n_txt, cfg.context_in_dim, d)] += 1
-    bf16[(n_img, d, 2 * d)] += 1
-    bf16[(n_img, d, cfg.out_channels)] += 1
+    for block, shape, count in gemms:
+        (fp8 if block else bf16)[shape] += count
     out = time_gemms(fp8, bf16, bias=False)
-    out["attention"] = bench_flux3.library_floor(cfg, n_ref)[1]
+    out["attention"] = sdpa_floor_ms(cfg, attention)
     out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
     return out
 
@@ -494,12 +482,10 @@ def fp8_floor_flux3(cfg, n_ref: int) -> dict[str, float]:
 @torch.no_grad()
 def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
     """`bench_model`'s rows for one FLUX.3 Klein model, per case (text to image, one 1024² reference)."""
-    import bench_flux3
-
-    cfg = bench_flux3.MODELS["flow-map" if name == "flux3-klein" else "base"]
-    n_refs = {case: bench_flux3.N_IMG if case == "ref" else 0 for case in cases}
-    pair = dict(zip(("diffusers", "ours"), bench_flux3.build_pair(cfg), strict=True))
-    inputs = {case: bench_flux3.step_inputs(cfg, n_refs[case]) for case in cases}
+    cfg = FLUX3_MODELS["flow-map" if name == "flux3-klein" else "base"]
+    n_refs = {case: FLUX3_N_IMG if case == "ref" else 0 for case in cases}
+    pair = dict(zip(("diffusers", "ours"), flux3_pair(cfg), strict=True))
+    inputs = {case: flux3_step_inputs(cfg, n_refs[case]) for case in cases}
     pes = {case: pair["ours"].rope(x[3], x[1], x[6]) for case, x in inputs.items()}
 
     def ours_step(case: str, tier: str):
@@ -519,39 +505,22 @@ def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
 
     def diffusers_step(case: str):
         img, img_ids, txt, txt_ids, t, rf, rf_ids, target = inputs[case]
-        model = pair["diffusers"]
-        return lambda: model(
-            hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids,
-            image_cond_hidden_states=rf, image_cond_ids=rf_ids, target_timestep=target, return_dict=False,
-        )[0]  # fmt: skip
+        step = diffusers_fn(
+            pair["diffusers"], txt, img_ids, txt_ids, image_cond_hidden_states=rf, image_cond_ids=rf_ids
+        )
+        return lambda: step(img, t, target_timestep=target)
 
     results = {case: {"step_ms": {}, "equal": {}, "peak_gib": {}} for case in cases}
 
     def measure(case, label, fn, expected=None):
-        res = results[case]
-        out = fn()
-        out = fn()  # graphs: the first call runs eagerly, the second captures and replays
-        if expected is not None:
-            res["equal"][label] = (
-                torch.equal(out, expected)
-                or f"max abs diff {(out.float() - expected.float()).abs().max().item():.3g}"
-            )
-        torch.cuda.reset_peak_memory_stats()
-        res["step_ms"][label] = cuda_time(fn, iters=iters)
-        res["peak_gib"][label] = torch.cuda.max_memory_allocated() / 2**30
-        print(
-            f"[{name}/{case}] {label}: {res['step_ms'][label]:.1f} ms, peak {res['peak_gib'][label]:.1f} GiB, "
-            f"equal {res['equal'].get(label, '-')}",
-            flush=True,
-        )
-        return out
+        return measure_step(results[case], f"{name}/{case}", iters, label, fn, expected)
 
     outs: dict[tuple[str, str], torch.Tensor] = {}
     for case in cases:
         expected = measure(case, "diffusers bf16 eager", diffusers_step(case))
         outs[case, "bf16"] = measure(case, "ours bf16 lossless + graph", graphed(case, "lossless"), expected)
     del pair["diffusers"]  # ours keeps the weights it shares
-    gc_cuda()
+    free_cuda()
     weights_bf16 = torch.cuda.memory_allocated() / 2**30
 
     # the float64 copy of the bf16 model (its QK norm and RoPE run in fp32, as the model computes them)
@@ -564,11 +533,11 @@ def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
             target_timesteps=None if target is None else target.double(),
         )  # fmt: skip
     del m64
-    gc_cuda()
+    free_cuda()
 
     t0 = time.perf_counter()
     precision = quantize_model(pair["ours"], torch.bfloat16)
-    gc_cuda()
+    free_cuda()
     quantize_s = time.perf_counter() - t0
     weights_fp8 = torch.cuda.memory_allocated() / 2**30
     print(
@@ -609,15 +578,8 @@ def bench_flux3_model(name: str, cases: list[str], iters: int) -> bool:
         print(flush=True)
         ok &= all(v is True for k, v in res["equal"].items() if "high" not in k)
     pair.clear()
-    gc_cuda()
+    free_cuda()
     return ok
-
-
-def gc_cuda() -> None:
-    import gc
-
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -637,10 +599,8 @@ def main() -> int:
     args = ap.parse_args()
     global PROFILE, LAYOUT_AB
     PROFILE, LAYOUT_AB = args.profile, args.layout_ab
-    if not torch.cuda.is_available():
-        print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("bench_fp8.py"):
         return 2
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     ok = True
     try:
         for name in args.models.split(","):

@@ -42,6 +42,7 @@ os.environ.update(NO_MULTICAST_ENV)  # before torch / NCCL start
 
 import torch
 import torch.distributed as dist
+from benchlib import cuda_event_ms  # scripts/benchlib.py, beside this file
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.models.dit import (
@@ -121,12 +122,7 @@ def step_ms(fn, warmup: int, iters: int, sync_group: bool, device: torch.device)
             times.append((time.perf_counter() - start) * 1000)
             continue
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(cuda_event_ms(fn)[1])
     return statistics.median(times)
 
 

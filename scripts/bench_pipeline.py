@@ -1,8 +1,9 @@
 """End-to-end FLUX.1-dev generation at full size with random weights: ours vs diffusers FluxPipeline.
 
 Called by bench.py with the two transformers it built. Builds full-size CLIP-L and T5-XXL (random,
-transformers classes, the tiny shipped tokenizers: token ids stay inside the real vocabularies) and the
-FLUX.1 VAE in both implementations with the same weights, then times a 1024², 50-step generation.
+transformers classes on `memory_trace`'s configs, the tiny shipped tokenizers: token ids stay inside the
+real vocabularies) and the FLUX.1 VAE in both implementations with the same weights, then times a 1024²,
+50-step generation.
 """
 
 from __future__ import annotations
@@ -11,47 +12,27 @@ import time
 
 import numpy as np
 import torch
+from benchlib import DEV, diffusers_vae_kwargs  # scripts/benchlib.py, beside this file
 
 from flux_runtime.models.vae.flux1 import FLUX1_VAE, Flux1VAE
 from flux_runtime.pipeline import Pipeline
+from flux_runtime.pipeline.memory_trace import clip_l_config, t5_xxl_config
 from flux_runtime.sampling import FLUX1_DEV_SCHEDULE
 from flux_runtime.text import Flux1TextEncoder
 from flux_runtime.text.tokenizers import load_clip_tokenizer, load_t5_tokenizer, tiny_tokenizer_path
 from flux_runtime.weights import vae_layout
 
-DEV = torch.device("cuda")
 BF = torch.bfloat16
 PROMPT = "a red fox in the snow, golden hour, photograph"
 
 
 def _text_encoders():
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel, T5EncoderModel
 
-    clip_cfg = CLIPTextConfig(
-        vocab_size=49408,
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        max_position_embeddings=77,
-        hidden_act="quick_gelu",
-        projection_dim=768,
-    )
-    t5_cfg = T5Config(
-        vocab_size=32128,
-        d_model=4096,
-        d_kv=64,
-        d_ff=10240,
-        num_layers=24,
-        num_heads=64,
-        feed_forward_proj="gated-gelu",
-        is_encoder_decoder=False,
-        use_cache=False,
-    )
     torch.manual_seed(2)
     with torch.device(DEV):
-        clip = CLIPTextModel(clip_cfg).to(BF).eval()
-        t5 = T5EncoderModel(t5_cfg).to(BF).eval()
+        clip = CLIPTextModel(clip_l_config()).to(BF).eval()
+        t5 = T5EncoderModel(t5_xxl_config()).to(BF).eval()
     return (
         clip,
         load_clip_tokenizer(tiny_tokenizer_path("clip")),
@@ -65,25 +46,7 @@ def _vaes():
 
     torch.manual_seed(3)
     with torch.device(DEV):
-        ref = (
-            AutoencoderKL(
-                in_channels=3,
-                out_channels=3,
-                down_block_types=("DownEncoderBlock2D",) * 4,
-                up_block_types=("UpDecoderBlock2D",) * 4,
-                block_out_channels=(128, 256, 512, 512),
-                layers_per_block=2,
-                latent_channels=16,
-                norm_num_groups=32,
-                sample_size=1024,
-                scaling_factor=0.3611,
-                shift_factor=0.1159,
-                use_quant_conv=False,
-                use_post_quant_conv=False,
-            )
-            .to(BF)
-            .eval()
-        )
+        ref = AutoencoderKL(**diffusers_vae_kwargs(FLUX1_VAE)).to(BF).eval()
     sd = ref.state_dict()
     rules = list(vae_layout.rules(FLUX1_VAE.ch_mult, FLUX1_VAE.num_res_blocks))
     with torch.device("meta"):
@@ -108,28 +71,16 @@ def _timed(fn):
 
 @torch.no_grad()
 def bench_pipeline(ref_dit, ours_dit, steps: int, results: dict) -> None:
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import FluxPipeline
+
+    from tests.sampling.diffusers_refs import DEV_SCHEDULER_CONFIG, diffusers_pipeline
 
     clip, clip_tok, t5, t5_tok = _text_encoders()
     ref_vae, ours_vae = _vaes()
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
-    ref = FluxPipeline(
-        scheduler=scheduler,
-        vae=ref_vae,
-        text_encoder=clip,
-        tokenizer=clip_tok,
-        text_encoder_2=t5,
-        tokenizer_2=t5_tok,
-        transformer=ref_dit,
-    )
-    ref.set_progress_bar_config(disable=True)
+    ref = diffusers_pipeline(  # on FLUX.1-dev's scheduler config, progress bar off
+        FluxPipeline, DEV_SCHEDULER_CONFIG, vae=ref_vae, text_encoder=clip, tokenizer=clip_tok,
+        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=ref_dit,
+    )  # fmt: skip
     text = Flux1TextEncoder(clip, clip_tok, t5, t5_tok)
     variants = {
         "ours lossless + CUDA graphs": Pipeline(

@@ -21,16 +21,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import cuda_time  # scripts/bench.py, beside this file
+from benchlib import (  # scripts/benchlib.py, beside this file
+    DEV,
+    cuda_time,
+    diffusers_vae_kwargs,
+    profile_step,
+)
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.models.vae import FLUX1_VAE, FLUX2_VAE
 from flux_runtime.weights import vae2_layout, vae_layout
-from flux_runtime.weights.diffusers_config import vae_diffusers_config
 from flux_runtime.weights.random_init import init_random
 from flux_runtime.weights.vae import _random_stats, build_vae
 
-DEV = torch.device("cuda")
 RESULTS: dict[str, object] = {}
 
 
@@ -46,7 +49,7 @@ def diffusers_twin(ours: torch.nn.Module, family: str) -> torch.nn.Module:
     from diffusers import AutoencoderKL, AutoencoderKLFlux2
 
     cfg = ours.config
-    kw = {k: v for k, v in vae_diffusers_config(cfg).items() if not k.startswith("_")}
+    kw = diffusers_vae_kwargs(cfg)
     cls = AutoencoderKLFlux2 if family == "flux2" else AutoencoderKL
     layout = vae2_layout if family == "flux2" else vae_layout
     with torch.device("meta"):
@@ -121,15 +124,8 @@ def bench_family(family: str, iters: int, profile: bool, compile_: bool) -> None
     torch.backends.cudnn.benchmark = False
     ours.to(memory_format=torch.contiguous_format)
     if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as prof
-
         for name, fn in (("lossless", lambda: ours.decode(z)), ("high", lambda: high(ours, z))):
-            with prof(activities=[ProfilerActivity.CUDA]) as p:
-                fn()
-                torch.cuda.synchronize()
-            print(f"{family} {name} decode kernels")
-            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+            profile_step(fn, rows=14, warmup=False, title=f"{family} {name} decode kernels")
     RESULTS[family] = row
     print(family, json.dumps(row, indent=1))
 

@@ -72,6 +72,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -224,6 +225,22 @@ def lr_at(step: int, steps: int, elapsed: float, seconds: float, base: float, wa
     return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def budgeted_steps(
+    phase: str, opt: torch.optim.Optimizer, steps: int, seconds: float, lr: float, warmup: int
+) -> Iterator[tuple[int, float]]:
+    """`(step, seconds elapsed)` for steps 0 .. `steps` - 1 of a training phase, each after setting `opt`'s
+    learning rate by `lr_at`; stops early, with a log line, once `seconds` have passed (timed from the first)."""
+    start = time.time()
+    for step in range(steps):
+        elapsed = time.time() - start
+        if elapsed > seconds:
+            log(f"{phase}: time budget reached after {step} steps")
+            return
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, elapsed, seconds, lr, warmup)
+        yield step, elapsed
+
+
 def shifted_t(u: Tensor, mu: float) -> Tensor:
     """The samplers' exponential time shift `e^mu / (e^mu + (1/t - 1))` applied to t in (0, 1)."""
     return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
@@ -241,16 +258,10 @@ def train_vae(
     `first_step`)."""
     params = [p for p in (vae.decoder if args.decoder_only else vae).parameters()]
     opt = torch.optim.AdamW(params, lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    start, seed = time.time(), args.seed * 1000 + 1
+    seed = args.seed * 1000 + 1
     anchor = copy.deepcopy(vae.encoder).eval().requires_grad_(False) if args.encoder_anchor > 0 else None
     k = round(args.vae_batch * args.vae_rgb)  # the batch's first k scenes in random colours
-    for step in range(args.vae_steps):
-        elapsed = time.time() - start
-        if elapsed > args.vae_seconds:
-            log(f"vae: time budget reached after {step} steps")
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.vae_steps, elapsed, args.vae_seconds, args.vae_lr, 100)
+    for step, elapsed in budgeted_steps("vae", opt, args.vae_steps, args.vae_seconds, args.vae_lr, 100):
         scenes = sample_scenes(args.vae_batch, seed + step)
         rgb = None
         if k > 0:  # the first part of the batch in random colours (`random_rgb`), the rest palette
@@ -559,14 +570,7 @@ def train_dit(
     ema = EMA(nn.ModuleList([model, text]), args.ema)
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + 2)
     offset = history.get("resumed", {"dit_step": 0, "dit_time": 0.0})  # a resumed run's log counts on
-    start = time.time()
-    for step in range(args.dit_steps):
-        elapsed = time.time() - start
-        if elapsed > args.dit_seconds:
-            log(f"dit: time budget reached after {step} steps")
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.dit_steps, elapsed, args.dit_seconds, args.dit_lr, 200)
+    for step, elapsed in budgeted_steps("dit", opt, args.dit_steps, args.dit_seconds, args.dit_lr, 200):
         b = args.dit_batch
         idx = torch.randint(0, n, (b,), device=device, generator=gen)
         x0 = x0_pool[idx].float()

@@ -63,24 +63,19 @@ def mutate_json(doc: Any, rng: random.Random) -> Any:
         if rng.random() < 0.05:
             return _odd(rng)
         target = _at(doc, rng.choice(_containers(doc))) if _containers(doc) else None
-        if isinstance(target, dict) and target:
-            key = rng.choice(list(target))
-            action = rng.random()
-            if action < 0.3:
-                del target[key]
-            elif action < 0.9:
-                target[key] = _odd(rng)
-            else:
-                target[f"extra{rng.randint(0, 9)}"] = _odd(rng)
-        elif isinstance(target, list) and target:
-            i = rng.randrange(len(target))
-            action = rng.random()
-            if action < 0.3:
-                del target[i]
-            elif action < 0.8:
-                target[i] = _odd(rng)
-            else:
-                target.append(_odd(rng))
+        if not isinstance(target, (dict, list)) or not target:
+            continue
+        is_dict = isinstance(target, dict)
+        key = rng.choice(list(target) if is_dict else range(len(target)))
+        action = rng.random()
+        if action < 0.3:
+            del target[key]
+        elif action < (0.9 if is_dict else 0.8):
+            target[key] = _odd(rng)
+        elif is_dict:
+            target[f"extra{rng.randint(0, 9)}"] = _odd(rng)
+        else:
+            target.append(_odd(rng))
     return doc
 
 

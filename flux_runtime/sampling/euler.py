@@ -56,13 +56,7 @@ def denoise(
     puts the re-noised original back outside the mask there). The result has the prediction's dtype (the
     model's, normally the latents' dtype).
     """
-    if latents.ndim != 3:
-        raise ValueError(f"denoise: expected packed latents (B, L, C), got shape {tuple(latents.shape)}")
-    if timesteps.ndim != 1 or sigmas.shape != (timesteps.shape[0] + 1,):
-        raise ValueError(
-            f"denoise: expected sigmas (N + 1,) and timesteps (N,), got {tuple(sigmas.shape)} and "
-            f"{tuple(timesteps.shape)}"
-        )
+    _check_loop_inputs("denoise", latents, sigmas, timesteps)
     if sigmas.dtype != torch.float32 or timesteps.dtype != torch.float32:
         raise ValueError(
             f"denoise: sigmas and timesteps must be fp32, got {sigmas.dtype} and {timesteps.dtype}"
@@ -93,20 +87,49 @@ def denoise(
             neg = _checked(negative_model_fn(x, timestep / 1000, guidance), x, "negative_model_fn")
             neg = neg[:, : latents.shape[1]]
             pred = neg + true_cfg_scale * (pred - neg)
-        # FlowMatchEulerDiscreteScheduler.step: fp32 sample, 0-dim fp32 dt, cast back to pred's dtype
-        sample = latents.to(torch.float32)
-        dt = sigmas[i + 1] - sigmas[i]
-        latents = (sample + dt * pred).to(pred.dtype)
-        if after_step is not None:
-            latents = after_step(i, latents)
-        if callback is not None:
-            callback(i, t, latents)
+        latents = _step_done(i, t, _euler_step(latents, pred, sigmas, i), after_step, callback)
     return latents
 
 
-def _checked(pred: Tensor, latents: Tensor, name: str) -> Tensor:
-    if pred.shape != latents.shape:
+# ---- shared with flux3_denoise ----------------------------------------------------------------------------
+
+
+def _check_loop_inputs(who: str, latents: Tensor, sigmas: Tensor, timesteps: Tensor) -> None:
+    """A ValueError, naming the loop `who`, unless `latents` are (B, L, C), `timesteps` (N,), `sigmas` (N + 1,)."""
+    if latents.ndim != 3:
+        raise ValueError(f"{who}: expected packed latents (B, L, C), got shape {tuple(latents.shape)}")
+    if timesteps.ndim != 1 or sigmas.shape != (timesteps.shape[0] + 1,):
         raise ValueError(
-            f"denoise: {name} returned shape {tuple(pred.shape)}, expected {tuple(latents.shape)}"
+            f"{who}: expected sigmas (N + 1,) and timesteps (N,), got {tuple(sigmas.shape)} and "
+            f"{tuple(timesteps.shape)}"
         )
+
+
+def _checked(pred: Tensor, latents: Tensor, name: str, who: str = "denoise") -> Tensor:
+    """`pred`, the output of the callable `name`, if it has the shape of `latents`; else a ValueError naming `who`."""
+    if pred.shape != latents.shape:
+        raise ValueError(f"{who}: {name} returned shape {tuple(pred.shape)}, expected {tuple(latents.shape)}")
     return pred
+
+
+def _euler_step(latents: Tensor, pred: Tensor, sigmas: Tensor, i: int) -> Tensor:
+    """Step i's update as `FlowMatchEulerDiscreteScheduler.step` computes it: the sample in fp32 plus the 0-dim
+    fp32 `dt = σ[i+1] − σ[i]` times `pred` (a product in pred's dtype by type promotion), cast back to pred's dtype."""
+    sample = latents.to(torch.float32)
+    dt = sigmas[i + 1] - sigmas[i]
+    return (sample + dt * pred).to(pred.dtype)
+
+
+def _step_done(
+    i: int,
+    t: Tensor,
+    latents: Tensor,
+    after_step: Callable[[int, Tensor], Tensor] | None,
+    callback: StepCallback | None,
+) -> Tensor:
+    """The latents after step i: `after_step(i, latents)` if given, then `callback(i, t, latents)` if given."""
+    if after_step is not None:
+        latents = after_step(i, latents)
+    if callback is not None:
+        callback(i, t, latents)
+    return latents

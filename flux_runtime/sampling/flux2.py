@@ -27,45 +27,37 @@ does exactly this against both pipelines):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from flux_runtime.sampling.latents import VAE_SCALE_FACTOR, _check_positive_int, draw_noise, latent_size
+from flux_runtime.sampling.latents import (
+    VAE_SCALE_FACTOR,
+    _check_even_grid,
+    _check_positive_int,
+    _latent_shape,
+    draw_noise,
+    latent_size,
+)
 
 # FLUX.2's VAE: 32 latent channels; a token holds one 2x2 patch of them.
 FLUX2_LATENT_CHANNELS = 32
 FLUX2_TOKEN_CHANNELS = 4 * FLUX2_LATENT_CHANNELS
 
 
-def _check_even_grid(name: str, h: int, w: int) -> None:
-    _check_positive_int("h", h)
-    _check_positive_int("w", w)
-    if h % 2 or w % 2:
-        raise ValueError(f"{name}: latent grid {h}x{w} must have even sides")
-
-
-def flux2_prepare_noise(
-    batch: int,
-    height: int,
-    width: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    seed: int | None = None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    vae_scale_factor: int = VAE_SCALE_FACTOR,
-) -> Tensor:
-    """Initial noise `(batch, 128, h/2, w/2)` in `dtype` on `device` for a `height` x `width` image (pixels).
+def flux2_prepare_noise(batch: int, height: int, width: int, *, dtype: torch.dtype, **draw: Any) -> Tensor:
+    """Initial noise `(batch, 128, h/2, w/2)` in `dtype` for a `height` x `width` image (pixels).
 
     Same bits as `Flux2Pipeline.prepare_latents` (`randn_tensor` of the patchified shape, drawn directly in
-    `dtype`; the pipeline passes the text embeddings' dtype, bf16). `seed` / `generator` as `prepare_noise`:
-    a seed draws the whole batch on a fresh CPU generator; a list of `batch` generators draws one
-    `(1, 128, h/2, w/2)` sample each. `(h, w) = latent_size(height, width)`; `flux2_pack` makes tokens.
+    `dtype`; the pipeline passes the text embeddings' dtype, bf16). The other keywords are `prepare_noise`'s,
+    with its defaults: `device`, `seed` / `generator` (a seed draws the whole batch on a fresh CPU generator;
+    a list of `batch` generators draws one `(1, 128, h/2, w/2)` sample each) and `vae_scale_factor`.
+    `(h, w) = latent_size(height, width)`; `flux2_pack` makes tokens.
     """
     _check_positive_int("batch", batch)
-    h, w = latent_size(height, width, vae_scale_factor)
-    shape = (batch, FLUX2_TOKEN_CHANNELS, h // 2, w // 2)
-    return draw_noise(shape, dtype=dtype, device=device, seed=seed, generator=generator)
+    h, w = latent_size(height, width, draw.pop("vae_scale_factor", VAE_SCALE_FACTOR))
+    return draw_noise((batch, FLUX2_TOKEN_CHANNELS, h // 2, w // 2), dtype=dtype, **draw)
 
 
 def flux2_pack(grid: Tensor) -> Tensor:
@@ -103,11 +95,7 @@ def patchify(latents: Tensor) -> Tensor:
 
     diffusers' `_patchify_latents` (used on VAE-encoded reference images before normalization).
     """
-    if latents.ndim != 4:
-        raise ValueError(f"patchify: expected latents (B, C, h, w), got shape {tuple(latents.shape)}")
-    b, c, h, w = latents.shape
-    if h % 2 or w % 2:
-        raise ValueError(f"patchify: latent grid {h}x{w} must have even sides")
+    b, c, h, w = _latent_shape("patchify", latents)
     x = latents.reshape(b, c, h // 2, 2, w // 2, 2)
     x = x.permute(0, 1, 3, 5, 2, 4)
     return x.reshape(b, c * 4, h // 2, w // 2)

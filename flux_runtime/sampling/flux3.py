@@ -15,13 +15,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from flux_runtime.sampling.euler import ModelFn, StepCallback
-from flux_runtime.sampling.flux2 import FLUX2_TOKEN_CHANNELS
-from flux_runtime.sampling.latents import draw_noise, latent_size
+from flux_runtime.sampling.euler import (
+    ModelFn,
+    StepCallback,
+    _check_loop_inputs,
+    _checked,
+    _euler_step,
+    _step_done,
+)
+from flux_runtime.sampling.flux2 import flux2_prepare_noise
 from flux_runtime.sampling.schedule import ScheduleConfig
 
 # The constant timestep shift of the FLUX.3 sampling recipe; the H/W position scale of its image tokens.
@@ -38,21 +45,10 @@ def flux3_image_ids(h: int, w: int, l_coord: int = 0, device: torch.device | str
     return ids.to(device)
 
 
-def flux3_prepare_noise(
-    batch: int,
-    height: int,
-    width: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    seed: int | None = None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    vae_scale_factor: int = 8,
-) -> Tensor:
-    """Initial noise `(batch, 128, H/16, W/16)`: drawn in float32 with `draw_noise`'s seed rules, cast to `dtype`."""
-    h, w = latent_size(height, width, vae_scale_factor)
-    shape = (batch, FLUX2_TOKEN_CHANNELS, h // 2, w // 2)
-    return draw_noise(shape, dtype=torch.float32, device=device, seed=seed, generator=generator).to(dtype)
+def flux3_prepare_noise(batch: int, height: int, width: int, *, dtype: torch.dtype, **draw: Any) -> Tensor:
+    """Initial noise `(batch, 128, H/16, W/16)`: FLUX.2's draw (`flux2_prepare_noise`, the same keywords: `device`,
+    `seed` / `generator`, `vae_scale_factor`) made in float32, then cast to `dtype`."""
+    return flux2_prepare_noise(batch, height, width, dtype=torch.float32, **draw).to(dtype)
 
 
 @torch.no_grad()
@@ -76,15 +72,7 @@ def flux3_denoise(
     flow time `t` (B,) and, for a flow map, the target time (B,) (else None); it returns (B, L, C).
     With `negative_model_fn` (the base model's CFG) each step also runs it and guides with `guidance_scale`.
     """
-    if latents.ndim != 3:
-        raise ValueError(
-            f"flux3_denoise: expected packed latents (B, L, C), got shape {tuple(latents.shape)}"
-        )
-    if timesteps.ndim != 1 or sigmas.shape != (timesteps.shape[0] + 1,):
-        raise ValueError(
-            f"flux3_denoise: expected sigmas (N + 1,) and timesteps (N,), got {tuple(sigmas.shape)} and "
-            f"{tuple(timesteps.shape)}"
-        )
+    _check_loop_inputs("flux3_denoise", latents, sigmas, timesteps)
     if flow_map and negative_model_fn is not None:
         raise ValueError("flux3_denoise: a flow map samples without CFG; pass no negative_model_fn")
     sigmas, timesteps = sigmas.to(latents.device), timesteps.to(latents.device)
@@ -97,23 +85,12 @@ def flux3_denoise(
             t_next = timesteps[i + 1] if i + 1 < len(timesteps) else torch.zeros_like(t)
             target = (t_next / 1000).expand(batch).to(dtype)
         x = latents if reference_tokens is None else torch.cat([latents, reference_tokens], dim=1)
-        pred = _checked(model_fn(x, t_model, target), latents, "model_fn")
+        pred = _checked(model_fn(x, t_model, target), latents, "model_fn", "flux3_denoise")
         if negative_model_fn is not None:
-            neg = _checked(negative_model_fn(x, t_model, target), latents, "negative_model_fn")
+            neg = _checked(
+                negative_model_fn(x, t_model, target), latents, "negative_model_fn", "flux3_denoise"
+            )
             pred = neg + guidance_scale * (pred - neg)
-        # FlowMatchEulerDiscreteScheduler.step: fp32 sample, 0-dim fp32 dt, cast back to pred's dtype
-        latents = (latents.to(torch.float32) + (sigmas[i + 1] - sigmas[i]) * pred).to(pred.dtype)
-        if after_step is not None:
-            latents = after_step(i, latents)
-        if callback is not None:
-            callback(i, t, latents)
+        latents = _step_done(i, t, _euler_step(latents, pred, sigmas, i), after_step, callback)
     assert latents.shape[1] == n
     return latents
-
-
-def _checked(pred: Tensor, latents: Tensor, name: str) -> Tensor:
-    if pred.shape != latents.shape:
-        raise ValueError(
-            f"flux3_denoise: {name} returned shape {tuple(pred.shape)}, expected {tuple(latents.shape)}"
-        )
-    return pred

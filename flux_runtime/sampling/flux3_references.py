@@ -30,16 +30,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from flux_runtime.sampling.flux2 import bn_normalize, flux2_pack, patchify
+from flux_runtime.sampling.flux2 import flux2_pack
 from flux_runtime.sampling.flux3 import flux3_image_ids
 from flux_runtime.sampling.latents import _check_positive_int
-from flux_runtime.sampling.reference_images import (
-    EncodeFn,
-    check_references,
-    encode_reference,
-    not_pil,
-    require_image,
-)
+from flux_runtime.sampling.reference_images import EncodeFn, encoded_references, not_pil, require_image
 
 # BFL's limits: references per call, the single reference's canvas (area, sides), several references' area.
 MAX_REFERENCES = 10
@@ -192,12 +186,12 @@ def encode_flux3_references(
     `flux3_image_ids(h/2, w/2, l = -1 - k)`. All references' tokens are concatenated in order, repeated for the
     `batch` images and cast to `dtype` (the transformer's), as diffusers feeds `image_cond_hidden_states`.
     """
-    check_references("encode_flux3_references", batch, pixels)
     tokens: list[Tensor] = []
     ids: list[Tensor] = []
-    for k, image in enumerate(pixels):
-        latents = encode_reference("encode_flux3_references", encode_fn, image, k, device, vae_dtype)
-        grid = bn_normalize(patchify(latents), mean, std)  # (1, 128, h/2, w/2)
+    references = encoded_references(
+        "encode_flux3_references", pixels, encode_fn, mean, std, batch=batch, device=device, dtype=vae_dtype
+    )
+    for k, grid in references:  # (1, 128, h/2, w/2)
         grid = grid.repeat_interleave(batch, dim=0)
         tokens.append(flux2_pack(grid))  # (B, h/2·w/2, 128)
         ids.append(flux3_image_ids(*grid.shape[-2:], l_coord=-1 - k, device=device))

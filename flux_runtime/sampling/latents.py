@@ -21,6 +21,24 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} {value!r} must be a positive integer")
 
 
+def _check_even_grid(name: str, h: int, w: int) -> None:
+    """A ValueError, naming the function `name`, unless the latent grid `h` x `w` has positive, even sides."""
+    _check_positive_int("h", h)
+    _check_positive_int("w", w)
+    if h % 2 or w % 2:
+        raise ValueError(f"{name}: latent grid {h}x{w} must have even sides")
+
+
+def _latent_shape(name: str, latents: Tensor) -> tuple[int, int, int, int]:
+    """`(B, C, h, w)` of 4-d `latents` with even `h` and `w`, else a ValueError naming the function `name`."""
+    if latents.ndim != 4:
+        raise ValueError(f"{name}: expected latents (B, C, h, w), got shape {tuple(latents.shape)}")
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"{name}: latent grid {h}x{w} must have even sides")
+    return b, c, h, w
+
+
 def check_image_size(height: int, width: int, vae_scale_factor: int = VAE_SCALE_FACTOR) -> None:
     """Raise ValueError unless `height` and `width` (pixels) are positive multiples of `2 * vae_scale_factor`.
 
@@ -129,11 +147,7 @@ def pack(latents: Tensor) -> Tensor:
     Token `n = i·(w/2) + j` (row-major over patches), channel `c·4 + dy·2 + dx`; the same layout as BFL's
     `"b c (h ph) (w pw) -> b (h w) (c ph pw)"`. Pure data movement, dtype and device kept.
     """
-    if latents.ndim != 4:
-        raise ValueError(f"pack: expected latents (B, C, h, w), got shape {tuple(latents.shape)}")
-    b, c, h, w = latents.shape
-    if h % 2 or w % 2:
-        raise ValueError(f"pack: latent grid {h}x{w} must have even sides")
+    b, c, h, w = _latent_shape("pack", latents)
     x = latents.view(b, c, h // 2, 2, w // 2, 2)
     x = x.permute(0, 2, 4, 1, 3, 5)
     return x.reshape(b, (h // 2) * (w // 2), c * 4)  # (B, L, 4C)
@@ -144,10 +158,7 @@ def unpack(tokens: Tensor, h: int, w: int) -> Tensor:
 
     `h`, `w` are the latent grid (`latent_size`), not pixels.
     """
-    _check_positive_int("h", h)
-    _check_positive_int("w", w)
-    if h % 2 or w % 2:
-        raise ValueError(f"unpack: latent grid {h}x{w} must have even sides")
+    _check_even_grid("unpack", h, w)
     if tokens.ndim != 3 or tokens.shape[1] != (h // 2) * (w // 2) or tokens.shape[2] % 4:
         raise ValueError(
             f"unpack: expected tokens (B, {(h // 2) * (w // 2)}, 4C) for a {h}x{w} latent grid, "
@@ -165,10 +176,7 @@ def image_ids(h: int, w: int, *, dtype: torch.dtype, device: torch.device | str 
     Built in fp32 on the CPU, then cast to `dtype` and moved, as diffusers does with `prompt_embeds.dtype`
     (bf16): exact up to 256 patches a side (4096 px); beyond that bf16 rounds the positions like diffusers.
     """
-    _check_positive_int("h", h)
-    _check_positive_int("w", w)
-    if h % 2 or w % 2:
-        raise ValueError(f"image_ids: latent grid {h}x{w} must have even sides")
+    _check_even_grid("image_ids", h, w)
     ph, pw = h // 2, w // 2
     ids = torch.zeros(ph, pw, 3)
     ids[..., 1] = ids[..., 1] + torch.arange(ph)[:, None]

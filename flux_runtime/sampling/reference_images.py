@@ -15,7 +15,7 @@ The VAE comes in as `encode_fn`, so this module imports no models.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +166,26 @@ def encode_reference(
     return latents
 
 
+def encoded_references(
+    who: str,
+    images: Sequence[Tensor],
+    encode_fn: EncodeFn,
+    mean: Tensor,
+    std: Tensor,
+    *,
+    batch: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> Iterator[tuple[int, Tensor]]:
+    """`(k, grid)` for each reference k: `encode_reference` (`dtype`, `device`), `patchify`, `bn_normalize` with
+    `mean`/`std` from `latent_bn_stats`, a `(1, 4C, h/2, w/2)` grid; `check_references` first (`who` names
+    the caller in errors)."""
+    check_references(who, batch, images)
+    for k, image in enumerate(images):
+        latents = encode_reference(who, encode_fn, image, k, device, dtype)
+        yield k, bn_normalize(patchify(latents), mean, std)
+
+
 def encode_reference_images(
     images: Sequence[Tensor],
     encode_fn: EncodeFn,
@@ -185,14 +205,14 @@ def encode_reference_images(
     casts the model input, as diffusers casts `cat([latents, image_latents])` to the transformer's dtype).
     Append the ids after the generated image's: `torch.cat([flux2_image_ids(h, w), ref_ids])`.
     """
-    check_references("encode_reference_images", batch, images)
     tokens: list[Tensor] = []
     ids: list[Tensor] = []
-    for k, image in enumerate(images):
-        latents = encode_reference("encode_reference_images", encode_fn, image, k, device, dtype)
-        grid = bn_normalize(patchify(latents), mean, std)  # (1, 128, h/2, w/2)
-        h, w = latents.shape[-2:]
-        ids.append(flux2_image_ids(h, w, time=reference_time(k), device=device))
+    references = encoded_references(
+        "encode_reference_images", images, encode_fn, mean, std, batch=batch, device=device, dtype=dtype
+    )
+    for k, grid in references:  # (1, 128, h/2, w/2)
+        ph, pw = grid.shape[-2:]  # the latent grid halved
+        ids.append(flux2_image_ids(2 * ph, 2 * pw, time=reference_time(k), device=device))
         tokens.append(flux2_pack(grid).squeeze(0))  # (h/2·w/2, 128)
     ref_tokens = torch.cat(tokens, dim=0).unsqueeze(0).repeat(batch, 1, 1)  # (B, L_ref, 128)
     return ref_tokens, torch.cat(ids, dim=0)  # (L_ref, 4)

@@ -9,41 +9,23 @@ from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 from PIL import Image
 
-CPU = torch.device("cpu")
+from tests.sampling.diffusers_refs import DEV_SCHEDULER_CONFIG, diffusers_pipeline
 
 # FLUX.2's scheduler config: FLUX.1-dev's, dynamic shifting on, mu passed by the pipeline
-FLUX2_SCHEDULER_CONFIG = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-    base_shift=0.5,
-    max_shift=1.15,
-)
+FLUX2_SCHEDULER_CONFIG = DEV_SCHEDULER_CONFIG
 
 
-def bare_flux2_pipe(vae: AutoencoderKLFlux2 | None = None) -> Flux2Pipeline:
-    """`Flux2Pipeline` without text encoder and transformer; vae_scale_factor 8 with or without the VAE."""
-    pipe = Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=None,
-    )
+def bare_flux2_pipe(vae: AutoencoderKLFlux2 | None = None, transformer=None) -> Flux2Pipeline:
+    """`Flux2Pipeline` without text encoder (and, unless given, transformer); vae_scale_factor 8 with or
+    without the VAE."""
+    pipe = diffusers_pipeline(Flux2Pipeline, FLUX2_SCHEDULER_CONFIG, vae=vae, transformer=transformer)
     assert pipe.vae_scale_factor == 8
     return pipe
 
 
-def bare_klein_pipe() -> Flux2KleinPipeline:
-    return Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=None,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=None,
-    )
+def bare_klein_pipe(**given: object) -> Flux2KleinPipeline:
+    """`Flux2KleinPipeline` without text encoder, with the VAE, transformer and `is_distilled` given, if any."""
+    return diffusers_pipeline(Flux2KleinPipeline, FLUX2_SCHEDULER_CONFIG, **given)
 
 
 def tiny_flux2_vae(dtype: torch.dtype, seed: int = 0) -> AutoencoderKLFlux2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from flux_runtime.sampling import (
@@ -21,18 +21,14 @@ from flux_runtime.sampling import (
     to_pil_images,
     unpack,
 )
-
-DEV_CONFIG = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-    base_shift=0.5,
-    max_shift=1.15,
+from tests.flux1_fixtures import make_diffusers_transformer
+from tests.sampling.diffusers_refs import (
+    DEV_SCHEDULER_CONFIG,
+    FLUX1_VARIANTS,
+    diffusers_pipeline,
+    transformer_model_fn,
 )
-SCHNELL_CONFIG = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
-VARIANTS = {"dev": (DEV_CONFIG, FLUX1_DEV_SCHEDULE), "schnell": (SCHNELL_CONFIG, FLUX1_SCHNELL_SCHEDULE)}
+from tests.weights.vae_fixtures import make_diffusers_vae
 
 
 class FakeDenoiser:
@@ -83,7 +79,7 @@ def start_latents(batch: int, height: int, width: int, dtype: torch.dtype, seed:
 @pytest.mark.parametrize("variant", ["dev", "schnell"])
 @pytest.mark.parametrize(("batch", "num_steps"), [(1, 28), (2, 4), (1, 1)])
 def test_loop_matches_scheduler_step(dtype, variant: str, batch: int, num_steps: int) -> None:
-    diffusers_config, config = VARIANTS[variant]
+    diffusers_config, config = FLUX1_VARIANTS[variant]
     latents = start_latents(batch, 256, 128, dtype)
     guidance = torch.full([1], 3.5, dtype=torch.float32).expand(batch) if variant == "dev" else None
     model = FakeDenoiser(64, dtype, seed=1)
@@ -134,7 +130,7 @@ def test_true_cfg_matches_diffusers() -> None:
     latents = start_latents(2, 128, 256, dtype)
     guidance = torch.full([1], 3.5, dtype=torch.float32).expand(2)
     pos, neg = FakeDenoiser(64, dtype, seed=1), FakeDenoiser(64, dtype, seed=2)
-    ref = diffusers_loop(DEV_CONFIG, 8, latents, pos, guidance, negative_fn=neg, true_cfg_scale=4.0)
+    ref = diffusers_loop(DEV_SCHEDULER_CONFIG, 8, latents, pos, guidance, negative_fn=neg, true_cfg_scale=4.0)
     sigmas, timesteps = get_schedule(8, latents.shape[1], config=FLUX1_DEV_SCHEDULE)
     ours = denoise(
         pos, latents, sigmas, timesteps, guidance=guidance, negative_model_fn=neg, true_cfg_scale=4.0
@@ -199,41 +195,19 @@ def test_errors() -> None:
 TXT_LEN, TXT_DIM, POOLED_DIM = 8, 32, 32
 
 
-def tiny_transformer(guidance: bool) -> FluxTransformer2DModel:
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=64,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=TXT_DIM,
-        pooled_projection_dim=POOLED_DIM,
-        guidance_embeds=guidance,
-        axes_dims_rope=(4, 6, 6),
-    )
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():  # zero-initialised output layers would make the prediction trivial
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model.eval().to(torch.bfloat16)
+def tiny_transformer(guidance: bool):
+    """One double and one single block of 2 x 16 heads, every weight moved off its init (zero-initialised
+    output layers would make the prediction trivial), in bf16."""
+    model = make_diffusers_transformer(
+        guidance, num_layers=1, num_single_layers=1, attention_head_dim=16, axes_dims_rope=(4, 6, 6),
+        joint_attention_dim=TXT_DIM, pooled_projection_dim=POOLED_DIM,
+    )  # fmt: skip
+    return model.to(torch.bfloat16)
 
 
-def tiny_vae() -> AutoencoderKL:
-    torch.manual_seed(2)
-    vae = AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        norm_num_groups=4,
-        latent_channels=16,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    return vae.eval().to(torch.bfloat16)
+def tiny_vae():
+    """A 4-level (8x) FLUX.1 autoencoder of width 8, in bf16."""
+    return make_diffusers_vae(2, block_out_channels=(8, 8, 8, 8), norm_num_groups=4).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -241,19 +215,10 @@ def tiny_vae() -> AutoencoderKL:
 )
 def test_matches_flux_pipeline_end_to_end(variant: str, batch: int, true_cfg_scale: float) -> None:
     """Noise → schedule → loop → unpack → denormalize → (diffusers) VAE → PIL, equal to FluxPipeline's images."""
-    diffusers_config, config = VARIANTS[variant]
+    diffusers_config, config = FLUX1_VARIANTS[variant]
     height, width, num_steps, seed, dtype = 64, 32, 4, 42, torch.bfloat16
     transformer, vae = tiny_transformer(guidance=variant == "dev"), tiny_vae()
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**diffusers_config),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        transformer=transformer,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = diffusers_pipeline(FluxPipeline, diffusers_config, vae=vae, transformer=transformer)
     gen = torch.Generator().manual_seed(7)
     embeds = torch.randn(batch, TXT_LEN, TXT_DIM, generator=gen).to(dtype)
     pooled = torch.randn(batch, POOLED_DIM, generator=gen).to(dtype)
@@ -282,19 +247,7 @@ def test_matches_flux_pipeline_end_to_end(variant: str, batch: int, true_cfg_sca
     txt_ids = torch.zeros(TXT_LEN, 3, dtype=dtype)
 
     def model_fn_for(txt: torch.Tensor, vec: torch.Tensor):
-        def model_fn(x: torch.Tensor, t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-            return transformer(
-                hidden_states=x,
-                timestep=t,
-                guidance=g,
-                pooled_projections=vec,
-                encoder_hidden_states=txt,
-                txt_ids=txt_ids,
-                img_ids=img_ids,
-                return_dict=False,
-            )[0]
-
-        return model_fn
+        return transformer_model_fn(transformer, txt, txt_ids, img_ids, pooled_projections=vec)
 
     guidance = torch.full([1], 3.5, dtype=torch.float32).expand(batch) if variant == "dev" else None
     sigmas, timesteps = get_schedule(num_steps, latents.shape[1], config=config)

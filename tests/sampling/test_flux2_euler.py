@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline
 
 from flux_runtime.sampling import (
     FLUX2_SCHEDULE,
@@ -26,9 +25,11 @@ from flux_runtime.sampling import (
     unpatchify,
 )
 from tests.flux2_fixtures import TXT_DIM, make_diffusers_flux2
+from tests.sampling.diffusers_refs import transformer_model_fn
 from tests.sampling.flux2_helpers import (
-    FLUX2_SCHEDULER_CONFIG,
     MixingDenoiser,
+    bare_flux2_pipe,
+    bare_klein_pipe,
     diffusers_flux2_loop,
     random_image,
     tiny_flux2_vae,
@@ -198,20 +199,7 @@ def sample_ours(transformer, vae, embeds, neg_embeds, images, *, steps, seed, gu
         img_ids = torch.cat([img_ids, ref_ids])
 
     def model_fn_for(txt):
-        txt_ids = flux2_text_ids(txt.shape[1])
-
-        def model_fn(x, t, g):
-            return transformer(
-                hidden_states=x.to(transformer.dtype),
-                timestep=t,
-                guidance=g,
-                encoder_hidden_states=txt,
-                txt_ids=txt_ids,
-                img_ids=img_ids,
-                return_dict=False,
-            )[0]
-
-        return model_fn
+        return transformer_model_fn(transformer, txt, flux2_text_ids(txt.shape[1]), img_ids, cast=True)
 
     guidance = torch.full([1], guidance_scale, dtype=torch.float32).expand(batch) if dev else None
     sigmas, timesteps = get_schedule(steps, latents.shape[1], config=FLUX2_SCHEDULE)
@@ -237,6 +225,15 @@ def assert_same_images(ours_pil, ref_pil, batch: int) -> None:
         assert len(np.unique(np.asarray(a))) > 10  # a real image, not a constant one
 
 
+def pipeline_images(pipe, output_type: str, seed: int, **call):
+    """`pipe(**call)`'s output at HEIGHT x WIDTH, 3 steps, drawn from a CPU generator seeded `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    run = dict(
+        height=HEIGHT, width=WIDTH, num_inference_steps=3, generator=generator, output_type=output_type
+    )
+    return pipe(**call, **run).images
+
+
 def embeddings(batch: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     pos = torch.randn(batch, TXT_LEN, TXT_DIM, generator=gen).to(torch.bfloat16)
@@ -249,26 +246,12 @@ def test_matches_flux2_pipeline_end_to_end(batch: int, n_refs: int) -> None:
     """dev: noise → references → schedule → loop with guidance → unpack → BN → unpatchify → decode → PIL."""
     transformer = make_diffusers_flux2(guidance=True).to(torch.bfloat16)
     vae = tiny_flux2_vae(torch.bfloat16)
-    pipe = Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=transformer,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = bare_flux2_pipe(vae, transformer)
     embeds, _ = embeddings(batch, seed=5)
     images = [random_image(80, 72, seed=9)][:n_refs]
-    common = dict(
-        image=images or None,
-        prompt_embeds=embeds,
-        height=HEIGHT,
-        width=WIDTH,
-        num_inference_steps=3,
-        guidance_scale=4.0,
-    )
-    ref_latents = pipe(**common, generator=torch.Generator().manual_seed(11), output_type="latent").images
-    ref_pil = pipe(**common, generator=torch.Generator().manual_seed(11), output_type="pil").images
+    common = dict(image=images or None, prompt_embeds=embeds, guidance_scale=4.0)
+    ref_latents = pipeline_images(pipe, "latent", 11, **common)
+    ref_pil = pipeline_images(pipe, "pil", 11, **common)
 
     with torch.no_grad():
         out, z = sample_ours(
@@ -287,29 +270,13 @@ def test_matches_klein_pipeline_end_to_end(distilled: bool, n_refs: int, vae_dty
     """klein: no guidance embedding; base models run CFG with the negative embeddings, distilled ones do not."""
     transformer = make_diffusers_flux2(guidance=False).to(torch.bfloat16)
     vae = tiny_flux2_vae(vae_dtype)
-    pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=transformer,
-        is_distilled=distilled,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = bare_klein_pipe(vae=vae, transformer=transformer, is_distilled=distilled)
     batch = 2
     embeds, neg_embeds = embeddings(batch, seed=6)
     images = [random_image(80, 72, seed=9), random_image(64, 100, seed=10)][:n_refs]
-    common = dict(
-        image=images,
-        prompt_embeds=embeds,
-        negative_prompt_embeds=neg_embeds,
-        height=HEIGHT,
-        width=WIDTH,
-        num_inference_steps=3,
-        guidance_scale=3.0,
-    )
+    common = dict(image=images, prompt_embeds=embeds, negative_prompt_embeds=neg_embeds, guidance_scale=3.0)
     # klein's "latent" output is already BN-denormalized and unpatchified: the decoder's input
-    ref_z = pipe(**common, generator=torch.Generator().manual_seed(12), output_type="latent").images
+    ref_z = pipeline_images(pipe, "latent", 12, **common)
 
     with torch.no_grad():
         _, z = sample_ours(
@@ -326,5 +293,5 @@ def test_matches_klein_pipeline_end_to_end(distilled: bool, n_refs: int, vae_dty
         )
         assert torch.equal(z, ref_z)
         if vae_dtype == torch.bfloat16:  # diffusers decodes in the latents' dtype: needs a bf16 VAE
-            ref_pil = pipe(**common, generator=torch.Generator().manual_seed(12), output_type="pil").images
+            ref_pil = pipeline_images(pipe, "pil", 12, **common)
             assert_same_images(to_pil_images(vae.decode(z, return_dict=False)[0]), ref_pil, batch)

@@ -22,10 +22,12 @@ from flux_runtime.sampling import (
     patchify,
     unpatchify,
 )
-from tests.sampling.flux2_helpers import CPU, bare_flux2_pipe, bare_klein_pipe, tiny_flux2_vae
-
-# (height, width) in pixels; non-square both ways
-SIZES = [(256, 128), (128, 256), (512, 512), (1024, 768)]
+from tests.sampling.diffusers_refs import (
+    SIZES,
+    generator_list_matches_prepare_latents,
+    noise_matches_prepare_latents,
+)
+from tests.sampling.flux2_helpers import bare_flux2_pipe, bare_klein_pipe, tiny_flux2_vae
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +41,14 @@ def pipe() -> Flux2Pipeline:
 def test_noise_matches_prepare_latents(
     pipe: Flux2Pipeline, dtype, batch: int, height: int, width: int
 ) -> None:
-    seed = 99 + batch
     # num_latents_channels = transformer.config.in_channels // 4 = 32
-    ref, ref_ids = pipe.prepare_latents(
-        batch, 32, height, width, dtype, CPU, torch.Generator("cpu").manual_seed(seed)
+    noise, ref, ref_ids = noise_matches_prepare_latents(
+        pipe, 32, flux2_prepare_noise, flux2_pack, batch, height, width, dtype, seed=99 + batch
     )
-    noise = flux2_prepare_noise(batch, height, width, seed=seed, dtype=dtype)
     h, w = latent_size(height, width)
-    assert noise.shape == (batch, FLUX2_TOKEN_CHANNELS, h // 2, w // 2) and noise.dtype == dtype
+    assert noise.shape == (batch, FLUX2_TOKEN_CHANNELS, h // 2, w // 2)
     tokens = flux2_pack(noise)
     assert tokens.shape == (batch, num_image_tokens(height, width), 128)
-    assert torch.equal(tokens, ref)
     assert tokens.stride() == ref.stride()  # the same transposed view the transformer first sees
     ids = flux2_image_ids(h, w)
     assert ids.dtype == ref_ids.dtype == torch.int64
@@ -57,28 +56,12 @@ def test_noise_matches_prepare_latents(
     for b in range(batch):
         assert torch.equal(ref_ids[b], ids)
 
-    from_generator = flux2_prepare_noise(
-        batch, height, width, generator=torch.Generator("cpu").manual_seed(seed), dtype=dtype
-    )
-    assert torch.equal(from_generator, noise)
-
 
 @pytest.mark.parametrize("num_generators", [1, 3])
 def test_generator_list_matches_prepare_latents(pipe: Flux2Pipeline, num_generators: int) -> None:
-    seeds = [5, 6, 7][:num_generators]
-    ref, _ = pipe.prepare_latents(
-        num_generators, 32, 256, 384, torch.bfloat16, CPU, [torch.Generator().manual_seed(s) for s in seeds]
+    generator_list_matches_prepare_latents(
+        pipe, 32, flux2_prepare_noise, flux2_pack, [5, 6, 7][:num_generators]
     )
-    ours = flux2_prepare_noise(
-        num_generators,
-        256,
-        384,
-        generator=[torch.Generator().manual_seed(s) for s in seeds],
-        dtype=torch.bfloat16,
-    )
-    assert torch.equal(flux2_pack(ours), ref)
-    for k, s in enumerate(seeds):
-        assert torch.equal(ours[k : k + 1], flux2_prepare_noise(1, 256, 384, seed=s, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,8 @@ from flux_runtime.sampling import (
     preprocess_reference_images,
     reference_time,
 )
-from tests.sampling.flux2_helpers import CPU, bare_flux2_pipe, random_image, tiny_flux2_vae
+from tests.sampling.diffusers_refs import CPU
+from tests.sampling.flux2_helpers import bare_flux2_pipe, random_image, tiny_flux2_vae
 
 
 def diffusers_preprocess(pipe: Flux2Pipeline, images: list[Image.Image]) -> list[torch.Tensor]:

@@ -15,10 +15,12 @@ from flux_runtime.sampling import (
     prepare_noise,
     unpack,
 )
-
-CPU = torch.device("cpu")
-# (height, width) in pixels; non-square both ways
-SIZES = [(256, 128), (128, 256), (512, 512), (1024, 768)]
+from tests.sampling.diffusers_refs import (
+    CPU,
+    SIZES,
+    generator_list_matches_prepare_latents,
+    noise_matches_prepare_latents,
+)
 
 
 def test_latent_size() -> None:
@@ -63,45 +65,18 @@ def test_check_image_size_follows_vae_scale_factor() -> None:
 def test_noise_matches_prepare_latents(
     bare_pipe: FluxPipeline, dtype, batch: int, height: int, width: int
 ) -> None:
-    seed = 1234 + batch
-    ref_latents, ref_ids = bare_pipe.prepare_latents(
-        batch, 16, height, width, dtype, CPU, torch.Generator("cpu").manual_seed(seed)
+    noise, _, ref_ids = noise_matches_prepare_latents(
+        bare_pipe, 16, prepare_noise, pack, batch, height, width, dtype, seed=1234 + batch
     )
-    noise = prepare_noise(batch, height, width, seed=seed, dtype=dtype)
     h, w = latent_size(height, width)
-    assert noise.shape == (batch, 16, h, w) and noise.dtype == dtype
-    assert torch.equal(pack(noise), ref_latents)
+    assert noise.shape == (batch, 16, h, w)
     assert torch.equal(image_ids(h, w, dtype=dtype, device=CPU), ref_ids)
-
-    same_from_generator = prepare_noise(
-        batch, height, width, generator=torch.Generator("cpu").manual_seed(seed), dtype=dtype
-    )
-    assert torch.equal(same_from_generator, noise)
 
 
 @pytest.mark.parametrize("num_generators", [1, 3])
 def test_generator_list_matches_prepare_latents(bare_pipe: FluxPipeline, num_generators: int) -> None:
-    seeds = [7, 8, 9][:num_generators]
-    ref, _ = bare_pipe.prepare_latents(
-        num_generators,
-        16,
-        256,
-        384,
-        torch.bfloat16,
-        CPU,
-        [torch.Generator().manual_seed(s) for s in seeds],
-    )
-    ours = prepare_noise(
-        num_generators,
-        256,
-        384,
-        generator=[torch.Generator().manual_seed(s) for s in seeds],
-        dtype=torch.bfloat16,
-    )
-    assert torch.equal(pack(ours), ref)
     # a list gives each image its own seed: image k equals a batch of one drawn from seed k
-    for k, s in enumerate(seeds):
-        assert torch.equal(ours[k : k + 1], prepare_noise(1, 256, 384, seed=s, dtype=torch.bfloat16))
+    generator_list_matches_prepare_latents(bare_pipe, 16, prepare_noise, pack, [7, 8, 9][:num_generators])
 
 
 def test_noise_is_moved_to_device() -> None:

@@ -19,18 +19,7 @@ from flux_runtime.sampling import (
     get_schedule,
     num_image_tokens,
 )
-
-# scheduler/scheduler_config.json of the two FLUX.1 repos, written out independently of ours.
-DEV_CONFIG = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-    base_shift=0.5,
-    max_shift=1.15,
-)
-SCHNELL_CONFIG = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+from tests.sampling.diffusers_refs import DEV_SCHEDULER_CONFIG, FLUX1_VARIANTS
 
 STEPS = [1, 2, 4, 20, 28, 50]
 # (height, width) in pixels: 256 to 2048 tokens-per-side regimes, non-square, beyond max_image_seq_len
@@ -54,7 +43,7 @@ def diffusers_flux1(config: dict, num_steps: int, seq_len: int) -> tuple[torch.T
 
 def diffusers_flux2(num_steps: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flux2Pipeline.__call__ step 6: the FLUX.1-dev scheduler config with the empirical mu."""
-    scheduler = FlowMatchEulerDiscreteScheduler(**DEV_CONFIG)
+    scheduler = FlowMatchEulerDiscreteScheduler(**DEV_SCHEDULER_CONFIG)
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
     mu = compute_empirical_mu(image_seq_len=seq_len, num_steps=num_steps)
     timesteps, _ = retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
@@ -71,18 +60,12 @@ def assert_same(ours, theirs) -> None:
 
 @pytest.mark.parametrize("num_steps", STEPS)
 @pytest.mark.parametrize(("height", "width"), SIZES)
-def test_dev_matches_diffusers(num_steps: int, height: int, width: int) -> None:
+@pytest.mark.parametrize("variant", list(FLUX1_VARIANTS))
+def test_flux1_matches_diffusers(variant: str, num_steps: int, height: int, width: int) -> None:
+    diffusers_config, config = FLUX1_VARIANTS[variant]
     seq_len = num_image_tokens(height, width)
-    ours = get_schedule(num_steps, seq_len, config=FLUX1_DEV_SCHEDULE)
-    assert_same(ours, diffusers_flux1(DEV_CONFIG, num_steps, seq_len))
-
-
-@pytest.mark.parametrize("num_steps", STEPS)
-@pytest.mark.parametrize(("height", "width"), SIZES)
-def test_schnell_matches_diffusers(num_steps: int, height: int, width: int) -> None:
-    seq_len = num_image_tokens(height, width)
-    ours = get_schedule(num_steps, seq_len, config=FLUX1_SCHNELL_SCHEDULE)
-    assert_same(ours, diffusers_flux1(SCHNELL_CONFIG, num_steps, seq_len))
+    ours = get_schedule(num_steps, seq_len, config=config)
+    assert_same(ours, diffusers_flux1(diffusers_config, num_steps, seq_len))
 
 
 @pytest.mark.parametrize("num_steps", STEPS)
@@ -174,9 +157,7 @@ def test_presets_are_frozen() -> None:
         FLUX1_DEV_SCHEDULE.shift = 2.0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(
-    ("cfg", "expected"), [(FLUX1_DEV_SCHEDULE, DEV_CONFIG), (FLUX1_SCHNELL_SCHEDULE, SCHNELL_CONFIG)]
-)
+@pytest.mark.parametrize(("expected", "cfg"), list(FLUX1_VARIANTS.values()))
 def test_presets_are_the_scheduler_configs(cfg: ScheduleConfig, expected: dict) -> None:
     """Our presets, written back as FlowMatchEulerDiscreteScheduler arguments, are the repos' scheduler configs."""
     scheduler = FlowMatchEulerDiscreteScheduler(
