@@ -44,7 +44,7 @@ from flux_runtime.models.dit.flux1 import Flux1Transformer
 from flux_runtime.models.dit.flux2 import Flux2Transformer
 from flux_runtime.models.vae.flux1 import FLUX1_VAE, Flux1VAE
 from flux_runtime.models.vae.flux2 import FLUX2_VAE, Flux2VAE
-from flux_runtime.pipeline.flux1 import Pipeline
+from flux_runtime.pipeline import Pipeline
 from flux_runtime.pipeline.flux2 import Flux2Pipe
 from flux_runtime.pipeline.memory import GiB
 from flux_runtime.pipeline.memory_trace import LiveBytes, clip_l_config, mistral_small_config, t5_xxl_config

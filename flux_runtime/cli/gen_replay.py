@@ -133,7 +133,7 @@ def _replay_loras(png: Path, recorded: list[dict[str, Any]]) -> list[tuple[str, 
 
 def _replay_images(png: Path, recorded: list[dict[str, Any]]) -> tuple[Path, ...]:
     """The reference images a FLUX.2 PNG was made from, each still at its path with the same pixels."""
-    from flux_runtime.pipeline.flux2 import image_fingerprint
+    from flux_runtime.pipeline.provenance import image_fingerprint
 
     paths = []
     for k, ref in enumerate(recorded):

@@ -127,8 +127,6 @@ def generate(opts: dict[str, Any]) -> None:
 
     from flux_runtime.pipeline import Pipeline
     from flux_runtime.pipeline.checks import check_device
-    from flux_runtime.pipeline.flux2 import Flux2Pipe
-    from flux_runtime.pipeline.flux3 import Flux3Pipe
     from flux_runtime.pipeline.sources import model_family
 
     watch: Stopwatch = opts["_watch"]
@@ -180,12 +178,12 @@ def generate(opts: dict[str, Any]) -> None:
             pipe.load_lora(path, scale=scale)
     if main_rank and replaying:
         _replay_warnings(opts, pipe.weights_id)
-    if isinstance(pipe, Flux3Pipe) and (
+    if pipe.family == "flux3" and (
         opts["prompt_upsampler"] is not None or opts["upsampler_prompts"] is not None
     ):
         source = opts["prompt_upsampler"] or pipe.prompt_upsampler.source
         pipe.set_prompt_upsampler(source, prompts=opts["upsampler_prompts"])
-    if not isinstance(pipe, (Flux2Pipe, Flux3Pipe)):
+    if pipe.family == "flux1":
         for job in jobs:  # every line's FLUX.1 variant checks, before the first image is drawn
             with job.errors():
                 check_flux1_variant(pipe, job.opts)
@@ -242,8 +240,6 @@ def _run(pipe: Any, jobs: list[Job], opts: dict[str, Any], rank: int | None) -> 
 def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
     """One pipeline call with `opts`: the same arguments whether they came from the command line alone or
     from a line of --prompts, so a line's pixels are those of the same options run alone."""
-    from flux_runtime.pipeline.flux2 import Flux2Pipe
-    from flux_runtime.pipeline.flux3 import Flux3Pipe
 
     images_in = [open_image(p.resolve()) for p in opts["image"]]
     common = dict(
@@ -256,7 +252,7 @@ def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
         num_images_per_prompt=opts["_replay_batch"] if opts["replay"] is not None else opts["num_images"],
         progress=progress,
     )
-    if isinstance(pipe, Flux3Pipe):
+    if pipe.family == "flux3":
         return pipe(
             opts["prompt"],
             image=images_in or None,
@@ -265,7 +261,7 @@ def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
             boxes=read_boxes(opts["boxes"]),
             **common,
         )
-    if isinstance(pipe, Flux2Pipe):
+    if pipe.family == "flux2":
         return pipe(opts["prompt"], image=images_in or None, **common)
     flux1_inputs = {
         name: open_image(opts[opt].resolve())

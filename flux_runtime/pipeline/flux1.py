@@ -72,6 +72,8 @@ class Flux1Pipe(Recipe):
     `control` for Depth / Canny); Fill and Depth/Canny are also told by the transformer's input width.
     """
 
+    family = "flux1"  # what callers branch on without importing every recipe
+
     def __init__(
         self,
         transformer: Flux1Transformer,

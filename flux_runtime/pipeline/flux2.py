@@ -104,6 +104,8 @@ class Flux2Pipe(Recipe):
     step-distilled [klein] checkpoint (no CFG; `guidance` is ignored).
     """
 
+    family = "flux2"  # what callers branch on without importing every recipe
+
     oom_hint = "fewer reference images, "
 
     def __init__(

@@ -103,6 +103,8 @@ class Flux3Start(Start):
 class Flux3Pipe(Recipe):
     """FLUX.3 Image Klein text-to-image, base or flow map (step-distilled)."""
 
+    family = "flux3"  # what callers branch on without importing every recipe
+
     def __init__(
         self,
         transformer: Flux3Transformer,
