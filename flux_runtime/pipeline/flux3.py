@@ -33,7 +33,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit.flux3 import Flux3Fixed, Flux3RoPE, Flux3Transformer
 from flux_runtime.models.vae import Flux2VAE
-from flux_runtime.pipeline import flux3_upsample, placement
+from flux_runtime.pipeline import flux3_upsample
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
@@ -46,12 +46,13 @@ from flux_runtime.pipeline.checks import (
 )
 from flux_runtime.pipeline.core import Recipe
 from flux_runtime.pipeline.errors import FluxError, warn_caller
+from flux_runtime.pipeline.flux3_sources import DEFAULT_GUIDANCE, open_flux3
 from flux_runtime.pipeline.graphs import GraphedDenoiser
-from flux_runtime.pipeline.provenance import ReferenceImages, image_record, weights_id
+from flux_runtime.pipeline.provenance import ReferenceImages, image_record
 from flux_runtime.pipeline.sources import Sources
 from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
 from flux_runtime.pipeline.tiers import Tier
-from flux_runtime.registry import QWEN3_VL_4B_ID, spec_for
+from flux_runtime.registry import spec_for
 from flux_runtime.sampling import (
     bn_denormalize,
     flux2_pack,
@@ -69,20 +70,14 @@ from flux_runtime.sampling.flux3_references import (
 from flux_runtime.sampling.schedule import ScheduleConfig
 from flux_runtime.text.flux3 import MAX_SEQUENCE_LENGTH, NEGATIVE_PROMPT, Flux3TextEncoder, text_ids
 from flux_runtime.text.flux3_upsampler import MAX_NEW_TOKENS as UPSAMPLER_MAX_NEW_TOKENS
-from flux_runtime.weights import load_transformer
-from flux_runtime.weights.checkpoint import TransformerCheckpoint
-from flux_runtime.weights.config_files import read_json_if_present
-from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.vae import load_vae
 
 __all__ = ["BASE_STEPS", "DEFAULT_GUIDANCE", "FLOW_MAP_STEPS", "Flux3Pipe"]
 
 log = logging.getLogger(__name__)
 
-# diffusers' FLUX.3 defaults: steps (base, flow map), the guider's CFG scale, the image side.
+# diffusers' FLUX.3 defaults: steps (base, flow map), the image side (the CFG scale: flux3_sources).
 BASE_STEPS = 50
 FLOW_MAP_STEPS = 16
-DEFAULT_GUIDANCE = 3.5
 DEFAULT_SIZE = 1024
 # The text windows a memory plan budgets: a default call's (a long prompt's window), and an upsampled caption's
 # (the upsampler writes at most MAX_NEW_TOKENS tokens; its chat template adds a few dozen, rounded up to 80).
@@ -178,51 +173,9 @@ class Flux3Pipe(Recipe):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_sources(
-        cls,
-        src: Sources,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        quality: Tier = "lossless",
-        text_encoder: str | Path | None = None,
-        cuda_graphs: bool = True,
-        offload_text_encoders: bool = False,
-        checkpoint: TransformerCheckpoint | None = None,
-        fp8: bool = False,
-        fp8_text: bool = False,
-        budget: int | None = None,
-    ) -> Flux3Pipe:
-        """Load the parts `find_sources` located. The text encoder: the folder's `text_encoder/` + `tokenizer/`;
-        else `text_encoder` (a diffusers FLUX.3 folder, or a Qwen3-VL folder / cached id); else Qwen3-VL-4B-Instruct;
-        a built-in random model gets the tiny Qwen3-VL. The schedule's shift and the CFG scale come from the folder's
-        `scheduler/` and `guider/` configs when it has them. `fp8` / `fp8_text`: quantize the transformer's block
-        projections / the text encoder's decoder layers to FP8 at load (bf16). `budget`: the memory budget the
-        plan is chosen for (`Pipeline.from_pretrained`'s `memory`; None: everything on the device)."""
-        dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
-        transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
-        assert isinstance(transformer, Flux3Transformer)  # dispatched on the keys
-        vae = load_vae(src.vae, device=device, dtype=dtype)
-        if not isinstance(vae, Flux2VAE):
-            raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.3 needs the FLUX.2 VAE")
-        check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
-        sources = [text_encoder] if text_encoder is not None else [src.text] if src.text is not None else None
-        spec = spec_for(src.name)
-        if spec is not None and spec.builtin and text_encoder is None:
-            sources = []  # a built-in model's small encoders
-        text_device = placement.text_device(budget, device, offload_text_encoders, sources)
-        text = _open_text(src, text_encoder, text_device, dtype)
-        if fp8_text:
-            text.quantize_fp8()
-        pipe = cls(
-            transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
-            guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,
-            cuda_graphs=cuda_graphs, prompt_upsampler=_upsampler_source(src),
-        )  # fmt: skip
-        pipe.fp8_text = fp8_text
-        pipe.hub_revision = src.hub_revision
-        placement.place(pipe, budget, offload_text_encoders, device)
-        return pipe
+    def from_sources(cls, src: Sources, **options: Any) -> Flux3Pipe:
+        """Load the parts `find_sources` located (see `flux3_sources.open_flux3` for the options)."""
+        return open_flux3(cls, src, **options)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -519,65 +472,6 @@ class Flux3Pipe(Recipe):
         return GraphedDenoiser(fn)
 
 
-def _upsampler_source(src: Sources) -> str | Path | None:
-    """The prompt upsampler paired with these sources: a folder's `prompt_upsampler/`, else the registry's."""
-    root = Path(src.transformer)
-    if root.is_dir() and (root / "prompt_upsampler").is_dir():
-        return root / "prompt_upsampler"
-    spec = spec_for(src.name)
-    return None if spec is None else spec.upsampler
-
-
 def _split_ids(ids: Tensor, n_img: int) -> tuple[Tensor, Tensor | None]:
     """(the generated image's ids, the references' or None) from `Flux3Start.img_ids`."""
     return ids[:n_img], (ids[n_img:] if ids.shape[0] > n_img else None)
-
-
-def _schedule_config(scheduler: dict | None) -> ScheduleConfig:
-    """The static shift of the folder's scheduler (FLUX.3 samples with 6.93), refusing settings it does not use."""
-    if scheduler is None:
-        return FLUX3_SCHEDULE
-    unsupported = [
-        k for k in ("use_dynamic_shifting", "shift_terminal", "use_karras_sigmas") if scheduler.get(k)
-    ]
-    if unsupported:
-        raise WeightsError(
-            f"scheduler_config.json asks for {', '.join(unsupported)}, which FLUX.3 sampling does not use"
-        )
-    return ScheduleConfig(
-        num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)),
-        shift=float(scheduler.get("shift", FLUX3_SCHEDULE.shift)),
-    )
-
-
-def _guider_scale(src: Sources) -> float:
-    """The CFG scale of a folder's `guider/guider_config.json` (diffusers' modular layout), else 3.5."""
-    root = Path(src.transformer)
-    if not root.is_dir():
-        return DEFAULT_GUIDANCE
-    cfg = read_json_if_present(root / "guider" / "guider_config.json")
-    scale = (cfg or {}).get("guidance_scale", DEFAULT_GUIDANCE)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise WeightsError(
-            f"{root / 'guider' / 'guider_config.json'}: guidance_scale must be a number, got {scale!r}"
-        )
-    return float(scale)
-
-
-def _open_text(
-    src: Sources, text_encoder: str | Path | None, device: torch.device, dtype: torch.dtype
-) -> Flux3TextEncoder:
-    """The FLUX.3 text encoder for these sources (see `Flux3Pipe.from_sources`)."""
-    spec = spec_for(src.name)
-    if spec is not None and spec.builtin and text_encoder is None:
-        return Flux3TextEncoder.tiny(device=device, dtype=dtype)
-    if text_encoder is None and src.text is not None:
-        return Flux3TextEncoder.from_pretrained(src.text, device=device, dtype=dtype)
-    if text_encoder is not None:
-        from flux_runtime.weights.hub import resolve
-
-        root = resolve(text_encoder)
-        if (root / "text_encoder").is_dir():  # a whole diffusers FLUX.3 folder
-            return Flux3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
-        return Flux3TextEncoder.from_components(root, device=device, dtype=dtype)
-    return Flux3TextEncoder.from_components(QWEN3_VL_4B_ID, device=device, dtype=dtype)
