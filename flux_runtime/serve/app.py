@@ -14,13 +14,11 @@ import base64
 import copy
 import io
 import os
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -38,9 +36,8 @@ from flux_runtime.pipeline.provenance import png_bytes
 from flux_runtime.sampling.flux3_references import MAX_REFERENCES as MAX_FLUX3_REFERENCES
 from flux_runtime.serve.api import SIZE_MULTIPLE, APIError, EditRequest, GenerationRequest, parse_size
 from flux_runtime.serve.auth import PROBES, ApiKeys, RequireKey
+from flux_runtime.serve.store import ImageStore
 from flux_runtime.serve.worker import Abandoned, Generated, Job, Metrics, QueueFull, Worker
-
-_FILE_NAME = re.compile(r"^[0-9a-f]{32}\.png$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,32 +49,6 @@ class Limits:
     max_upload_bytes: int = 16 << 20
     timeout: float = 600.0
     retry_after: int = 5  # seconds, in a 503's Retry-After
-
-
-class ImageStore:
-    """The PNGs answered by `url`: a folder holding at most `max_files`, the oldest removed first."""
-
-    def __init__(self, folder: Path, max_files: int) -> None:
-        self.folder, self.max_files = folder, max_files
-        folder.mkdir(parents=True, exist_ok=True)
-        self._names: list[str] = []
-
-    def put(self, data: bytes) -> str:
-        """Store `data` under a new random name; written beside it and renamed in, so a process killed
-        mid-write leaves no partial PNG to serve (the name pattern never matches the temporary file)."""
-        name = f"{secrets.token_hex(16)}.png"
-        tmp = self.folder / f".{name}.partial"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.folder / name)
-        self._names.append(name)
-        while len(self._names) > self.max_files:
-            (self.folder / self._names.pop(0)).unlink(missing_ok=True)
-        return name
-
-    def path(self, name: str) -> Path | None:
-        if not _FILE_NAME.match(name) or not (self.folder / name).is_file():
-            return None
-        return self.folder / name
 
 
 EditKind = Literal["flux2", "flux3", "text2img", "kontext", "fill", "control"]
