@@ -3,8 +3,8 @@
 `open_transformer` finds the safetensors files of a path or cached id, reads their headers (once) and
 tells FLUX.1, FLUX.2 and FLUX.3 apart by the keys; the family loaders (`flux{1,2,3}_transformer`)
 take the opened checkpoint, so a pipeline that asked for the family first reads no header twice.
-The helpers the loaders share (config checks and inference from key tables, key checks, identity rules,
-built-in models) live here, so no loader imports another.
+The helpers the loaders share to read a config (inference from key tables, checks against a caller's config)
+live here, their loading steps in `dit_loading`, so no loader imports another.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ import torch
 from torch import nn
 
 from flux_runtime.models.dit import PRESETS, DiTConfig
-from flux_runtime.registry import builtin
+from flux_runtime.registry import ModelSpec, builtin
 from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
-from flux_runtime.weights.checks import FiniteCheck, check_weight_dtypes
 from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.hub import resolve, safetensors_files
-from flux_runtime.weights.keys import need_shape, raise_key_errors, strip_prefix
-from flux_runtime.weights.safetensors_io import TensorSource, read_header
+from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.keys import need_shape
+from flux_runtime.weights.safetensors_io import TensorSource, component_files
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +80,24 @@ def transformer_family(path_or_id: str | Path | TransformerCheckpoint) -> Family
     return open_transformer(path_or_id).family
 
 
+def builtin_spec(path_or_id: str | Path | TransformerCheckpoint) -> ModelSpec | None:
+    """The registry's built-in model `path_or_id` names; None for anything else (an opened checkpoint too)."""
+    return None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
+
+
+def as_checkpoint(path_or_id: str | Path | TransformerCheckpoint) -> TransformerCheckpoint:
+    """`path_or_id` opened (`open_transformer`), unless it already is."""
+    return path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)
+
+
 def find_transformer_files(path: Path) -> list[Path]:
-    """The safetensors files holding the transformer under `path` (file, component or pipeline folder)."""
-    if path.is_file():
-        return [path]
-    if (path / "transformer").is_dir():
-        return find_transformer_files(path / "transformer")
-    files = safetensors_files(path, "diffusion_pytorch_model")
-    if files:
-        return files
-    # A BFL repo root: the transformer is the single file whose keys look like a FLUX DiT.
-    for f in sorted(path.glob("*.safetensors")):
-        keys = read_header(f)
-        if any(_strip(k) in (*BFL_ANY, BFL_MARK) for k in keys):
-            return [f]
-    raise WeightsError(
-        f"{path}: no FLUX transformer found (no transformer/ folder, no diffusion_pytorch_model*.safetensors, no BFL single file)"
-    )
+    """The safetensors files holding the transformer under `path` (file, component or pipeline folder, or a BFL
+    repo root: its single file whose keys look like a FLUX DiT)."""
+    return component_files(path, "transformer", _is_dit_key, "FLUX transformer", "BFL single file")
 
 
-def _strip(key: str) -> str:
-    return strip_prefix(key, flux1_layout.BFL_PREFIXES)
+def _is_dit_key(key: str) -> bool:
+    return flux1_layout.strip_prefix(key) in (*BFL_ANY, BFL_MARK)
 
 
 @contextmanager
@@ -115,6 +111,15 @@ def config_errors(where: Path | str) -> Iterator[None]:
         raise WeightsError(
             f"{where}: the checkpoint's shapes and config.json give no valid model ({e})"
         ) from None
+
+
+def dit_config(where: Path | str, hidden: int, head_dim: int, mlp_hidden: int, **rest) -> DiTConfig:
+    """The `DiTConfig` of these widths (heads and MLP ratio from them) and the `rest` of its fields; a config no
+    FLUX model has is a WeightsError naming `where`."""
+    with config_errors(where):
+        return DiTConfig(
+            hidden_size=hidden, mlp_ratio=mlp_hidden / hidden, num_heads=hidden // head_dim, **rest
+        )
 
 
 def check_config(inferred: DiTConfig, given: DiTConfig) -> None:
@@ -136,35 +141,6 @@ def with_given_config(inferred: DiTConfig, given: DiTConfig | None) -> DiTConfig
     return replace(inferred, axes_dim=given.axes_dim, theta=given.theta)
 
 
-def checked_rules(
-    model: nn.Module,
-    layout: str,
-    reader,
-    *,
-    keys: set[str],
-    shape_of,
-    table: list[flux1_layout.Rule] | None = None,
-    split=None,
-    assemble=None,
-) -> tuple[list[flux1_layout.Rule], Callable]:
-    """The rules and `assemble` that fill `model` (on meta) from `reader`, after the checks of its layout.
-
-    BFL (`layout` "bfl"): `keys` (the checkpoint's, less FP8 scales and skipped ones) must be the model's own,
-    each of the shape `shape_of` gives, every weight stored floating point; each key is then itself. Diffusers:
-    each tensor of the layout's `table` must have the shape `split` gives it, and be floating point; `assemble`
-    builds our tensors from them (the caller has already named missing and unexpected keys).
-    """
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if layout == "bfl":
-        check_keys(keys, expected, shape_of)
-        check_weight_dtypes(reader, expected)
-        return identity_rules(expected), take_only
-    assert table is not None and split is not None and assemble is not None
-    check_part_shapes(table, expected, reader.shape, split)
-    check_weight_dtypes(reader, sorted({d for r in table for d in r.diffusers}))
-    return table, assemble
-
-
 def read_folder_config(files: list[Path]) -> dict | None:
     """The diffusers `config.json` beside a transformer's files, its fields that we read type-checked; or None."""
     path = files[0].parent / "config.json"
@@ -174,76 +150,11 @@ def read_folder_config(files: list[Path]) -> dict | None:
     return cfg
 
 
-def identity_rules(expected: dict[str, tuple[int, ...]]) -> list[flux1_layout.Rule]:
-    """Rules for a checkpoint stored under our own (BFL) names: each key is itself."""
-    return [flux1_layout.Rule(k, (k,)) for k in expected]
-
-
-def take_only(rule: flux1_layout.Rule, get) -> torch.Tensor:
-    """`assemble` for identity rules."""
-    return get(rule.diffusers[0])
-
-
-def check_part_shapes(
-    table: list[flux1_layout.Rule],
-    expected: dict[str, tuple[int, ...]],
-    shape_of,
-    split,
-) -> None:
-    """Each diffusers tensor has the shape that splitting the model's (BFL-named) tensor the layout's way gives."""
-    for rule in table:
-        meta = torch.empty(expected[rule.bfl], device="meta")
-        for d, part in split(rule, meta).items():
-            if shape_of(d) != tuple(part.shape):
-                raise WeightsError(
-                    f"{d}: expected shape {tuple(part.shape)}, checkpoint has {shape_of(d)} (part of {rule.bfl})"
-                )
-
-
-def fill_model(
-    model: nn.Module,
-    table: list[flux1_layout.Rule],
-    reader,
-    assemble,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    fp8_src: fp8_layers.Fp8Source | None,
-    fp8: bool,
-) -> nn.Module:
-    """Stream the checkpoint into `model` (on meta) through `table`, each tensor checked finite; eval, no grads.
-
-    FP8 weights stay FP8 (or `fp8` quantizes bf16 ones as they stream in); `.precision` and
-    `.quantized_at_load` record which.
-    """
-    finite = FiniteCheck()
-    read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
-    # read ahead in the order the rules take the tensors (an FP8 checkpoint's scales are read as asked)
-    with reader.streaming([d for r in table for d in r.diffusers], device):
-        model.precision = fp8_layers.load_state(
-            model, table, read, assemble,
-            device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
-        )  # fmt: skip
-    finite.raise_if_any()
-    model.quantized_at_load = fp8
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()
-
-
 def finish_builtin(model: nn.Module, dtype: torch.dtype, fp8: bool) -> nn.Module:
     """A built-in random model, quantized when `fp8`, with its precision recorded."""
     model.precision = fp8_layers.quantize_model(model, dtype) if fp8 else fp8_layers.precision_of({}, dtype)
     model.quantized_at_load = fp8
     return model.eval()
-
-
-def check_keys(keys: set[str], expected: dict[str, tuple[int, ...]], shape_of) -> None:
-    raise_key_errors(sorted(set(expected) - keys), sorted(keys - set(expected)))
-    for k, want in expected.items():
-        got = tuple(shape_of(k))
-        if got != want:
-            raise WeightsError(f"{k}: expected shape {want}, checkpoint has {got}")
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -327,27 +238,14 @@ def infer_dit_config(
         if rope and sum(rope[0]) == head_dim
         else rope_axes(head_dim, folder_config, table.family, table.default_theta)
     )
-    with config_errors(where):
-        out_ch = need_shape(shape_of, table.final, "output channels", 2)[0]
-        cond_in = need_shape(shape_of, table.cond_in, "reference width", 2)[1] if table.cond_in else 0
-        cfg = DiTConfig(
-            family=table.family,
-            in_channels=in_ch,
-            out_channels=out_ch,
-            cond_in_channels=cond_in,
-            vec_in_dim=0,
-            context_in_dim=need_shape(shape_of, table.txt_in, "text width", 2)[1],
-            hidden_size=hidden,
-            mlp_ratio=mlp_hidden / hidden,
-            num_heads=hidden // head_dim,
-            depth=depth,
-            depth_single_blocks=depth_single,
-            axes_dim=axes_dim,
-            theta=theta,
-            qkv_bias=False,
-            guidance_embed=table.flag == "guidance_embed" and flag,
-            flow_map=table.flag == "flow_map" and flag,
-        )
+    out_ch = need_shape(shape_of, table.final, "output channels", 2)[0]
+    cond_in = need_shape(shape_of, table.cond_in, "reference width", 2)[1] if table.cond_in else 0
+    cfg = dit_config(
+        where, hidden, head_dim, mlp_hidden, family=table.family, in_channels=in_ch, out_channels=out_ch,
+        cond_in_channels=cond_in, vec_in_dim=0, context_in_dim=need_shape(shape_of, table.txt_in, "text width", 2)[1],
+        depth=depth, depth_single_blocks=depth_single, axes_dim=axes_dim, theta=theta, qkv_bias=False,
+        guidance_embed=table.flag == "guidance_embed" and flag, flow_map=table.flag == "flow_map" and flag,
+    )  # fmt: skip
     if cfg.mlp_hidden_dim != mlp_hidden:
         raise WeightsError(
             f"MLP width {mlp_hidden} is not a float-exact multiple of the hidden size {hidden}"

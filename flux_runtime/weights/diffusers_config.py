@@ -29,39 +29,35 @@ FLUX3_DIFFUSERS_FIXED: dict[str, Any] = {"timestep_channels": 256, "eps": 1e-6}
 def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
     """The config.json diffusers writes for a `FluxTransformer2DModel` (FLUX.1), a `Flux2Transformer2DModel`
     (FLUX.2) or a `Flux3Transformer2DModel` (FLUX.3) of this shape (same fields)."""
+    shared = {
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "attention_head_dim": cfg.head_dim,
+        "axes_dims_rope": list(cfg.axes_dim),
+        # FLUX.3 has no out_channels: its output width is in_channels (our config checks they agree)
+        "in_channels": cfg.in_channels,
+        "joint_attention_dim": cfg.context_in_dim,
+        "num_attention_heads": cfg.num_heads,
+        "num_layers": cfg.depth,
+        "num_single_layers": cfg.depth_single_blocks,
+    }
     if cfg.family == "flux3":
         return {
             "_class_name": "Flux3Transformer2DModel",
-            "_diffusers_version": DIFFUSERS_VERSION,
-            "attention_head_dim": cfg.head_dim,
-            "axes_dims_rope": list(cfg.axes_dim),
+            **shared,
             "cond_in_channels": cfg.cond_in_channels,
             "flow_map": cfg.flow_map,
-            # diffusers has no out_channels: its output width is in_channels (our config checks they agree)
-            "in_channels": cfg.in_channels,
-            "joint_attention_dim": cfg.context_in_dim,
             "mlp_ratio": cfg.mlp_ratio,
-            "num_attention_heads": cfg.num_heads,
-            "num_layers": cfg.depth,
-            "num_single_layers": cfg.depth_single_blocks,
             "rope_theta": cfg.theta,
             **FLUX3_DIFFUSERS_FIXED,
         }
+    # FLUX.1 and FLUX.2: a guidance embedder or not; diffusers' default out_channels None means "as in_channels"
+    shared["guidance_embeds"] = cfg.guidance_embed
+    shared["out_channels"] = None if cfg.out_channels == cfg.in_channels else cfg.out_channels
     if cfg.family == "flux2":
         return {
             "_class_name": "Flux2Transformer2DModel",
-            "_diffusers_version": DIFFUSERS_VERSION,
-            "attention_head_dim": cfg.head_dim,
-            "axes_dims_rope": list(cfg.axes_dim),
-            "guidance_embeds": cfg.guidance_embed,
-            "in_channels": cfg.in_channels,
-            "joint_attention_dim": cfg.context_in_dim,
+            **shared,
             "mlp_ratio": cfg.mlp_ratio,
-            "num_attention_heads": cfg.num_heads,
-            "num_layers": cfg.depth,
-            "num_single_layers": cfg.depth_single_blocks,
-            # diffusers' default None means "same as in_channels"
-            "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
             "rope_theta": cfg.theta,
             **FLUX2_DIFFUSERS_FIXED,
         }
@@ -78,17 +74,7 @@ def transformer_diffusers_config(cfg: DiTConfig) -> dict[str, Any]:
         raise WeightsError("diffusers' FluxTransformer2DModel cannot express " + ", ".join(unsupported))
     return {
         "_class_name": "FluxTransformer2DModel",
-        "_diffusers_version": DIFFUSERS_VERSION,
-        "attention_head_dim": cfg.head_dim,
-        "axes_dims_rope": list(cfg.axes_dim),
-        "guidance_embeds": cfg.guidance_embed,
-        "in_channels": cfg.in_channels,
-        "joint_attention_dim": cfg.context_in_dim,
-        "num_attention_heads": cfg.num_heads,
-        "num_layers": cfg.depth,
-        "num_single_layers": cfg.depth_single_blocks,
-        # diffusers' default None means "same as in_channels"
-        "out_channels": None if cfg.out_channels == cfg.in_channels else cfg.out_channels,
+        **shared,
         "patch_size": 1,
         "pooled_projection_dim": cfg.vec_in_dim,
     }
@@ -98,50 +84,40 @@ def vae_diffusers_config(cfg: AnyVAEConfig) -> dict[str, Any]:
     """The config.json diffusers writes for an `AutoencoderKL` (FLUX.1) or an `AutoencoderKLFlux2`
     (FLUX.2) of this shape (same fields; `sample_size`, diffusers' tile size, is FLUX's 1024)."""
     n = len(cfg.ch_mult)
+    shared = {
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "act_fn": "silu",
+        "block_out_channels": list(cfg.block_channels),
+        "down_block_types": ["DownEncoderBlock2D"] * n,
+        "in_channels": cfg.in_channels,
+        "latent_channels": cfg.z_channels,
+        "layers_per_block": cfg.num_res_blocks,
+        "mid_block_add_attention": True,
+        "norm_num_groups": cfg.norm_num_groups,
+        "out_channels": cfg.out_ch,
+        "up_block_types": ["UpDecoderBlock2D"] * n,
+    }
     if isinstance(cfg, Flux2VAEConfig):
         return {
             "_class_name": "AutoencoderKLFlux2",
-            "_diffusers_version": DIFFUSERS_VERSION,
-            "act_fn": "silu",
+            **shared,
             "batch_norm_eps": cfg.batch_norm_eps,
             "batch_norm_momentum": FLUX2_BN_MOMENTUM,
-            "block_out_channels": list(cfg.block_channels),
             "decoder_block_out_channels": None,
-            "down_block_types": ["DownEncoderBlock2D"] * n,
-            "in_channels": cfg.in_channels,
-            "latent_channels": cfg.z_channels,
-            "layers_per_block": cfg.num_res_blocks,
-            "mid_block_add_attention": True,
-            "norm_num_groups": cfg.norm_num_groups,
-            "out_channels": cfg.out_ch,
             "patch_size": [PATCH, PATCH],
             "sample_size": FLUX2_VAE_SAMPLE_SIZE,
-            "up_block_types": ["UpDecoderBlock2D"] * n,
             "use_post_quant_conv": True,
             "use_quant_conv": True,
         }
     return {
         "_class_name": "AutoencoderKL",
-        "_diffusers_version": DIFFUSERS_VERSION,
-        "act_fn": "silu",
-        "block_out_channels": list(cfg.block_channels),
-        "down_block_types": ["DownEncoderBlock2D"] * n,
+        **shared,
         "force_upcast": True,
-        "in_channels": cfg.in_channels,
-        "latent_channels": cfg.z_channels,
         "latents_mean": None,
         "latents_std": None,
-        "layers_per_block": cfg.num_res_blocks,
-        "mid_block_add_attention": True,
-        "norm_num_groups": cfg.norm_num_groups,
-        "out_channels": cfg.out_ch,
         "sample_size": FLUX1_VAE_SAMPLE_SIZE,
         "scaling_factor": cfg.scale_factor,
         "shift_factor": cfg.shift_factor,
-        "up_block_types": ["UpDecoderBlock2D"] * n,
         "use_post_quant_conv": False,
         "use_quant_conv": False,
     }
-
-
-# ---- planning

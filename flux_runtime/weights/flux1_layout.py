@@ -8,11 +8,13 @@ are concatenated along the output dim; the final adaLN stores `(shift, scale)` i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from flux_runtime.weights import keys as key_names
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
@@ -43,6 +45,18 @@ GUIDANCE_RULES: list[Rule] = [
     *_linear("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2"),
 ]
 _D = "transformer_blocks.{i}"
+_S = "single_transformer_blocks.{i}"
+# The QK-norm scales, renamed alike in FLUX.1 and FLUX.2.
+DOUBLE_NORM_RULES: list[Rule] = [
+    Rule("double_blocks.{i}.img_attn.norm.query_norm.scale", (f"{_D}.attn.norm_q.weight",)),
+    Rule("double_blocks.{i}.img_attn.norm.key_norm.scale", (f"{_D}.attn.norm_k.weight",)),
+    Rule("double_blocks.{i}.txt_attn.norm.query_norm.scale", (f"{_D}.attn.norm_added_q.weight",)),
+    Rule("double_blocks.{i}.txt_attn.norm.key_norm.scale", (f"{_D}.attn.norm_added_k.weight",)),
+]
+SINGLE_NORM_RULES: list[Rule] = [
+    Rule("single_blocks.{i}.norm.query_norm.scale", (f"{_S}.attn.norm_q.weight",)),
+    Rule("single_blocks.{i}.norm.key_norm.scale", (f"{_S}.attn.norm_k.weight",)),
+]
 DOUBLE_RULES: list[Rule] = [
     *_linear("double_blocks.{i}.img_mod.lin", f"{_D}.norm1.linear"),
     *_linear("double_blocks.{i}.txt_mod.lin", f"{_D}.norm1_context.linear"),
@@ -53,10 +67,7 @@ DOUBLE_RULES: list[Rule] = [
         f"{_D}.attn.add_k_proj",
         f"{_D}.attn.add_v_proj",
     ),
-    Rule("double_blocks.{i}.img_attn.norm.query_norm.scale", (f"{_D}.attn.norm_q.weight",)),
-    Rule("double_blocks.{i}.img_attn.norm.key_norm.scale", (f"{_D}.attn.norm_k.weight",)),
-    Rule("double_blocks.{i}.txt_attn.norm.query_norm.scale", (f"{_D}.attn.norm_added_q.weight",)),
-    Rule("double_blocks.{i}.txt_attn.norm.key_norm.scale", (f"{_D}.attn.norm_added_k.weight",)),
+    *DOUBLE_NORM_RULES,
     *_linear("double_blocks.{i}.img_attn.proj", f"{_D}.attn.to_out.0"),
     *_linear("double_blocks.{i}.txt_attn.proj", f"{_D}.attn.to_add_out"),
     *_linear("double_blocks.{i}.img_mlp.0", f"{_D}.ff.net.0.proj"),
@@ -64,22 +75,32 @@ DOUBLE_RULES: list[Rule] = [
     *_linear("double_blocks.{i}.txt_mlp.0", f"{_D}.ff_context.net.0.proj"),
     *_linear("double_blocks.{i}.txt_mlp.2", f"{_D}.ff_context.net.2"),
 ]
-_S = "single_transformer_blocks.{i}"
 SINGLE_RULES: list[Rule] = [
     *_linear("single_blocks.{i}.modulation.lin", f"{_S}.norm.linear"),
     *_linear(
         "single_blocks.{i}.linear1", f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v", f"{_S}.proj_mlp"
     ),
     *_linear("single_blocks.{i}.linear2", f"{_S}.proj_out"),
-    Rule("single_blocks.{i}.norm.query_norm.scale", (f"{_S}.attn.norm_q.weight",)),
-    Rule("single_blocks.{i}.norm.key_norm.scale", (f"{_S}.attn.norm_k.weight",)),
+    *SINGLE_NORM_RULES,
 ]
 
 
-def count_blocks(keys: list[str], prefix: str) -> int:
+def strip_prefix(key: str) -> str:
+    """`key` without a ComfyUI-style `model.diffusion_model.` / `diffusion_model.` prefix."""
+    return key_names.strip_prefix(key, BFL_PREFIXES)
+
+
+def count_blocks(keys: Iterable[str], prefix: str) -> int:
     """Number of blocks `prefix.N.*` present (max N + 1)."""
     ids = {int(k[len(prefix) + 1 :].split(".", 1)[0]) for k in keys if k.startswith(prefix + ".")}
     return max(ids) + 1 if ids else 0
+
+
+def block_depths(keys: Iterable[str], double: str, single: str, flag: str) -> tuple[int, int, bool]:
+    """(blocks `double.N`, blocks `single.N`, whether any key starts with `flag`): a key set's depths and the
+    presence of its optional embedder (FLUX.1 / FLUX.2 guidance, FLUX.3 flow map)."""
+    keys = list(keys)
+    return count_blocks(keys, double), count_blocks(keys, single), any(k.startswith(flag) for k in keys)
 
 
 def rules(depth: int, depth_single: int, guidance: bool) -> Iterator[Rule]:

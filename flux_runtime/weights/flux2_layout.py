@@ -17,8 +17,16 @@ from collections.abc import Iterable, Iterator
 from torch import Tensor
 
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.flux1_layout import BFL_PREFIXES, Rule, count_blocks, expand_rules, swap_halves
+from flux_runtime.weights.flux1_layout import (
+    DOUBLE_NORM_RULES,
+    SINGLE_NORM_RULES,
+    Rule,
+    block_depths,
+    expand_rules,
+    swap_halves,
+)
 from flux_runtime.weights.flux1_layout import diffusers_to_bfl as diffusers_to_bfl  # the same fuse and swap
+from flux_runtime.weights.flux1_layout import strip_prefix as strip_prefix  # the same BFL prefixes
 
 GLOBAL_RULES: list[Rule] = [
     Rule("img_in.weight", ("x_embedder.weight",)),
@@ -45,10 +53,7 @@ DOUBLE_RULES: list[Rule] = [
         "double_blocks.{i}.txt_attn.qkv.weight",
         (f"{_D}.attn.add_q_proj.weight", f"{_D}.attn.add_k_proj.weight", f"{_D}.attn.add_v_proj.weight"),
     ),
-    Rule("double_blocks.{i}.img_attn.norm.query_norm.scale", (f"{_D}.attn.norm_q.weight",)),
-    Rule("double_blocks.{i}.img_attn.norm.key_norm.scale", (f"{_D}.attn.norm_k.weight",)),
-    Rule("double_blocks.{i}.txt_attn.norm.query_norm.scale", (f"{_D}.attn.norm_added_q.weight",)),
-    Rule("double_blocks.{i}.txt_attn.norm.key_norm.scale", (f"{_D}.attn.norm_added_k.weight",)),
+    *DOUBLE_NORM_RULES,
     Rule("double_blocks.{i}.img_attn.proj.weight", (f"{_D}.attn.to_out.0.weight",)),
     Rule("double_blocks.{i}.txt_attn.proj.weight", (f"{_D}.attn.to_add_out.weight",)),
     Rule("double_blocks.{i}.img_mlp.0.weight", (f"{_D}.ff.linear_in.weight",)),
@@ -60,8 +65,7 @@ _S = "single_transformer_blocks.{i}"
 SINGLE_RULES: list[Rule] = [
     Rule("single_blocks.{i}.linear1.weight", (f"{_S}.attn.to_qkv_mlp_proj.weight",)),
     Rule("single_blocks.{i}.linear2.weight", (f"{_S}.attn.to_out.weight",)),
-    Rule("single_blocks.{i}.norm.query_norm.scale", (f"{_S}.attn.norm_q.weight",)),
-    Rule("single_blocks.{i}.norm.key_norm.scale", (f"{_S}.attn.norm_k.weight",)),
+    *SINGLE_NORM_RULES,
 ]
 
 # Keys that exist in exactly one layout (after stripping a BFL prefix), whatever the depth.
@@ -77,14 +81,6 @@ _DIFFUSERS_ONLY = (
 )
 
 
-def strip_prefix(key: str) -> str:
-    """`key` without a ComfyUI-style `model.diffusion_model.` / `diffusion_model.` prefix."""
-    for p in BFL_PREFIXES:
-        if key.startswith(p):
-            return key[len(p) :]
-    return key
-
-
 def is_flux2(keys: Iterable[str]) -> bool:
     """True when the keys hold FLUX.2's shared modulation (either layout); FLUX.1 has none."""
     return any(strip_prefix(k).startswith(_FLUX2_MARKS) for k in keys)
@@ -93,11 +89,16 @@ def is_flux2(keys: Iterable[str]) -> bool:
 def detect_layout(keys: Iterable[str]) -> str:
     """'bfl' or 'diffusers' for a FLUX.2 key set; a file holding names of both is refused."""
     stripped = [strip_prefix(k) for k in keys]
-    bfl = sorted(k for k in stripped if k.startswith(_BFL_ONLY))
-    diffusers = sorted(k for k in stripped if k.startswith(_DIFFUSERS_ONLY))
+    bfl = [k for k in stripped if k.startswith(_BFL_ONLY)]
+    return one_layout("FLUX.2", bfl, [k for k in stripped if k.startswith(_DIFFUSERS_ONLY)])
+
+
+def one_layout(family: str, bfl: list[str], diffusers: list[str]) -> str:
+    """'bfl' or 'diffusers', by which of the two layouts' own keys a `family` checkpoint has; both is an error
+    naming the first of each."""
     if bfl and diffusers:
         raise WeightsError(
-            f"FLUX.2 checkpoint mixes BFL keys ({bfl[0]}, ...) and diffusers keys ({diffusers[0]}, ...)"
+            f"{family} checkpoint mixes BFL keys ({min(bfl)}, ...) and diffusers keys ({min(diffusers)}, ...)"
         )
     return "bfl" if bfl else "diffusers"
 
@@ -122,13 +123,11 @@ def bfl_to_diffusers(rule: Rule, t: Tensor) -> dict[str, Tensor]:
 
 def diffusers_depths(keys: Iterable[str]) -> tuple[int, int, bool]:
     """(double blocks, single blocks, guidance embedder present) of a diffusers-layout key set."""
-    keys = list(keys)
-    guidance = any(k.startswith("time_guidance_embed.guidance_embedder.") for k in keys)
-    return count_blocks(keys, "transformer_blocks"), count_blocks(keys, "single_transformer_blocks"), guidance
+    return block_depths(
+        keys, "transformer_blocks", "single_transformer_blocks", "time_guidance_embed.guidance_embedder."
+    )
 
 
 def bfl_depths(keys: Iterable[str]) -> tuple[int, int, bool]:
     """(double blocks, single blocks, guidance embedder present) of a BFL-layout key set (prefix stripped)."""
-    keys = list(keys)
-    guidance = any(k.startswith("guidance_in.") for k in keys)
-    return count_blocks(keys, "double_blocks"), count_blocks(keys, "single_blocks"), guidance
+    return block_depths(keys, "double_blocks", "single_blocks", "guidance_in.")

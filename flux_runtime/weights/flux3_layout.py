@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.flux1_layout import Rule, count_blocks
-from flux_runtime.weights.flux2_layout import bfl_to_diffusers, diffusers_to_bfl, strip_prefix
+from flux_runtime.weights.flux1_layout import Rule, block_depths
+from flux_runtime.weights.flux2_layout import bfl_to_diffusers, diffusers_to_bfl, one_layout, strip_prefix
 
 __all__ = [
     "TRAINING_ONLY",
@@ -96,15 +95,11 @@ def detect_layout(keys: Iterable[str]) -> str:
     """'bfl' or 'diffusers' for a FLUX.3 key set, by the modulation leaf (`.lin.` vs `.linear.`) and the names
     only one layout has; a file holding names of both is refused."""
     stripped = [strip_prefix(k) for k in keys]
-    bfl = sorted(k for k in stripped if k.startswith(_BFL_ONLY) or (k.startswith(_MARKS) and ".lin." in k))
-    diffusers = sorted(
+    bfl = [k for k in stripped if k.startswith(_BFL_ONLY) or (k.startswith(_MARKS) and ".lin." in k)]
+    diffusers = [
         k for k in stripped if k.startswith(_DIFFUSERS_ONLY) or (k.startswith(_MARKS) and ".linear." in k)
-    )
-    if bfl and diffusers:
-        raise WeightsError(
-            f"FLUX.3 checkpoint mixes BFL keys ({bfl[0]}, ...) and diffusers keys ({diffusers[0]}, ...)"
-        )
-    return "bfl" if bfl else "diffusers"
+    ]
+    return one_layout("FLUX.3", bfl, diffusers)
 
 
 def rules(depth: int, depth_single: int, flow_map: bool) -> Iterator[Rule]:
@@ -121,13 +116,9 @@ def rules(depth: int, depth_single: int, flow_map: bool) -> Iterator[Rule]:
 
 def diffusers_depths(keys: Iterable[str]) -> tuple[int, int, bool]:
     """(blocks per mode, joint blocks, flow map) of a diffusers-layout key set."""
-    keys = list(keys)
-    flow_map = any(k.startswith("target_timestep_embedder.") for k in keys)
-    return count_blocks(keys, "txt_mode_blocks"), count_blocks(keys, "single_transformer_blocks"), flow_map
+    return block_depths(keys, "txt_mode_blocks", "single_transformer_blocks", "target_timestep_embedder.")
 
 
 def bfl_depths(keys: Iterable[str]) -> tuple[int, int, bool]:
     """(blocks per mode, joint blocks, flow map) of a BFL-layout key set (prefix stripped)."""
-    keys = list(keys)
-    flow_map = any(k.startswith("ref_time_in.") for k in keys)
-    return count_blocks(keys, "txt_mode_blocks"), count_blocks(keys, "single_blocks"), flow_map
+    return block_depths(keys, "txt_mode_blocks", "single_blocks", "ref_time_in.")

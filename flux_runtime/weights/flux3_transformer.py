@@ -16,7 +16,6 @@ fp32 either way.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -25,28 +24,19 @@ import torch
 
 from flux_runtime.models.dit import PRESETS, DiTConfig
 from flux_runtime.models.dit.flux3 import Flux3Transformer
-from flux_runtime.registry import builtin
 from flux_runtime.weights import flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.checkpoint import (
     BlockKeys,
     ConfigKeys,
     TransformerCheckpoint,
-    bfl_shapes,
-    checked_rules,
-    fill_model,
+    as_checkpoint,
+    builtin_spec,
     finish_builtin,
-    infer_dit_config,
-    open_transformer,
-    with_given_config,
 )
-from flux_runtime.weights.checks import check_device, check_load_dtype
-from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.flux1_layout import BFL_PREFIXES
-from flux_runtime.weights.keys import KeyView, raise_key_errors
+from flux_runtime.weights.dit_loading import DitFamily, checked_load_args, load_dit
+from flux_runtime.weights.keys import KeyView
 from flux_runtime.weights.random_init import init_random
-
-log = logging.getLogger(__name__)
 
 # The stored names of the weights kept in fp32 (BFL, diffusers).
 _FP32_KEYS = (".norm.query_norm.scale", ".norm.key_norm.scale", ".attn.norm_q.weight", ".attn.norm_k.weight")
@@ -82,6 +72,10 @@ CONFIG_KEYS = ConfigKeys(
     flag="flow_map",
     cond_in="emb_in.image_cond.weight",
 )
+FLUX3 = DitFamily(
+    CONFIG_KEYS, flux3_layout, Flux3Transformer, lacks="no per-mode modulation weights",
+    skip=flux3_layout.training_only, tensors=_Fp32Norms,
+)  # fmt: skip
 
 
 def random_flux3(
@@ -115,55 +109,9 @@ def load_flux3_transformer(
     checkpoint's block projections at load (per-channel weight scales, per-row activation scales).
     `.precision` says which (`bf16`, `fp8-static`, `fp8-dynamic`), `.quantized_at_load` whether `fp8` did it.
     """
-    device = check_device(device)
-    dtype = check_load_dtype(dtype)
-    fp8_layers.check_dtype(dtype, fp8)
-    spec = None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
+    device, dtype = checked_load_args(device, dtype, fp8)
+    spec = builtin_spec(path_or_id)
     if spec is not None and spec.family == "flux3":
         assert spec.preset is not None  # every built-in model has an architecture
         return random_flux3(config or PRESETS[spec.preset], spec.seed, device, dtype, fp8)
-
-    ckpt = path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)
-    files, src = ckpt.files, ckpt.source
-    if ckpt.family != "flux3":
-        raise WeightsError(f"{files[0]}: not a FLUX.3 transformer (no per-mode modulation weights)")
-    layout = flux3_layout.detect_layout(src.keys())
-    reader = KeyView(src, BFL_PREFIXES) if layout == "bfl" else src
-    fp8_src = fp8_layers.Fp8Source.detect(reader, ckpt.folder_config, str(files[0].parent))
-    extra = fp8_src.extra_keys() if fp8_src is not None else set()
-    skipped = sorted(k for k in reader.keys() if flux3_layout.training_only(k))
-    if skipped:
-        log.info("%s: skipping %d training-only tensors (%s, ...)", files[0], len(skipped), skipped[0])
-    keys = set(reader.keys()) - set(skipped) - extra
-    if layout == "bfl":
-        depths = flux3_layout.bfl_depths(keys)
-        shape_of = reader.shape
-        table = None  # each key is itself
-    else:
-        depths = flux3_layout.diffusers_depths(keys)
-        table = list(flux3_layout.rules(*depths))
-        used = {d for r in table for d in r.diffusers}
-        raise_key_errors(sorted(used - keys), sorted(keys - used))
-        shape_of = bfl_shapes(table, src.shape)  # every FLUX.3 rule is one tensor
-
-    given_rope = (config.axes_dim, config.theta) if config is not None and config.family == "flux3" else None
-    inferred = infer_dit_config(CONFIG_KEYS, shape_of, depths, ckpt.folder_config, files[0], given_rope)
-    inferred = with_given_config(inferred, config)
-    kind = "flow-map" if inferred.flow_map else "base"
-    log.info(
-        "loading %s-layout FLUX.3 %s transformer from %s (%d files)",
-        layout,
-        kind,
-        files[0].parent,
-        len(files),
-    )
-
-    with torch.device("meta"):
-        model = Flux3Transformer(inferred)
-    table, assemble = checked_rules(
-        model, layout, reader, keys=keys, shape_of=shape_of, table=table,
-        split=flux3_layout.bfl_to_diffusers, assemble=flux3_layout.diffusers_to_bfl,
-    )  # fmt: skip
-    return fill_model(
-        model, table, _Fp32Norms(reader), assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8
-    )
+    return load_dit(as_checkpoint(path_or_id), FLUX3, device=device, dtype=dtype, config=config, fp8=fp8)

@@ -21,7 +21,8 @@ import flux_runtime
 from flux_runtime.kernels.fp8 import E4M3, E4M3_MAX, MIN_AMAX
 from flux_runtime.models.dit import DiTConfig
 from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
-from flux_runtime.weights.convert import DEFAULT_MAX_SHARD_SIZE, ConversionPlan, Step, write_diffusers
+from flux_runtime.weights.convert_plan import ConversionPlan, Step
+from flux_runtime.weights.convert_write import DEFAULT_MAX_SHARD_SIZE, write_diffusers
 from flux_runtime.weights.diffusers_config import transformer_diffusers_config
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.fp8 import may_run_fp8

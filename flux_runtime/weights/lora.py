@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from flux_runtime.models.dit.layers import Fp8Linear, Linear
 from flux_runtime.weights.fp8 import Fp8Tensors, dequantize, quantize_weight
-from flux_runtime.weights.lora_formats import Factors, LoraError, LoraWeights
+from flux_runtime.weights.lora_common import Factors, LoraError, LoraWeights
 from flux_runtime.weights.lora_layers import Layer, LayerTable, Part
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,30 @@ CAST_KINDS = frozenset(k for k in FLOAT_KINDS if not k.startswith("F8"))
 
 def _cast(dtype: torch.dtype | None, kind: str) -> torch.dtype | None:
     return dtype if kind.startswith(("F", "BF")) else None
+
+
+def component_files(
+    path: Path, folder: str, marks: Callable[[str], bool], what: str, single: str, named: str | None = None
+) -> list[Path]:
+    """The safetensors files of one model component under `path`: the file itself; under a pipeline root, its
+    `folder/`; a diffusers folder's `diffusion_pytorch_model*.safetensors`; else, in a BFL repo root, the file
+    `named`, or the first file with a key `marks` takes for the component's. None is a WeightsError saying what
+    was looked for (`what`, the BFL `single` file)."""
+    if path.is_file():
+        return [path]
+    if (path / folder).is_dir():
+        return component_files(path / folder, folder, marks, what, single, named)
+    files = safetensors_files(path, "diffusion_pytorch_model")
+    if files:
+        return files
+    if named is not None and (path / named).is_file():
+        return [path / named]
+    for f in sorted(path.glob("*.safetensors")):
+        if any(marks(k) for k in read_header(f)):
+            return [f]
+    raise WeightsError(
+        f"{path}: no {what} found (no {folder}/ folder, no diffusion_pytorch_model*.safetensors, no {single})"
+    )
 
 
 def read_header(path: Path) -> dict[str, dict]:

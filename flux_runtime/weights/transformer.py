@@ -12,24 +12,22 @@ from pathlib import Path
 import torch
 
 from flux_runtime.models.dit import PRESETS, DiTConfig, Flux1Transformer, Flux2Transformer, Flux3Transformer
-from flux_runtime.registry import builtin
-from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.builtin import BUILTINS as _BUILTIN_FILES
 from flux_runtime.weights.checkpoint import (
     CONFIG_FIELDS,
     TransformerCheckpoint,
+    as_checkpoint,
+    builtin_spec,
     count_parameters,
     find_transformer_files,
-    finish_builtin,
     open_transformer,
     read_folder_config,
     transformer_family,
 )
-from flux_runtime.weights.checks import check_device, check_load_dtype
+from flux_runtime.weights.dit_loading import checked_load_args, random_dit
 from flux_runtime.weights.flux1_transformer import detect_layout, infer_config, load_flux1_transformer
 from flux_runtime.weights.flux2_transformer import load_flux2_transformer
 from flux_runtime.weights.flux3_transformer import load_flux3_transformer
-from flux_runtime.weights.random_init import init_random
 
 __all__ = [
     "BUILTIN",
@@ -74,10 +72,8 @@ def load_transformer(
     `dtype` must be a floating-point dtype and `device` cpu, cuda, cuda:N or mps. Weights stored as integers
     or bools, and weights holding NaN or infinity, are refused by name.
     """
-    device = check_device(device)
-    dtype = check_load_dtype(dtype)
-    fp8_layers.check_dtype(dtype, fp8)
-    spec = None if isinstance(path_or_id, TransformerCheckpoint) else builtin(path_or_id)
+    device, dtype = checked_load_args(device, dtype, fp8)
+    spec = builtin_spec(path_or_id)
     if spec is not None and spec.trained:  # a shipped BFL file, with the preset's RoPE axes
         path_or_id, config = _BUILTIN_FILES[spec.name].transformer_path, config or PRESETS[spec.preset or ""]
         spec = None
@@ -87,10 +83,8 @@ def load_transformer(
         assert spec.preset is not None  # every built-in model has an architecture
         cfg = config or PRESETS[spec.preset]
         model_cls = Flux2Transformer if spec.family == "flux2" else Flux1Transformer
-        with torch.device("meta"):
-            model = model_cls(cfg)
-        return finish_builtin(init_random(model, spec.seed, device, dtype), dtype, fp8)
-    ckpt = path_or_id if isinstance(path_or_id, TransformerCheckpoint) else open_transformer(path_or_id)
+        return random_dit(model_cls, cfg, spec.seed, device, dtype, fp8)
+    ckpt = as_checkpoint(path_or_id)
     load = {
         "flux1": load_flux1_transformer,
         "flux2": load_flux2_transformer,

@@ -38,10 +38,10 @@ from flux_runtime.weights.config_files import (
 )
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import count_blocks
-from flux_runtime.weights.hub import resolve, safetensors_files
+from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.keys import KeyView, ShapeOf, need_shape, raise_key_errors, strip_prefix
 from flux_runtime.weights.random_init import init_random
-from flux_runtime.weights.safetensors_io import TensorSource, read_header
+from flux_runtime.weights.safetensors_io import TensorSource, component_files
 
 log = logging.getLogger(__name__)
 
@@ -127,21 +127,11 @@ _CONFIG_FIELDS: dict[str, Kind] = {
 
 def find_vae_files(path: Path) -> list[Path]:
     """The safetensors files holding the VAE under `path` (file, `vae/` folder, pipeline or BFL repo root)."""
-    if path.is_file():
-        return [path]
-    if (path / "vae").is_dir():
-        return find_vae_files(path / "vae")
-    files = safetensors_files(path, "diffusion_pytorch_model")
-    if files:
-        return files
-    if (path / "ae.safetensors").is_file():
-        return [path / "ae.safetensors"]
-    for f in sorted(path.glob("*.safetensors")):
-        if any(_strip(k) == "encoder.conv_in.weight" for k in read_header(f)):
-            return [f]
-    raise WeightsError(
-        f"{path}: no VAE found (no vae/ folder, no diffusion_pytorch_model*.safetensors, no ae.safetensors)"
-    )
+    return component_files(path, "vae", _is_vae_key, "VAE", single="ae.safetensors", named="ae.safetensors")
+
+
+def _is_vae_key(key: str) -> bool:
+    return _strip(key) == "encoder.conv_in.weight"
 
 
 def _strip(key: str) -> str:

@@ -27,17 +27,9 @@ from flux_runtime.pipeline import Pipeline
 from flux_runtime.weights import flux3_layout
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.fp8 import may_run_fp8
+from flux_runtime.weights.fp8_export import IGNORE
 from flux_runtime.weights.transformer import load_transformer
-from tests.flux3_fixtures import (
-    as_loaded,
-    bfl_state_dict,
-    make_diffusers_flux3,
-    make_inputs,
-    our_forward,
-    reference_forward,
-    save_bfl,
-    save_diffusers,
-)
+from tests import flux3_fixtures as f3
 from tests.fp8_fixtures import (
     E4M3,
     RefFp8Linear,
@@ -48,17 +40,12 @@ from tests.fp8_fixtures import (
     rel,
     write_modelopt,
 )
+from tests.lora.lora_fixtures import FLUX3_BLOCK
 
 BF16 = torch.bfloat16
-# diffusers names of the layers a FLUX.3 FP8 folder keeps in bf16 (embedders, modulation, final layer)
-IGNORE3 = [
-    "x_embedders*",
-    "context_embedder",
-    "*timestep_embedder*",
-    "*modulations*",
-    "norm_out*",
-    "proj_out",
-]
+# diffusers names of the layers a FLUX.3 FP8 folder keeps in bf16 (embedders, modulation, final layer), as our
+# exporter writes them
+IGNORE3 = IGNORE["flux3"]
 # Measured on the CPU with these tiny random models and inputs: the FP8 model's output is 0.4-0.7% (relative
 # L2) from the bf16 model's, quantized at load or from a ModelOpt-style folder; the bound is ~3x that.
 BF16_TOL = 0.02
@@ -68,11 +55,11 @@ FP8_LAYERS = 6 * 8  # q, k, v, attn_out, mlp_in, mlp_out of 2 blocks x 3 modes +
 @pytest.fixture(scope="module")
 def models():
     """bf16 diffusers FLUX.3 models as `from_pretrained(torch_dtype=bf16)` loads them (QK norms fp32)."""
-    return {f: as_loaded(make_diffusers_flux3(f, seed=7 if f else 0), BF16) for f in (False, True)}
+    return {f: f3.as_loaded(f3.make_diffusers_flux3(f, seed=7 if f else 0), BF16) for f in (False, True)}
 
 
 def _inputs(flow_map: bool):
-    return make_inputs(1, 3, 3, 6, BF16, seed=2, refs=((2, 2),), flow_map=flow_map)
+    return f3.make_inputs(1, 3, 3, 6, BF16, seed=2, refs=((2, 2),), flow_map=flow_map)
 
 
 def _per_channel_params(model):
@@ -93,14 +80,7 @@ def _check_recipe(model) -> None:
     """The block projections are FP8; embedders, modulation, final layer bf16; the QK norms fp32."""
     names = _fp8_names(model)
     assert len(names) == FP8_LAYERS and all(may_run_fp8(n) for n in names)
-    assert {n.rsplit(".", 1)[1] for n in names} == {
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "attn_out",
-        "mlp_in",
-        "mlp_out",
-    }
+    assert {n.rsplit(".", 1)[1] for n in names} == set(FLUX3_BLOCK)
     for kept in (model.emb_in["image"], model.txt_in, model.time_in.in_layer,
                  model.early_stream_modulations["txt"].lin, model.final_layer["image"].linear):  # fmt: skip
         assert not isinstance(kept, Fp8Linear) and kept.weight.dtype == BF16
@@ -113,17 +93,17 @@ def _check_recipe(model) -> None:
 def test_quantize_at_load_equals_the_fp8_reference(models, tmp_path, flow_map, layout):
     model = models[flow_map]
     path = (
-        save_bfl(model, tmp_path / "k.safetensors", "model.diffusion_model.")
+        f3.save_bfl(model, tmp_path / "k.safetensors", "model.diffusion_model.")
         if layout == "bfl"
-        else save_diffusers(model, tmp_path / "transformer")
+        else f3.save_diffusers(model, tmp_path / "transformer")
     )
     ours = load_transformer(path, dtype=BF16, fp8=True)
     assert ours.precision == "fp8-dynamic" and ours.quantized_at_load is True
     _check_recipe(ours)
     x = _inputs(flow_map)
-    got = our_forward(ours, x)
-    assert torch.equal(got, reference_forward(fp8_reference(model, _per_channel_params(model)), x))
-    err = rel(got, reference_forward(model, x))
+    got = f3.our_forward(ours, x)
+    assert torch.equal(got, f3.reference_forward(fp8_reference(model, _per_channel_params(model)), x))
+    err = rel(got, f3.reference_forward(model, x))
     assert 0 < err < BF16_TOL
 
 
@@ -133,14 +113,14 @@ def test_builtin_model_quantizes_at_load():
     assert ours.precision == "fp8-dynamic" and bf16.precision == "bf16"
     _check_recipe(ours)
     x = _inputs(False)
-    assert 0 < rel(our_forward(ours, x), our_forward(bf16, x)) < BF16_TOL
+    assert 0 < rel(f3.our_forward(ours, x), f3.our_forward(bf16, x)) < BF16_TOL
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "no-input-scale"])
 def test_modelopt_folder_equals_the_fp8_reference(models, tmp_path, static, caplog):
     model = models[False]
     x = _inputs(False)
-    params = fp8_params(model, calibrate(model, lambda m: reference_forward(m, x)) if static else None)
+    params = fp8_params(model, calibrate(model, lambda m: f3.reference_forward(m, x)) if static else None)
     folder = write_modelopt(model, params, tmp_path / "transformer", ignore=IGNORE3)
     with caplog.at_level(logging.WARNING):
         ours = load_transformer(folder, dtype=BF16)
@@ -152,10 +132,10 @@ def test_modelopt_folder_equals_the_fp8_reference(models, tmp_path, static, capl
     wq, ws, s_in = params["mode_blocks.image_cond.1.attn.to_k"]
     assert torch.equal(q.weight.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(q.weight_scale, ws)
     assert (q.input_scale is None) if not static else torch.equal(q.input_scale, s_in)
-    expected = reference_forward(fp8_reference(model, params), x)
-    got = our_forward(ours, x)
+    expected = f3.reference_forward(fp8_reference(model, params), x)
+    got = f3.our_forward(ours, x)
     assert torch.equal(got, expected)
-    assert rel(reference_forward(model, x), expected) > 0  # the reference is not the bf16 model
+    assert rel(f3.reference_forward(model, x), expected) > 0  # the reference is not the bf16 model
 
 
 @pytest.mark.parametrize("kind", ["cast", "scaled"])
@@ -163,8 +143,8 @@ def test_bfl_e4m3_files_equal_the_fp8_reference(models, tmp_path, kind):
     """A plain e4m3 cast (weight scale 1, per-row activations) and a ComfyUI scaled-FP8 file of BFL names."""
     model = models[True]
     x = _inputs(True)
-    amax = calibrate(model, lambda m: reference_forward(m, x)) if kind == "scaled" else None
-    sd = bfl_state_dict(model)
+    amax = calibrate(model, lambda m: f3.reference_forward(m, x)) if kind == "scaled" else None
+    sd = f3.bfl_state_dict(model)
     params = {}
     cfg = model.config
     for rule in flux3_layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.flow_map):
@@ -186,7 +166,7 @@ def test_bfl_e4m3_files_equal_the_fp8_reference(models, tmp_path, kind):
     ours = load_transformer(tmp_path / "klein-fp8.safetensors", dtype=BF16)
     assert ours.precision == ("fp8-dynamic" if kind == "cast" else "fp8-static")
     _check_recipe(ours)
-    assert torch.equal(our_forward(ours, x), reference_forward(fp8_reference(model, params), x))
+    assert torch.equal(f3.our_forward(ours, x), f3.reference_forward(fp8_reference(model, params), x))
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +222,9 @@ def test_our_fp8_export_loads_and_equals_the_reference_of_its_files(exported):
     assert torch.equal(sd["single_transformer_blocks.0.attn.to_q.input_scale"],
                        sd["single_transformer_blocks.0.attn.to_v.input_scale"])  # fmt: skip
     x = _inputs(False)
-    assert torch.equal(our_forward(ours, x), reference_forward(reference, x))
+    assert torch.equal(f3.our_forward(ours, x), f3.reference_forward(reference, x))
     bf16 = load_transformer("tiny-flux3-random", dtype=BF16)
-    assert 0 < rel(our_forward(ours, x), our_forward(bf16, x)) < BF16_TOL
+    assert 0 < rel(f3.our_forward(ours, x), f3.our_forward(bf16, x)) < BF16_TOL
 
 
 def _edit(folder, fn, tmp_path):
@@ -284,7 +264,7 @@ def test_fp8_settings_that_cannot_work_are_refused(models, exported, tmp_path):
         load_transformer(exported, dtype=torch.float32)  # an FP8 checkpoint computes in bf16
     with pytest.raises(WeightsError, match="bfloat16"):
         load_transformer("tiny-flux3-random", dtype=torch.float16, fp8=True)
-    folder = save_diffusers(models[False], tmp_path / "raw")
+    folder = f3.save_diffusers(models[False], tmp_path / "raw")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": IGNORE3}
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -349,19 +329,21 @@ def test_gpu_fp8_lossless_equals_the_eager_reference(models, tmp_path):
     from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 
     model = models[True]
-    x = make_inputs(1, 32, 32, 80, BF16, seed=3, refs=((16, 16),), flow_map=True)
+    x = f3.make_inputs(1, 32, 32, 80, BF16, seed=3, refs=((16, 16),), flow_map=True)
     x = type(x)(*(t.cuda() if t is not None else None for t in x))
-    ours = load_transformer(save_bfl(model, tmp_path / "k.safetensors"), dtype=BF16, device="cuda", fp8=True)
+    ours = load_transformer(
+        f3.save_bfl(model, tmp_path / "k.safetensors"), dtype=BF16, device="cuda", fp8=True
+    )
     reset_fused_ops_report(forget_signatures=True)
     with use_fused("lossless"):
-        fused = our_forward(ours, x)
+        fused = f3.our_forward(ours, x)
     assert fused_ops_report().fused_calls.get("fp8_quantize", 0) > 0  # the Triton quantization ran
     with use_fused("off"):
-        eager = our_forward(ours, x)
+        eager = f3.our_forward(ours, x)
     assert torch.equal(fused, eager)
     on_gpu = copy.deepcopy(model).cuda()  # the reference's e4m3 tensors are plain attributes: made on the GPU
     ref = fp8_reference(on_gpu, _per_channel_params(on_gpu))
-    assert torch.equal(eager, reference_forward(ref, x))
+    assert torch.equal(eager, f3.reference_forward(ref, x))
 
 
 @pytest.mark.gpu
@@ -374,19 +356,19 @@ def test_gpu_full_size_fp8_step():
     from flux_runtime.weights.fp8 import quantize_model
 
     bf16 = random_flux3(FLUX3_KLEIN, 0, torch.device("cuda"), BF16)
-    x = make_inputs(1, 64, 64, 480, BF16, seed=0, refs=((64, 64),), flow_map=True)
+    x = f3.make_inputs(1, 64, 64, 480, BF16, seed=0, refs=((64, 64),), flow_map=True)
     x = type(x)(*(t.cuda() if t is not None else None for t in x))
     x = x._replace(txt=torch.randn(1, 480, 20480, device="cuda").to(BF16))
     with use_fused("lossless"):
-        want = our_forward(bf16, x)
+        want = f3.our_forward(bf16, x)
     # the same model quantized in place, as `fp8=True` does a built-in one (drawing 5.5 B weights once is enough)
     fp8 = bf16
     assert quantize_model(fp8, BF16) == "fp8-dynamic" and len(_fp8_names(fp8)) == 6 * (3 * 5 + 28)
     torch.cuda.empty_cache()
     with use_fused("lossless"):
-        got = our_forward(fp8, x)
+        got = f3.our_forward(fp8, x)
     with use_fused("off"):
-        eager = our_forward(fp8, x)
+        eager = f3.our_forward(fp8, x)
     assert torch.equal(got, eager)
     err = rel(got, want)
     print(

@@ -52,6 +52,17 @@ def _flux2_run(inputs):
     return run, ours
 
 
+def _assert_near_the_fp8_reference(ours, model, params, run, ours_run) -> None:
+    """`ours` computes within `TOL` of the FP8 reference built from `model` and `params`, and clearly closer to it
+    than the un-quantized `model` does."""
+    with torch.no_grad():
+        expected = run(fp8_reference(model, params))
+        got = ours_run(ours)
+        bf16 = run(model)
+    assert rel(got, expected) < TOL
+    assert rel(got, expected) < 0.3 * rel(bf16, expected)
+
+
 def _family(name):
     if name == "flux1":
         model = f1.make_diffusers_transformer(True).to(torch.bfloat16)
@@ -72,13 +83,7 @@ def test_modelopt_folder_matches_the_fp8_reference(tmp_path, family, static):
     assert ours.double_blocks[0].img_attn.qkv.weight_scale.shape == (ours.config.hidden_size * 3,)
     assert not isinstance(ours.double_blocks[0].img_mod.lin if family == "flux1" else ours.img_in, Fp8Linear)
 
-    with torch.no_grad():
-        expected = run(fp8_reference(model, params))
-        got = ours_run(ours)
-        bf16 = run(model)
-    assert rel(got, expected) < TOL
-    # clearly closer to the FP8 reference than the un-quantized model is
-    assert rel(got, expected) < 0.3 * rel(bf16, expected)
+    _assert_near_the_fp8_reference(ours, model, params, run, ours_run)
 
 
 def test_merged_shards_keep_their_bytes_and_scales(tmp_path):
@@ -158,12 +163,7 @@ def test_comfy_scaled_fp8_file_matches_the_fp8_reference(tmp_path, new_style):
     params = _comfy_file(model, tmp_path / "flux1-dev-fp8.safetensors", True, new_style)
     ours = load_transformer(tmp_path / "flux1-dev-fp8.safetensors", dtype=torch.bfloat16)
     assert ours.precision == "fp8-static"
-    with torch.no_grad():
-        expected = run(fp8_reference(model, params))
-        got = ours_run(ours)
-        bf16 = run(model)
-    assert rel(got, expected) < TOL
-    assert rel(got, expected) < 0.3 * rel(bf16, expected)
+    _assert_near_the_fp8_reference(ours, model, params, run, ours_run)
 
 
 def test_plain_e4m3_cast_runs_with_unit_weight_scales(tmp_path):

@@ -1,13 +1,20 @@
-"""Tiny FLUX models and LoRA files written in each real key layout, with diffusers as the reference."""
+"""Tiny FLUX models and LoRA files written in each real key layout, with diffusers as the reference; LoRA files
+fused as the pipeline fuses them, and as diffusers does."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from flux_runtime.weights import flux1_layout, flux2_layout
+from flux_runtime.weights import flux1_layout, flux2_layout, load_transformer
+from flux_runtime.weights.lora import FusedState, fuse
+from flux_runtime.weights.lora_formats import LoraWeights, convert, open_lora, read_lora
+from flux_runtime.weights.lora_layers import LayerTable
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 # diffusers module names by our (BFL) layer, for writing the layouts that name BFL modules
 FLUX1_DOUBLE = ("img_attn.qkv", "img_attn.proj", "img_mlp.0", "img_mlp.2", "img_mod.lin", "txt_attn.qkv",
@@ -162,3 +169,63 @@ def fused_bfl(model, family: str) -> dict[str, torch.Tensor]:
     guidance = any(k.startswith("time_guidance_embed.guidance_embedder.") for k in sd)
     table = flux2_layout.rules(cfg.num_layers, cfg.num_single_layers, guidance)
     return {r.bfl: flux2_layout.diffusers_to_bfl(r, sd.__getitem__) for r in table}
+
+
+def converted(path: Path, table: LayerTable, clip: set[str] | None = None) -> LoraWeights:
+    """The LoRA file at `path` read and converted for the model `table` describes (`clip`: CLIP-L's modules)."""
+    file, data, _ = open_lora(path)
+    sd, meta = read_lora(data, file.name)
+    return convert(sd, meta, table, clip, file.name)
+
+
+def fuse_file(model, path: Path, scale: float, state: FusedState):
+    """The LoRA file at `path` fused into `model` at `scale` (recorded in `state`) as the pipeline fuses it:
+    (the fuse's report, the file's common form, the model's layer table)."""
+    table = LayerTable.of(model)
+    weights = converted(path, table)
+    return fuse(model, table, weights, scale, state, text_encoder=None, name=path.name), weights, table
+
+
+def ours(folder: Path, dtype: torch.dtype, files_scales, state: FusedState | None = None):
+    """The transformer in `folder` loaded on the CPU in `dtype`, each (LoRA file, scale) fused in order:
+    (the model, the fused state)."""
+    model = load_transformer(folder, device="cpu", dtype=dtype)
+    state = state or FusedState()
+    for path, scale in files_scales:
+        fuse_file(model, path, scale, state)
+    return model, state
+
+
+def diffusers_fused(pipe, files_scales):
+    """diffusers' `pipe` with each (LoRA file, scale) fused in order: load_lora_weights + fuse_lora(lora_scale) +
+    unload_lora_weights per file."""
+    for path, scale in files_scales:
+        pipe.load_lora_weights(str(path))
+        pipe.fuse_lora(lora_scale=scale)
+        pipe.unload_lora_weights()
+    return pipe
+
+
+def assert_same(model, want: dict[str, torch.Tensor]) -> None:
+    """`model`'s state dict is `want`, bit for bit."""
+    got = model.state_dict()
+    assert set(got) == set(want)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+def assert_lora_changes_image_and_replays(tmp_path: Path, args: list[str], out: Path) -> None:
+    """`out`, made by `flux-gen` with `args` and a LoRA, differs from the image of `args` alone, and `--replay`
+    makes it again bit for bit."""
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from flux_runtime.cli.gen import main
+
+    plain = tmp_path / "plain.png"
+    assert CliRunner().invoke(main, [*args, "-o", str(plain)]).exit_code == 0
+    assert Image.open(out).tobytes() != Image.open(plain).tobytes()
+    again = tmp_path / "again.png"
+    res = CliRunner().invoke(main, ["--replay", str(out), "-o", str(again), "--quiet", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert Image.open(again).tobytes() == Image.open(out).tobytes()

@@ -7,7 +7,6 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from PIL import Image
 
 from flux_runtime.cli.gen import main, parse_lora
 from flux_runtime.pipeline import Pipeline
@@ -51,14 +50,7 @@ def test_gen_with_loras_records_and_replays(tmp_path):
         ("a.safetensors", 0.5),
         ("b.safetensors", 1.0),
     ]
-    plain = tmp_path / "plain.png"
-    assert CliRunner().invoke(main, [*BASE, "-p", "a fox", "-o", str(plain)]).exit_code == 0
-    assert Image.open(out).tobytes() != Image.open(plain).tobytes()
-
-    again = tmp_path / "again.png"
-    res = CliRunner().invoke(main, ["--replay", str(out), "-o", str(again), "--quiet", "--device", "cpu"])
-    assert res.exit_code == 0, res.output
-    assert Image.open(again).tobytes() == Image.open(out).tobytes()
+    lf.assert_lora_changes_image_and_replays(tmp_path, [*BASE, "-p", "a fox"], out)
 
     res = CliRunner().invoke(main, ["--replay", str(out), "--lora", str(a), "-o", str(tmp_path / "x.png")])
     assert res.exit_code != 0 and "--replay takes --lora" in res.output

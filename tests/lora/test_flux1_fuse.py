@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from flux_runtime.weights import load_transformer
-from flux_runtime.weights.lora import FusedState, fuse, unfuse
-from flux_runtime.weights.lora_formats import convert, open_lora, read_lora
-from flux_runtime.weights.lora_layers import LayerTable
+from flux_runtime.weights.lora import unfuse
 from tests.flux1_fixtures import make_diffusers_transformer, save_diffusers
 from tests.lora import lora_fixtures as lf
 
@@ -31,38 +29,11 @@ def reference(folder, dtype, files_scales):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     tr = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=dtype)
-    pipe = FluxPipeline(None, None, None, None, None, None, tr)
-    for path, scale in files_scales:
-        pipe.load_lora_weights(str(path))
-        pipe.fuse_lora(lora_scale=scale)
-        pipe.unload_lora_weights()
+    lf.diffusers_fused(FluxPipeline(None, None, None, None, None, None, tr), files_scales)
     return lf.fused_bfl(tr, "flux1")
 
 
-def ours(folder, dtype, files_scales, state=None):
-    model = load_transformer(folder, device="cpu", dtype=dtype)
-    state = state or FusedState()
-    for path, scale in files_scales:
-        file, data, _ = open_lora(path)
-        sd, meta = read_lora(data, file.name)
-        table = LayerTable.of(model)
-        fuse(
-            model, table, convert(sd, meta, table, None, file.name), scale, state, text_encoder=None, name="t"
-        )
-    return model, state
-
-
-def assert_same(model, want):
-    got = model.state_dict()
-    assert set(got) == set(want)
-    bad = [k for k in want if not torch.equal(got[k], want[k])]
-    assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
-
-
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-
-
-@DTYPES
+@lf.DTYPES
 def test_kohya(base, tmp_path, dtype):
     folder, shapes, _ = base
     # FLUX.1 single-block linear1 is left out: diffusers splits it at FLUX.1-dev's widths (3072 / 12288)
@@ -70,11 +41,11 @@ def test_kohya(base, tmp_path, dtype):
     a = lf.kohya_file(tmp_path / "a.safetensors", shapes, mods, rank=4, alpha=1.0, dtype=dtype, seed=1)
     b = lf.kohya_file(tmp_path / "b.safetensors", shapes, mods[:5], rank=2, alpha=3.0, seed=2, comfy=True)
     want = reference(folder, dtype, [(a, 0.8), (b, 1.0)])
-    model, _ = ours(folder, dtype, [(a, 0.8), (b, 1.0)])
-    assert_same(model, want)
+    model, _ = lf.ours(folder, dtype, [(a, 0.8), (b, 1.0)])
+    lf.assert_same(model, want)
 
 
-@DTYPES
+@lf.DTYPES
 def test_peft_with_alphas_and_without_prefix(base, tmp_path, dtype):
     folder, _, dshapes = base
     mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v", "transformer_blocks.1.ff.net.2",
@@ -96,17 +67,17 @@ def test_peft_with_alphas_and_without_prefix(base, tmp_path, dtype):
     b2 = lf.peft_file(
         tmp_path / "b2.safetensors", dshapes, mods[2:7], rank=3, dtype=torch.bfloat16, seed=4, prefix=""
     )
-    model, _ = ours(folder, dtype, [(a, 0.7), (b2, 1.0), (c, 1.3)])
-    assert_same(model, want)
+    model, _ = lf.ours(folder, dtype, [(a, 0.7), (b2, 1.0), (c, 1.3)])
+    lf.assert_same(model, want)
 
 
-@DTYPES
+@lf.DTYPES
 def test_xlabs(base, tmp_path, dtype):
     folder, shapes, _ = base
     a = lf.xlabs_file(tmp_path / "a.safetensors", shapes, DEPTH, SINGLE, seed=6)
     want = reference(folder, dtype, [(a, 0.9)])
-    model, _ = ours(folder, dtype, [(a, 0.9)])
-    assert_same(model, want)
+    model, _ = lf.ours(folder, dtype, [(a, 0.9)])
+    lf.assert_same(model, want)
 
 
 def test_unfuse_restores_exactly_and_saves_only_touched_layers(base, tmp_path):
@@ -118,9 +89,9 @@ def test_unfuse_restores_exactly_and_saves_only_touched_layers(base, tmp_path):
         k: v.clone()
         for k, v in load_transformer(folder, device="cpu", dtype=torch.float32).state_dict().items()
     }
-    model, state = ours(folder, torch.float32, [(a, 1.0), (b, -0.5)])
+    model, state = lf.ours(folder, torch.float32, [(a, 1.0), (b, -0.5)])
     assert {name for _, name in state.saved} == {*mods, "img_in"}
     assert any(not torch.equal(model.state_dict()[k], base_sd[k]) for k in base_sd)
     unfuse(model, None, state)
     assert state.empty
-    assert_same(model, base_sd)
+    lf.assert_same(model, base_sd)

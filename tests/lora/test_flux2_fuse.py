@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from flux_runtime.weights import load_transformer
-from flux_runtime.weights.lora import FusedState, fuse, unfuse
-from flux_runtime.weights.lora_formats import LoraError, convert, open_lora, read_lora
-from flux_runtime.weights.lora_layers import LayerTable
+from flux_runtime.weights.lora import unfuse
+from flux_runtime.weights.lora_formats import LoraError
 from tests.flux2_fixtures import make_diffusers_flux2, save_diffusers
 from tests.lora import lora_fixtures as lf
-from tests.lora.test_flux1_fuse import DTYPES, assert_same
 
 DEPTH, SINGLE = 2, 2
 
@@ -29,28 +27,11 @@ def reference(folder, dtype, files_scales):
     from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 
     tr = Flux2Transformer2DModel.from_pretrained(folder, torch_dtype=dtype)
-    pipe = Flux2Pipeline(None, None, None, None, tr)
-    for path, scale in files_scales:
-        pipe.load_lora_weights(str(path))
-        pipe.fuse_lora(lora_scale=scale)
-        pipe.unload_lora_weights()
+    lf.diffusers_fused(Flux2Pipeline(None, None, None, None, tr), files_scales)
     return lf.fused_bfl(tr, "flux2")
 
 
-def ours(folder, dtype, files_scales):
-    model = load_transformer(folder, device="cpu", dtype=dtype)
-    state = FusedState()
-    for path, scale in files_scales:
-        file, data, _ = open_lora(path)
-        sd, meta = read_lora(data, file.name)
-        table = LayerTable.of(model)
-        fuse(
-            model, table, convert(sd, meta, table, None, file.name), scale, state, text_encoder=None, name="t"
-        )
-    return model, state
-
-
-@DTYPES
+@lf.DTYPES
 def test_flux2_layouts(base, tmp_path, dtype):
     folder, shapes, dshapes = base
     mods = lf.blocks("flux2", DEPTH, SINGLE)
@@ -60,11 +41,11 @@ def test_flux2_layouts(base, tmp_path, dtype):
     peft = lf.peft_file(tmp_path / "p.safetensors", dshapes, ["transformer_blocks.1.attn.add_k_proj",
                         "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "norm_out.linear"], rank=4, seed=3)  # fmt: skip
     runs = [(kohya, 0.6), (bfl, 1.0), (peft, 1.5)]
-    model, state = ours(folder, dtype, runs)
-    assert_same(model, reference(folder, dtype, runs))
+    model, state = lf.ours(folder, dtype, runs)
+    lf.assert_same(model, reference(folder, dtype, runs))
     base_sd = load_transformer(folder, device="cpu", dtype=dtype).state_dict()
     unfuse(model, None, state)
-    assert_same(model, base_sd)
+    lf.assert_same(model, base_sd)
 
 
 def test_flux1_lora_on_flux2_is_refused(base, tmp_path):
@@ -77,4 +58,4 @@ def test_flux1_lora_on_flux2_is_refused(base, tmp_path):
     with pytest.raises(
         LoraError, match=r"f1.safetensors is a FLUX.1 LoRA \(keys like lora_unet_double_blocks_0_img_mod_lin"
     ):
-        ours(folder, torch.float32, [(path, 1.0)])
+        lf.ours(folder, torch.float32, [(path, 1.0)])

@@ -9,12 +9,11 @@ from safetensors.torch import save_file
 
 from flux_runtime.models.dit import TINY, TINY_FLUX2, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux3_layout, load_transformer
-from flux_runtime.weights.lora import FusedState, fuse, unfuse
-from flux_runtime.weights.lora_formats import LoraError, convert, open_lora, read_lora
+from flux_runtime.weights.lora import FusedState, unfuse
+from flux_runtime.weights.lora_formats import LoraError, convert, read_lora
 from flux_runtime.weights.lora_layers import LayerTable
 from tests.flux3_fixtures import bfl_state_dict, make_diffusers_flux3, save_diffusers
 from tests.lora import lora_fixtures as lf
-from tests.lora.test_flux1_fuse import DTYPES, assert_same
 
 DEPTH, SINGLE = 2, 2
 # every projection of a FLUX.3 model outside its blocks (BFL names), the flow map's target embedder included
@@ -53,29 +52,8 @@ def reference(folder, dtype, files_scales):
     from diffusers import Flux3Transformer2DModel
 
     tr = Flux3Transformer2DModel.from_pretrained(folder, torch_dtype=dtype)
-    pipe = diffusers_pipe(tr)
-    for path, scale in files_scales:
-        pipe.load_lora_weights(str(path))
-        pipe.fuse_lora(lora_scale=scale)
-        pipe.unload_lora_weights()
+    lf.diffusers_fused(diffusers_pipe(tr), files_scales)
     return bfl_state_dict(tr)
-
-
-def ours(folder, dtype, files_scales):
-    model = load_transformer(folder, device="cpu", dtype=dtype)
-    state = FusedState()
-    for path, scale in files_scales:
-        _fuse(model, path, scale, state)
-    return model, state
-
-
-def _fuse(model, path, scale, state):
-    file, data, _ = open_lora(path)
-    sd, meta = read_lora(data, file.name)
-    table = LayerTable.of(model)
-    weights = convert(sd, meta, table, None, file.name)
-    fuse(model, table, weights, scale, state, text_encoder=None, name=file.name)
-    return weights
 
 
 def peft_written(folder, path, targets, *, rank=4, alpha=6, rank_pattern=None, alpha_pattern=None, seed=0):
@@ -99,7 +77,7 @@ def peft_written(folder, path, targets, *, rank=4, alpha=6, rank_pattern=None, a
     return path
 
 
-@DTYPES
+@lf.DTYPES
 def test_flux3_layouts_equal_diffusers(base, tmp_path, dtype):
     """A peft-written diffusers LoRA (rank / alpha patterns in its metadata) and a BFL-named one on every block
     projection, stacked at two scales: diffusers' fused weights; unfused: the base weights again."""
@@ -109,13 +87,13 @@ def test_flux3_layouts_equal_diffusers(base, tmp_path, dtype):
                         alpha_pattern={targets[2]: 3}, seed=3)  # fmt: skip
     bfl = lf.bfl_file(tmp_path / "b.safetensors", shapes, lf.flux3_blocks(DEPTH, SINGLE), rank=3, seed=2)
     runs = [(peft, 0.7), (bfl, 1.0)]
-    model, state = ours(folder, dtype, runs)
-    assert_same(model, reference(folder, dtype, runs))
+    model, state = lf.ours(folder, dtype, runs)
+    lf.assert_same(model, reference(folder, dtype, runs))
     unfuse(model, None, state)
-    assert_same(model, load_transformer(folder, device="cpu", dtype=dtype).state_dict())
+    lf.assert_same(model, load_transformer(folder, device="cpu", dtype=dtype).state_dict())
 
 
-@DTYPES
+@lf.DTYPES
 def test_layers_outside_the_blocks_fuse_where_diffusers_names_them(base, tmp_path, dtype):
     """BFL and kohya LoRAs on the embedders, modulations and final layer (which diffusers' BFL converter leaves
     unnamed, so it drops them): fused as diffusers fuses the same factors written under its own names, the final
@@ -149,10 +127,10 @@ def test_layers_outside_the_blocks_fuse_where_diffusers_names_them(base, tmp_pat
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / f"d{i}.safetensors"))
         files.append(tmp_path / f"d{i}.safetensors")
 
-    model, state = ours(folder, dtype, [(bfl, 0.8), (kohya, 1.2)])
-    assert_same(model, reference(folder, dtype, [(files[0], 0.8), (files[1], 1.2)]))
+    model, state = lf.ours(folder, dtype, [(bfl, 0.8), (kohya, 1.2)])
+    lf.assert_same(model, reference(folder, dtype, [(files[0], 0.8), (files[1], 1.2)]))
     unfuse(model, None, state)
-    assert_same(model, load_transformer(folder, device="cpu", dtype=dtype).state_dict())
+    lf.assert_same(model, load_transformer(folder, device="cpu", dtype=dtype).state_dict())
 
 
 def test_layouts_are_told_from_the_module_names(base, tmp_path):
@@ -251,7 +229,7 @@ def test_bad_loras_are_refused_before_any_change(base, tmp_path, keys, message):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     save_file(_ones(keys), str(tmp_path / "bad.safetensors"))
     with pytest.raises(LoraError, match=message):
-        _fuse(model, tmp_path / "bad.safetensors", 1.0, FusedState())
+        lf.fuse_file(model, tmp_path / "bad.safetensors", 1.0, FusedState())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
@@ -293,7 +271,7 @@ def test_fp8_layers_are_requantized_and_restored(base, tmp_path):
     a = lf.bfl_file(tmp_path / "a.safetensors", shapes, [*fp8, "txt_mode_blocks.0.k_proj"], seed=7)
     b = lf.kohya_file(tmp_path / "b.safetensors", shapes, [fp8[1]], alpha=4.0, seed=8)
     state = FusedState()
-    runs = [(_fuse(model, a, 0.5, state), 0.5), (_fuse(model, b, 1.0, state), 1.0)]
+    runs = [(lf.fuse_file(model, a, 0.5, state)[1], 0.5), (lf.fuse_file(model, b, 1.0, state)[1], 1.0)]
     assert set(state.fp8_pieces) == set(fp8)
 
     w = dequantize(Fp8Tensors(*orig[fp8[1]], None), torch.bfloat16)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from PIL import Image
 
 from flux_runtime.cli.gen import main
 from flux_runtime.pipeline import FluxError, Pipeline
@@ -45,11 +44,7 @@ def test_lora_images_equal_diffusers_modular_pipeline(folders, tmp_path, name, d
     flow_map = name == "flow-map"
     peft, bfl = _loras(folders[name], tmp_path, seed=21)
     runs = [(peft, 0.8), (bfl, -0.6)]
-    ref = f3p._diffusers(folders[name], flow_map, dtype)
-    for path, scale in runs:
-        ref.load_lora_weights(str(path))
-        ref.fuse_lora(lora_scale=scale)
-        ref.unload_lora_weights()
+    ref = lf.diffusers_fused(f3p._diffusers(folders[name], flow_map, dtype), runs)
     state = ref(prompt=PROMPT, num_inference_steps=STEPS, generator=torch.Generator().manual_seed(7), **KW)
 
     ours = Pipeline.from_pretrained(folders[name], device="cpu", dtype=dtype)
@@ -109,13 +104,7 @@ def test_gen_with_a_flux3_lora_records_and_replays(tmp_path):
     assert res.exit_code == 0, res.output
     (rec,) = read_provenance(out)["loras"]
     assert (rec["name"], rec["scale"], rec["format"]) == ("f3.safetensors", 0.7, "bfl")
-    plain = tmp_path / "plain.png"
-    assert CliRunner().invoke(main, [*base, "-p", "a fox", "-o", str(plain)]).exit_code == 0
-    assert Image.open(out).tobytes() != Image.open(plain).tobytes()
-    again = tmp_path / "again.png"
-    res = CliRunner().invoke(main, ["--replay", str(out), "-o", str(again), "--quiet", "--device", "cpu"])
-    assert res.exit_code == 0, res.output
-    assert Image.open(again).tobytes() == Image.open(out).tobytes()
+    lf.assert_lora_changes_image_and_replays(tmp_path, [*base, "-p", "a fox"], out)
     lora.write_bytes(lora.read_bytes()[:-4] + b"\0\0\0\0")  # the LoRA's bytes change
     res = CliRunner().invoke(main, ["--replay", str(out), "-o", str(tmp_path / "y.png"), "--device", "cpu"])
     assert res.exit_code == 1 and f"its LoRA {lora.resolve()} has changed since" in res.output

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from flux_runtime.models.dit import FLUX1_DEV, Flux1Transformer
-from flux_runtime.weights.lora_formats import convert, open_lora, read_lora
 from flux_runtime.weights.lora_layers import LayerTable
 from tests.lora import lora_fixtures as lf
 
@@ -31,9 +30,7 @@ def shapes(table):
 
 
 def ours(path, table, clip=None):
-    file, data, _ = open_lora(path)
-    sd, meta = read_lora(data, file.name)
-    w = convert(sd, meta, table, clip, file.name)
+    w = lf.converted(path, table, clip)
     out = {}
     for m, f in w.transformer.items():
         out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = f.down, f.up

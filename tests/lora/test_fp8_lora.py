@@ -9,9 +9,7 @@ import torch
 from flux_runtime.models.dit.layers import Fp8Linear
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.fp8 import Fp8Tensors, _install, dequantize, quantize_weight
-from flux_runtime.weights.lora import FusedState, fuse, lora_delta, unfuse
-from flux_runtime.weights.lora_formats import convert, open_lora, read_lora
-from flux_runtime.weights.lora_layers import LayerTable
+from flux_runtime.weights.lora import FusedState, lora_delta, unfuse
 from tests.flux1_fixtures import make_diffusers_transformer, save_diffusers
 from tests.lora import lora_fixtures as lf
 
@@ -29,14 +27,6 @@ def _fp8_model(folder):
     return model
 
 
-def _fuse(model, path, scale, state):
-    file, data, _ = open_lora(path)
-    sd, meta = read_lora(data, file.name)
-    table = LayerTable.of(model)
-    weights = convert(sd, meta, table, None, file.name)
-    return fuse(model, table, weights, scale, state, text_encoder=None, name=file.name), weights, table
-
-
 def test_fp8_layers_are_requantized_and_restored(tmp_path):
     folder = save_diffusers(make_diffusers_transformer(True), tmp_path / "t")
     model = _fp8_model(folder)
@@ -47,9 +37,9 @@ def test_fp8_layers_are_requantized_and_restored(tmp_path):
     a = lf.kohya_file(tmp_path / "a.safetensors", shapes, [*FP8, "double_blocks.1.img_mlp.0"], seed=1)
     b = lf.bfl_file(tmp_path / "b.safetensors", shapes, [FP8[0]], seed=2)
     state = FusedState()
-    report, wa, table = _fuse(model, a, 0.5, state)
+    report, wa, table = lf.fuse_file(model, a, 0.5, state)
     assert (report.layers, report.fp8_layers) == (3, 2)
-    _, wb, _ = _fuse(model, b, 1.0, state)
+    _, wb, _ = lf.fuse_file(model, b, 1.0, state)
 
     # qkv: its original in bf16, a's three q/k/v updates then b's, added in that order, quantized again
     layer = table.layers[FP8[0]]

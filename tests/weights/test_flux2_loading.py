@@ -6,48 +6,27 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from flux_runtime import WeightsError, load_transformer
 from flux_runtime.models.dit import FLUX2_KLEIN_4B, TINY, TINY_FLUX2, Flux1Transformer, Flux2Transformer
 from flux_runtime.weights import flux2_layout
 from flux_runtime.weights.flux2_transformer import is_flux2, load_flux2_transformer
+from tests import flux2_fixtures
 from tests.flux1_fixtures import make_diffusers_transformer as make_flux1
 from tests.flux1_fixtures import save_bfl as save_flux1_bfl
 from tests.flux2_fixtures import bfl_state_dict, make_diffusers_flux2, save_bfl, save_diffusers
+from tests.weights import loading_fixtures as fx
 
 TINY_DEV = replace(TINY_FLUX2, guidance_embed=True)
 
 
-@pytest.fixture(scope="module")
-def dev_model():
-    return make_diffusers_flux2(True)
-
-
-@pytest.fixture
-def bfl_file(tmp_path, dev_model):
-    return save_bfl(dev_model, tmp_path / "flux2-dev.safetensors")
-
-
-def _same_weights(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+dev_model, bfl_file = fx.dit_fixtures(lambda: make_diffusers_flux2(True), save_bfl, "flux2-dev.safetensors")
 
 
 def test_layouts_and_prefix_load_the_same_weights(tmp_path, dev_model, bfl_file):
-    from_bfl = load_transformer(bfl_file, dtype=torch.float32)
-    prefixed = load_transformer(
-        save_bfl(dev_model, tmp_path / "comfy.safetensors", "model.diffusion_model."), dtype=torch.float32
-    )
-    folder = save_diffusers(dev_model, tmp_path / "pipe" / "transformer")
-    (tmp_path / "pipe" / "model_index.json").write_text("{}")
-    from_root = load_transformer(tmp_path / "pipe", dtype=torch.float32)
-    from_folder = load_transformer(folder, dtype=torch.float32)
-    assert _same_weights(from_bfl, prefixed)
-    assert _same_weights(from_bfl, from_root)
-    assert _same_weights(from_bfl, from_folder)
     # every config field read from the checkpoint (axes/theta from config.json or the FLUX.2 preset)
-    for model in (from_bfl, prefixed, from_root, from_folder):
+    for model in fx.dits_every_way(tmp_path, dev_model, bfl_file, flux2_fixtures):
         assert isinstance(model, Flux2Transformer)
         assert model.config == TINY_DEV
 
@@ -93,10 +72,8 @@ def test_layout_round_trip_is_lossless(dev_model):
 
 
 def test_sharded_diffusers_folder(tmp_path, dev_model):
-    dev_model.save_pretrained(tmp_path / "t", max_shard_size="200KB")
-    assert (tmp_path / "t" / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    sharded = load_transformer(tmp_path / "t", dtype=torch.float32)
-    assert _same_weights(
+    sharded = load_transformer(fx.sharded(dev_model, tmp_path / "t", "200KB"), dtype=torch.float32)
+    assert fx.same_weights(
         sharded, load_transformer(save_diffusers(dev_model, tmp_path / "u"), dtype=torch.float32)
     )
 
@@ -126,69 +103,57 @@ def test_config_json_sets_rope(tmp_path):
 
 
 def test_streams_to_dtype_and_meta_free(bfl_file):
-    model = load_transformer(bfl_file, dtype=torch.bfloat16)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert not any(p.is_meta for p in model.parameters())
-    assert not any(p.requires_grad for p in model.parameters())
+    fx.assert_ready(load_transformer(bfl_file, dtype=torch.bfloat16), torch.bfloat16)
 
 
-def test_missing_key(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    del sd["double_blocks.1.img_mlp.2.weight"]
-    save_file(sd, tmp_path / "m.safetensors")
-    with pytest.raises(WeightsError, match=r"missing 1 key\(s\): double_blocks.1.img_mlp.2.weight"):
-        load_transformer(tmp_path / "m.safetensors")
+def _rename(sd, old, new):
+    sd[new] = sd.pop(old)
 
 
-def test_missing_key_in_diffusers_layout(tmp_path, dev_model):
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda sd: sd.pop("double_blocks.1.img_mlp.2.weight"), r"missing 1 key\(s\): double_blocks.1.img_mlp.2.weight"),
+        (  # a FLUX.1-style per-block modulation
+            lambda sd: sd.update({"single_blocks.0.modulation.lin.weight": torch.zeros(2, 2)}),
+            r"unexpected key\(s\): single_blocks.0.modulation.lin.weight",
+        ),
+        (
+            lambda sd: sd.update({"single_blocks.1.linear2.weight": torch.zeros(64, 200)}),
+            r"single_blocks.1.linear2.weight: expected shape \(64, 256\), checkpoint has \(64, 200\)",
+        ),
+        (
+            lambda sd: _rename(sd, "final_layer.linear.weight", "proj_out.weight"),
+            r"mixes BFL keys .* and diffusers keys \(proj_out\.weight",
+        ),
+    ],
+    ids=["missing-key", "unexpected-key", "wrong-shape", "mixed-layouts"],
+)  # fmt: skip
+def test_broken_bfl_file_names_the_key(tmp_path, bfl_file, edit, message):
+    with pytest.raises(WeightsError, match=message):
+        load_transformer(fx.edited(bfl_file, edit, tmp_path / "broken.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda sd: sd.pop("transformer_blocks.0.attn.add_k_proj.weight"),
+            r"missing 1 key\(s\): transformer_blocks.0.attn.add_k_proj.weight",
+        ),
+        (
+            lambda sd: sd.update({"transformer_blocks.1.attn.to_v.weight": torch.zeros(64, 63)}),
+            r"transformer_blocks.1.attn.to_v.weight: expected shape \(64, 64\), checkpoint has \(64, 63\) "
+            r"\(part of double_blocks.1.img_attn.qkv.weight\)",
+        ),
+    ],
+    ids=["missing-key", "wrong-shape"],
+)  # fmt: skip
+def test_broken_diffusers_folder_names_the_key(tmp_path, dev_model, edit, message):
     folder = save_diffusers(dev_model, tmp_path / "t")
-    sd = load_file(folder / "diffusion_pytorch_model.safetensors")
-    del sd["transformer_blocks.0.attn.add_k_proj.weight"]
-    save_file(sd, folder / "diffusion_pytorch_model.safetensors")
-    with pytest.raises(
-        WeightsError, match=r"missing 1 key\(s\): transformer_blocks.0.attn.add_k_proj.weight"
-    ):
+    fx.edited(folder / "diffusion_pytorch_model.safetensors", edit)
+    with pytest.raises(WeightsError, match=message):
         load_transformer(folder)
-
-
-def test_unexpected_key(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    sd["single_blocks.0.modulation.lin.weight"] = torch.zeros(2, 2)  # a FLUX.1-style per-block modulation
-    save_file(sd, tmp_path / "u.safetensors")
-    with pytest.raises(WeightsError, match=r"unexpected key\(s\): single_blocks.0.modulation.lin.weight"):
-        load_transformer(tmp_path / "u.safetensors")
-
-
-def test_wrong_shape_names_key_and_both_shapes(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    sd["single_blocks.1.linear2.weight"] = torch.zeros(64, 200)
-    save_file(sd, tmp_path / "w.safetensors")
-    with pytest.raises(
-        WeightsError,
-        match=r"single_blocks.1.linear2.weight: expected shape \(64, 256\), checkpoint has \(64, 200\)",
-    ):
-        load_transformer(tmp_path / "w.safetensors")
-
-
-def test_wrong_shape_in_diffusers_layout(tmp_path, dev_model):
-    folder = save_diffusers(dev_model, tmp_path / "t")
-    sd = load_file(folder / "diffusion_pytorch_model.safetensors")
-    sd["transformer_blocks.1.attn.to_v.weight"] = torch.zeros(64, 63)
-    save_file(sd, folder / "diffusion_pytorch_model.safetensors")
-    with pytest.raises(
-        WeightsError,
-        match=r"transformer_blocks.1.attn.to_v.weight: expected shape \(64, 64\), checkpoint has \(64, 63\) "
-        r"\(part of double_blocks.1.img_attn.qkv.weight\)",
-    ):
-        load_transformer(folder)
-
-
-def test_mixed_layouts_are_refused(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    sd["proj_out.weight"] = sd.pop("final_layer.linear.weight")
-    save_file(sd, tmp_path / "x.safetensors")
-    with pytest.raises(WeightsError, match=r"mixes BFL keys .* and diffusers keys \(proj_out\.weight"):
-        load_transformer(tmp_path / "x.safetensors")
 
 
 def test_config_mismatch_is_named(bfl_file):
@@ -207,7 +172,7 @@ def test_config_gives_rope_for_a_bfl_file(bfl_file):
 
 def test_builtin_tiny_flux2_is_deterministic():
     a, b = load_transformer("tiny-flux2-random"), load_transformer("tiny-flux2-random")
-    assert _same_weights(a, b)
+    assert fx.same_weights(a, b)
     assert a.config == TINY_FLUX2 and isinstance(a, Flux2Transformer)
     img = torch.randn(1, 6, 128).to(torch.bfloat16)
     txt = torch.randn(1, 4, 96).to(torch.bfloat16)

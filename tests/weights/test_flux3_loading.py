@@ -14,20 +14,12 @@ from flux_runtime.models.dit.flux3 import Flux3Transformer
 from flux_runtime.weights import WeightsError
 from flux_runtime.weights.checkpoint import open_transformer
 from flux_runtime.weights.flux2_transformer import load_flux2_transformer
-from tests.flux3_fixtures import (
-    bfl_state_dict,
-    make_diffusers_flux3,
-    make_inputs,
-    our_forward,
-    reference_forward,
-    save_bfl,
-    save_diffusers,
-)
+from tests import flux3_fixtures as f3
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {False: make_diffusers_flux3(False), True: make_diffusers_flux3(True, seed=5)}
+    return {False: f3.make_diffusers_flux3(False), True: f3.make_diffusers_flux3(True, seed=5)}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +31,8 @@ def saved(models, tmp_path_factory):
         name = "flow" if flow_map else "base"
         repa = {"model.diffusion_model.repa_projectors.0.weight": torch.randn(8, 64)}
         out[flow_map] = {
-            "diffusers": save_diffusers(model, root / name / "transformer"),
-            "bfl": save_bfl(model, root / f"{name}.safetensors", "model.diffusion_model.", repa),
+            "diffusers": f3.save_diffusers(model, root / name / "transformer"),
+            "bfl": f3.save_bfl(model, root / f"{name}.safetensors", "model.diffusion_model.", repa),
         }
     return out
 
@@ -59,8 +51,8 @@ def test_loaded_model_equals_diffusers_from_pretrained(saved, flow_map, layout, 
     assert norms == {torch.float32} and ours.txt_in.weight.dtype == dtype
     # the reference loaded the way diffusers users load it (QK norms kept fp32)
     ref = Flux3Transformer2DModel.from_pretrained(saved[flow_map]["diffusers"], torch_dtype=dtype).eval()
-    x = make_inputs(1, 3, 3, 6, dtype, seed=2, refs=((2, 2),), flow_map=flow_map)
-    assert torch.equal(our_forward(ours, x), reference_forward(ref, x))
+    x = f3.make_inputs(1, 3, 3, 6, dtype, seed=2, refs=((2, 2),), flow_map=flow_map)
+    assert torch.equal(f3.our_forward(ours, x), f3.reference_forward(ref, x))
 
 
 def test_builtin_random_model_loads():
@@ -73,7 +65,7 @@ def test_builtin_random_model_loads():
 
 
 def test_broken_checkpoints_are_refused_by_name(models, tmp_path):
-    sd = bfl_state_dict(models[False])
+    sd = f3.bfl_state_dict(models[False])
     cases = {
         "missing": ({k: v for k, v in sd.items() if k != "single_blocks.1.mlp_out.weight"}, "missing 1 key"),
         "unexpected": ({**sd, "single_blocks.0.extra.weight": torch.zeros(2)}, "unexpected key"),

@@ -6,40 +6,21 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from flux_runtime import WeightsError, load_transformer
 from flux_runtime.models.dit import TINY
+from tests import flux1_fixtures
 from tests.flux1_fixtures import make_diffusers_transformer, save_bfl, save_diffusers
+from tests.weights import loading_fixtures as fx
 
-
-@pytest.fixture(scope="module")
-def dev_model():
-    return make_diffusers_transformer(True)
-
-
-@pytest.fixture
-def bfl_file(tmp_path, dev_model):
-    return save_bfl(dev_model, tmp_path / "flux1-dev.safetensors")
-
-
-def _same_weights(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+dev_model, bfl_file = fx.dit_fixtures(
+    lambda: make_diffusers_transformer(True), save_bfl, "flux1-dev.safetensors"
+)
 
 
 def test_layouts_and_prefix_load_the_same_weights(tmp_path, dev_model, bfl_file):
-    from_bfl = load_transformer(bfl_file, dtype=torch.float32)
-    prefixed = load_transformer(
-        save_bfl(dev_model, tmp_path / "comfy.safetensors", "model.diffusion_model."), dtype=torch.float32
-    )
-    folder = save_diffusers(dev_model, tmp_path / "pipe" / "transformer")
-    (tmp_path / "pipe" / "model_index.json").write_text("{}")
-    from_root = load_transformer(tmp_path / "pipe", dtype=torch.float32)
-    from_folder = load_transformer(folder, dtype=torch.float32)
-    assert _same_weights(from_bfl, prefixed)
-    assert _same_weights(from_bfl, from_root)
-    assert _same_weights(from_bfl, from_folder)
+    from_bfl, *_ = fx.dits_every_way(tmp_path, dev_model, bfl_file, flux1_fixtures)
     cfg = from_bfl.config
     assert (cfg.depth, cfg.depth_single_blocks, cfg.hidden_size, cfg.num_heads, cfg.guidance_embed) == (
         2,
@@ -51,10 +32,8 @@ def test_layouts_and_prefix_load_the_same_weights(tmp_path, dev_model, bfl_file)
 
 
 def test_sharded_diffusers_folder(tmp_path, dev_model):
-    dev_model.save_pretrained(tmp_path / "t", max_shard_size="200KB")
-    assert (tmp_path / "t" / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    assert _same_weights(
-        load_transformer(tmp_path / "t", dtype=torch.float32),
+    assert fx.same_weights(
+        load_transformer(fx.sharded(dev_model, tmp_path / "t", "200KB"), dtype=torch.float32),
         load_transformer(save_diffusers(dev_model, tmp_path / "u"), dtype=torch.float32),
     )
 
@@ -66,44 +45,32 @@ def test_schnell_is_detected(tmp_path):
 
 
 def test_streams_to_dtype_and_meta_free(bfl_file):
-    model = load_transformer(bfl_file, dtype=torch.bfloat16)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert not any(p.is_meta for p in model.parameters())
-    assert not any(p.requires_grad for p in model.parameters())
+    fx.assert_ready(load_transformer(bfl_file, dtype=torch.bfloat16), torch.bfloat16)
 
 
-def test_missing_key(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    del sd["double_blocks.1.img_attn.proj.bias"]
-    save_file(sd, tmp_path / "m.safetensors")
-    with pytest.raises(WeightsError, match=r"missing 1 key\(s\): double_blocks.1.img_attn.proj.bias"):
-        load_transformer(tmp_path / "m.safetensors")
-
-
-def test_unexpected_key(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    sd["double_blocks.0.extra.weight"] = torch.zeros(2)
-    save_file(sd, tmp_path / "u.safetensors")
-    with pytest.raises(WeightsError, match=r"unexpected key\(s\): double_blocks.0.extra.weight"):
-        load_transformer(tmp_path / "u.safetensors")
-
-
-def test_wrong_shape_names_key_and_both_shapes(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    sd["single_blocks.0.linear2.weight"] = torch.zeros(64, 300)
-    save_file(sd, tmp_path / "w.safetensors")
-    with pytest.raises(
-        WeightsError,
-        match=r"single_blocks.0.linear2.weight: expected shape \(64, 320\), checkpoint has \(64, 300\)",
-    ):
-        load_transformer(tmp_path / "w.safetensors")
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda sd: sd.pop("double_blocks.1.img_attn.proj.bias"), r"missing 1 key\(s\): double_blocks.1.img_attn.proj.bias"),
+        (lambda sd: sd.update({"double_blocks.0.extra.weight": torch.zeros(2)}), r"unexpected key\(s\): double_blocks.0.extra.weight"),
+        (
+            lambda sd: sd.update({"single_blocks.0.linear2.weight": torch.zeros(64, 300)}),
+            r"single_blocks.0.linear2.weight: expected shape \(64, 320\), checkpoint has \(64, 300\)",
+        ),
+    ],
+    ids=["missing-key", "unexpected-key", "wrong-shape"],
+)  # fmt: skip
+def test_broken_file_names_the_key(tmp_path, bfl_file, edit, message):
+    with pytest.raises(WeightsError, match=message):
+        load_transformer(fx.edited(bfl_file, edit, tmp_path / "broken.safetensors"))
 
 
 def test_wrong_shape_in_diffusers_layout(tmp_path, dev_model):
     folder = save_diffusers(dev_model, tmp_path / "t")
-    sd = load_file(folder / "diffusion_pytorch_model.safetensors")
-    sd["transformer_blocks.0.attn.to_k.weight"] = torch.zeros(64, 63)
-    save_file(sd, folder / "diffusion_pytorch_model.safetensors")
+    fx.edited(
+        folder / "diffusion_pytorch_model.safetensors",
+        lambda sd: sd.update({"transformer_blocks.0.attn.to_k.weight": torch.zeros(64, 63)}),
+    )
     with pytest.raises(
         WeightsError,
         match=r"transformer_blocks.0.attn.to_k.weight: expected shape \(64, 64\), checkpoint has \(64, 63\)",
@@ -166,24 +133,13 @@ def test_not_a_path_nor_an_id():
 
 
 def test_cached_model_id_loads(tmp_path, monkeypatch, dev_model):
-    # Lay out a Hugging Face cache entry by hand, as `hf download` would leave it.
-    cache = tmp_path / "hub"
-    repo = cache / "models--black-forest-labs--FLUX.1-dev"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snap = repo / "snapshots" / commit
+    snap = fx.cached_snapshot(tmp_path, monkeypatch, "black-forest-labs/FLUX.1-dev")
     save_diffusers(dev_model, snap / "transformer")
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import huggingface_hub.constants as c
-
-    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     model = load_transformer("black-forest-labs/FLUX.1-dev", dtype=torch.float32)
     assert model.config.guidance_embed
 
 
 def test_builtin_tiny_is_deterministic():
     a, b = load_transformer("tiny-random"), load_transformer("tiny-random")
-    assert _same_weights(a, b)
+    assert fx.same_weights(a, b)
     assert a.config == TINY

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from flux_runtime import WeightsError, load_vae
 from flux_runtime.models.vae import TINY_FLUX2_VAE, TINY_VAE, Flux1VAE, Flux2VAE, Flux2VAEConfig, VAEConfig
 from flux_runtime.weights import vae as vae_loader
+from tests.weights import loading_fixtures as fx
 from tests.weights.vae_fixtures import (
     make_diffusers_flux2_vae,
     make_diffusers_vae,
@@ -26,47 +27,15 @@ from tests.weights.vae_fixtures import (
 TINY_2LEVEL = replace(TINY_FLUX2_VAE, ch_mult=(1, 2))  # the fixture's shape: widths (32, 64)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_diffusers_flux2_vae()
-
-
-@pytest.fixture
-def bfl_file(tmp_path, model):
-    return save_bfl_flux2_vae(model, tmp_path / "ae.safetensors")
-
-
-@pytest.fixture
-def folder(tmp_path, model):
-    return save_diffusers_vae(model, tmp_path / "vae")
-
-
-def _same_weights(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+model, bfl_file, folder = fx.vae_fixtures(make_diffusers_flux2_vae, save_bfl_flux2_vae)
 
 
 def test_layouts_roots_and_prefixes_load_the_same_weights(tmp_path, model, bfl_file, folder):
-    from_bfl = load_vae(bfl_file, dtype=torch.float32)
+    # the repo root's transformer file is FLUX.2's; the all-in-one file's VAE has its BatchNorm under `vae.` too
+    dit_key = "single_stream_modulation.lin.weight"
+    from_bfl = fx.vaes_every_way(tmp_path, model, bfl_file, folder, save_bfl_flux2_vae, dit_key)
     assert isinstance(from_bfl, Flux2VAE) and from_bfl.config == TINY_2LEVEL
     assert from_bfl.config.family == "flux2"
-    assert _same_weights(from_bfl, load_vae(folder, dtype=torch.float32))
-    # a pipeline root holding vae/
-    pipe = tmp_path / "pipe"
-    save_diffusers_vae(model, pipe / "vae")
-    (pipe / "model_index.json").write_text("{}")
-    assert _same_weights(from_bfl, load_vae(pipe, dtype=torch.float32))
-    # a BFL repo root: ae.safetensors beside the FLUX.2 transformer file
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    save_bfl_flux2_vae(model, repo / "ae.safetensors")
-    save_file({"single_stream_modulation.lin.weight": torch.zeros(2, 2)}, repo / "flux2-dev.safetensors")
-    assert _same_weights(from_bfl, load_vae(repo, dtype=torch.float32))
-    # an all-in-one file: the VAE under `vae.` (its BatchNorm too), other components beside it
-    combined = tmp_path / "all.safetensors"
-    save_bfl_flux2_vae(model, combined, prefix="vae.")
-    save_file({**load_file(combined), "model.diffusion_model.img_in.weight": torch.zeros(2, 2)}, combined)
-    assert _same_weights(from_bfl, load_vae(combined, dtype=torch.float32))
     # the tensors are diffusers' (1x1 convs kept as convs, statistics as they were)
     ref = model.state_dict()
     assert torch.equal(from_bfl.encoder.quant_conv.weight, ref["quant_conv.weight"])
@@ -82,18 +51,13 @@ def test_family_is_read_from_keys_not_names(tmp_path, model):
 
 
 def test_sharded_diffusers_folder(tmp_path, model, bfl_file):
-    sharded = save_diffusers_vae(model, tmp_path / "sharded", max_shard_size="100KB")
-    assert (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    assert _same_weights(load_vae(sharded, dtype=torch.float32), load_vae(bfl_file, dtype=torch.float32))
+    sharded = fx.sharded(model, tmp_path / "sharded", "100KB")
+    assert fx.same_weights(load_vae(sharded, dtype=torch.float32), load_vae(bfl_file, dtype=torch.float32))
 
 
 def test_streams_to_dtype_and_meta_free(folder):
-    vae = load_vae(folder, dtype=torch.bfloat16)
-    tensors = [*vae.parameters(), *vae.buffers()]
-    assert {t.dtype for t in tensors} == {torch.bfloat16}  # the statistics too, as diffusers' torch_dtype
-    assert not any(t.is_meta for t in tensors)
-    assert not any(p.requires_grad for p in vae.parameters())
-    assert not vae.training
+    # the statistics too, as diffusers' torch_dtype
+    fx.assert_ready(load_vae(folder, dtype=torch.bfloat16), torch.bfloat16, buffers=True)
 
 
 def test_batchnorm_counter_is_optional(tmp_path, model, bfl_file, folder):
@@ -102,17 +66,16 @@ def test_batchnorm_counter_is_optional(tmp_path, model, bfl_file, folder):
     assert "bn.num_batches_tracked" not in load_file(bfl_file)
     with_counter = save_bfl_flux2_vae(model, tmp_path / "counter.safetensors", counter=True)
     loaded = load_vae(with_counter, dtype=torch.float32)
-    assert _same_weights(loaded, load_vae(folder, dtype=torch.float32))
+    assert fx.same_weights(loaded, load_vae(folder, dtype=torch.float32))
     assert "bn.num_batches_tracked" not in loaded.state_dict()
 
-    sd = load_file(with_counter)
-    sd["bn.num_batches_tracked"] = torch.zeros(3, dtype=torch.int64)
-    save_file(sd, tmp_path / "bad.safetensors")
+    counters = {"bn.num_batches_tracked": torch.zeros(3, dtype=torch.int64)}
+    bad = fx.edited(with_counter, lambda sd: sd.update(counters), tmp_path / "bad.safetensors")
     with pytest.raises(
         WeightsError,
         match=r"bn\.num_batches_tracked: expected shape \(\) \(a counter\), checkpoint has \(3,\)",
     ):
-        load_vae(tmp_path / "bad.safetensors")
+        load_vae(bad)
 
 
 @torch.no_grad()
@@ -130,11 +93,7 @@ def test_config_json_decides_levels_groups_and_eps(tmp_path):
         isinstance(ours, Flux2VAE) and ours.config.spatial_factor == 4 and ours.config.latent_channels == 64
     )
     ref = AutoencoderKLFlux2.from_pretrained(folder).eval()
-    x = make_image(1, 16, 24, torch.float32)
-    z = ours.encode(x)
-    assert z.shape == (1, 16, 4, 6)
-    assert torch.equal(z, ref.encode(x).latent_dist.mode())
-    assert torch.equal(ours.decode(z), ref.decode(z).sample)
+    assert fx.same_codec(ours, ref, make_image(1, 16, 24, torch.float32)).shape == (1, 16, 4, 6)
     # the eps reaches the normalisation: diffusers' arithmetic with config.batch_norm_eps 1e-2
     p = torch.randn(1, 64, 2, 3, generator=torch.Generator().manual_seed(0))
     std = torch.sqrt(ref.bn.running_var.view(1, -1, 1, 1) + ref.config.batch_norm_eps)
@@ -147,16 +106,7 @@ def test_bfl_file_needs_config_for_what_it_cannot_state(tmp_path):
     from diffusers import AutoencoderKLFlux2
 
     model = make_diffusers_flux2_vae(seed=4, block_out_channels=(16, 32), norm_num_groups=8)
-    path = save_bfl_flux2_vae(model, tmp_path / "ae.safetensors")
-    with pytest.raises(WeightsError, match="not divisible by norm_num_groups 32; pass config="):
-        load_vae(path)
-    cfg = replace(TINY_FLUX2_VAE, ch=16, ch_mult=(1, 2), norm_num_groups=8)
-    ours = load_vae(path, dtype=torch.float32, config=cfg)
-    ref = AutoencoderKLFlux2.from_pretrained(save_diffusers_vae(model, tmp_path / "vae")).eval()
-    x = make_image(1, 8, 12, torch.float32)
-    assert torch.equal(ours.encode(x), ref.encode(x).latent_dist.mode())
-    with pytest.raises(WeightsError, match=r"ch_mult: checkpoint \(1, 2\), config \(1, 1\)"):
-        load_vae(path, config=replace(cfg, ch_mult=(1, 1)))
+    path = fx.bfl_vae_needs_config(tmp_path, model, save_bfl_flux2_vae, AutoencoderKLFlux2, TINY_FLUX2_VAE)
     with pytest.raises(
         WeightsError, match=r"checkpoint is a FLUX\.2 VAE but config is a VAEConfig \(FLUX\.1\)"
     ):
@@ -180,7 +130,7 @@ def test_tiny_flux2_preset_is_deterministic():
         load_vae("tiny-flux2-random", dtype=torch.float32),
     )
     assert isinstance(a, Flux2VAE) and a.config == TINY_FLUX2_VAE
-    assert _same_weights(a, b)
+    assert fx.same_weights(a, b)
     stats = (a.bn.running_mean, a.bn.running_var)
     assert not any(t.is_meta for t in stats) and a.bn.running_mean.abs().sum() > 0
     assert (a.bn.running_var > 0).all()
@@ -196,42 +146,44 @@ def test_tiny_flux2_preset_is_deterministic():
 
 
 def test_missing_key(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    del sd["bn.running_var"]
-    save_file(sd, tmp_path / "m.safetensors")
+    path = fx.edited(bfl_file, lambda sd: sd.pop("bn.running_var"), tmp_path / "m.safetensors")
     with pytest.raises(WeightsError, match=r"missing 1 key\(s\): bn.running_var"):
-        load_vae(tmp_path / "m.safetensors")
+        load_vae(path)
+
+
+def _move(sd, old, new):
+    sd[new] = sd.pop(old)
+
+
+def _copy_post_quant_bias(sd):
+    sd["decoder.post_quant_conv.bias"] = sd["post_quant_conv.bias"].clone()
 
 
 def test_quant_convs_are_named_per_layout(tmp_path, bfl_file, folder):
     # diffusers' top-level name in a BFL file: BFL's is missing, diffusers' unexpected
-    sd = load_file(bfl_file)
-    sd["quant_conv.weight"] = sd.pop("encoder.quant_conv.weight")
-    save_file(sd, tmp_path / "q.safetensors")
+    path = fx.edited(
+        bfl_file,
+        lambda sd: _move(sd, "encoder.quant_conv.weight", "quant_conv.weight"),
+        tmp_path / "q.safetensors",
+    )
     with pytest.raises(WeightsError, match=r"missing 1 key\(s\): encoder.quant_conv.weight"):
-        load_vae(tmp_path / "q.safetensors")
+        load_vae(path)
 
-    path = folder / "diffusion_pytorch_model.safetensors"
-    sd = load_file(path)
-    sd["decoder.post_quant_conv.bias"] = sd["post_quant_conv.bias"].clone()
-    save_file(sd, path)
+    fx.edited(folder / "diffusion_pytorch_model.safetensors", _copy_post_quant_bias)
     with pytest.raises(WeightsError, match=r"1 unexpected key\(s\): decoder.post_quant_conv.bias"):
         load_vae(folder)
 
 
 def test_wrong_shape_names_key_and_both_shapes(tmp_path, bfl_file, folder):
-    sd = load_file(bfl_file)
-    sd["bn.running_mean"] = torch.zeros(32)  # unpatchified width, not 4 x 32
-    save_file(sd, tmp_path / "s.safetensors")
+    narrow = {"bn.running_mean": torch.zeros(32)}  # unpatchified width, not 4 x 32
+    path = fx.edited(bfl_file, lambda sd: sd.update(narrow), tmp_path / "s.safetensors")
     with pytest.raises(
         WeightsError, match=r"bn.running_mean: expected shape \(128,\), checkpoint has \(32,\)"
     ):
-        load_vae(tmp_path / "s.safetensors")
+        load_vae(path)
 
-    path = folder / "diffusion_pytorch_model.safetensors"
-    sd = load_file(path)
-    sd["quant_conv.weight"] = torch.zeros(64, 64)  # a linear weight where both layouts have a 1x1 conv
-    save_file(sd, path)
+    linear = {"quant_conv.weight": torch.zeros(64, 64)}  # a linear weight where both layouts have a 1x1 conv
+    fx.edited(folder / "diffusion_pytorch_model.safetensors", lambda sd: sd.update(linear))
     with pytest.raises(
         WeightsError, match=r"quant_conv.weight: expected shape \(64, 64, 1, 1\), checkpoint has \(64, 64\)"
     ):
@@ -270,8 +222,7 @@ def test_foreign_files(tmp_path):
     ],
 )
 def test_config_json_is_checked(folder, edit, message):
-    cfg_path = folder / "config.json"
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **edit}))
+    fx.edit_config(folder, edit)
     with pytest.raises(WeightsError, match=message):
         load_vae(folder)
 

@@ -2,72 +2,30 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from flux_runtime import WeightsError, load_vae
 from flux_runtime.models.vae.flux1 import TINY_VAE, VAEConfig
+from tests.weights import loading_fixtures as fx
 from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
 
-
-@pytest.fixture(scope="module")
-def model():
-    return make_diffusers_vae()
-
-
-@pytest.fixture
-def bfl_file(tmp_path, model):
-    return save_bfl_vae(model, tmp_path / "ae.safetensors")
-
-
-@pytest.fixture
-def folder(tmp_path, model):
-    return save_diffusers_vae(model, tmp_path / "vae")
-
-
-def _same_weights(a, b) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+model, bfl_file, folder = fx.vae_fixtures(make_diffusers_vae, save_bfl_vae)
 
 
 def test_layouts_roots_and_prefixes_load_the_same_weights(tmp_path, model, bfl_file, folder):
-    from_bfl = load_vae(bfl_file, dtype=torch.float32)
-    assert _same_weights(from_bfl, load_vae(folder, dtype=torch.float32))
-    # a pipeline root holding vae/
-    pipe = tmp_path / "pipe"
-    save_diffusers_vae(model, pipe / "vae")
-    (pipe / "model_index.json").write_text("{}")
-    assert _same_weights(from_bfl, load_vae(pipe, dtype=torch.float32))
-    # a BFL repo root holding ae.safetensors next to the transformer file
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    save_bfl_vae(model, repo / "ae.safetensors")
-    save_file({"img_in.weight": torch.zeros(2, 2)}, repo / "flux1-dev.safetensors")
-    assert _same_weights(from_bfl, load_vae(repo, dtype=torch.float32))
-    # an all-in-one file: the VAE under `vae.`, other components beside it
-    other = {"model.diffusion_model.img_in.weight": torch.zeros(2, 2)}
-    combined = save_bfl_vae(model, tmp_path / "all.safetensors", prefix="vae.", extra=other)
-    assert _same_weights(from_bfl, load_vae(combined, dtype=torch.float32))
-    cfg = from_bfl.config
+    cfg = fx.vaes_every_way(tmp_path, model, bfl_file, folder, save_bfl_vae, "img_in.weight").config
     assert (cfg.ch, cfg.ch_mult, cfg.num_res_blocks, cfg.z_channels) == (32, (1, 2), 1, 16)
 
 
 def test_sharded_diffusers_folder(tmp_path, model, bfl_file):
-    sharded = save_diffusers_vae(model, tmp_path / "sharded", max_shard_size="100KB")
-    assert (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    assert _same_weights(load_vae(sharded, dtype=torch.float32), load_vae(bfl_file, dtype=torch.float32))
+    sharded = fx.sharded(model, tmp_path / "sharded", "100KB")
+    assert fx.same_weights(load_vae(sharded, dtype=torch.float32), load_vae(bfl_file, dtype=torch.float32))
 
 
 def test_streams_to_dtype_and_meta_free(folder):
-    vae = load_vae(folder, dtype=torch.bfloat16)
-    assert {p.dtype for p in vae.parameters()} == {torch.bfloat16}
-    assert not any(p.is_meta for p in vae.parameters())
-    assert not any(p.requires_grad for p in vae.parameters())
-    assert not vae.training
+    fx.assert_ready(load_vae(folder, dtype=torch.bfloat16), torch.bfloat16)
 
 
 @torch.no_grad()
@@ -88,12 +46,10 @@ def test_config_json_decides_levels_groups_and_factors(tmp_path):
         ch=16, ch_mult=(1, 2, 2), num_res_blocks=2, norm_num_groups=8, scale_factor=0.5, shift_factor=-0.25
     )
     assert ours.config.spatial_factor == 4
-    ref = AutoencoderKL.from_pretrained(folder).eval()
-    x = make_image(1, 16, 24, torch.float32)
-    z = ours.encode(x)
+    z = fx.same_codec(
+        ours, AutoencoderKL.from_pretrained(folder).eval(), make_image(1, 16, 24, torch.float32)
+    )
     assert z.shape == (1, 16, 4, 6)
-    assert torch.equal(z, ref.encode(x).latent_dist.mode())
-    assert torch.equal(ours.decode(z), ref.decode(z).sample)
 
 
 @torch.no_grad()
@@ -102,16 +58,7 @@ def test_bfl_file_needs_config_for_what_it_cannot_state(tmp_path):
     from diffusers import AutoencoderKL
 
     model = make_diffusers_vae(seed=4, block_out_channels=(16, 32), norm_num_groups=8)
-    path = save_bfl_vae(model, tmp_path / "ae.safetensors")
-    with pytest.raises(WeightsError, match="not divisible by norm_num_groups 32; pass config="):
-        load_vae(path)
-    cfg = replace(TINY_VAE, ch=16, ch_mult=(1, 2), norm_num_groups=8)
-    ours = load_vae(path, dtype=torch.float32, config=cfg)
-    ref = AutoencoderKL.from_pretrained(save_diffusers_vae(model, tmp_path / "vae")).eval()
-    x = make_image(1, 8, 12, torch.float32)
-    assert torch.equal(ours.encode(x), ref.encode(x).latent_dist.mode())
-    with pytest.raises(WeightsError, match=r"ch_mult: checkpoint \(1, 2\), config \(1, 1\)"):
-        load_vae(path, config=replace(cfg, ch_mult=(1, 1)))
+    fx.bfl_vae_needs_config(tmp_path, model, save_bfl_vae, AutoencoderKL, TINY_VAE)
 
 
 def test_given_config_must_agree_with_config_json(folder):
@@ -122,25 +69,23 @@ def test_given_config_must_agree_with_config_json(folder):
 def test_tiny_preset_is_deterministic():
     a, b = load_vae("tiny-random", dtype=torch.float32), load_vae("tiny-random", dtype=torch.float32)
     assert a.config == TINY_VAE
-    assert _same_weights(a, b)
+    assert fx.same_weights(a, b)
     with torch.no_grad():
         image = a.decode(a.encode(make_image(1, 16, 24, torch.float32)))
     assert image.shape == (1, 3, 16, 24) and torch.isfinite(image).all()
 
 
 def test_missing_key(tmp_path, bfl_file):
-    sd = load_file(bfl_file)
-    del sd["decoder.up.1.upsample.conv.bias"]
-    save_file(sd, tmp_path / "m.safetensors")
+    path = fx.edited(
+        bfl_file, lambda sd: sd.pop("decoder.up.1.upsample.conv.bias"), tmp_path / "m.safetensors"
+    )
     with pytest.raises(WeightsError, match=r"missing 1 key\(s\): decoder.up.1.upsample.conv.bias"):
-        load_vae(tmp_path / "m.safetensors")
+        load_vae(path)
 
 
 def test_unexpected_key(tmp_path, folder):
-    path = folder / "diffusion_pytorch_model.safetensors"
-    sd = load_file(path)
-    sd["decoder.up_blocks.0.attentions.0.to_q.weight"] = torch.zeros(2, 2)
-    save_file(sd, path)
+    extra = {"decoder.up_blocks.0.attentions.0.to_q.weight": torch.zeros(2, 2)}
+    fx.edited(folder / "diffusion_pytorch_model.safetensors", lambda sd: sd.update(extra))
     with pytest.raises(
         WeightsError, match=r"1 unexpected key\(s\): decoder.up_blocks.0.attentions.0.to_q.weight"
     ):
@@ -148,19 +93,16 @@ def test_unexpected_key(tmp_path, folder):
 
 
 def test_wrong_shape_names_key_and_both_shapes(tmp_path, folder, bfl_file):
-    sd = load_file(bfl_file)
-    sd["encoder.mid.attn_1.k.weight"] = torch.zeros(64, 64)  # a linear weight where BFL has a 1x1 conv
-    save_file(sd, tmp_path / "s.safetensors")
+    linear = {"encoder.mid.attn_1.k.weight": torch.zeros(64, 64)}  # a linear weight where BFL has a 1x1 conv
+    path = fx.edited(bfl_file, lambda sd: sd.update(linear), tmp_path / "s.safetensors")
     with pytest.raises(
         WeightsError,
         match=r"encoder.mid.attn_1.k.weight: expected shape \(64, 64, 1, 1\), checkpoint has \(64, 64\)",
     ):
-        load_vae(tmp_path / "s.safetensors")
+        load_vae(path)
 
-    path = folder / "diffusion_pytorch_model.safetensors"
-    sd = load_file(path)
-    sd["decoder.mid_block.attentions.0.to_out.0.weight"] = torch.zeros(64, 64, 1, 1)
-    save_file(sd, path)
+    conv = {"decoder.mid_block.attentions.0.to_out.0.weight": torch.zeros(64, 64, 1, 1)}
+    fx.edited(folder / "diffusion_pytorch_model.safetensors", lambda sd: sd.update(conv))
     with pytest.raises(
         WeightsError,
         match=r"decoder.mid_block.attentions.0.to_out.0.weight: expected shape \(64, 64\), checkpoint has \(64, 64, 1, 1\)",
@@ -195,8 +137,7 @@ def test_empty_and_foreign_files(tmp_path):
     ],
 )
 def test_config_json_is_checked(folder, edit, message):
-    cfg_path = folder / "config.json"
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **edit}))
+    fx.edit_config(folder, edit)
     with pytest.raises(WeightsError, match=message):
         load_vae(folder)
 
@@ -209,19 +150,9 @@ def test_invalid_config_json(folder):
 
 def test_cached_model_id_loads(tmp_path, monkeypatch, model):
     """A Hugging Face cache entry laid out by hand, as `hf download` leaves a FLUX.1 repo: vae/ wins over ae.safetensors."""
-    cache = tmp_path / "hub"
-    repo = cache / "models--black-forest-labs--FLUX.1-dev"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snap = repo / "snapshots" / commit
+    snap = fx.cached_snapshot(tmp_path, monkeypatch, "black-forest-labs/FLUX.1-dev")
     save_diffusers_vae(model, snap / "vae")
     (snap / "ae.safetensors").write_bytes(b"")  # would fail to load: proves vae/ is the one read
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import huggingface_hub.constants as c
-
-    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     vae = load_vae("black-forest-labs/FLUX.1-dev", dtype=torch.float32)
     assert vae.config.scale_factor == 0.3611 and vae.config.ch_mult == (1, 2)
     with pytest.raises(

@@ -107,6 +107,9 @@ def bfl_flux2_state_dict(model, counter: bool = False) -> dict[str, torch.Tensor
     return out
 
 
-def save_bfl_flux2_vae(model, path: Path, prefix: str = "", counter: bool = False) -> Path:
-    """Write `model`'s weights in BFL's FLUX.2 single-file layout (optionally prefixed)."""
-    return save_tensors({prefix + k: v for k, v in bfl_flux2_state_dict(model, counter).items()}, path)
+def save_bfl_flux2_vae(
+    model, path: Path, prefix: str = "", counter: bool = False, extra: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write `model`'s weights in BFL's FLUX.2 single-file layout (optionally prefixed, with other keys)."""
+    out = {prefix + k: v for k, v in bfl_flux2_state_dict(model, counter).items()}
+    return save_tensors({**out, **(extra or {})}, path)
