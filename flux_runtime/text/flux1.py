@@ -26,9 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from flux_runtime.registry import CLIP_L_ID, T5_XXL_ID
+from flux_runtime.text.checks import check_count, check_sequence_length, prompt_list
 from flux_runtime.text.clip_encoder import ClipTextEncoder
 from flux_runtime.text.fp8 import quantize_text_layers
-from flux_runtime.text.hf_weights import load_pretrained
+from flux_runtime.text.hf_weights import check_model_folder, load_checked, pipeline_root
 from flux_runtime.text.native_weights import Kind, has_safetensors, load_native
 from flux_runtime.text.t5_encoder import T5Encoder
 from flux_runtime.text.tiny import init_random, tiny_clip_config, tiny_t5_config
@@ -39,10 +40,7 @@ from flux_runtime.text.tokenizers import (
     tokenize,
     transformers_tokenizers,
 )
-from flux_runtime.weights.config_files import read_json_object
-from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
-from flux_runtime.weights.safetensors_io import check_safetensors_folder
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
     from transformers import CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel
@@ -53,12 +51,6 @@ logger = logging.getLogger(__name__)
 MAX_SEQUENCE_LENGTH = 512
 
 _DIFFUSERS_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
-_WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
 class Flux1TextEmbeddings(NamedTuple):
@@ -111,21 +103,20 @@ class Flux1TextEncoder:
         and `tokenizer_2/` (T5TokenizerFast) with the classes FLUX.1's model_index.json names, loads the
         weights in `dtype` (FLUX.1 runs them in bf16) and moves them to `device`. Never touches the network.
         """
-        root = resolve(path_or_id)
-        missing = [f"{name}/" for name in _DIFFUSERS_FOLDERS if not (root / name).is_dir()]
-        if missing:
-            raise WeightsError(
-                f"{root} has no {', '.join(missing)}: a diffusers FLUX.1 folder holds text_encoder/, tokenizer/, "
-                "text_encoder_2/ and tokenizer_2/ (for separate CLIP-L and T5 folders use "
-                "Flux1TextEncoder.from_components)"
-            )
-        encoder = cls(
-            _load_model("clip", root / "text_encoder", dtype, device, "CLIP text encoder"),
-            load_clip_tokenizer(root / "tokenizer"),
-            _load_model("t5", root / "text_encoder_2", dtype, device, "T5 encoder"),
-            load_t5_tokenizer(root / "tokenizer_2"),
+        root = pipeline_root(
+            path_or_id,
+            _DIFFUSERS_FOLDERS,
+            "FLUX.1",
+            "for separate CLIP-L and T5 folders use Flux1TextEncoder.from_components",
         )
-        return encoder.to(device)
+        return cls._open(
+            root / "text_encoder",
+            root / "tokenizer",
+            root / "text_encoder_2",
+            root / "tokenizer_2",
+            device,
+            dtype,
+        )
 
     @classmethod
     def from_components(
@@ -143,11 +134,24 @@ class Flux1TextEncoder:
         encoder weights are read. Never touches the network.
         """
         clip_dir, t5_dir = resolve(clip), resolve(t5)
+        return cls._open(clip_dir, clip_dir, t5_dir, t5_dir, device, dtype)
+
+    @classmethod
+    def _open(
+        cls,
+        clip: Path,
+        clip_tokenizer: Path,
+        t5: Path,
+        t5_tokenizer: Path,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> Flux1TextEncoder:
+        """The encoders from their folders in `dtype` on `device` (streamed onto a GPU), the tokenizers from theirs."""
         encoder = cls(
-            _load_model("clip", clip_dir, dtype, device, "CLIP text encoder"),
-            load_clip_tokenizer(clip_dir),
-            _load_model("t5", t5_dir, dtype, device, "T5 encoder"),
-            load_t5_tokenizer(t5_dir),
+            _load_model("clip", clip, dtype, device, "CLIP text encoder"),
+            load_clip_tokenizer(clip_tokenizer),
+            _load_model("t5", t5, dtype, device, "T5 encoder"),
+            load_t5_tokenizer(t5_tokenizer),
         )
         return encoder.to(device)
 
@@ -224,17 +228,13 @@ class Flux1TextEncoder:
         logged warning. Each encoder runs where it sits; the outputs go to `device` (default: the T5's).
         Shapes and dtypes: see `Flux1TextEmbeddings` and this module's docstring.
         """
-        prompts = _prompt_list(prompts, "prompts")
-        prompts_2 = prompts if prompts_2 is None else _prompt_list(prompts_2, "prompts_2")
+        prompts = prompt_list(prompts, "prompts")
+        prompts_2 = prompts if prompts_2 is None else prompt_list(prompts_2, "prompts_2")
         if len(prompts_2) != len(prompts):
             raise ValueError(f"prompts_2 has {len(prompts_2)} prompts but prompts has {len(prompts)}")
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(
-                f"max_sequence_length {max_sequence_length!r} is not in 1..{MAX_SEQUENCE_LENGTH} "
-                f"(FLUX.1 takes at most {MAX_SEQUENCE_LENGTH} T5 tokens)"
-            )
-        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt {num_images_per_prompt!r} is not a positive integer")
+        limit = MAX_SEQUENCE_LENGTH
+        check_sequence_length(max_sequence_length, limit, f"FLUX.1 takes at most {limit} T5 tokens")
+        check_count(num_images_per_prompt, "num_images_per_prompt")
         device = self.device if device is None else torch.device(device)
         batch, n = len(prompts), num_images_per_prompt
 
@@ -270,32 +270,13 @@ def _t5_states(t5: nn.Module, ids: Tensor) -> Tensor:
     return t5(ids, output_hidden_states=False)[0]
 
 
-def _prompt_list(prompts: str | list[str], name: str) -> list[str]:
-    """`prompts` as a non-empty list of strings (a single string is one prompt)."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
-        raise TypeError(f"{name} must be a string or a list of strings, got {prompts!r:.80}")
-    if not prompts:
-        raise ValueError(f"{name} is empty; give at least one prompt (an empty string is a valid prompt)")
-    return list(prompts)
-
-
 def _load_model(
     kind: Kind, folder: Path, dtype: torch.dtype, device: torch.device | str, what: str
 ) -> nn.Module:
     """The `kind` encoder of `folder` in `dtype` on `device`, offline, failing on missing files or weights in our
     words. Safetensors weights load into our own modules (`native_weights`: the same bits as transformers',
-    without importing it); `.bin` weights through transformers' `from_pretrained`."""
-    if not (folder / "config.json").is_file():
-        raise WeightsError(f"{folder}: no config.json; expected the {what} (config.json and its weights)")
-    if not any((folder / name).is_file() for name in _WEIGHT_FILES):
-        raise WeightsError(
-            f"{folder}: no weights for the {what} (expected one of {', '.join(_WEIGHT_FILES)})"
-        )
-    # a damaged config or safetensors file fails here in our words, not inside a loader
-    read_json_object(folder / "config.json")
-    check_safetensors_folder(folder)
+    without importing it); `.bin` weights through transformers' `from_pretrained` (streamed onto a GPU)."""
+    check_model_folder(folder, what)
     if kind == "t5" and dtype == torch.float16:
         logger.warning(
             "T5 overflows in float16 (its `wo` layers stay in float32, as transformers keeps them); FLUX.1 uses "
@@ -305,12 +286,4 @@ def _load_model(
         return load_native(kind, folder, dtype, device, what)
     from transformers import CLIPTextModel, T5EncoderModel
 
-    # transformers random-initializes weights missing from the checkpoint; for us that is an error.
-    cls = CLIPTextModel if kind == "clip" else T5EncoderModel
-    model, info = load_pretrained(cls, folder, dtype, device)
-    missing = sorted(info["missing_keys"])
-    if missing:
-        raise WeightsError(
-            f"{folder}: the {what} checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}"
-        )
-    return model
+    return load_checked(CLIPTextModel if kind == "clip" else T5EncoderModel, folder, dtype, device, what)

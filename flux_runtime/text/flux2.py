@@ -28,7 +28,6 @@ from torch import Tensor
 from transformers import (
     Mistral3Config,
     Mistral3ForConditionalGeneration,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -36,15 +35,11 @@ from transformers import (
 
 from flux_runtime.registry import MISTRAL_PROCESSOR_ID, MISTRAL_SMALL_ID
 from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer, tokenize_chats
-from flux_runtime.text.flux1 import _prompt_list
-from flux_runtime.text.hf_weights import load_pretrained
+from flux_runtime.text.checks import check_count, check_sequence_length, prompt_list
 from flux_runtime.text.llm import StackedLLM
-from flux_runtime.text.tiny import TINY_WIDTH, init_random
+from flux_runtime.text.tiny import TINY_WIDTH
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
-from flux_runtime.weights.config_files import read_json_object
-from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
-from flux_runtime.weights.safetensors_io import check_safetensors_folder
 
 # BFL's FLUX.2 [dev] and diffusers' converter pair Mistral Small 3.2's weights with Mistral Small 3.1's processor.
 # FLUX.2 is trained with 512 text tokens (BFL's MAX_LENGTH); diffusers' default.
@@ -57,13 +52,6 @@ SYSTEM_MESSAGE = (
 # Flux2KleinPipeline's unconditional prompt for classifier-free guidance.
 NEGATIVE_PROMPT = ""
 
-_WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
 
 class Flux2TextEmbeddings(NamedTuple):
     """What the FLUX.2 DiT reads from the prompt; unpacks like diffusers' `encode_prompt` result."""
@@ -75,7 +63,8 @@ class Flux2TextEmbeddings(NamedTuple):
 class _StackedStatesEncoder(StackedLLM):
     """The FLUX.2 reading of a chat LLM at three depths, shared by Mistral Small and Qwen3.
 
-    Subclasses name the `layers` read and the model family, and `render` prompts in their chat template.
+    Subclasses name the `layers` read, the model family and classes (`StackedLLM`), and `render` prompts in their
+    chat template.
     Inference only: the model is put in eval mode and runs under `torch.no_grad`.
     """
 
@@ -96,23 +85,14 @@ class _StackedStatesEncoder(StackedLLM):
         (1..512); longer chats are cut with a logged warning. The model runs where it sits; the outputs go to
         `device` (default: the model's). Shapes and dtypes: see `Flux2TextEmbeddings` and this module's docstring.
         """
-        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt {num_images_per_prompt!r} is not a positive integer")
+        check_count(num_images_per_prompt, "num_images_per_prompt")
         input_ids, attention_mask = self.tokenize(prompts, max_sequence_length)  # (B, L) each
         device = self.device if device is None else torch.device(device)
         n = num_images_per_prompt
 
-        output = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            output_hidden_states=True,
-            use_cache=False,
-        )
-        # hidden_states[k]: the residual stream after k decoder layers (0: embeddings), padding included
-        states = torch.stack([output.hidden_states[k] for k in self.layers], dim=1)  # (B, 3, L, H)
-        states = states.to(dtype=self.dtype, device=device)
-        batch, count, length, width = states.shape
-        prompt_embeds = states.permute(0, 2, 1, 3).reshape(batch, length, count * width)  # (B, L, 3H)
+        # (B, L, 3H): the three hidden states side by side per token
+        prompt_embeds = self.stacked_states(device, input_ids=input_ids, attention_mask=attention_mask)
+        batch, length, _ = prompt_embeds.shape
         prompt_embeds = prompt_embeds.repeat(1, n, 1).view(batch * n, length, -1)  # (B * n, L, 3H)
 
         text_ids = torch.zeros(batch * n, length, 4, dtype=torch.int64, device=device)
@@ -127,12 +107,9 @@ class _StackedStatesEncoder(StackedLLM):
         The chat-formatted prompts (`render`) tokenized, padded (mask 0) and truncated as diffusers does, with a
         warning per truncated prompt.
         """
-        prompts = _prompt_list(prompts, "prompts")
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(
-                f"max_sequence_length {max_sequence_length!r} is not in 1..{MAX_SEQUENCE_LENGTH} "
-                f"(FLUX.2 takes at most {MAX_SEQUENCE_LENGTH} text tokens)"
-            )
+        prompts = prompt_list(prompts, "prompts")
+        limit = MAX_SEQUENCE_LENGTH
+        check_sequence_length(max_sequence_length, limit, f"FLUX.2 takes at most {limit} text tokens")
         texts = self.render(prompts)
         return tokenize_chats(
             self.tokenizer,
@@ -156,33 +133,17 @@ class Flux2TextEncoder(_StackedStatesEncoder):
 
     Each prompt (with `[IMG]` removed, as diffusers' `format_input` does) follows FLUX.2's system message in a
     `[SYSTEM_PROMPT]…[/SYSTEM_PROMPT][INST]…[/INST]` chat; hidden states 10, 20 and 30 are stacked. Open one with
-    `from_pretrained` (a diffusers FLUX.2 [dev] folder or cached id), `from_components` (model and processor from
-    their own folders or cached ids, as BFL loads them) or `tiny` (random, for tests and the demo).
+    `from_pretrained` (a diffusers FLUX.2 [dev] folder or cached id such as black-forest-labs/FLUX.2-dev:
+    `text_encoder/` holds Mistral3ForConditionalGeneration, `tokenizer/` the PixtralProcessor folder),
+    `from_components` (model and processor from their own folders or cached ids, as BFL loads them) or `tiny`
+    (random, for tests and the demo).
     """
 
     layers = (10, 20, 30)
     family = "Mistral"
     model_type = "mistral3"
-
-    def __init__(
-        self, model: Mistral3ForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, chat_template: str
-    ) -> None:
-        super().__init__(model, tokenizer)
-        self.chat_template = chat_template
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_id: str | Path,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.bfloat16,
-    ) -> Flux2TextEncoder:
-        """Open `text_encoder/` (Mistral3ForConditionalGeneration) and `tokenizer/` (the PixtralProcessor folder)
-        of a diffusers FLUX.2 [dev] folder or cached id (black-forest-labs/FLUX.2-dev), weights in `dtype`
-        (FLUX.2 runs them in bf16), on `device`. Never touches the network."""
-        root = _pipeline_root(path_or_id, "FLUX.2 [dev]", "Flux2TextEncoder.from_components")
-        return cls._open(root / "text_encoder", root / "tokenizer", device, dtype)
+    pipeline = "FLUX.2 [dev]"
+    model_class = Mistral3ForConditionalGeneration
 
     @classmethod
     def from_components(
@@ -201,29 +162,15 @@ class Flux2TextEncoder(_StackedStatesEncoder):
         return cls._open(resolve(model), resolve(processor), device, dtype)
 
     @classmethod
-    def _open(
-        cls, model: Path, processor: Path, device: torch.device | str, dtype: torch.dtype
-    ) -> Flux2TextEncoder:
-        _check_model_folder(model, cls)  # before reading anything large
-        tokenizer, template = load_mistral_tokenizer(processor)
-        loaded = _load_model(Mistral3ForConditionalGeneration, model, dtype, device, cls)
-        return cls(loaded, tokenizer, template).to(device)
+    def open_tokenizer(cls, folder: Path) -> tuple[PreTrainedTokenizerBase, str]:
+        return load_mistral_tokenizer(folder)
 
     @classmethod
-    def tiny(
-        cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
-    ) -> Flux2TextEncoder:
-        """A random Mistral3 of width 32 with the tokenizer and template shipped in the package (no files needed).
-
-        Its output (3 x 32 = 96 wide) fits the tiny FLUX.2 DiT preset. The same `seed` gives the same weights
-        everywhere; the global RNG is left as it was.
-        """
+    def tiny_parts(cls) -> tuple[Mistral3Config, PreTrainedTokenizerBase, str]:
+        """A Mistral3 of width 32 (output 3 x 32 = 96 wide, the tiny FLUX.2 DiT's), the shipped tokenizer and
+        template."""
         tokenizer, template = load_mistral_tokenizer(TINY_TOKENIZERS / "mistral")
-        # transformers' initializers draw from the global RNG; fork it so building leaves it untouched.
-        with torch.random.fork_rng(devices=[]):
-            model = Mistral3ForConditionalGeneration(tiny_mistral3_config(tokenizer))
-        init_random(model, seed)
-        return cls(_cast_parameters(model, dtype), tokenizer, template).to(device)
+        return tiny_mistral3_config(tokenizer), tokenizer, template
 
     def render(self, prompts: list[str]) -> list[str]:
         """FLUX.2's system message and each prompt in Mistral's chat template, as diffusers' `format_input` and
@@ -252,27 +199,16 @@ class KleinTextEncoder(_StackedStatesEncoder):
     Each prompt is one user turn rendered with `add_generation_prompt=True, enable_thinking=False` (no system
     message); hidden states 9, 18 and 27 are stacked. The base (not step-distilled) klein models guide with real
     classifier-free guidance when guidance_scale > 1; their unconditional input is `encode_negative`. Open one
-    with `from_pretrained` (a diffusers FLUX.2 [klein] folder or cached id), `from_components` (a Qwen3 folder or
-    cached id such as Qwen/Qwen3-4B) or `tiny` (random, for tests and the demo).
+    with `from_pretrained` (a diffusers FLUX.2 [klein] folder or cached id: `text_encoder/` holds
+    Qwen3ForCausalLM, `tokenizer/` Qwen2TokenizerFast), `from_components` (a Qwen3 folder or cached id such as
+    Qwen/Qwen3-4B) or `tiny` (random, for tests and the demo).
     """
 
     layers = (9, 18, 27)
     family = "Qwen3"
     model_type = "qwen3"
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_id: str | Path,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.bfloat16,
-    ) -> KleinTextEncoder:
-        """Open `text_encoder/` (Qwen3ForCausalLM) and `tokenizer/` (Qwen2TokenizerFast) of a diffusers FLUX.2
-        [klein] folder or cached id, weights in `dtype` (FLUX.2 runs them in bf16), on `device`. Never touches
-        the network."""
-        root = _pipeline_root(path_or_id, "FLUX.2 [klein]", "KleinTextEncoder.from_components")
-        return cls._open(root / "text_encoder", root / "tokenizer", device, dtype)
+    pipeline = "FLUX.2 [klein]"
+    model_class = Qwen3ForCausalLM
 
     @classmethod
     def from_components(
@@ -289,28 +225,14 @@ class KleinTextEncoder(_StackedStatesEncoder):
         return cls._open(model_dir, model_dir if tokenizer is None else resolve(tokenizer), device, dtype)
 
     @classmethod
-    def _open(
-        cls, model: Path, tokenizer: Path, device: torch.device | str, dtype: torch.dtype
-    ) -> KleinTextEncoder:
-        _check_model_folder(model, cls)  # before reading anything large
-        loaded_tokenizer = load_qwen3_tokenizer(tokenizer)
-        loaded = _load_model(Qwen3ForCausalLM, model, dtype, device, cls)
-        return cls(loaded, loaded_tokenizer).to(device)
+    def open_tokenizer(cls, folder: Path) -> tuple[PreTrainedTokenizerBase]:
+        return (load_qwen3_tokenizer(folder),)
 
     @classmethod
-    def tiny(
-        cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
-    ) -> KleinTextEncoder:
-        """A random Qwen3 of width 32 with the tokenizer shipped in the package (no files needed).
-
-        Its output (3 x 32 = 96 wide) fits the tiny FLUX.2 DiT preset. The same `seed` gives the same weights
-        everywhere; the global RNG is left as it was.
-        """
+    def tiny_parts(cls) -> tuple[Qwen3Config, PreTrainedTokenizerBase]:
+        """A Qwen3 of width 32 (output 3 x 32 = 96 wide, the tiny FLUX.2 DiT's) and the shipped tokenizer."""
         tokenizer = load_qwen3_tokenizer(TINY_TOKENIZERS / "qwen3")
-        with torch.random.fork_rng(devices=[]):
-            model = Qwen3ForCausalLM(tiny_qwen3_config(tokenizer))
-        init_random(model, seed)
-        return cls(_cast_parameters(model, dtype), tokenizer).to(device)
+        return tiny_qwen3_config(tokenizer), tokenizer
 
     def encode_negative(
         self,
@@ -323,8 +245,7 @@ class KleinTextEncoder(_StackedStatesEncoder):
         """The unconditional embeddings for `num_prompts` prompts: `NEGATIVE_PROMPT` ("") once per prompt, encoded
         with the same settings, as Flux2KleinPipeline does when guidance_scale > 1 and the model is not
         distilled."""
-        if not isinstance(num_prompts, int) or num_prompts < 1:
-            raise ValueError(f"num_prompts {num_prompts!r} is not a positive integer")
+        check_count(num_prompts, "num_prompts")
         return self.encode(
             [NEGATIVE_PROMPT] * num_prompts,
             max_sequence_length=max_sequence_length,
@@ -338,6 +259,7 @@ class KleinTextEncoder(_StackedStatesEncoder):
         return [
             self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}],
+                chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=True,
                 enable_thinking=False,
@@ -413,63 +335,3 @@ def tiny_qwen3_config(tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-
-
-def _cast_parameters(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """Cast the weights to `dtype` as `from_pretrained(dtype=...)` loads them; the RoPE `inv_freq` buffers stay
-    float32 as there (`model.to(dtype)` would round them and change every rotary angle)."""
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    return model
-
-
-# --- loading -----------------------------------------------------------------------------------------------
-
-
-def _pipeline_root(path_or_id: str | Path, model: str, alternative: str) -> Path:
-    """The diffusers folder `path_or_id` resolves to, failing in our words unless it has the text encoder."""
-    root = resolve(path_or_id)
-    missing = [f"{name}/" for name in ("text_encoder", "tokenizer") if not (root / name).is_dir()]
-    if missing:
-        raise WeightsError(
-            f"{root} has no {', '.join(missing)}: a diffusers {model} folder holds text_encoder/ and tokenizer/ "
-            f"(for the model and tokenizer in their own folders use {alternative})"
-        )
-    return root
-
-
-def _check_model_folder(folder: Path, encoder: type[_StackedStatesEncoder]) -> None:
-    """Fail in our words unless `folder` holds a config.json of `encoder`'s model type and weights."""
-    config = folder / "config.json"
-    if not config.is_file():
-        raise WeightsError(f"{folder}: no config.json; expected the {encoder.family} text encoder")
-    model_type = read_json_object(config).get("model_type")
-    if model_type != encoder.model_type:
-        raise WeightsError(
-            f"{folder} holds a {model_type!r} model; {encoder.__name__} reads {encoder.family} "
-            f"(model_type {encoder.model_type!r})"
-        )
-    if not any((folder / name).is_file() for name in _WEIGHT_FILES):
-        raise WeightsError(
-            f"{folder}: no weights for the {encoder.family} text encoder (expected one of {', '.join(_WEIGHT_FILES)})"
-        )
-    check_safetensors_folder(folder)  # a damaged file fails here in our words, not inside transformers
-
-
-def _load_model(
-    cls: type[Mistral3ForConditionalGeneration] | type[Qwen3ForCausalLM],
-    folder: Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    encoder: type[_StackedStatesEncoder],
-) -> PreTrainedModel:
-    """`cls.from_pretrained(folder)` in `dtype` on `device` (streamed onto a GPU), offline; a checkpoint
-    missing weights is an error."""
-    # transformers random-initializes weights missing from the checkpoint; for us that is an error.
-    model, info = load_pretrained(cls, folder, dtype, device)
-    missing = sorted(info["missing_keys"])
-    if missing:
-        raise WeightsError(
-            f"{folder}: the {encoder.family} checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}"
-        )
-    return model

@@ -35,9 +35,9 @@ from transformers import (
 )
 
 from flux_runtime.registry import QWEN3_VL_4B_ID
-from flux_runtime.text.flux2 import _check_model_folder, _load_model, _pipeline_root
+from flux_runtime.text.checks import check_count, check_sequence_length
 from flux_runtime.text.llm import StackedLLM
-from flux_runtime.text.tiny import TINY_WIDTH, init_random
+from flux_runtime.text.tiny import TINY_WIDTH
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
@@ -70,7 +70,8 @@ class Flux3TextEmbeddings(NamedTuple):
 
 
 class Flux3TextEncoder(StackedLLM):
-    """Qwen3-VL read at eight depths. Open one with `from_pretrained` (a diffusers FLUX.3 folder or cached id),
+    """Qwen3-VL read at eight depths. Open one with `from_pretrained` (a diffusers FLUX.3 folder or cached id:
+    `text_encoder/` holds Qwen3VLForConditionalGeneration, `tokenizer/` the Qwen3-VL processor folder),
     `from_components` (Qwen3-VL's own folder or cached id) or `tiny` (random, for tests and the demo).
     Inference only: the model is put in eval mode and runs under `torch.no_grad`."""
 
@@ -78,26 +79,8 @@ class Flux3TextEncoder(StackedLLM):
     generation = "FLUX.3"
     model_type = "qwen3_vl"
     layers = LAYERS
-
-    def __init__(
-        self, model: Qwen3VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, chat_template: str
-    ) -> None:
-        super().__init__(model, tokenizer)
-        self.chat_template = chat_template
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_id: str | Path,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.bfloat16,
-    ) -> Flux3TextEncoder:
-        """Open `text_encoder/` (Qwen3VLForConditionalGeneration) and `tokenizer/` (the Qwen3-VL processor folder)
-        of a diffusers FLUX.3 folder or cached id, weights in `dtype` (FLUX.3 runs them in bf16). Never touches the
-        network."""
-        root = _pipeline_root(path_or_id, "FLUX.3", "Flux3TextEncoder.from_components")
-        return cls._open(root / "text_encoder", root / "tokenizer", device, dtype)
+    pipeline = "FLUX.3"
+    model_class = Qwen3VLForConditionalGeneration
 
     @classmethod
     def from_components(
@@ -114,32 +97,15 @@ class Flux3TextEncoder(StackedLLM):
         return cls._open(model_dir, model_dir if processor is None else resolve(processor), device, dtype)
 
     @classmethod
-    def _open(
-        cls, model: Path, processor: Path, device: torch.device | str, dtype: torch.dtype
-    ) -> Flux3TextEncoder:
-        _check_model_folder(model, cls)  # type: ignore[arg-type]  # before reading anything large
-        tokenizer, template = load_processor_text(processor)
-        loaded = _load_model(Qwen3VLForConditionalGeneration, model, dtype, device, cls)  # type: ignore[arg-type]
-        return cls(loaded, tokenizer, template).to(device)
+    def open_tokenizer(cls, folder: Path) -> tuple[PreTrainedTokenizerBase, str]:
+        return load_processor_text(folder)
 
     @classmethod
-    def tiny(
-        cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
-    ) -> Flux3TextEncoder:
-        """A random Qwen3-VL of width 32 with the tiny Qwen tokenizer shipped in the package (no files needed).
-
-        Its output (8 x 32 = 256 wide) fits the tiny FLUX.3 DiT preset. The same `seed` gives the same weights
-        everywhere; the global RNG is left as it was.
-        """
+    def tiny_parts(cls) -> tuple[Qwen3VLConfig, PreTrainedTokenizerBase, str]:
+        """A Qwen3-VL of width 32 (output 8 x 32 = 256 wide, the tiny FLUX.3 DiT's), the tiny Qwen tokenizer
+        shipped in the package and `TINY_CHAT_TEMPLATE`."""
         tokenizer = Qwen2TokenizerFast.from_pretrained(TINY_TOKENIZERS / "qwen3", local_files_only=True)
-        with torch.random.fork_rng(devices=[]):
-            model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer))
-        init_random(model, seed)
-        for (
-            param
-        ) in model.parameters():  # as from_pretrained(dtype=...) casts; RoPE inv_freq buffers stay fp32
-            param.data = param.data.to(dtype)
-        return cls(model, tokenizer, TINY_CHAT_TEMPLATE).to(device)
+        return tiny_qwen3_vl_config(tokenizer), tokenizer, TINY_CHAT_TEMPLATE
 
     def render(self, prompt: str) -> str:
         """The prompt as one Qwen3-VL user turn plus the generation prompt, as text (special tokens written out)."""
@@ -166,11 +132,8 @@ class Flux3TextEncoder(StackedLLM):
         """
         if not isinstance(prompt, str):
             raise TypeError(f"FLUX.3 encodes one prompt (a string) per call, got {type(prompt).__name__}")
-        if not isinstance(max_sequence_length, int) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(
-                f"max_sequence_length {max_sequence_length!r} is not in 1..{MAX_SEQUENCE_LENGTH} "
-                f"(FLUX.3 takes at most {MAX_SEQUENCE_LENGTH} text tokens)"
-            )
+        limit = MAX_SEQUENCE_LENGTH
+        check_sequence_length(max_sequence_length, limit, f"FLUX.3 takes at most {limit} text tokens")
         text = self.render(prompt)
         full = len(self.tokenizer(text, verbose=False).input_ids)
         if full > max_sequence_length:
@@ -203,24 +166,15 @@ class Flux3TextEncoder(StackedLLM):
         device: torch.device | str | None = None,
     ) -> Flux3TextEmbeddings:
         """Encode one prompt as diffusers' `Flux3TextEncoderStep` does; outputs on `device` (default: the model's)."""
-        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt {num_images_per_prompt!r} is not a positive integer")
+        check_count(num_images_per_prompt, "num_images_per_prompt")
         input_ids, mask, position_ids = self.tokenize(prompt, max_sequence_length)
         device = self.device if device is None else torch.device(device)
-        output = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=position_ids.to(self.device),
-            output_hidden_states=True,
-            use_cache=False,
+        # (1, L, 8H): the eight hidden states side by side per token
+        prompt_embeds = self.stacked_states(
+            device, input_ids=input_ids, attention_mask=mask, position_ids=position_ids
         )
-        # hidden_states[k]: the residual stream after k decoder layers (0: embeddings), padding included
-        states = torch.stack([output.hidden_states[k] for k in self.layers], dim=1)  # (1, 8, L, H)
-        states = states.to(dtype=self.dtype, device=device)
-        batch, count, length, width = states.shape
-        prompt_embeds = states.permute(0, 2, 1, 3).reshape(batch, length, count * width)  # (1, L, 8H)
         prompt_embeds = prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)  # (n, L, 8H)
-        return Flux3TextEmbeddings(prompt_embeds, text_ids(length, device))
+        return Flux3TextEmbeddings(prompt_embeds, text_ids(prompt_embeds.shape[1], device))
 
     def encode_negative(
         self,
@@ -252,7 +206,7 @@ def load_processor_text(folder: Path) -> tuple[PreTrainedTokenizerBase, str]:
             f"{folder}: no Qwen3-VL tokenizer here (expected tokenizer.json, or vocab.json and merges.txt)"
         )
     tokenizer = Qwen2TokenizerFast.from_pretrained(folder, local_files_only=True)
-    template = _processor_template(folder) or tokenizer.chat_template
+    template = processor_template(folder) or tokenizer.chat_template
     if not isinstance(template, str):
         raise WeightsError(
             f"{folder}: no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json); "
@@ -261,7 +215,7 @@ def load_processor_text(folder: Path) -> tuple[PreTrainedTokenizerBase, str]:
     return tokenizer, template
 
 
-def _processor_template(folder: Path) -> str | None:
+def processor_template(folder: Path) -> str | None:
     """The processor-level chat template saved beside the tokenizer, which the processor prefers, or None."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():

@@ -35,9 +35,10 @@ import torch
 from PIL import Image, ImageOps
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from flux_runtime.text.flux2 import _check_model_folder, _load_model
-from flux_runtime.text.flux3 import _processor_template
+from flux_runtime.text.flux3 import processor_template
 from flux_runtime.text.flux3_boxes import canvas_rows, reconcile
+from flux_runtime.text.hf_weights import load_checked
+from flux_runtime.text.llm import PlacedModel, check_llm_folder
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve
 
@@ -169,7 +170,7 @@ def _check_template(path: Path, key: str, template: str, slots: tuple[str, ...])
             raise WeightsError(f"{path}: {key!r} has no {{{slot}}} slot for {what}")
 
 
-class PromptUpsampler:
+class PromptUpsampler(PlacedModel):
     """A Qwen3.5 prompt upsampler (`Qwen3_5ForConditionalGeneration`) with its tokenizer, chat template and system
     prompts. Open one with `from_pretrained`; `upsample(request, images)` returns the caption."""
 
@@ -195,20 +196,6 @@ class PromptUpsampler:
         self.source = source
         self.weights = weights
         self.processor: Any = None  # the full processor, opened (`open_processor`) for the first edit request
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    def to(self, device: torch.device | str) -> PromptUpsampler:
-        self.model.to(device)
-        return self
-
-    def offload(self) -> PromptUpsampler:
-        self.to("cpu")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return self
 
     @classmethod
     def from_pretrained(
@@ -238,14 +225,14 @@ class PromptUpsampler:
         """`from_pretrained` with the folder resolved and the prompts read."""
         from transformers import Qwen3_5ForConditionalGeneration
 
-        _check_model_folder(folder, cls)  # type: ignore[arg-type]
+        check_llm_folder(folder, cls)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        template = _processor_template(folder) or tokenizer.chat_template
+        template = processor_template(folder) or tokenizer.chat_template
         if not isinstance(template, str):
             raise WeightsError(
                 f"{folder}: no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
             )
-        model = _load_model(Qwen3_5ForConditionalGeneration, folder, dtype, device, cls)  # type: ignore[arg-type]
+        model = load_checked(Qwen3_5ForConditionalGeneration, folder, dtype, device, cls.family)
         return cls(
             model,
             tokenizer,

@@ -222,9 +222,14 @@ class T5EncoderBlock(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([T5LayerAttention(cfg, has_bias, attention), T5LayerFeedForward(cfg)])
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
+    def forward(self, x: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(the block's output, the position bias). Block 0, which holds the relative-attention table, computes
+        the bias every later block reuses (`bias` None) inside its own call, so that a memory plan streaming the
+        block's weights in for the call has them there."""
+        if bias is None:
+            bias = self.layer[0].SelfAttention.position_bias(x.shape[1], x.device)
         x = _clamp_fp16(self.layer[0](x, bias))
-        return _clamp_fp16(self.layer[1](x))
+        return _clamp_fp16(self.layer[1](x)), bias
 
 
 class T5Stack(nn.Module):
@@ -238,10 +243,9 @@ class T5Stack(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids)
-        first = self.block[0].layer[0].SelfAttention
-        bias = first.position_bias(input_ids.shape[1], x.device)
+        bias = None
         for block in self.block:
-            x = block(x, bias)
+            x, bias = block(x, bias)
         return self.final_layer_norm(x)
 
 

@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from flux_runtime import load_transformer
 from flux_runtime.models.dit import FLUX1_DEV, FLUX1_SCHNELL, TINY, Flux1Transformer
-from tests.flux1_fixtures import make_diffusers_transformer, make_inputs, save_bfl, save_diffusers
+from tests import flux1_fixtures
+from tests.flux1_fixtures import make_diffusers_transformer, make_inputs, save_bfl
+from tests.models.helpers import diffusers_forward, run_without_diffusers, save_as
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _reference(model, inputs):
     img, img_ids, txt, txt_ids, timesteps, y, guidance = inputs
-    with torch.no_grad():
-        return model(
-            hidden_states=img,
-            encoder_hidden_states=txt,
-            pooled_projections=y,
-            timestep=timesteps,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance if model.config.guidance_embeds else None,
-            return_dict=False,
-        )[0]
+    return diffusers_forward(model, img, img_ids, txt, txt_ids, timesteps, guidance, pooled_projections=y)
 
 
 @pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
@@ -37,11 +25,7 @@ def _reference(model, inputs):
 @pytest.mark.parametrize(("batch", "h", "w", "txt_len"), [(1, 3, 5, 7), (2, 4, 4, 11)])
 def test_forward_equals_diffusers(tmp_path, guidance, dtype, layout, batch, h, w, txt_len):
     ref_model = make_diffusers_transformer(guidance)
-    if layout == "diffusers":
-        path = save_diffusers(ref_model, tmp_path / "transformer")
-    else:
-        path = save_bfl(ref_model, tmp_path / "flux1.safetensors")
-    ours = load_transformer(path, dtype=dtype)
+    ours = load_transformer(save_as(layout, ref_model, tmp_path, flux1_fixtures), dtype=dtype)
     ref_model = ref_model.to(dtype)
 
     inputs = make_inputs(batch, h, w, txt_len, dtype)
@@ -94,27 +78,15 @@ def test_full_size_parameter_count_matches_diffusers(cfg, guidance):
 
 def test_runtime_never_imports_diffusers(tmp_path):
     path = save_bfl(make_diffusers_transformer(True), tmp_path / "f.safetensors")
-    code = textwrap.dedent(
+    run_without_diffusers(
         f"""
-        import sys
-        sys.modules["diffusers"] = None  # any `import diffusers` now raises ImportError
-        import torch, flux_runtime
         from tests.flux1_fixtures import make_inputs
         model = flux_runtime.load_transformer({str(path)!r}, dtype=torch.float32)
         img, img_ids, txt, txt_ids, t, y, g = make_inputs(1, 2, 3, 4, torch.float32)
         out = model(img, img_ids, txt, txt_ids, t, y, g)
         assert out.shape == (1, 6, 64)
-        print("ok")
         """
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(_repo_root()))
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
-
-
-def _repo_root():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,23 +18,16 @@ from flux_runtime.models.dit import (
     DiTConfig,
     Flux2Transformer,
 )
+from flux_runtime.weights import flux2_layout
+from tests import flux2_fixtures
 from tests.flux2_fixtures import make_diffusers_flux2, make_inputs, save_bfl, save_diffusers
+from tests.models.helpers import check_layout_table, diffusers_forward, run_without_diffusers, save_as
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _reference(model, inputs):
-    img, img_ids, txt, txt_ids, timesteps, guidance = inputs
-    with torch.no_grad():
-        return model(
-            hidden_states=img,
-            encoder_hidden_states=txt,
-            timestep=timesteps,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance if model.config.guidance_embeds else None,
-            return_dict=False,
-        )[0]
+    return diffusers_forward(model, *inputs)
 
 
 def _ours(model, inputs, guidance: bool):
@@ -53,11 +42,7 @@ def _ours(model, inputs, guidance: bool):
 @pytest.mark.parametrize(("batch", "h", "w", "txt_len"), [(1, 3, 5, 7), (2, 4, 6, 11)])
 def test_forward_equals_diffusers(tmp_path, guidance, dtype, layout, batch, h, w, txt_len):
     ref_model = make_diffusers_flux2(guidance)
-    if layout == "diffusers":
-        path = save_diffusers(ref_model, tmp_path / "transformer")
-    else:
-        path = save_bfl(ref_model, tmp_path / "flux2.safetensors")
-    ours = load_transformer(path, dtype=dtype)
+    ours = load_transformer(save_as(layout, ref_model, tmp_path, flux2_fixtures), dtype=dtype)
     assert isinstance(ours, Flux2Transformer) and ours.config.family == "flux2"
     ref_model = ref_model.to(dtype)
 
@@ -139,22 +124,11 @@ def test_configs_are_checked():
     assert PRESETS["flux2-klein-4b"] is FLUX2_KLEIN_4B and PRESETS["flux2-klein-9b"] is FLUX2_KLEIN_9B
 
 
+_KLEIN_KW = ("num_layers", "num_single_layers", "num_attention_heads", "joint_attention_dim")
 DIFFUSERS_KW = {
     "dev": {},  # diffusers' defaults are FLUX.2 [dev]
-    "klein-4b": dict(
-        num_layers=5,
-        num_single_layers=20,
-        num_attention_heads=24,
-        joint_attention_dim=7680,
-        guidance_embeds=False,
-    ),
-    "klein-9b": dict(
-        num_layers=8,
-        num_single_layers=24,
-        num_attention_heads=32,
-        joint_attention_dim=12288,
-        guidance_embeds=False,
-    ),
+    "klein-4b": dict(zip(_KLEIN_KW, (5, 20, 24, 7680), strict=True), guidance_embeds=False),
+    "klein-9b": dict(zip(_KLEIN_KW, (8, 24, 32, 12288), strict=True), guidance_embeds=False),
 }
 PARAMS = {"dev": 32_223_281_152, "klein-4b": 3_875_544_576, "klein-9b": 9_078_581_248}
 
@@ -171,33 +145,18 @@ def test_full_size_parameter_count_matches_diffusers(name, cfg):
     n_ours = sum(p.numel() for p in ours.parameters())
     assert n_ours == sum(p.numel() for p in ref.parameters()) == PARAMS[name]
     # and tensor for tensor: the layout table maps every diffusers tensor onto ours with its shape
-    from flux_runtime.weights import flux2_layout
-
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    ours_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    table = list(flux2_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed))
-    assert {r.bfl for r in table} == set(ours_shapes)
-    assert {d for r in table for d in r.diffusers} == set(ref_shapes)
-    for r in table:
-        parts = flux2_layout.bfl_to_diffusers(r, torch.empty(ours_shapes[r.bfl], device="meta"))
-        assert {k: tuple(v.shape) for k, v in parts.items()} == {d: ref_shapes[d] for d in r.diffusers}
+    rules = flux2_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.guidance_embed)
+    check_layout_table(flux2_layout, rules, ours, ref)
 
 
 def test_runtime_never_imports_diffusers(tmp_path):
     path = save_bfl(make_diffusers_flux2(True), tmp_path / "f.safetensors")
-    code = textwrap.dedent(
+    run_without_diffusers(
         f"""
-        import sys
-        sys.modules["diffusers"] = None  # any `import diffusers` now raises ImportError
-        import torch, flux_runtime
         from tests.flux2_fixtures import make_inputs
         model = flux_runtime.load_transformer({str(path)!r}, dtype=torch.float32)
         img, img_ids, txt, txt_ids, t, g = make_inputs(1, 2, 3, 4, torch.float32)
         out = model(img, img_ids, txt, txt_ids, t, g)
         assert out.shape == (1, 6, 128)
-        print("ok")
         """
     )
-    root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(root))
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr

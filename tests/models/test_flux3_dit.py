@@ -18,6 +18,7 @@ from tests.flux3_fixtures import (
     our_forward,
     reference_forward,
 )
+from tests.models.helpers import check_layout_table
 
 
 def _ours_from(ref_model, dtype: torch.dtype) -> Flux3Transformer:
@@ -144,14 +145,8 @@ def test_full_size_parameter_count_matches_diffusers(flow_map):
     n_ours = sum(p.numel() for p in ours.parameters())
     assert n_ours == sum(p.numel() for p in ref.parameters()) == PARAMS[flow_map]
     # and tensor for tensor: the layout table maps every diffusers tensor onto ours with its shape
-    ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    ours_shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    table = list(flux3_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.flow_map))
-    assert {r.bfl for r in table} == set(ours_shapes)
-    assert {d for r in table for d in r.diffusers} == set(ref_shapes)
-    for r in table:
-        parts = flux3_layout.bfl_to_diffusers(r, torch.empty(ours_shapes[r.bfl], device="meta"))
-        assert {k: tuple(v.shape) for k, v in parts.items()} == {d: ref_shapes[d] for d in r.diffusers}
+    rules = flux3_layout.rules(cfg.depth, cfg.depth_single_blocks, cfg.flow_map)
+    check_layout_table(flux3_layout, rules, ours, ref)
 
 
 @pytest.mark.gpu

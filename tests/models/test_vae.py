@@ -2,40 +2,23 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from flux_runtime import load_vae
 from flux_runtime.models.vae.flux1 import FLUX1_VAE, TINY_VAE, Flux1VAE, VAEConfig
 from flux_runtime.weights import vae_layout
-from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
+from tests.models.helpers import (
+    DTYPES,
+    check_encode_decode,
+    check_vae_layout_table,
+    run_without_diffusers,
+    vae_fixtures,
+)
+from tests.weights.vae_fixtures import make_diffusers_vae, save_bfl_vae
 
-DTYPES = [torch.float32, torch.bfloat16]
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """The same tiny VAE as a diffusers folder and as a BFL single file."""
-    root = tmp_path_factory.mktemp("vae")
-    model = make_diffusers_vae()
-    return {
-        "diffusers": save_diffusers_vae(model, root / "vae"),
-        "bfl": save_bfl_vae(model, root / "ae.safetensors"),
-    }
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints):
-    """diffusers' own model loaded from the folder, per dtype (as a pipeline with torch_dtype loads it)."""
-    from diffusers import AutoencoderKL
-
-    return {d: AutoencoderKL.from_pretrained(checkpoints["diffusers"], torch_dtype=d).eval() for d in DTYPES}
+# the same tiny VAE as a diffusers folder and a BFL single file; diffusers' AutoencoderKL loaded from the folder
+checkpoints, reference = vae_fixtures("vae", make_diffusers_vae, save_bfl_vae, "AutoencoderKL")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -44,20 +27,7 @@ def reference(checkpoints):
 def test_encode_decode_equal_diffusers(checkpoints, reference, layout, dtype):
     ours = load_vae(checkpoints[layout], dtype=dtype)
     ref = reference[dtype]
-    x = make_image(2, 24, 40, dtype)  # non-square, batch of 2
-
-    z = ours.encode(x)
-    assert z.shape == (2, 16, 12, 20) and z.dtype == dtype
-    assert torch.equal(z, ref.encode(x).latent_dist.mode())
-
-    g_ours, g_ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    sampled = ours.encode(x, sample=True, generator=g_ours)
-    assert torch.equal(sampled, ref.encode(x).latent_dist.sample(g_ref))
-    assert not torch.equal(sampled, z)
-
-    image = ours.decode(z)
-    assert image.shape == (2, 3, 24, 40) and image.dtype == dtype
-    assert torch.equal(image, ref.decode(z).sample)
+    check_encode_decode(ours, ref, 16, dtype)
 
 
 @torch.no_grad()
@@ -153,30 +123,17 @@ def test_full_preset_matches_diffusers_flux1_vae_on_meta():
         )
     count = sum(p.numel() for p in ours.parameters())
     assert count == sum(p.numel() for p in ref.parameters()) == 83_819_683
-    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
-    table = list(vae_layout.rules(FLUX1_VAE.ch_mult, FLUX1_VAE.num_res_blocks))
-    assert sorted(r.bfl for r in table) == sorted(ours_sd)
-    assert sorted(r.diffusers for r in table) == sorted(ref_sd)
-    for r in table:
-        assert vae_layout.diffusers_shape(r, tuple(ours_sd[r.bfl].shape)) == tuple(
-            ref_sd[r.diffusers].shape
-        ), r
+    check_vae_layout_table(vae_layout.rules(FLUX1_VAE.ch_mult, FLUX1_VAE.num_res_blocks), ours, ref)
 
 
 def test_runtime_never_imports_diffusers(checkpoints, tmp_path):
     """Loading, encoding, decoding and converting the VAE work with diffusers made unimportable."""
-    code = textwrap.dedent(
+    run_without_diffusers(
         f"""
-        import sys
-        sys.modules["diffusers"] = None  # any `import diffusers` now raises ImportError
-        import torch, flux_runtime
         from flux_runtime.weights.convert import convert
         vae = flux_runtime.load_vae({str(checkpoints["bfl"])!r}, dtype=torch.float32)
         image = vae.decode(vae.encode(torch.zeros(1, 3, 16, 16)), tile=4)  # 8x8 latent: 3x3 tiles
         assert image.shape == (1, 3, 16, 16)
         convert("vae", {str(checkpoints["bfl"])!r}, {str(tmp_path / "out")!r})
-        print("ok")
         """
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO))
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr

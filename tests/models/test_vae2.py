@@ -3,11 +3,7 @@ tiled decode and the BatchNorm latent normalisation, fp32 and bf16."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,37 +19,24 @@ from flux_runtime.models.vae import (
     Flux2VAEConfig,
     VAEShape,
 )
-from flux_runtime.weights import vae2_layout, vae_layout
+from flux_runtime.weights import vae2_layout
+from tests.models.helpers import (
+    DTYPES,
+    check_encode_decode,
+    check_vae_layout_table,
+    run_without_diffusers,
+    vae_fixtures,
+)
 from tests.weights.vae_fixtures import (
     make_diffusers_flux2_vae,
     make_image,
     save_bfl_flux2_vae,
-    save_diffusers_vae,
 )
 
-DTYPES = [torch.float32, torch.bfloat16]
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """The same tiny FLUX.2 VAE as a diffusers folder and as a BFL single file."""
-    root = tmp_path_factory.mktemp("vae2")
-    model = make_diffusers_flux2_vae()
-    return {
-        "diffusers": save_diffusers_vae(model, root / "vae"),
-        "bfl": save_bfl_flux2_vae(model, root / "ae.safetensors"),
-    }
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints):
-    """diffusers' own model loaded from the folder, per dtype (as a pipeline with torch_dtype loads it)."""
-    from diffusers import AutoencoderKLFlux2
-
-    return {
-        d: AutoencoderKLFlux2.from_pretrained(checkpoints["diffusers"], torch_dtype=d).eval() for d in DTYPES
-    }
+# the same tiny VAE as a diffusers folder and a BFL single file; diffusers' AutoencoderKLFlux2 loaded from the folder
+checkpoints, reference = vae_fixtures(
+    "vae2", make_diffusers_flux2_vae, save_bfl_flux2_vae, "AutoencoderKLFlux2"
+)
 
 
 def _pipeline_encode(vae, image: torch.Tensor) -> torch.Tensor:
@@ -80,20 +63,7 @@ def test_encode_decode_equal_diffusers(checkpoints, reference, layout, dtype):
     ours = load_vae(checkpoints[layout], dtype=dtype)
     assert isinstance(ours, Flux2VAE)
     ref = reference[dtype]
-    x = make_image(2, 24, 40, dtype)  # non-square, batch of 2
-
-    z = ours.encode(x)
-    assert z.shape == (2, 32, 12, 20) and z.dtype == dtype
-    assert torch.equal(z, ref.encode(x).latent_dist.mode())
-
-    g_ours, g_ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    sampled = ours.encode(x, sample=True, generator=g_ours)
-    assert torch.equal(sampled, ref.encode(x).latent_dist.sample(g_ref))
-    assert not torch.equal(sampled, z)
-
-    image = ours.decode(z)
-    assert image.shape == (2, 3, 24, 40) and image.dtype == dtype
-    assert torch.equal(image, ref.decode(z).sample)
+    check_encode_decode(ours, ref, 32, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -204,23 +174,14 @@ def test_full_preset_matches_diffusers_flux2_vae_on_meta():
     # FLUX.1 plus the two 1x1 convs and wider latent convs; 2 x 128 BatchNorm statistics
     assert count > sum(p.numel() for p in flux1.parameters())
     assert sum(b.numel() for b in ours.buffers()) == 256
-    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
-    table = list(vae2_layout.rules(FLUX2_VAE.ch_mult, FLUX2_VAE.num_res_blocks))
-    assert sorted(r.bfl for r in table) == sorted(ours_sd)
-    assert sorted(r.diffusers for r in table) == sorted(set(ref_sd) - set(vae2_layout.OPTIONAL))
-    for r in table:
-        assert vae_layout.diffusers_shape(r, tuple(ours_sd[r.bfl].shape)) == tuple(
-            ref_sd[r.diffusers].shape
-        ), r
+    rules = vae2_layout.rules(FLUX2_VAE.ch_mult, FLUX2_VAE.num_res_blocks)
+    check_vae_layout_table(rules, ours, ref, vae2_layout.OPTIONAL)
 
 
 def test_runtime_never_imports_diffusers(checkpoints, tmp_path):
     """Loading, encoding, normalising, decoding and converting FLUX.2 work with diffusers unimportable."""
-    code = textwrap.dedent(
+    run_without_diffusers(
         f"""
-        import sys
-        sys.modules["diffusers"] = None  # any `import diffusers` now raises ImportError
-        import torch, flux_runtime
         from flux_runtime.weights.convert import convert
         vae = flux_runtime.load_vae({str(checkpoints["bfl"])!r}, dtype=torch.float32)
         z = vae.encode(torch.zeros(1, 3, 16, 16))
@@ -228,8 +189,5 @@ def test_runtime_never_imports_diffusers(checkpoints, tmp_path):
         image = vae.decode(z, tile=4)
         assert image.shape == (1, 3, 16, 16) and tokens.shape == (1, 16, 128)
         convert("vae", {str(checkpoints["bfl"])!r}, {str(tmp_path / "out")!r})
-        print("ok")
         """
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO))
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr

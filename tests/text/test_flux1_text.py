@@ -23,6 +23,7 @@ from flux_runtime.models.dit import TINY
 from flux_runtime.text import CLIP_L_ID, T5_XXL_ID, Flux1TextEmbeddings, Flux1TextEncoder
 from flux_runtime.text.tokenizers import tiny_tokenizer_path, tokenize
 from flux_runtime.weights import WeightsError
+from tests.text.helpers import cache_repo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = ["a photo of a cat sitting on a wooden table", "An astronaut riding a horse on the Moon, 4k!"]
@@ -260,22 +261,13 @@ def test_from_components_reads_only_the_text_weights(
     _assert_same(got, _reference(_pipeline(reference), [*PROMPTS, LONG], max_sequence_length=256), dtype)
 
 
-def _cache_repo(cache: Path, repo_id: str, files: Path) -> None:
-    """Lay `files` out as the Hugging Face cache holds a downloaded snapshot of `repo_id`."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = "0" * 40
-    shutil.copytree(files, repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-
-
 def test_from_components_defaults_open_the_cached_ids(
     bfl_style: tuple[Path, Path, Flux1TextEncoder], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clip_dir, t5_dir, tiny = bfl_style
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    _cache_repo(tmp_path, CLIP_L_ID, clip_dir)
-    _cache_repo(tmp_path, T5_XXL_ID, t5_dir)
+    cache_repo(tmp_path, CLIP_L_ID, clip_dir)
+    cache_repo(tmp_path, T5_XXL_ID, t5_dir)
     got = Flux1TextEncoder.from_components(dtype=torch.float32).encode(PROMPTS, max_sequence_length=20)
     want = tiny.encode(PROMPTS, max_sequence_length=20)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -4,10 +4,8 @@ Tiny random Mistral3 and Qwen3 models with the package tokenizers are written as
 [klein] folders (and as separate model / tokenizer repos), then opened by our loaders and by diffusers; every
 output must be equal.
 
-diffusers opens a [dev] `tokenizer/` folder with transformers' PixtralProcessor, whose module imports torchvision
-for image resizing; torchvision is no dependency of ours, and without it `transformers.PixtralProcessor` is a
-placeholder. The `pixtral` fixture then imports the real class with that one image-only helper module stubbed
-and registers it on `transformers`, so diffusers runs the genuine processor code on text prompts.
+Errors and placement: test_flux2_text_errors.py; the shared set-up: flux2_setup.py and, for the fixtures
+`pixtral` and `flux2_folders`, conftest.py.
 """
 
 from __future__ import annotations
@@ -17,107 +15,49 @@ import json
 import logging
 import shutil
 import string
-import sys
-import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
 import torch
-import transformers
-from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2 import system_messages
 from diffusers.pipelines.flux2.pipeline_flux2 import format_input
 from torch import Tensor
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer
 
 from flux_runtime.models.dit.config import TINY_FLUX2
 from flux_runtime.text import (
     MISTRAL_PROCESSOR_ID,
     MISTRAL_SMALL_ID,
     QWEN3_4B_ID,
-    Flux2TextEmbeddings,
     Flux2TextEncoder,
     KleinTextEncoder,
 )
 from flux_runtime.text.chat import processor_chat_template
 from flux_runtime.text.flux2 import MAX_SEQUENCE_LENGTH, NEGATIVE_PROMPT, SYSTEM_MESSAGE
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
-from flux_runtime.weights import WeightsError
+from tests.text import conftest
+from tests.text.flux2_setup import (
+    DTYPES,
+    FLAVOURS,
+    LONG,
+    PROMPTS,
+    Encoder,
+    Pipeline,
+    assert_same,
+    our_messages,
+    pipeline_for,
+)
+from tests.text.helpers import cache_repo
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-FLAVOURS = {"dev": Flux2TextEncoder, "klein": KleinTextEncoder}
-PROMPTS = ["a photo of a cat sitting on a wooden table", "An astronaut riding a horse on the Moon, 4k!"]
-# Several hundred tokens with either tiny tokenizer: cut at max_sequence_length 128.
-LONG = "a castle on a hill at sunset, fantasy style, highly detailed, " * 16
-Encoder = Flux2TextEncoder | KleinTextEncoder
-Pipeline = Flux2Pipeline | Flux2KleinPipeline
-
-
-@pytest.fixture(scope="module")
-def pixtral() -> Iterator[type]:
-    """transformers' PixtralProcessor class, usable by diffusers with or without torchvision installed."""
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        yield transformers.PixtralProcessor
-        return
-
-    def images_only(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the FLUX.2 text tests never process images")
-
-    helper = "transformers.models.pixtral.image_processing_pixtral"
-    stub = types.ModuleType(helper)
-    stub.get_resize_output_image_size = images_only  # type: ignore[attr-defined]
-    sys.modules[helper] = stub
-    try:
-        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
-    finally:
-        del sys.modules[helper]
-    with pytest.MonkeyPatch.context() as patch:
-        # diffusers looks the class up on sys.modules["transformers"], which importing transformers'
-        # processing_utils replaces (a transformers quirk), so patch that module object, not our import.
-        patch.setattr(sys.modules["transformers"], "PixtralProcessor", PixtralProcessor)
-        yield PixtralProcessor
-
-
-def _pipeline(encoder: Encoder, pixtral: type) -> Pipeline:
-    """diffusers' pipeline around `encoder`'s model (no DiT or VAE: encode_prompt needs none).
-
-    [dev] gets its own PixtralProcessor, loaded by transformers from the shipped tokenizer folder; [klein] the
-    encoder's Qwen2TokenizerFast.
-    """
-    common = {"scheduler": FlowMatchEulerDiscreteScheduler(), "vae": None, "transformer": None}
-    if isinstance(encoder, Flux2TextEncoder):
-        processor = pixtral.from_pretrained(TINY_TOKENIZERS / "mistral")
-        return Flux2Pipeline(text_encoder=encoder.model, tokenizer=processor, **common)
-    return Flux2KleinPipeline(
-        text_encoder=encoder.model, tokenizer=encoder.tokenizer, is_distilled=False, **common
-    )
+# conftest.py's `pixtral` fixture, also under this module's name: tests/pipeline/test_flux2_pipeline.py imports it
+pixtral = conftest.pixtral
 
 
 @torch.no_grad()
 def _reference(pipe: Pipeline, prompts: list[str], **kwargs: object) -> tuple[Tensor, Tensor]:
     return pipe.encode_prompt(prompts, device=torch.device("cpu"), **kwargs)
-
-
-def _assert_same(got: Flux2TextEmbeddings, want: tuple[Tensor, Tensor], dtype: torch.dtype) -> None:
-    assert isinstance(got, Flux2TextEmbeddings)
-    (embeds, ids), (want_embeds, want_ids) = got, want
-    assert embeds.dtype == want_embeds.dtype == dtype
-    assert ids.dtype == want_ids.dtype == torch.int64
-    assert embeds.shape == want_embeds.shape and ids.shape == want_ids.shape
-    assert torch.equal(embeds, want_embeds), (
-        f"max |diff| {(embeds.float() - want_embeds.float()).abs().max()}"
-    )
-    assert torch.equal(ids, want_ids)
-
-
-def _our_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name.startswith("flux_runtime.text")]
 
 
 def _reference_ids(pipe: Pipeline, prompts: list[str], max_length: int | None) -> list[list[int]]:
@@ -155,29 +95,20 @@ def _reference_ids(pipe: Pipeline, prompts: list[str], max_length: int | None) -
 # --- diffusers FLUX.2 folders ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory, pixtral: type) -> dict[str, Path]:
-    """The tiny encoders (seed 7, fp32) saved by diffusers as a Flux2Pipeline and a Flux2KleinPipeline folder."""
-    root = tmp_path_factory.mktemp("flux2")
-    folders = {}
-    for flavour, cls in FLAVOURS.items():
-        folders[flavour] = root / f"FLUX.2-{flavour}-tiny"
-        _pipeline(cls.tiny(seed=7), pixtral).save_pretrained(folders[flavour])
-    return folders
-
-
 @pytest.fixture(
     scope="module",
     params=[(f, d) for f in FLAVOURS for d in DTYPES],
     ids=[f"{f}-{d}" for f in FLAVOURS for d in DTYPES],
 )
-def loaded(request: pytest.FixtureRequest, folders: dict[str, Path]) -> tuple[Encoder, Pipeline, torch.dtype]:
+def loaded(
+    request: pytest.FixtureRequest, flux2_folders: dict[str, Path]
+) -> tuple[Encoder, Pipeline, torch.dtype]:
     """Our encoder and diffusers' pipeline, each opened from the same folder in the same dtype."""
     flavour, dtype_name = request.param
     dtype = DTYPES[dtype_name]
-    ours = FLAVOURS[flavour].from_pretrained(folders[flavour], dtype=dtype)
+    ours = FLAVOURS[flavour].from_pretrained(flux2_folders[flavour], dtype=dtype)
     pipeline_cls = Flux2Pipeline if flavour == "dev" else Flux2KleinPipeline
-    ref = pipeline_cls.from_pretrained(folders[flavour], dtype=dtype, transformer=None, vae=None)
+    ref = pipeline_cls.from_pretrained(flux2_folders[flavour], dtype=dtype, transformer=None, vae=None)
     # the reference tokenizes with the genuine processor / tokenizer classes
     assert type(ref.tokenizer).__name__ == ("PixtralProcessor" if flavour == "dev" else "Qwen2Tokenizer")
     return ours, ref, dtype
@@ -191,7 +122,7 @@ def loaded(request: pytest.FixtureRequest, folders: dict[str, Path]) -> tuple[En
 def test_encode_equals_diffusers(loaded: tuple[Encoder, Pipeline, torch.dtype], kwargs: dict) -> None:
     ours, ref, dtype = loaded
     got = ours.encode(PROMPTS, **kwargs)
-    _assert_same(got, _reference(ref, PROMPTS, **kwargs), dtype)
+    assert_same(got, _reference(ref, PROMPTS, **kwargs), dtype)
     n = kwargs.get("num_images_per_prompt", 1)
     length = kwargs.get("max_sequence_length", 512)
     assert got.prompt_embeds.shape == (2 * n, length, TINY_FLUX2.context_in_dim)
@@ -223,35 +154,35 @@ def test_long_prompt_is_truncated_like_diffusers_with_a_warning(
     prompts = ["a cat", LONG]
     with caplog.at_level(logging.WARNING, logger="flux_runtime.text"):
         got = ours.encode(prompts, max_sequence_length=128)
-    _assert_same(got, _reference(ref, prompts, max_sequence_length=128), dtype)
+    assert_same(got, _reference(ref, prompts, max_sequence_length=128), dtype)
     full = _reference_ids(ref, [LONG], None)[0]
     dropped = repr(ours.tokenizer.decode(full[128:]))[:200]
     assert len(full) > 128 and "a castle on a hill" in dropped
-    assert _our_messages(caplog) == [
+    assert our_messages(caplog) == [
         f"prompt 1 is {len(full)} {ours.family} tokens in its chat template; the limit is 128, so its last "
         f"{len(full) - 128} tokens are dropped: {dropped}"
     ]
 
 
-def test_img_markers_are_removed_as_diffusers_does(folders: dict[str, Path]) -> None:
-    ours = Flux2TextEncoder.from_pretrained(folders["dev"], dtype=torch.float32)
-    ref = Flux2Pipeline.from_pretrained(folders["dev"], dtype=torch.float32, transformer=None, vae=None)
+def test_img_markers_are_removed_as_diffusers_does(flux2_folders: dict[str, Path]) -> None:
+    ours = Flux2TextEncoder.from_pretrained(flux2_folders["dev"], dtype=torch.float32)
+    ref = Flux2Pipeline.from_pretrained(flux2_folders["dev"], dtype=torch.float32, transformer=None, vae=None)
     marked = ["a [IMG]photo of a cat[IMG]", "[IMG]"]
     got = ours.encode(marked, max_sequence_length=96)
-    _assert_same(got, _reference(ref, marked, max_sequence_length=96), torch.float32)
+    assert_same(got, _reference(ref, marked, max_sequence_length=96), torch.float32)
     plain = ours.encode(["a photo of a cat", ""], max_sequence_length=96)
     assert torch.equal(got.prompt_embeds, plain.prompt_embeds)
     assert ours.tokenizer.convert_tokens_to_ids("[IMG]") not in ours.tokenize(marked, 96)[0]
 
 
-def test_klein_negative_prompt_is_empty_per_prompt(folders: dict[str, Path]) -> None:
-    ours = KleinTextEncoder.from_pretrained(folders["klein"], dtype=torch.bfloat16)
+def test_klein_negative_prompt_is_empty_per_prompt(flux2_folders: dict[str, Path]) -> None:
+    ours = KleinTextEncoder.from_pretrained(flux2_folders["klein"], dtype=torch.bfloat16)
     ref = Flux2KleinPipeline.from_pretrained(
-        folders["klein"], dtype=torch.bfloat16, transformer=None, vae=None
+        flux2_folders["klein"], dtype=torch.bfloat16, transformer=None, vae=None
     )
     # Flux2KleinPipeline.__call__: negative_prompt = "" repeated len(prompt) times, same encode_prompt settings
     got = ours.encode_negative(2, max_sequence_length=64, num_images_per_prompt=2)
-    _assert_same(
+    assert_same(
         got, _reference(ref, ["", ""], max_sequence_length=64, num_images_per_prompt=2), torch.bfloat16
     )
     assert NEGATIVE_PROMPT == ""
@@ -276,7 +207,9 @@ def test_tiny_equals_diffusers_and_fits_the_tiny_flux2_dit(flavour: str, pixtral
     encoder = cls.tiny()
     assert torch.equal(rng, torch.random.get_rng_state()), "tiny() changed the global RNG"
     got = encoder.encode(PROMPTS, max_sequence_length=64)
-    _assert_same(got, _reference(_pipeline(encoder, pixtral), PROMPTS, max_sequence_length=64), torch.float32)
+    assert_same(
+        got, _reference(pipeline_for(encoder, pixtral), PROMPTS, max_sequence_length=64), torch.float32
+    )
     assert encoder.output_dim == TINY_FLUX2.context_in_dim
     assert got.prompt_embeds.shape == (2, 64, TINY_FLUX2.context_in_dim)
 
@@ -289,11 +222,11 @@ def test_tiny_equals_diffusers_and_fits_the_tiny_flux2_dit(flavour: str, pixtral
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("flavour", list(FLAVOURS))
 def test_tiny_in_half_precision_equals_its_weights_loaded_so(
-    flavour: str, dtype: torch.dtype, folders: dict[str, Path]
+    flavour: str, dtype: torch.dtype, flux2_folders: dict[str, Path]
 ) -> None:
     # as from_pretrained(dtype=...) does, only the weights are cast: the RoPE inv_freq buffers stay float32
     tiny = FLAVOURS[flavour].tiny(seed=7, dtype=dtype)
-    loaded = FLAVOURS[flavour].from_pretrained(folders[flavour], dtype=dtype)
+    loaded = FLAVOURS[flavour].from_pretrained(flux2_folders[flavour], dtype=dtype)
     assert tiny.dtype == loaded.dtype == dtype
     got, want = tiny.encode(PROMPTS, max_sequence_length=80), loaded.encode(PROMPTS, max_sequence_length=80)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
@@ -389,23 +322,17 @@ def test_from_components(components: dict[str, Path], dtype: torch.dtype) -> Non
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-def _cache_repo(cache: Path, repo_id: str, files: Path) -> None:
-    """Lay `files` out as the Hugging Face cache holds a downloaded snapshot of `repo_id`."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = "0" * 40
-    shutil.copytree(files, repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-
-
 def test_cached_ids(
-    components: dict[str, Path], folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    components: dict[str, Path],
+    flux2_folders: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    _cache_repo(tmp_path, MISTRAL_SMALL_ID, components["mistral"])
-    _cache_repo(tmp_path, MISTRAL_PROCESSOR_ID, components["processor"])
-    _cache_repo(tmp_path, QWEN3_4B_ID, components["qwen3"])
-    _cache_repo(tmp_path, "black-forest-labs/FLUX.2-klein-tiny", folders["klein"])
+    cache_repo(tmp_path, MISTRAL_SMALL_ID, components["mistral"])
+    cache_repo(tmp_path, MISTRAL_PROCESSOR_ID, components["processor"])
+    cache_repo(tmp_path, QWEN3_4B_ID, components["qwen3"])
+    cache_repo(tmp_path, "black-forest-labs/FLUX.2-klein-tiny", flux2_folders["klein"])
     opened = [
         (Flux2TextEncoder.from_components(dtype=torch.float32), Flux2TextEncoder.tiny(seed=3)),
         (KleinTextEncoder.from_components(QWEN3_4B_ID, dtype=torch.float32), KleinTextEncoder.tiny(seed=3)),
@@ -417,159 +344,3 @@ def test_cached_ids(
     for ours, tiny in opened:
         got, want = ours.encode(PROMPTS, max_sequence_length=20), tiny.encode(PROMPTS, max_sequence_length=20)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-
-
-# --- errors ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_encoders() -> dict[str, Encoder]:
-    return {flavour: cls.tiny() for flavour, cls in FLAVOURS.items()}
-
-
-@pytest.mark.parametrize("flavour", list(FLAVOURS))
-@pytest.mark.parametrize("length", [513, 1024, 0, 77.0])
-def test_max_sequence_length_out_of_range(
-    tiny_encoders: dict[str, Encoder], flavour: str, length: object
-) -> None:
-    with pytest.raises(ValueError, match=rf"max_sequence_length {length!r} is not in 1\.\.512"):
-        tiny_encoders[flavour].encode(PROMPTS, max_sequence_length=length)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("flavour", list(FLAVOURS))
-def test_truncation_boundary(
-    tiny_encoders: dict[str, Encoder], flavour: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    encoder = tiny_encoders[flavour]
-    full = encoder.tokenizer(encoder.render(["a cat"]), add_special_tokens=False).input_ids[0]
-    n = len(full)
-    with caplog.at_level(logging.WARNING, logger="flux_runtime.text"):
-        fits, _ = encoder.tokenize("a cat", n)
-        assert _our_messages(caplog) == []
-        cut, mask = encoder.tokenize("a cat", n - 1)
-    assert fits[0].tolist() == full and cut[0].tolist() == full[:-1] and mask.all()
-    last = encoder.tokenizer.decode(full[-1:])
-    assert last == ("[/INST]" if flavour == "dev" else "\n")  # the tiny Qwen3 has no "\n\n" token
-    assert _our_messages(caplog) == [
-        f"prompt 0 is {n} {encoder.family} tokens in its chat template; the limit is {n - 1}, so its last 1 "
-        f"tokens are dropped: {last!r}"
-    ]
-
-
-def test_bad_prompts_and_counts(tiny_encoders: dict[str, Encoder]) -> None:
-    for encoder in tiny_encoders.values():
-        with pytest.raises(ValueError, match="prompts is empty"):
-            encoder.encode([])
-        with pytest.raises(TypeError, match="prompts must be a string or a list of strings"):
-            encoder.encode([1, 2])  # type: ignore[list-item]
-        with pytest.raises(ValueError, match="num_images_per_prompt 0 is not a positive integer"):
-            encoder.encode(PROMPTS, num_images_per_prompt=0)
-    with pytest.raises(ValueError, match="num_prompts 0 is not a positive integer"):
-        tiny_encoders["klein"].encode_negative(0)  # type: ignore[union-attr]
-
-
-def test_too_shallow_model_is_refused(tiny_encoders: dict[str, Encoder]) -> None:
-    tokenizer = tiny_encoders["klein"].tokenizer
-    shallow = Qwen3ForCausalLM(
-        Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=20)
-    )
-    with pytest.raises(
-        ValueError, match=r"the Qwen3 model has 20 layers; FLUX\.2 reads hidden states 9, 18, 27"
-    ):
-        KleinTextEncoder(shallow, tokenizer)
-
-
-def test_missing_folder(tmp_path: Path) -> None:
-    with pytest.raises(WeightsError, match="neither an existing file or folder"):
-        Flux2TextEncoder.from_pretrained(tmp_path / "no-such-folder")
-
-
-@pytest.mark.parametrize("flavour", list(FLAVOURS))
-def test_folder_without_text_encoder(folders: dict[str, Path], tmp_path: Path, flavour: str) -> None:
-    partial = tmp_path / "partial"
-    shutil.copytree(folders[flavour], partial)
-    shutil.rmtree(partial / "text_encoder")
-    name = "dev" if flavour == "dev" else "klein"
-    with pytest.raises(WeightsError, match=rf"has no text_encoder/: a diffusers FLUX\.2 \[{name}\] folder"):
-        FLAVOURS[flavour].from_pretrained(partial)
-    (partial / "text_encoder").mkdir()
-    shutil.copy(folders[flavour] / "text_encoder" / "config.json", partial / "text_encoder")
-    with pytest.raises(WeightsError, match=r"no weights for the (Mistral|Qwen3) text encoder"):
-        FLAVOURS[flavour].from_pretrained(partial)
-
-
-def test_the_other_flavours_folder_is_refused(folders: dict[str, Path]) -> None:
-    with pytest.raises(WeightsError, match=r"holds a 'qwen3' model; Flux2TextEncoder reads Mistral"):
-        Flux2TextEncoder.from_pretrained(folders["klein"])
-    with pytest.raises(WeightsError, match=r"holds a 'mistral3' model; KleinTextEncoder reads Qwen3"):
-        KleinTextEncoder.from_pretrained(folders["dev"])
-
-
-def test_missing_chat_templates(folders: dict[str, Path], tmp_path: Path) -> None:
-    for flavour, match in (
-        ("dev", "no chat template"),
-        ("klein", "the Qwen3 tokenizer has no chat template"),
-    ):
-        broken = tmp_path / flavour
-        shutil.copytree(folders[flavour], broken)
-        (broken / "tokenizer" / "chat_template.jinja").unlink()
-        with pytest.raises(WeightsError, match=match):
-            FLAVOURS[flavour].from_pretrained(broken)
-
-
-def test_checkpoint_missing_weights_is_an_error(folders: dict[str, Path], tmp_path: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
-    broken = tmp_path / "broken"
-    shutil.copytree(folders["klein"], broken)
-    weights = broken / "text_encoder" / "model.safetensors"
-    state = load_file(weights)
-    del state["model.norm.weight"]
-    save_file(state, weights, metadata={"format": "pt"})
-    with pytest.raises(
-        WeightsError, match=r"the Qwen3 checkpoint lacks 1 weights, e\.g\. model\.norm\.weight"
-    ):
-        KleinTextEncoder.from_pretrained(broken)
-
-
-def test_uncached_id_is_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(WeightsError) as info:
-        Flux2TextEncoder.from_components("flux-runtime-tests/no-such-mistral")
-    message = str(info.value)
-    assert "\n" not in message
-    assert "'flux-runtime-tests/no-such-mistral'" in message and "fetch it once online" in message
-    with pytest.raises(
-        WeightsError, match=r"'black-forest-labs/FLUX\.2-dev' is not in the local Hugging Face cache"
-    ):
-        Flux2TextEncoder.from_pretrained("black-forest-labs/FLUX.2-dev")
-    with pytest.raises(WeightsError, match=r"'Qwen/Qwen3-4B' is not in the local Hugging Face cache"):
-        KleinTextEncoder.from_components(QWEN3_4B_ID)
-
-
-# --- placement ---------------------------------------------------------------------------------------------
-
-
-def test_outputs_go_to_the_requested_device(tiny_encoders: dict[str, Encoder]) -> None:
-    for encoder in tiny_encoders.values():
-        got = encoder.encode(PROMPTS, max_sequence_length=16, device="meta")
-        assert all(t.device.type == "meta" for t in got)
-        assert got.prompt_embeds.shape == (2, 16, 96) and got.text_ids.shape == (2, 16, 4)
-        assert encoder.offload() is encoder and encoder.device.type == "cpu"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("flavour", list(FLAVOURS))
-def test_runs_on_the_gpu_and_offloads(flavour: str, pixtral: type) -> None:
-    encoder = FLAVOURS[flavour].tiny(device="cuda", dtype=torch.bfloat16)
-    assert encoder.device.type == "cuda"
-    got = encoder.encode(PROMPTS, max_sequence_length=64)
-    with torch.no_grad():
-        want = _pipeline(encoder, pixtral).encode_prompt(
-            PROMPTS, device=torch.device("cuda"), max_sequence_length=64
-        )
-    _assert_same(got, want, torch.bfloat16)
-    encoder.offload()
-    assert encoder.device.type == "cpu"
-    on_gpu = encoder.encode(PROMPTS, max_sequence_length=64, device="cuda")
-    assert all(t.device.type == "cuda" for t in on_gpu)

@@ -171,7 +171,9 @@ def test_meta_build_assign_and_checkpoint_variants() -> None:
     cref, _ = _clip_pair(ccase, torch.bfloat16)
     csd = _prefixed(cref.state_dict())
     assert "text_model.embeddings.position_ids" not in csd  # non-persistent in transformers
-    csd["text_model.embeddings.position_ids"] = torch.arange(MAX_POS)[None]  # as original CLIP-L files hold it
+    csd["text_model.embeddings.position_ids"] = torch.arange(MAX_POS)[
+        None
+    ]  # as original CLIP-L files hold it
     ours_clip = clip_encoder.build(
         dict(vocab_size=VOCAB, max_position_embeddings=MAX_POS, **ccase), torch.bfloat16
     )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,110 +79,65 @@ class DiTConfig:
         return int(self.hidden_size * self.mlp_ratio)
 
 
-FLUX1_DEV = DiTConfig()
-FLUX1_SCHNELL = replace(FLUX1_DEV, guidance_embed=False)
-# The FLUX.1 architecture shrunk for tests and the offline demo: 16 latent channels packed 2x2,
-# text width 32 (tiny T5), pooled width 32 (tiny CLIP).
-TINY = replace(
-    FLUX1_DEV,
-    vec_in_dim=32,
-    context_in_dim=32,
-    hidden_size=64,
-    num_heads=2,
-    depth=2,
-    depth_single_blocks=2,
-    axes_dim=(8, 12, 12),
-)
-# The built-in `tiny` model, trained by scripts/train_tiny.py: the same text widths as TINY, 4 heads of 48,
-# 2 double and 4 single blocks (5.1 M parameters).
-TINY_TRAINED = replace(
-    TINY, hidden_size=192, num_heads=4, depth=2, depth_single_blocks=4, axes_dim=(8, 20, 20)
-)
+# What each family's presets share; `_preset` adds the size. DiTConfig's defaults are FLUX.1's. FLUX.2 and FLUX.3:
+# 128 latent channels (32 VAE channels patchified 2x2), no pooled text vector, no biases, MLP ratio 3.
+_WIDE: dict[str, Any] = dict(in_channels=128, out_channels=128, vec_in_dim=0, mlp_ratio=3.0, qkv_bias=False)
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "flux1": {"family": "flux1"},
+    "flux2": {**_WIDE, "family": "flux2", "theta": 2000},
+    "flux3": {**_WIDE, "family": "flux3", "cond_in_channels": 128, "theta": 10_000, "guidance_embed": False},
+}
 
-# FLUX.2: 128 latent channels (32 VAE channels patchified 2x2), text width
-# 3 x the text encoder's hidden size (three stacked layers: Mistral 5120 for dev, Qwen3 2560 / 4096 for klein).
-FLUX2_DEV = DiTConfig(
-    family="flux2",
-    in_channels=128,
-    out_channels=128,
-    vec_in_dim=0,
-    context_in_dim=15360,
-    hidden_size=6144,
-    mlp_ratio=3.0,
-    num_heads=48,
-    depth=8,
-    depth_single_blocks=48,
-    axes_dim=(32, 32, 32, 32),
-    theta=2000,
-    qkv_bias=False,
-    guidance_embed=True,
-)
-FLUX2_KLEIN_4B = replace(
-    FLUX2_DEV,
-    context_in_dim=7680,
-    hidden_size=3072,
-    num_heads=24,
-    depth=5,
-    depth_single_blocks=20,
-    guidance_embed=False,
-)
-FLUX2_KLEIN_9B = replace(
-    FLUX2_DEV,
-    context_in_dim=12288,
-    hidden_size=4096,
-    num_heads=32,
-    depth=8,
-    depth_single_blocks=24,
-    guidance_embed=False,
-)
-# The FLUX.2 [klein] architecture shrunk for tests and the offline demo: real latent width (128),
-# text width 96 (three layers of a 32-wide tiny text encoder), 2 heads of 32.
-TINY_FLUX2 = replace(
-    FLUX2_KLEIN_4B,
-    context_in_dim=96,
-    hidden_size=64,
-    num_heads=2,
-    depth=2,
-    depth_single_blocks=2,
-    axes_dim=(8, 8, 8, 8),
-)
-# The built-in `tiny-flux2` model, trained by scripts/train_tiny.py: TINY_FLUX2's text width, 4 heads of 48,
-# 2 double and 4 single blocks (4.4 M parameters).
-TINY_FLUX2_TRAINED = replace(
-    TINY_FLUX2, hidden_size=192, num_heads=4, depth=2, depth_single_blocks=4, axes_dim=(12, 12, 12, 12)
-)
 
-# FLUX.3 Image Klein: 128-channel image and reference tokens, text width 8 x 2560 (eight stacked Qwen3-VL-4B
-# states), 24 heads of 128, 5 blocks per token mode and 28 joint blocks; RoPE theta 10000 over 4 axes.
-FLUX3_KLEIN_BASE = DiTConfig(
-    family="flux3",
-    in_channels=128,
-    out_channels=128,
-    cond_in_channels=128,
-    vec_in_dim=0,
-    context_in_dim=20480,
-    hidden_size=3072,
-    mlp_ratio=3.0,
-    num_heads=24,
-    depth=5,
-    depth_single_blocks=28,
-    axes_dim=(32, 32, 32, 32),
-    theta=10_000,
-    qkv_bias=False,
-    guidance_embed=False,
-)
-FLUX3_KLEIN = replace(FLUX3_KLEIN_BASE, flow_map=True)  # the step-distilled release
-# The FLUX.3 architecture shrunk for tests and the offline demo: real latent width (128), text width 256
-# (eight layers of a 32-wide tiny Qwen3-VL), 2 heads of 32, 2 blocks per mode and 2 joint blocks.
-TINY_FLUX3 = replace(
-    FLUX3_KLEIN_BASE,
-    context_in_dim=256,
-    hidden_size=64,
-    num_heads=2,
-    depth=2,
-    depth_single_blocks=2,
-    axes_dim=(8, 8, 8, 8),
-)
+def _preset(
+    family: str,
+    text: int,
+    hidden: int,
+    heads: int,
+    blocks: tuple[int, int],
+    axes: tuple[int, ...],
+    **fields: Any,
+) -> DiTConfig:
+    """A preset of `family` (`_FAMILIES`): its text width, hidden size, heads, (double or per-mode, single)
+    block counts, RoPE axes and any other `fields`."""
+    return DiTConfig(
+        **_FAMILIES[family],
+        context_in_dim=text,
+        hidden_size=hidden,
+        num_heads=heads,
+        depth=blocks[0],
+        depth_single_blocks=blocks[1],
+        axes_dim=axes,
+        **fields,
+    )
+
+
+_AXES4 = (32, 32, 32, 32)  # FLUX.2 and FLUX.3: RoPE over (t, h, w, l), 32 channels each
+
+# FLUX.1: text width 4096 (T5-XXL), pooled width 768 (CLIP-L). `tiny`: the architecture shrunk for tests and the
+# offline demo (16 latent channels packed 2x2, text and pooled width 32: the tiny T5 and CLIP); `tiny-trained`: the
+# built-in `tiny` model, trained by scripts/train_tiny.py (same text widths, 4 heads of 48, 5.1 M parameters).
+# FLUX.2: text width 3 x the text encoder's hidden size (three stacked layers: Mistral 5120 for dev, Qwen3 2560 /
+# 4096 for klein); `tiny-flux2`: the [klein] architecture shrunk (text width 96: three layers of a 32-wide tiny
+# encoder, 2 heads of 32); `tiny-flux2-trained`: the built-in `tiny-flux2` model (4 heads of 48, 4.4 M parameters).
+# FLUX.3 Image Klein: text width 8 x 2560 (eight stacked Qwen3-VL-4B states), blocks per token mode and joint blocks;
+# `flux3-klein` is the step-distilled release (a flow map); `tiny-flux3`: shrunk (text width 256: eight layers of
+# a 32-wide tiny Qwen3-VL, 2 heads of 32).
+# fmt: off
+#                            family   text   hidden heads blocks   RoPE axes          guidance (and other fields)
+FLUX1_DEV          = _preset("flux1", 4096,  3072,  24,   (19, 38), (16, 56, 56),      guidance_embed=True)
+FLUX1_SCHNELL      = _preset("flux1", 4096,  3072,  24,   (19, 38), (16, 56, 56),      guidance_embed=False)
+TINY               = _preset("flux1", 32,    64,    2,    (2, 2),   (8, 12, 12),       guidance_embed=True, vec_in_dim=32)
+TINY_TRAINED       = _preset("flux1", 32,    192,   4,    (2, 4),   (8, 20, 20),       guidance_embed=True, vec_in_dim=32)
+FLUX2_DEV          = _preset("flux2", 15360, 6144,  48,   (8, 48),  _AXES4,            guidance_embed=True)
+FLUX2_KLEIN_4B     = _preset("flux2", 7680,  3072,  24,   (5, 20),  _AXES4,            guidance_embed=False)
+FLUX2_KLEIN_9B     = _preset("flux2", 12288, 4096,  32,   (8, 24),  _AXES4,            guidance_embed=False)
+TINY_FLUX2         = _preset("flux2", 96,    64,    2,    (2, 2),   (8, 8, 8, 8),      guidance_embed=False)
+TINY_FLUX2_TRAINED = _preset("flux2", 96,    192,   4,    (2, 4),   (12, 12, 12, 12),  guidance_embed=False)
+FLUX3_KLEIN_BASE   = _preset("flux3", 20480, 3072,  24,   (5, 28),  _AXES4)
+FLUX3_KLEIN        = _preset("flux3", 20480, 3072,  24,   (5, 28),  _AXES4,            flow_map=True)
+TINY_FLUX3         = _preset("flux3", 256,   64,    2,    (2, 2),   (8, 8, 8, 8))
+# fmt: on
 
 PRESETS: dict[str, DiTConfig] = {
     "flux1-dev": FLUX1_DEV,

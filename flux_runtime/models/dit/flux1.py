@@ -4,7 +4,9 @@ Module names equal Black Forest Labs' checkpoint keys (`double_blocks.N.img_attn
 BFL file loads with no key map. The forward pass reproduces diffusers 0.42.1
 `FluxTransformer2DModel` op for op: every elementwise chain is one
 call into `flux_runtime.kernels`, whose reference is that chain, and gated residuals are handed to
-the next norm as `Pending` triples so a fused kernel can materialise them in the same pass.
+the next norm as `Pending` triples so a fused kernel can materialise them in the same pass. The pieces FLUX.2
+builds alike are in blocks.py; this file adds FLUX.1's per-block modulation (`ModulationSource`), its GELU MLP
+and its single block's projection.
 """
 
 from __future__ import annotations
@@ -13,46 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from flux_runtime import kernels
+from flux_runtime.models.dit import blocks
+from flux_runtime.models.dit.blocks import JointTransformer, Modulation
 from flux_runtime.models.dit.config import DiTConfig
-from flux_runtime.models.dit.layers import (
-    EPS,
-    Attend,
-    Linear,
-    MLPEmbedder,
-    ModulationOut,
-    Pending,
-    QKNorm,
-    RoPE,
-    SelfAttention,
-    Stream,
-    attention,
-    clip_fp16,
-    double_stream,
-    materialize,
-    norm_modulate,
-    quantizes_per_row,
-    rope_tables,
-    sdpa,
-    timestep_embedding,
-)
-
-
-class Modulation(nn.Module):
-    """adaLN projection of the conditioning vector: two triples (double blocks) or one (single)."""
-
-    def __init__(self, dim: int, double: bool) -> None:
-        super().__init__()
-        self.multiplier = 6 if double else 3
-        self.lin = Linear(dim, self.multiplier * dim)
-
-    def forward(self, vec_act: Tensor) -> tuple[ModulationOut, ...]:
-        # vec_act = silu(vec), (B, D)
-        return self.triples(self.lin(vec_act))
-
-    def triples(self, raw: Tensor) -> tuple[ModulationOut, ...]:
-        """Chunk a projection (B, k*D) in BFL/diffusers order: shift, scale, gate (x2 for double blocks)."""
-        out = raw.chunk(self.multiplier, dim=1)
-        return tuple(ModulationOut(*out[i : i + 3]) for i in range(0, self.multiplier, 3))
+from flux_runtime.models.dit.layers import Linear, MLPEmbedder, ModulationOut, RoPE, Stream, norm_modulate
 
 
 class ModulationSource:
@@ -80,122 +46,84 @@ class ModulationSource:
         return mod.triples(self.raw(mod.lin))
 
 
-class MLP(nn.Sequential):
+class MLP(blocks.MLP):
     """`0: Linear → GELU(tanh) → 2: Linear`, BFL's `img_mlp` / `txt_mlp`."""
 
     def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.add_module("0", Linear(dim, hidden))
-        self.add_module("2", Linear(hidden, dim))
+        super().__init__(dim, hidden, hidden, bias=True)
 
-    def forward(self, x: Tensor | kernels.Fp8Act) -> Tensor:
-        quant = self[1].act_quant
-        if quant is None:
-            return self[1](kernels.gelu_tanh(self[0](x)))
-        return self[1](kernels.gelu_tanh_fp8(self[0](x), *quant))
+    def activation(self, h: Tensor, quant: kernels.Fp8Quant | None) -> Tensor | kernels.Fp8Act:
+        return kernels.gelu_tanh(h) if quant is None else kernels.gelu_tanh_fp8(h, *quant)
 
 
-class DoubleStreamBlock(nn.Module):
-    """Separate image and text weights, one joint attention over `[txt | img]`."""
-
-    attend: Attend = staticmethod(attention)  # full attention; replaced per block in a sequence-parallel run
+class DoubleStreamBlock(blocks.DoubleStreamBlock):
+    """Separate image and text weights, each stream with its own modulation; one joint attention over `[txt | img]`."""
 
     def __init__(self, cfg: DiTConfig) -> None:
-        super().__init__()
-        d = cfg.hidden_size
-        self.img_mod = Modulation(d, double=True)
-        self.img_attn = SelfAttention(d, cfg.num_heads, cfg.qkv_bias)
-        self.img_mlp = MLP(d, cfg.mlp_hidden_dim)
-        self.txt_mod = Modulation(d, double=True)
-        self.txt_attn = SelfAttention(d, cfg.num_heads, cfg.qkv_bias)
-        self.txt_mlp = MLP(d, cfg.mlp_hidden_dim)
+        super().__init__(cfg, MLP, own_modulation=True)
 
     def forward(self, img: Stream, txt: Stream, mods: ModulationSource, pe: RoPE) -> tuple[Stream, Stream]:
-        return double_stream(self, img, txt, mods(self.img_mod), mods(self.txt_mod), pe)
+        return blocks.double_stream(self, img, txt, mods(self.img_mod), mods(self.txt_mod), pe)
 
 
-class SingleStreamBlock(nn.Module):
+class SingleStreamBlock(blocks.SingleStreamBlock):
     """Parallel attention and MLP on the joint stream: `linear1` → [q|k|v|mlp], `linear2` ← [attn|mlp]."""
 
-    attend: Attend = staticmethod(attention)
-
     def __init__(self, cfg: DiTConfig) -> None:
-        super().__init__()
-        d, self.num_heads = cfg.hidden_size, cfg.num_heads
-        self.mlp_hidden_dim = cfg.mlp_hidden_dim
-        self.linear1 = Linear(d, 3 * d + self.mlp_hidden_dim, cfg.qkv_bias)
-        self.linear2 = Linear(d + self.mlp_hidden_dim, d)
-        self.norm = QKNorm(cfg.head_dim)
-        self.modulation = Modulation(d, double=False)
+        super().__init__(cfg, cfg.mlp_hidden_dim, bias=True)
+        self.modulation = Modulation(cfg.hidden_size, double=False, bias=True)
 
     def forward(self, x: Stream, mods: ModulationSource, pe: RoPE) -> Stream:
         (mod,) = mods(self.modulation)
         x, x_n = norm_modulate(x, mod, self.linear1.act_quant)
         d, m = self.linear1.in_features, self.mlp_hidden_dim
         quant = self.linear2.act_quant
-        if quantizes_per_row(self.linear2) and self.attend is attention:
-            # per-row scales span [attn | mlp]: GELU and both halves quantized in one pass after attention
+        if self.rows_fp8():
+            # GELU and both halves quantized in one pass after attention
             h = None
             q, k, v, mlp = self.linear1.split(x_n, (d, d, d, m))
         else:
-            # (B, L, D + mlp_hidden): attention first, MLP second, each written in place (no concat);
-            # e4m3 when linear2 reads a statically quantized input
+            # (B, L, D + mlp_hidden): the GELU written into its MLP half by linear1 (e4m3 when linear2 reads a
+            # statically quantized input)
             h = self.linear2.input_buffer(x, d + m)
             q, k, v, _ = self.linear1.split(
                 x_n, (d, d, d, m), gelu_last=True, gelu_out=h[..., d:], gelu_quant=quant
             )
-        q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
-        # q and k stored head-major where `kernels.is_head_major` says; v stays a view of linear1's output
-        major_q, major_k = kernels.is_head_major("q"), kernels.is_head_major("k")
-        q = kernels.qk_norm_rope(None, q, None, self.norm.query_norm.scale, *pe, EPS, major_q)
-        k = kernels.qk_norm_rope(None, k, None, self.norm.key_norm.scale, *pe, EPS, major_k)
+        q, k, v = self.heads(q, k, v)
+        q = self.rotate(q, "q", pe)
+        k = self.rotate(k, "k", pe)
         if h is None:
-            act = kernels.attention_act_fp8(sdpa(q, k, v), mlp, "gelu_tanh")
-            return clip_fp16(Pending(x, mod.gate, self.linear2(act)))
-        self.attend(q, k, v, out=h[..., :d], quant=quant)
-        return clip_fp16(Pending(x, mod.gate, self.linear2(h)))
+            return self.out_rows_fp8(x, mod.gate, q, k, v, mlp, "gelu_tanh")
+        return self.out_buffer(x, mod.gate, q, k, v, h)
 
 
-class LastLayer(nn.Module):
+class LastLayer(blocks.LastLayer):
     """Final adaLN (BFL order: shift, scale) and the projection back to latent channels."""
 
-    def __init__(self, dim: int, out_channels: int) -> None:
-        super().__init__()
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
-        self.linear = Linear(dim, out_channels)
-
     def forward(self, x: Stream, mods: ModulationSource) -> Tensor:
-        shift, scale = mods.raw(self.adaLN_modulation[1]).chunk(2, dim=1)
-        _, x = norm_modulate(x, ModulationOut(shift, scale, gate=shift))
-        return self.linear(x)
+        return self.project(x, mods.raw(self.adaLN_modulation[1]))
 
 
-class Flux1Transformer(nn.Module):
-    """FLUX.1 DiT: `model(img, img_ids, txt, txt_ids, timesteps, y, guidance)` → velocity (B, L_img, C)."""
+class Flux1Transformer(JointTransformer):
+    """FLUX.1 DiT: `model(img, img_ids, txt, txt_ids, timesteps, y, guidance)` → velocity (B, L_img, C).
+
+    Position ids have three axes; `rope` takes them as (L, 3) or (B, L, 3).
+    """
+
+    family = "flux1"
+    variants = ("FLUX.1-dev", "FLUX.1-schnell")
+    block_types = (DoubleStreamBlock, SingleStreamBlock, LastLayer)
 
     def __init__(self, cfg: DiTConfig) -> None:
-        super().__init__()
-        if cfg.family != "flux1":
-            raise ValueError(f"Flux1Transformer needs a flux1 config, got family {cfg.family!r}")
-        self.config = cfg
+        super().__init__(cfg)
         d = cfg.hidden_size
         self.img_in = Linear(cfg.in_channels, d)
         self.time_in = MLPEmbedder(256, d)
         self.vector_in = MLPEmbedder(cfg.vec_in_dim, d)
         self.guidance_in = MLPEmbedder(256, d) if cfg.guidance_embed else nn.Identity()
         self.txt_in = Linear(cfg.context_in_dim, d)
-        self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.depth))
-        self.single_blocks = nn.ModuleList(SingleStreamBlock(cfg) for _ in range(cfg.depth_single_blocks))
-        self.final_layer = LastLayer(d, cfg.out_channels)
+        self.add_blocks()
         self._offsets_cache: dict[int, tuple[int, int]] | None = None
-
-    def rope(self, txt_ids: Tensor, img_ids: Tensor) -> RoPE:
-        """RoPE tables for the joint sequence `[txt | img]`; build once per image size, pass as `pe`.
-
-        Ids are (L, 3) or (B, L, 3); positions are shared across the batch, as in diffusers.
-        """
-        txt_ids, img_ids = _shared_ids(txt_ids, "txt_ids"), _shared_ids(img_ids, "img_ids")
-        return rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.config.axes_dim, self.config.theta)
 
     def forward(
         self,
@@ -216,7 +144,7 @@ class Flux1Transformer(nn.Module):
         schnell; pe optional precomputed `rope(txt_ids, img_ids)`; mods optional (B, total) row of
         `modulation_table` for this step (then timesteps, y and guidance are not read again).
         """
-        self._check_inputs(img, txt, timesteps, y, guidance)
+        self.check_inputs(img, txt, timesteps, guidance, y)
         if pe is None:
             pe = self.rope(txt_ids, img_ids)
         if mods is None:
@@ -226,32 +154,12 @@ class Flux1Transformer(nn.Module):
 
         img = self.img_in(img)
         txt = self.txt_in(txt)
-        img_s: Stream = img
-        txt_s: Stream = txt
-        for block in self.double_blocks:
-            img_s, txt_s = block(img_s, txt_s, source, pe)
-
-        # (B, L_txt + L_img, D)
-        x: Stream = torch.cat([materialize(txt_s), materialize(img_s)], dim=1)
-        for block in self.single_blocks:
-            x = block(x, source, pe)
-
-        n_txt = txt.shape[1]
-        img_s = (
-            Pending(x.residual[:, n_txt:], x.gate, x.update[:, n_txt:])
-            if isinstance(x, Pending)
-            else x[:, n_txt:]
-        )
-        return self.final_layer(img_s, source)
+        return self.final_layer(self.run_blocks(img, txt, (source,), (source,), pe), source)
 
     def conditioning(self, timesteps: Tensor, y: Tensor, guidance: Tensor | None) -> Tensor:
         """`silu(vec)` (B, D), rounded as diffusers: t*1000 in the model dtype, (t + g) + y."""
         dtype = self.img_in.compute_dtype
-        t = timesteps.to(dtype) * 1000
-        vec = self.time_in(timestep_embedding(t).to(y.dtype))
-        if self.config.guidance_embed:
-            g = guidance.to(dtype) * 1000
-            vec = vec + self.guidance_in(timestep_embedding(g).to(y.dtype))
+        vec = self.embed_times(timesteps, guidance, dtype, y.dtype)
         vec = vec + self.vector_in(y)
         return torch.nn.functional.silu(vec).to(dtype)
 
@@ -280,32 +188,3 @@ class Flux1Transformer(nn.Module):
         rounding for that M, which is why the pipeline uses it only in the `high` tier.
         """
         return torch.cat([lin(vec_act) for lin in self._mod_linears], dim=1)
-
-    def _check_inputs(
-        self, img: Tensor, txt: Tensor, timesteps: Tensor, y: Tensor, guidance: Tensor | None
-    ) -> None:
-        cfg = self.config
-        if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
-            raise ValueError(f"img must be (B, L, {cfg.in_channels}), got {tuple(img.shape)}")
-        b = img.shape[0]
-        if txt.ndim != 3 or txt.shape[0] != b or txt.shape[-1] != cfg.context_in_dim:
-            raise ValueError(f"txt must be ({b}, L, {cfg.context_in_dim}), got {tuple(txt.shape)}")
-        if y.shape != (b, cfg.vec_in_dim):
-            raise ValueError(f"y must be ({b}, {cfg.vec_in_dim}), got {tuple(y.shape)}")
-        if timesteps.shape != (b,):
-            raise ValueError(f"timesteps must be ({b},), got {tuple(timesteps.shape)}")
-        if cfg.guidance_embed:
-            if guidance is None:
-                raise ValueError("this model embeds guidance (FLUX.1-dev): pass guidance (B,)")
-            if guidance.shape != (b,):
-                raise ValueError(f"guidance must be ({b},), got {tuple(guidance.shape)}")
-        elif guidance is not None:
-            raise ValueError("this model has no guidance embedding (FLUX.1-schnell): pass guidance=None")
-
-
-def _shared_ids(ids: Tensor, name: str) -> Tensor:
-    if ids.ndim == 2:
-        return ids
-    if ids.ndim != 3 or (ids.shape[0] > 1 and not torch.equal(ids, ids[:1].expand_as(ids))):
-        raise ValueError(f"{name} must be (L, 3) or (B, L, 3) with the same positions for every batch row")
-    return ids[0]

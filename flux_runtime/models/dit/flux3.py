@@ -39,6 +39,8 @@ from torch import Tensor, nn
 
 from flux_runtime import kernels
 from flux_runtime.kernels.swiglu import swiglu
+from flux_runtime.models.dit import blocks
+from flux_runtime.models.dit.blocks import check_shape, check_tokens
 from flux_runtime.models.dit.config import DiTConfig
 from flux_runtime.models.dit.layers import (
     EPS,
@@ -253,13 +255,11 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return kernels.token_layer_norm_modulate(None, None, None, x, shift, scale, EPS)
 
 
-class LastLayer(nn.Module):
+class LastLayer(blocks.LastLayer):
     """Final adaLN on the image tokens (BFL order: shift, scale) and the projection back to latent channels."""
 
     def __init__(self, dim: int, out_channels: int) -> None:
-        super().__init__()
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim, bias=False))
-        self.linear = Linear(dim, out_channels, bias=False)
+        super().__init__(dim, out_channels, bias=False)
 
     def forward(self, x: Tensor, temb: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(temb).chunk(2, dim=-1)
@@ -399,13 +399,11 @@ class Flux3Transformer(nn.Module):
         streams, so it has none to fix."""
         if self.config.flow_map:
             raise ValueError("a flow map's text stream changes with the target time: it has no fixed streams")
-        b = txt.shape[0]
-        if txt.ndim != 3 or txt.shape[-1] != self.config.context_in_dim:
-            raise ValueError(f"txt must be (B, L, {self.config.context_in_dim}), got {tuple(txt.shape)}")
+        b = check_tokens(txt, "txt", self.config.context_in_dim)
         if (ref is None) != (ref_ids is None):
             raise ValueError("pass ref and ref_ids together (the reference tokens and their positions)")
-        if ref is not None and (ref.ndim != 3 or ref.shape[0] != b):
-            raise ValueError(f"ref must be ({b}, L, {self.config.cond_in_channels}), got {tuple(ref.shape)}")
+        if ref is not None:
+            check_tokens(ref, "ref", self.config.cond_in_channels, b)
         if pe is None:
             pe = self.rope(txt_ids, img_ids, ref_ids)
         return self._fixed(txt, ref, pe, None, txt.dtype)
@@ -456,9 +454,7 @@ class Flux3Transformer(nn.Module):
         fixed: Flux3Fixed | None,
     ) -> None:
         cfg = self.config
-        if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
-            raise ValueError(f"img must be (B, L, {cfg.in_channels}), got {tuple(img.shape)}")
-        b = img.shape[0]
+        b = check_tokens(img, "img", cfg.in_channels)
         if fixed is not None:
             if txt is not None or ref is not None:
                 raise ValueError("pass fixed= in place of txt and ref (txt=None, ref=None), not beside them")
@@ -468,22 +464,20 @@ class Flux3Transformer(nn.Module):
                 raise ValueError(f"fixed streams of batch {fixed.txt.shape[0]} for an image batch of {b}")
         elif txt is None:
             raise ValueError("pass txt (B, L, context_in_dim), or fixed= from fixed_streams")
-        elif txt.ndim != 3 or txt.shape[0] != b or txt.shape[-1] != cfg.context_in_dim:
-            raise ValueError(f"txt must be ({b}, L, {cfg.context_in_dim}), got {tuple(txt.shape)}")
-        if timesteps.shape != (b,):
-            raise ValueError(f"timesteps must be ({b},), got {tuple(timesteps.shape)}")
+        else:
+            check_tokens(txt, "txt", cfg.context_in_dim, b)
+        check_shape(timesteps, "timesteps", (b,))
         if fixed is None and (ref is None) != (ref_ids is None):
             raise ValueError("pass ref and ref_ids together (the reference tokens and their positions)")
         if fixed is not None and (fixed.ref is None) != (ref_ids is None):
             raise ValueError("fixed streams with references need ref_ids (their positions), and only they")
-        if ref is not None and (ref.ndim != 3 or ref.shape[0] != b or ref.shape[-1] != cfg.cond_in_channels):
-            raise ValueError(f"ref must be ({b}, L, {cfg.cond_in_channels}), got {tuple(ref.shape)}")
+        if ref is not None:
+            check_tokens(ref, "ref", cfg.cond_in_channels, b)
         if cfg.flow_map:
             if target_timesteps is None:
                 raise ValueError(
                     "this model is a flow map (FLUX.3 Klein distilled): pass target_timesteps (B,)"
                 )
-            if target_timesteps.shape != (b,):
-                raise ValueError(f"target_timesteps must be ({b},), got {tuple(target_timesteps.shape)}")
+            check_shape(target_timesteps, "target_timesteps", (b,))
         elif target_timesteps is not None:
             raise ValueError("this model is not a flow map (FLUX.3 Klein base): pass target_timesteps=None")

@@ -1,4 +1,7 @@
-"""Pieces both FLUX transformers share unchanged: projections, embeddings, RoPE tables, QK-norm."""
+"""Pieces every FLUX transformer shares unchanged: projections, embeddings, RoPE tables, QK-norm, attention.
+
+The blocks built from them (FLUX.1's and FLUX.2's double and single blocks, their modulation) are in `blocks`.
+"""
 
 from __future__ import annotations
 
@@ -348,81 +351,3 @@ Attend = Callable[..., Tensor]
 
 Blocks hold it as `attend` (full attention); a sequence-parallel run sets it per block to an attention that
 exchanges token shards for head shards around `sdpa` (`flux_runtime.parallel.ulysses`)."""
-
-
-class SelfAttention(nn.Module):
-    """Projection weights of one double-block stream: fused `qkv`, its QK RMSNorm and the output `proj`."""
-
-    def __init__(self, dim: int, num_heads: int, bias: bool) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.qkv: AnyLinear = Linear(dim, 3 * dim, bias)
-        self.norm = QKNorm(dim // num_heads)
-        self.proj: AnyLinear = Linear(dim, dim, bias)
-
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v as (B, L, H, Dh) from the modulated stream `x` (B, L, D).
-
-        diffusers runs `to_q`, `to_k`, `to_v` separately; `Linear.split` gives those bits.
-        """
-        d = self.qkv.in_features
-        return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in self.qkv.split(x, (d, d, d)))
-
-
-def _rows(x: Stream) -> int:
-    """Tokens in a stream (B, L, D)."""
-    return (x.update if isinstance(x, Pending) else x).shape[1]
-
-
-def double_stream(
-    block: nn.Module,
-    img: Stream,
-    txt: Stream,
-    img_mods: tuple[ModulationOut, ...],
-    txt_mods: tuple[ModulationOut, ...],
-    pe: RoPE,
-) -> tuple[Stream, Stream]:
-    """The double-stream block of both FLUX generations: image and text weights apart, one joint attention.
-
-    `block` holds `img_attn`, `txt_attn` (SelfAttention), `img_mlp`, `txt_mlp` and `attend`; the two
-    modulation pairs come from the block (FLUX.1) or are shared by all blocks (FLUX.2).
-    """
-    (img_mod1, img_mod2), (txt_mod1, txt_mod2) = img_mods, txt_mods
-
-    # prepare img and txt for attention
-    n_img, n_txt = _rows(img), _rows(txt)
-    img, img_n = norm_modulate(img, img_mod1, block.img_attn.qkv.act_quant)
-    txt, txt_n = norm_modulate(txt, txt_mod1, block.txt_attn.qkv.act_quant)
-    img_q, img_k, img_v = block.img_attn.project(img_n)
-    txt_q, txt_k, txt_v = block.txt_attn.project(txt_n)
-
-    # joint attention, text first: (B, L_txt + L_img, H, Dh), each stored head-major where
-    # `kernels.is_head_major` says (SDPA then reads it contiguously)
-    img_norm, txt_norm = block.img_attn.norm, block.txt_attn.norm
-    major_q, major_k, major_v = (kernels.is_head_major(role) for role in "qkv")
-    q = kernels.qk_norm_rope(
-        txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS, major_q
-    )
-    k = kernels.qk_norm_rope(
-        txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS, major_k
-    )
-    # joint V: two strided copies (the merged-QKV views) are cheaper on the GPU than torch.cat of them; they
-    # write the head-major storage as directly as the token-major one
-    b, _, h, dh = txt_v.shape
-    v = kernels.empty_heads(
-        b, n_txt + n_img, h, dh, dtype=txt_v.dtype, device=txt_v.device, head_major=major_v
-    )
-    v[:, :n_txt].copy_(txt_v)
-    v[:, n_txt:].copy_(img_v)
-    txt_attn, img_attn = block.attend(q, k, v).split_with_sizes([n_txt, n_img], dim=1)
-
-    # image stream: attention residual, then MLP residual (both left pending)
-    img = Pending(img, img_mod1.gate, block.img_attn.proj.from_view(img_attn))
-    img, img_n = norm_modulate(img, img_mod2, block.img_mlp[0].act_quant)
-    img = Pending(img, img_mod2.gate, block.img_mlp(img_n))
-
-    # text stream
-    txt = Pending(txt, txt_mod1.gate, block.txt_attn.proj.from_view(txt_attn))
-    txt, txt_n = norm_modulate(txt, txt_mod2, block.txt_mlp[0].act_quant)
-    txt = clip_fp16(Pending(txt, txt_mod2.gate, block.txt_mlp(txt_n)))
-    return img, txt

@@ -209,13 +209,11 @@ class DownLevel(nn.Module):
 
     def __init__(self, widths: list[tuple[int, int]], groups: int, downsample: bool) -> None:
         super().__init__()
-        self.block = nn.ModuleList(ResnetBlock(i, o, groups) for i, o in widths)
+        self.block = _resnets(widths, groups)
         self.downsample = Downsample(widths[-1][1]) if downsample else None
 
     def forward(self, x: Tensor) -> Tensor:
-        for block in self.block:
-            x = block(x)
-        return x if self.downsample is None else self.downsample(x)
+        return _level(self.block, self.downsample, x)
 
 
 class UpLevel(nn.Module):
@@ -223,13 +221,23 @@ class UpLevel(nn.Module):
 
     def __init__(self, widths: list[tuple[int, int]], groups: int, upsample: bool) -> None:
         super().__init__()
-        self.block = nn.ModuleList(ResnetBlock(i, o, groups) for i, o in widths)
+        self.block = _resnets(widths, groups)
         self.upsample = Upsample(widths[-1][1]) if upsample else None
 
     def forward(self, x: Tensor) -> Tensor:
-        for block in self.block:
-            x = block(x)
-        return x if self.upsample is None else self.upsample(x)
+        return _level(self.block, self.upsample, x)
+
+
+def _resnets(widths: list[tuple[int, int]], groups: int) -> nn.ModuleList:
+    """A level's resnets, one per (in, out) width pair."""
+    return nn.ModuleList(ResnetBlock(i, o, groups) for i, o in widths)
+
+
+def _level(resnets: nn.ModuleList, resample: nn.Module | None, x: Tensor) -> Tensor:
+    """`x` through a level's resnets, then its resampling when it has one."""
+    for block in resnets:
+        x = block(x)
+    return x if resample is None else resample(x)
 
 
 class Encoder(nn.Module):
