@@ -27,7 +27,7 @@ import base64
 import json
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
@@ -51,10 +51,13 @@ Token = str | AddedToken
 _NO_LIMIT = int(1e30)
 
 
-class Encoded(NamedTuple):
-    """What `FastTokenizer(text)` returns: transformers' `BatchEncoding.input_ids`, without the rest."""
+class Encoded(dict):
+    """What `FastTokenizer(text)` returns: transformers' `BatchEncoding` reduced to its `input_ids`, read as an
+    attribute or by key as callers of a transformers tokenizer do."""
 
-    input_ids: list[int] | list[list[int]]
+    @property
+    def input_ids(self) -> list[int] | list[list[int]]:
+        return self["input_ids"]
 
 
 class FastTokenizer:
@@ -87,8 +90,17 @@ class FastTokenizer:
         """`tokenizer(text).input_ids` as transformers answers it with no options: the untruncated ids (a list
         of them for a list of prompts)."""
         if isinstance(text, str):
-            return Encoded(self.untruncated([text])[0])
-        return Encoded(self.untruncated(list(text)))
+            return Encoded(input_ids=self.untruncated([text])[0])
+        return Encoded(input_ids=self.untruncated(list(text)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the lock behind (each copy gets its own: `copy.deepcopy(tokenizer)` then
+        counts tokens beside the pipeline's calls, as one does with a transformers tokenizer)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         """The vocabulary with its added tokens (transformers' `len(tokenizer)`)."""

@@ -8,6 +8,7 @@ import torch
 
 from flux_runtime.pipeline import Pipeline
 from flux_runtime.serve.app import prompt_counter
+from flux_runtime.text.fast_tokenizers import FastTokenizer
 
 
 def _sequence_tokenizer(pipe):
@@ -21,6 +22,13 @@ def test_counting_leaves_the_pipelines_tokenizer_alone(model):
     shared = _sequence_tokenizer(pipe)
     count = prompt_counter(pipe)
     prompt = "a red fox on a green hill"
+    if isinstance(shared, FastTokenizer):  # FLUX.1's own: padding is set only inside a locked `ids` call
+        assert shared.ids([prompt], 48).shape == (1, 48)
+        assert shared.backend.padding is None and shared.backend.truncation is None
+        n = count(prompt)
+        assert n == len(shared.untruncated([prompt])[0]) and 0 < n < 48
+        assert count(prompt + " and a blue sky") > n
+        return
     # the worker's state mid-call: padded to a fixed length, truncated
     padded = shared(prompt, padding="max_length", max_length=48, truncation=True)["input_ids"]
     state = (shared._tokenizer.padding, shared._tokenizer.truncation)
