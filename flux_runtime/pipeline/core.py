@@ -472,6 +472,31 @@ class Recipe:
         return GraphedDenoiser(fn)
 
 
+def settle(
+    pipe: Recipe,
+    src: Any,
+    *,
+    fp8_text: bool,
+    budget: int | None,
+    offload_text_encoders: bool,
+    device: torch.device,
+    parallel: Any = None,
+    sharded: Any = None,
+) -> Recipe:
+    """The end of every family's load: record the text encoders' precision and the hub revision the sources
+    came from, place the models by the memory plan for `budget`, and, on a rank of a parallel run, give the
+    pipeline its sequence-parallel transformer `sharded`."""
+    from flux_runtime.pipeline import placement
+
+    pipe.fp8_text = fp8_text
+    pipe.hub_revision = src.hub_revision
+    placement.place(pipe, budget, offload_text_encoders, device)
+    if parallel is not None:
+        assert sharded is not None
+        par.attach(pipe, parallel, sharded)
+    return pipe
+
+
 def first_step(steps: int, strength: float) -> int:
     """The step img2img starts at: `int(steps - min(steps * strength, steps))` (diffusers' `get_timesteps`)."""
     return int(max(steps - min(steps * strength, steps), 0))

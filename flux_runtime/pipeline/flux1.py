@@ -33,9 +33,8 @@ from flux_runtime.pipeline.checks import (
     check_steps,
     check_vae_tile,
 )
-from flux_runtime.pipeline.core import Recipe, RoPE
+from flux_runtime.pipeline.core import Recipe, RoPE, settle
 from flux_runtime.pipeline.errors import FluxError, warn_caller
-from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, schedule_config
 from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
@@ -157,13 +156,10 @@ class Flux1Pipe(Recipe):
             cuda_graphs=cuda_graphs,
             variant=named,
         )
-        pipe.fp8_text = fp8_text
-        pipe.hub_revision = src.hub_revision
-        placement.place(pipe, budget, offload_text_encoders, device)
-        if parallel is not None:
-            assert sharded is not None
-            attach(pipe, parallel, sharded)
-        return pipe
+        return settle(
+            pipe, src, fp8_text=fp8_text, budget=budget, offload_text_encoders=offload_text_encoders,
+            device=device, parallel=parallel, sharded=sharded,
+        )  # fmt: skip
 
     def input_widened(self, name: str) -> None:
         """A LoRA (`name`) widened the transformer's input (a Control LoRA): the variant follows the new width,

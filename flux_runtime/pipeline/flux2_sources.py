@@ -15,9 +15,8 @@ from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_latent_widths,
 )
-from flux_runtime.pipeline.core import Recipe
+from flux_runtime.pipeline.core import Recipe, settle
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.parallel import attach
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, flux2_schedule_config
 from flux_runtime.pipeline.tiers import Tier
@@ -98,13 +97,10 @@ def open_flux2(
         quality=quality,
         cuda_graphs=cuda_graphs,
     )
-    pipe.fp8_text = fp8_text
-    pipe.hub_revision = src.hub_revision
-    placement.place(pipe, budget, offload_text_encoders, device)
-    if parallel is not None:
-        assert sharded is not None
-        attach(pipe, parallel, sharded)
-    return pipe
+    return settle(
+        pipe, src, fp8_text=fp8_text, budget=budget, offload_text_encoders=offload_text_encoders, device=device,
+        parallel=parallel, sharded=sharded,
+    )  # fmt: skip
 
 
 def _open_text(

@@ -13,7 +13,7 @@ from flux_runtime.pipeline import placement
 from flux_runtime.pipeline.checks import (
     check_latent_widths,
 )
-from flux_runtime.pipeline.core import Recipe
+from flux_runtime.pipeline.core import Recipe, settle
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources
@@ -75,10 +75,14 @@ def open_flux3(
         guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,
         cuda_graphs=cuda_graphs, prompt_upsampler=_upsampler_source(src),
     )  # fmt: skip
-    pipe.fp8_text = fp8_text
-    pipe.hub_revision = src.hub_revision
-    placement.place(pipe, budget, offload_text_encoders, device)
-    return pipe
+    return settle(
+        pipe,
+        src,
+        fp8_text=fp8_text,
+        budget=budget,
+        offload_text_encoders=offload_text_encoders,
+        device=device,
+    )
 
 
 def _upsampler_source(src: Sources) -> str | Path | None:

@@ -30,7 +30,7 @@ from flux_runtime.text.checks import check_count, check_sequence_length, prompt_
 from flux_runtime.text.clip_encoder import ClipTextEncoder
 from flux_runtime.text.fp8 import quantize_text_layers
 from flux_runtime.text.hf_weights import check_model_folder, load_checked, pipeline_root
-from flux_runtime.text.native_weights import Kind, has_safetensors, load_native
+from flux_runtime.text.native_weights import Kind, load_native
 from flux_runtime.text.t5_encoder import T5Encoder
 from flux_runtime.text.tiny import init_random, tiny_clip_config, tiny_t5_config
 from flux_runtime.text.tokenizers import (
@@ -40,7 +40,7 @@ from flux_runtime.text.tokenizers import (
     tokenize,
     transformers_tokenizers,
 )
-from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.hub import resolve, safetensors_files
 
 if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
     from transformers import CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel
@@ -282,8 +282,9 @@ def _load_model(
             "T5 overflows in float16 (its `wo` layers stay in float32, as transformers keeps them); FLUX.1 uses "
             "bfloat16"
         )
-    if has_safetensors(folder):
-        return load_native(kind, folder, dtype, device, what)
+    files = safetensors_files(folder, "model")
+    if files:
+        return load_native(kind, folder, files, dtype, device, what)
     from transformers import CLIPTextModel, T5EncoderModel
 
     return load_checked(CLIPTextModel if kind == "clip" else T5EncoderModel, folder, dtype, device, what)

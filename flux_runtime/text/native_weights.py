@@ -19,22 +19,16 @@ from flux_runtime.text import clip_encoder, t5_encoder
 from flux_runtime.weights import pinned_stream
 from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.hub import safetensors_files
 from flux_runtime.weights.safetensors_io import TensorSource
 
 Kind = Literal["clip", "t5"]
 
 
-def has_safetensors(folder: Path) -> bool:
-    """Whether `folder`'s model weights are safetensors (what this loader reads; `.bin` files go to transformers)."""
-    return bool(safetensors_files(folder, "model"))
-
-
 def load_native(
-    kind: Kind, folder: Path, dtype: torch.dtype, device: torch.device | str, what: str
+    kind: Kind, folder: Path, files: list[Path], dtype: torch.dtype, device: torch.device | str, what: str
 ) -> nn.Module:
-    """The `kind` encoder of `folder` in `dtype` on `device`; a weight the model needs and the files lack is a
-    WeightsError naming it (transformers would draw it at random)."""
+    """The `kind` encoder of `folder` (its safetensors `files`) in `dtype` on `device`; a weight the model needs
+    and the files lack is a WeightsError naming it (transformers would draw it at random)."""
     dev = torch.device(device)
     config = read_json_object(folder / "config.json")
     build = clip_encoder.build if kind == "clip" else t5_encoder.build
@@ -43,7 +37,7 @@ def load_native(
     except (ValueError, TypeError) as e:
         raise WeightsError(f"{folder}/config.json: {e}") from None
     wanted = {name: t.dtype for name, t in model.state_dict().items()}
-    src = TensorSource(safetensors_files(folder, "model"))
+    src = TensorSource(files)
     keys = {}  # the checkpoint's name -> ours
     for key in src.keys():
         ours = key.removeprefix("text_model.") if kind == "clip" else key

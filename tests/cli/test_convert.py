@@ -20,6 +20,7 @@ from tests.cli.convert_helpers import fail as _fail
 from tests.cli.convert_helpers import run as _run
 from tests.cli.convert_helpers import tensors as _tensors
 from tests.flux1_fixtures import make_diffusers_transformer, make_inputs, save_bfl, save_diffusers
+from tests.models.helpers import diffusers_forward
 from tests.weights.vae_fixtures import make_diffusers_vae, make_image, save_bfl_vae, save_diffusers_vae
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,17 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _forward(model, inputs):
     img, img_ids, txt, txt_ids, timesteps, y, guidance = inputs
-    with torch.no_grad():
-        return model(
-            hidden_states=img,
-            encoder_hidden_states=txt,
-            pooled_projections=y,
-            timestep=timesteps,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance if model.config.guidance_embeds else None,
-            return_dict=False,
-        )[0]
+    return diffusers_forward(model, img, img_ids, txt, txt_ids, timesteps, guidance, pooled_projections=y)
 
 
 def test_transformer_diffusers_to_bfl_to_diffusers(tmp_path):

@@ -19,6 +19,7 @@ from tests.cli.convert_helpers import fail as _fail
 from tests.cli.convert_helpers import run as _run
 from tests.cli.convert_helpers import tensors as _tensors
 from tests.flux2_fixtures import make_diffusers_flux2, make_inputs, save_bfl, save_diffusers
+from tests.models.helpers import diffusers_forward
 from tests.weights.vae_fixtures import (
     make_diffusers_flux2_vae,
     make_image,
@@ -29,16 +30,7 @@ from tests.weights.vae_fixtures import (
 
 def _forward(model, inputs):
     img, img_ids, txt, txt_ids, timesteps, guidance = inputs
-    with torch.no_grad():
-        return model(
-            hidden_states=img,
-            encoder_hidden_states=txt,
-            timestep=timesteps,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance if model.config.guidance_embeds else None,
-            return_dict=False,
-        )[0]
+    return diffusers_forward(model, img, img_ids, txt, txt_ids, timesteps, guidance)
 
 
 def test_full_presets_write_diffusers_own_configs():
