@@ -489,6 +489,18 @@ case "$phase" in
     [ -z "${COLD:-}" ] || timeout 200 python3 scripts/bench_cold_start.py read /tmp/cold --cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" || status=1
     timeout 400 python3 scripts/bench_cold_start.py cold /tmp/cold --models "$models" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-8}" --out "$OUT/cold_start.jsonl" || status=1
     ;;
+  close-33-35)
+    # session 21's one call: every GPU test outside the kernels' (those passed after the refactor) and issue 33's
+    # cold start of the transformers-free FLUX.1 path (FLUX.1-dev bf16 / --fp8 and klein-4B against the diffusers
+    # scripts, --prompts 8), then the import table if time is left (carry .whl)
+    start=$SECONDS
+    timeout 200 python3 -m pytest -q -m gpu tests --ignore=tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_nonkernel.txt" | tail -5 || status=1
+    timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev,klein-4b --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout $((560 - (SECONDS - start))) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev,klein-4b --prompts 8 --out "$OUT/cold_start.jsonl" 2>&1 | tail -3 || status=1
+    left=$((570 - (SECONDS - start)))
+    [ $left -gt 40 ] && { timeout $left python3 scripts/bench_cold_start.py imports /tmp/cold --out "$OUT/cold_start.jsonl" 2>&1 | tail -2 || status=1; }
+    cat "$OUT/cold_start.jsonl"
+    ;;
   refactor)
     # one call after a refactor and the native text encoders: their GPU tests, FLUX.1-dev's cold start (flux-gen
     # bf16 and --fp8 against the diffusers script), then the FLUX.1-dev step bench of this tree and of BEFORE (a

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flux_runtime.text.encoder_base import EncoderModule
+from flux_runtime.text.encoder_base import EncoderModule, embedding
 
 _ACTIVATIONS = ("quick_gelu", "gelu")
 
@@ -64,8 +64,8 @@ class ClipEmbeddings(nn.Module):
 
     def __init__(self, cfg: ClipTextConfig) -> None:
         super().__init__()
-        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_embedding = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embedding = embedding(cfg.max_position_embeddings, cfg.hidden_size)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Drop a checkpoint's `position_ids` buffer (always `arange`, rebuilt at call time)."""

@@ -18,3 +18,10 @@ class EncoderModule(nn.Module):
     def dtype(self) -> torch.dtype:
         """The dtype of its first floating-point parameter (T5 in float16 keeps `wo` in float32: still float16)."""
         return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An `nn.Embedding` whose table is left uninitialized (loading fills it). `nn.Embedding`'s own random
+    init on the `meta` device goes through torch's reference ops, whose first use imports `torch._dynamo`:
+    1.4 s and more of a fresh process, spent on numbers that are overwritten at once."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))

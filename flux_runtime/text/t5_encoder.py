@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flux_runtime.text.encoder_base import EncoderModule
+from flux_runtime.text.encoder_base import EncoderModule, embedding
 
 _FEED_FORWARD = {"gated-gelu": True, "relu": False}  # feed_forward_proj -> gated
 ATTENTION = ("sdpa", "sdpa-strided", "eager")
@@ -130,7 +130,7 @@ class T5SelfAttention(nn.Module):
         self.num_buckets = cfg.relative_attention_num_buckets
         self.max_distance = cfg.relative_attention_max_distance
         if has_bias:
-            self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads)
+            self.relative_attention_bias = embedding(cfg.relative_attention_num_buckets, cfg.num_heads)
 
     def position_bias(self, length: int, device: torch.device) -> Tensor:
         """The additive bias (1, H, L, L) in the table's dtype: a permuted view of the (L, L, H) lookup,
@@ -266,7 +266,7 @@ class T5Encoder(EncoderModule):
         if attention not in ATTENTION:
             raise ValueError(f"T5 attention {attention!r} is not one of {', '.join(ATTENTION)}")
         self.config, self.attention = config, attention
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = embedding(config.vocab_size, config.d_model)
         self.encoder = T5Stack(config, self.shared, attention)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
