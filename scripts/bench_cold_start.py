@@ -17,6 +17,10 @@ Device only (a CUDA GPU, diffusers importable). Four steps, each a subcommand, r
   same call, each timed from the command to the PNG (wall, and the stages each process prints), the PNGs
   compared pixel for pixel; `flux-gen --prompts` with 8 prompts (per-image time after the first); peak host RSS
   of each process.
+- `first-call ROOT`: where a fresh process's first image goes against its second, in one process per model:
+  torch's import, the CUDA context, our imports, the load, then two identical calls (no CUDA graphs, as
+  `flux-gen` makes one image) timed per stage (encode, first step, the other steps, decode, from the
+  pipeline's progress reports with the GPU synchronized), and how long the process takes to exit.
 - `imports ROOT`: what a fresh process spends before any weights: torch alone, a CUDA context, triton, our
   pipeline and CLI, transformers' text encoders, diffusers' FluxPipeline, each in its own process; then the
   heaviest modules of our imports (`python -X importtime`).
@@ -472,6 +476,58 @@ def cmd_cold(args: argparse.Namespace) -> None:
             _emit(args.out, {"prompts": args.prompts, **row})
 
 
+FIRST_CALL = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+t2 = time.perf_counter()
+from flux_runtime.pipeline import Pipeline
+t3 = time.perf_counter()
+folder, steps, guidance = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+pipe = Pipeline.from_pretrained(folder, device="cuda", cuda_graphs=False)
+torch.cuda.synchronize(); t4 = time.perf_counter()
+row = dict(import_torch=t1 - t0, cuda_context=t2 - t1, import_pipeline=t3 - t2, load=t4 - t3)
+for k in (1, 2):
+    marks = []
+    def progress(stage, done, total):
+        torch.cuda.synchronize(); marks.append((stage, done, time.perf_counter()))
+    t = time.perf_counter()
+    pipe(PROMPT, height=1024, width=1024, num_steps=steps, guidance=guidance, seed=0,
+         progress=progress)
+    torch.cuda.synchronize(); end = time.perf_counter()
+    at = {(s, d): x for s, d, x in marks}
+    row[f"call{k}"] = dict(
+        before_encode=at[("encode", 0)] - t, encode=at[("encode", 1)] - at[("encode", 0)],
+        first_step=at[("denoise", 1)] - at[("denoise", 0)],
+        other_steps=at[("denoise", steps)] - at[("denoise", 1)],
+        decode_and_after=end - at[("denoise", steps)], total=end - t)
+print("FIRSTCALL " + json.dumps(row), flush=True)
+print("ENDED %.6f" % time.time(), flush=True)
+""".replace("PROMPT", repr(PROMPT))
+
+
+def cmd_first_call(args: argparse.Namespace) -> None:
+    """Each model's first call against its second in one fresh process, stage by stage, and its exit time."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=str(args.root / "pycache"))
+    for name, steps, guidance in (("flux1-dev", 28, 3.5), ("klein-4b", 4, 1.0)):
+        if name not in args.models:
+            continue
+        cmd = [sys.executable, "-c", FIRST_CALL, str(args.root / name), str(steps), str(guidance)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        exited = time.time()
+        row: dict = {"first-call": name, "rc": proc.returncode}
+        for line in proc.stdout.splitlines():
+            if line.startswith("FIRSTCALL "):
+                row.update(json.loads(line[10:]))
+            if line.startswith("ENDED "):
+                row["exit_s"] = exited - float(line[6:])
+        if proc.returncode:
+            row["tail"] = (proc.stdout + proc.stderr)[-1500:]
+        _emit(args.out, json.loads(json.dumps(row), parse_float=lambda v: round(float(v), 3)))
+
+
 IMPORT_STAGES = {
     "python alone": "pass",
     "import torch": "import torch",
@@ -515,7 +571,7 @@ def cmd_imports(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=("build", "read", "cold", "imports"))
+    p.add_argument("step", choices=("build", "read", "cold", "first-call", "imports"))
     p.add_argument("root", type=Path)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "cold_start.jsonl")
     p.add_argument("--models", default="flux1-dev,klein-4b")
@@ -534,7 +590,7 @@ def main() -> int:
     args = p.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     args.models = args.models.split(",")
-    {"build": cmd_build, "read": cmd_read, "cold": cmd_cold, "imports": cmd_imports}[args.step](args)
+    {"build": cmd_build, "read": cmd_read, "cold": cmd_cold, "first-call": cmd_first_call, "imports": cmd_imports}[args.step](args)
     return 0
 
 

@@ -501,6 +501,10 @@ case "$phase" in
     [ $left -gt 40 ] && { timeout $left python3 scripts/bench_cold_start.py imports /tmp/cold --out "$OUT/cold_start.jsonl" 2>&1 | tail -2 || status=1; }
     cat "$OUT/cold_start.jsonl"
     ;;
+  gpu-nonkernel)
+    # every GPU test outside tests/kernels (the kernels' 1491 passed after the refactor), slowest listed
+    timeout 570 python3 -m pytest -q -m gpu tests --ignore=tests/kernels -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/gpu_tests_nonkernel.txt" | tail -30 || status=1
+    ;;
   refactor)
     # one call after a refactor and the native text encoders: their GPU tests, FLUX.1-dev's cold start (flux-gen
     # bf16 and --fp8 against the diffusers script), then the FLUX.1-dev step bench of this tree and of BEFORE (a
