@@ -19,6 +19,21 @@ from flux_runtime.registry import MODEL_NAMES as MODEL_CHOICES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
+
+class CacheSpec(click.ParamType):
+    """A step-cache spec, checked as the command line is read; the value is the spec written in full."""
+
+    name = "SPEC"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str | None:
+        from flux_runtime.sampling.step_cache import CacheSpecError, parse_cache
+
+        try:
+            policy = parse_cache(value)
+        except CacheSpecError as e:
+            self.fail(str(e), param, ctx)
+        return None if policy is None else policy.spec
+
 OPTIONS: dict[str, tuple[click.Option, ...]] = {
     "Prompt and output": (
         option("--prompt -p", str, "What to draw.", NO_DEFAULT),
@@ -116,6 +131,13 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             "lossless: diffusers' bits; high: faster. high adds approximate fusions, each kept within an "
             "error budget (docs/quality.md).",
             "lossless",
+        ),
+        option(
+            "--cache",
+            CacheSpec(),
+            "Step caching, off by default: POLICY[:key=value,...], e.g. first-block:threshold=0.12 or "
+            "taylor:order=2,refresh=4. Skips most of the transformer on steps that change little; an "
+            "approximation, recorded in the PNG (docs/step-caching.md).",
         ),
         option(
             "--max-sequence-length",

@@ -22,6 +22,7 @@ REPLAYED = (
     "prompt",
     "model",
     "quality",
+    "cache",
     "steps",
     "guidance",
     "seed",
@@ -93,6 +94,8 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         negative_prompt=rec.get("negative_prompt"),
         true_cfg=rec.get("true_cfg_scale", 1.0),
         strength=rec.get("strength"),
+        # the step cache's policy in full (a record from before step caching ran none)
+        cache=rec["cache"]["spec"] if isinstance(rec.get("cache"), dict) else None,
     )
     if rec.get("reference_crop"):  # FLUX.3 cropped back to its reference: the size comes from it again
         opts.update(width=None, height=None)

@@ -251,6 +251,7 @@ def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
         max_sequence_length=opts["max_sequence_length"],
         num_images_per_prompt=opts["_replay_batch"] if opts["replay"] is not None else opts["num_images"],
         progress=progress,
+        cache=opts["cache"] or "off",
     )
     if pipe.family == "flux3":
         return pipe(

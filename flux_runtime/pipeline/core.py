@@ -31,6 +31,7 @@ from flux_runtime.pipeline.memory import VAE_TILE, Plan, gib
 from flux_runtime.pipeline.placement import check_free_memory
 from flux_runtime.pipeline.provenance import provenance
 from flux_runtime.pipeline.state import Call, Conditioning, PipelineOutput, Start
+from flux_runtime.pipeline.step_caching import CacheRun, check_policy
 from flux_runtime.pipeline.tiers import (
     BATCHED_MODULATION,
     FAST_FP8_ACCUMULATION,
@@ -65,6 +66,8 @@ class Recipe:
     oom_hint = ""  # extra advice in the out-of-memory message
     parallel: Any = None  # this process's `flux_runtime.parallel.World` in a parallel run (`parallel.attach`)
     hub_revision: tuple[str, str] | None = None  # (repo, commit) of a transformer read from the Hub's cache
+    # the step-cache policy a call uses when it passes no `cache=` (`flux_runtime.sampling.step_cache`)
+    cache: Any = None
 
     def _setup(
         self,
@@ -238,6 +241,8 @@ class Recipe:
     def _run(self, call: Call) -> PipelineOutput:
         """check → encode → latents → schedule → denoise → decode → provenance, one FluxError on OOM."""
         self.check(call)
+        if call.cache is not None:
+            check_policy(call.cache, self.transformer, self.parallel, self.model_name)
         if call.seed is None and call.generator is None:
             call.seed = 0
         tier = resolve_tier(call.quality, self.device, self.dtype)
@@ -271,6 +276,8 @@ class Recipe:
             **self.record_inputs(call),
             **fused_loras.provenance_fields(self),  # each fused LoRA: file, sha256, scale
             **({"parallel": call.prepared["parallel"]} if "parallel" in call.prepared else {}),
+            # step caching: the policy and the steps whose transformer ran in full ("off": every step did)
+            "cache": call.prepared["cache"].record() if "cache" in call.prepared else "off",
             # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
             "kernels": kernels,
             # the decode's: "off" (the reference ops), or the high tier's fused GroupNorm + SiLU
@@ -344,7 +351,13 @@ class Recipe:
                     return self.conditioned_velocity(x, cc, t, gd, txt, vec, mods, ids, pe)
                 return self.velocity(x, t, gd, txt, vec, mods, ids, pe)
 
-        use_graphs = self._graphs_enabled()
+        # step caching decides on the host, step by step: eager calls (recorded as cuda_graphs False)
+        cache_run = (
+            None if call.cache is None else CacheRun(call.cache, self.transformer, len(start.timesteps))
+        )
+        if cache_run is not None:
+            call.prepared["cache"] = cache_run
+        use_graphs = self._graphs_enabled() and cache_run is None
         # what `high` approximated in this call (see `record_approximations`)
         approximations: set[str] = set()
 
@@ -364,7 +377,8 @@ class Recipe:
                 return None if table is None else table[next(step)]
 
             if not use_graphs:
-                return lambda x, t, gd: velocity(x, t, gd, text, vec, mods(), cc)
+                eager = lambda x, t, gd: velocity(x, t, gd, text, vec, mods(), cc)  # noqa: E731
+                return eager if cache_run is None else cache_run.wrap(name, eager)
             # one graph per branch: a replay overwrites its static output, and CFG needs both at once
             key = (start.rope_key, tier, name)
             if key not in self._graphed:

@@ -22,8 +22,10 @@ from flux_runtime.pipeline.downloads import fetch_model
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.flux1 import Flux1Pipe
 from flux_runtime.pipeline.sources import find_sources, open_family
+from flux_runtime.pipeline.step_caching import as_policy
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import Variant
+from flux_runtime.sampling.step_cache import CachePolicy
 from flux_runtime.weights.download import downloads_allowed
 from flux_runtime.weights.pinned_stream import keep_ring
 
@@ -59,6 +61,7 @@ class Pipeline(Flux1Pipe):
         fp8_text: bool = False,
         parallel: ParallelConfig | int | None = None,
         download: bool = True,
+        cache: str | CachePolicy | None = None,
         **unknown: Any,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
@@ -92,8 +95,47 @@ class Pipeline(Flux1Pipe):
         `download`: fetch what the load reads and the local Hugging Face cache lacks, on first use, exactly those
         files (`flux_runtime.pipeline.downloads`); False, or HF_HUB_OFFLINE=1, never touches the network. A
         parallel run reads the cache only (fetch first: `flux-gen --download-only`).
+        `cache`: step caching for every call that passes none, a spec string (`"first-block:threshold=0.12"`,
+        `"taylor:order=2,refresh=4"`) or a policy object (`flux_runtime.sampling.step_cache`); off by default.
+        It approximates (orthogonal to `quality`); the provenance records the policy and the steps computed.
         """
         reject_unknown_load(cls.from_pretrained, unknown)
+        policy = as_policy(cache)
+        if policy is not None and parallel is not None:
+            raise FluxError(
+                "step caching runs on one GPU for now: drop cache= (--cache) or parallel= (--gpus)"
+            )
+        pipe = cls._open(
+            path_or_id, device=device, dtype=dtype, quality=quality, vae=vae, text_encoder=text_encoder,
+            text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
+            is_distilled=is_distilled, fp8=fp8, variant=variant, memory=memory, fp8_text=fp8_text,
+            parallel=parallel, download=download,
+        )  # fmt: skip
+        pipe.cache = policy
+        return pipe
+
+    @classmethod
+    def _open(
+        cls,
+        path_or_id: str | Path,
+        *,
+        device: torch.device | str | None,
+        dtype: torch.dtype,
+        quality: Tier,
+        vae: str | Path | None,
+        text_encoder: str | Path | None,
+        text_encoder_2: str | Path | None,
+        cuda_graphs: bool,
+        offload_text_encoders: bool,
+        is_distilled: bool | None,
+        fp8: bool,
+        variant: Variant | None,
+        memory: str | int | None,
+        fp8_text: bool,
+        parallel: ParallelConfig | int | None,
+        download: bool,
+    ) -> Pipeline | Flux2Pipe | Flux3Pipe:
+        """`from_pretrained` after its own checks: the family read from the checkpoint, its recipe built."""
         flux1_variants.check_variant_name(variant)
         if quality not in ("lossless", "high"):
             raise FluxError(f"unknown quality {quality!r}: choose 'lossless' or 'high'")

@@ -38,6 +38,7 @@ from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, schedule_config
 from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
+from flux_runtime.pipeline.step_caching import as_policy
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import Variant, spec_for
 from flux_runtime.sampling import (
@@ -48,6 +49,7 @@ from flux_runtime.sampling import (
     pack,
     unpack,
 )
+from flux_runtime.sampling.step_cache import CachePolicy
 from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin
@@ -86,7 +88,9 @@ class Flux1Pipe(Recipe):
         cuda_graphs: bool = True,
         offload_text_encoders: bool = False,
         variant: Variant | None = None,
+        cache: str | CachePolicy | None = None,
     ) -> None:
+        self.cache = as_policy(cache)
         self.variant: Variant = flux1_variants.variant_of(transformer, vae, variant, model_name)
         check_latent_widths(transformer, vae, model_name, self.variant)
         if text_encoder is not None:  # None on the ranks of a parallel run other than rank 0
@@ -225,6 +229,7 @@ class Flux1Pipe(Recipe):
         pooled_prompt_embeds: Tensor | None = None,
         quality: Tier | None = None,
         progress: Progress | None = None,
+        cache: str | CachePolicy | None = None,
         negative_prompt: str | list[str] | None = None,
         true_cfg_scale: float = 1.0,
         image: Image.Image | None = None,
@@ -262,6 +267,7 @@ class Flux1Pipe(Recipe):
                 mask_image=mask_image, strength=strength, control_image=control_image, auto_resize=auto_resize,
                 max_area=max_area,
             ),
+            cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
         return self._run(call)
 

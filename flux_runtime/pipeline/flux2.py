@@ -51,6 +51,7 @@ from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.provenance import ReferenceImages, image_fingerprint, image_record
 from flux_runtime.pipeline.sources import Sources
 from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
+from flux_runtime.pipeline.step_caching import as_policy
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import (
     spec_for,
@@ -70,6 +71,7 @@ from flux_runtime.sampling import (
     unpatchify,
 )
 from flux_runtime.sampling.reference_images import not_pil
+from flux_runtime.sampling.step_cache import CachePolicy
 from flux_runtime.text.flux2 import MAX_SEQUENCE_LENGTH, NEGATIVE_PROMPT
 
 __all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "Flux2Pipe", "image_fingerprint", "image_record"]
@@ -189,6 +191,7 @@ class Flux2Pipe(Recipe):
         prompt_embeds: Tensor | None = None,
         quality: Tier | None = None,
         progress: Progress | None = None,
+        cache: str | CachePolicy | None = None,
         **unknown: Any,
     ) -> PipelineOutput:
         """Generate (or, with `image`, edit) images. Arguments as `Pipeline.__call__` and diffusers' FLUX.2 pipelines.
@@ -209,6 +212,7 @@ class Flux2Pipe(Recipe):
             prompt, height, width, num_steps, guidance, seed, generator, max_sequence_length,
             num_images_per_prompt, output_type, quality or self.quality, progress, prompt_embeds,
             inputs={"image": image},
+            cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
         return self._run(call)
 

@@ -51,6 +51,7 @@ from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.pipeline.provenance import ReferenceImages, image_record
 from flux_runtime.pipeline.sources import Sources
 from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
+from flux_runtime.pipeline.step_caching import as_policy
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import spec_for
 from flux_runtime.sampling import (
@@ -68,6 +69,7 @@ from flux_runtime.sampling.flux3_references import (
     prepare_flux3_references,
 )
 from flux_runtime.sampling.schedule import ScheduleConfig
+from flux_runtime.sampling.step_cache import CachePolicy
 from flux_runtime.text.flux3 import MAX_SEQUENCE_LENGTH, NEGATIVE_PROMPT, Flux3TextEncoder, text_ids
 from flux_runtime.text.flux3_upsampler import MAX_NEW_TOKENS as UPSAMPLER_MAX_NEW_TOKENS
 
@@ -196,6 +198,7 @@ class Flux3Pipe(Recipe):
         prompt_embeds: Tensor | None = None,
         quality: Tier | None = None,
         progress: Progress | None = None,
+        cache: str | CachePolicy | None = None,
         upsample: bool | None = None,
         upsampled_prompt: str | None = None,
         boxes: list[dict[str, Any]] | None = None,
@@ -229,6 +232,7 @@ class Flux3Pipe(Recipe):
             inputs={
                 "image": image, "upsample": upsample, "upsampled_prompt": upsampled_prompt, "boxes": boxes,
             },
+            cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
         return self._run(call)
 

@@ -59,6 +59,8 @@ class Call:
     steps: int = 0
     guidance_used: float | None = None  # what the model is fed / the CFG scale; None when ignored
     true_cfg_scale: float = 1.0  # > 1: a negative branch runs every step
+    cache: Any = None
+    """The step-cache policy of this call (`flux_runtime.sampling.step_cache`), None for none."""
     prepared: dict[str, Any] = field(default_factory=dict)
     """What `check` made of the inputs (preprocessed images, masks), for `encode` and `prepare`."""
 

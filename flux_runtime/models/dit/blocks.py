@@ -39,6 +39,7 @@ from flux_runtime.models.dit.layers import (
     shared_ids,
     timestep_embedding,
 )
+from flux_runtime.models.dit.step_hook import StepHook
 
 
 class SelfAttention(nn.Module):
@@ -255,6 +256,9 @@ class JointTransformer(nn.Module):
     time_in: nn.Module
     guidance_in: nn.Module
 
+    # a sampling branch's step cache while the pipeline runs one (`models.dit.step_hook`); None: plain forwards
+    step_hook: StepHook | None = None
+
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         if cfg.family != self.family:
@@ -296,10 +300,17 @@ class JointTransformer(nn.Module):
         """The embedded streams through the double blocks (`block(img, txt, *double, pe)`), then joined
         `[txt | img]` through the single blocks (`block(x, *single, pe)`): the image rows of the result, a
         pending residual left pending."""
+        hook = self.step_hook
+        probe = -1 if hook is None else hook.probe_blocks
         img_s: Stream = img
         txt_s: Stream = txt
-        for block in self.double_blocks:
+        for k, block in enumerate(self.double_blocks):
             img_s, txt_s = block(img_s, txt_s, *double, pe)
+            if k + 1 == probe:  # step caching: the probe's image tokens decide whether the rest runs
+                assert hook is not None
+                reused = hook.before_rest(img, materialize(img_s))
+                if reused is not None:
+                    return reused
 
         # (B, L_txt + L_img, D)
         x: Stream = torch.cat([materialize(txt_s), materialize(img_s)], dim=1)
@@ -307,9 +318,19 @@ class JointTransformer(nn.Module):
             x = block(x, *single, pe)
 
         n_txt = txt.shape[1]
-        if isinstance(x, Pending):
-            return Pending(x.residual[:, n_txt:], x.gate, x.update[:, n_txt:])
-        return x[:, n_txt:]
+        out: Stream = (
+            Pending(x.residual[:, n_txt:], x.gate, x.update[:, n_txt:])
+            if isinstance(x, Pending)
+            else x[:, n_txt:]
+        )
+        if hook is not None:
+            hook.after_rest(materialize(out))
+        return out
+
+    @property
+    def max_probe_blocks(self) -> int:
+        """The most leading blocks a step cache may probe with: the double blocks (the rest must hold a block)."""
+        return len(self.double_blocks)
 
     def check_inputs(
         self, img: Tensor, txt: Tensor, timesteps: Tensor, guidance: Tensor | None, y: Tensor | None = None

@@ -53,6 +53,7 @@ from flux_runtime.models.dit.layers import (
     shared_ids,
     timestep_embedding,
 )
+from flux_runtime.models.dit.step_hook import StepHook
 
 MODES = ("image", "image_cond")  # the image token modes, in BFL's order; text is the third mode
 FP32_SUFFIXES = ("norm.query_norm.scale", "norm.key_norm.scale")  # parameters kept in fp32
@@ -274,6 +275,9 @@ class Flux3Transformer(nn.Module):
     is required by, and only by, a flow-map model (`config.flow_map`).
     """
 
+    # a sampling branch's step cache while the pipeline runs one (`models.dit.step_hook`); None: plain forwards
+    step_hook: StepHook | None = None
+
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         if cfg.family != "flux3":
@@ -367,8 +371,16 @@ class Flux3Transformer(nn.Module):
         mod_img = self.early_stream_modulations["image"](temb_act)
         mod_content = self.single_stream_modulations["image"](temb_act)
         x = self.emb_in["image"](img)
-        for block in self.content_mode_blocks["image"]:
+        hook = self.step_hook
+        probe = -1 if hook is None else hook.probe_blocks
+        x_in = x
+        for k, block in enumerate(self.content_mode_blocks["image"]):
             x = block(x, mod_img, pe.image)
+            if k + 1 == probe:  # step caching: the probe's image tokens decide whether the rest runs
+                assert hook is not None
+                reused = hook.before_rest(x_in, x)
+                if reused is not None:
+                    return self.final_layer["image"](reused, temb)
         if fixed.ref is not None:
             assert fixed.mod_ref is not None
             # content = [image | image_cond]: (B, L_img + L_ref, D)
@@ -381,7 +393,14 @@ class Flux3Transformer(nn.Module):
             txt_stream, x = block(x, mod_content, pe.joint, txt_stream, fixed.mod_txt)
 
         # only the image tokens (first in the content) reach the output
+        if hook is not None:
+            hook.after_rest(x[:, :n_img])
         return self.final_layer["image"](x[:, :n_img], temb)
+
+    @property
+    def max_probe_blocks(self) -> int:
+        """The most leading blocks a step cache may probe with: the image tokens' own blocks."""
+        return len(self.content_mode_blocks["image"])
 
     def fixed_streams(
         self,

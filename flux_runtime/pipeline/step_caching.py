@@ -1,0 +1,73 @@
+"""Step caching in a pipeline call: the policy checked once, one cache per sampling branch, the record.
+
+The policies are `flux_runtime.sampling.step_cache`'s; here a call's policy (the call's `cache=`, else the
+pipeline's) is checked against the model before any work, each branch's transformer calls run with that
+branch's cache hooked into the transformer, and the provenance gets the policy and the steps that ran in full.
+Cached calls run eagerly: a skipped step is a host decision between two different amounts of work, which one
+recorded CUDA graph cannot replay; the provenance's `cuda_graphs` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from flux_runtime.pipeline.errors import FluxError
+from flux_runtime.sampling.step_cache import (
+    BranchCache,
+    CachePolicy,
+    CacheSpecError,
+    cache_record,
+    parse_cache,
+)
+
+Velocity = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+
+
+def as_policy(spec: str | CachePolicy | None) -> CachePolicy | None:
+    """The policy a `cache=` argument names (None: no cache), a bad spec as one FluxError."""
+    try:
+        return parse_cache(spec)
+    except CacheSpecError as e:
+        raise FluxError(str(e)) from None
+
+
+def check_policy(policy: CachePolicy, transformer: Any, parallel: Any, model_name: str) -> None:
+    """A FluxError unless `policy` can run on this model: its probe must leave blocks for the rest, and the
+    run must be on one process (each rank would probe its own slice of the tokens and decide differently)."""
+    if parallel is not None:
+        raise FluxError("step caching runs on one GPU for now: drop cache= (--cache) or parallel= (--gpus)")
+    most = getattr(transformer, "max_probe_blocks", None)
+    if most is None:
+        raise FluxError(f"{model_name}'s transformer has no step-cache probe: drop cache= (--cache)")
+    if policy.probe > most:
+        raise FluxError(
+            f"cache probe={policy.probe} is deeper than {model_name}'s {most} probe-able blocks: give probe=1..{most}"
+        )
+
+
+class CacheRun:
+    """One call's step caches, one per sampling branch ("cond", "uncond"), each over `steps` transformer calls."""
+
+    def __init__(self, policy: CachePolicy, transformer: Any, steps: int) -> None:
+        self.policy, self.transformer, self.steps = policy, transformer, steps
+        self.branches: dict[str, BranchCache] = {}
+
+    def wrap(self, name: str, velocity: Velocity) -> Velocity:
+        """`velocity` with branch `name`'s cache hooked into the transformer for each of its calls."""
+        cache = self.branches.setdefault(name, self.policy.start(self.steps))
+        transformer = self.transformer
+
+        def cached(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
+            transformer.step_hook = cache
+            try:
+                return velocity(x, t, gd)
+            finally:
+                transformer.step_hook = None
+
+        return cached
+
+    def record(self) -> dict[str, Any]:
+        return cache_record(self.policy, self.branches)
