@@ -8,8 +8,9 @@ policy may reuse (or extrapolate) that residual instead of running the rest:
   of the last step that ran in full; when the mean absolute change relative to that residual is under
   `threshold`, add the cached remainder residual to the probe's output instead of running the rest.
 - `taylor` (`TaylorCache`): run in full every `refresh` steps; in between, forecast the remainder residual by a
-  Taylor series (`order` 1 or 2) in the step index, its derivatives taken by finite differences over the steps
-  that ran in full.
+  polynomial of degree `order` (1 or 2) in the step index through the last `order + 1` full steps: its Taylor
+  series at the last full step, written with divided differences, so that a remainder changing linearly
+  (order 1) or quadratically (order 2) in the step is forecast exactly whatever the spacing of the full steps.
 
 Both always run the first `warmup` and the last `last` steps in full. Each sampling branch (the conditional
 pass, and the negative one of true CFG) keeps its own `BranchCache`. A policy that never skips (threshold 0,
@@ -104,8 +105,8 @@ class FirstBlockCache(CachePolicy):
 
 @dataclass(frozen=True)
 class TaylorCache(CachePolicy):
-    """Run in full every `refresh` steps; in between, forecast the remainder residual by a Taylor series of
-    `order` (1 or 2) in the step index from the full steps' finite differences; refresh 1 never forecasts."""
+    """Run in full every `refresh` steps; in between, forecast the remainder residual by the degree-`order`
+    (1 or 2) polynomial in the step index through the last `order + 1` full steps; refresh 1 never forecasts."""
 
     name: ClassVar[str] = "taylor"
     order: int = 2
@@ -124,11 +125,13 @@ class TaylorCache(CachePolicy):
         return cache.step - cache.last_full < self.refresh
 
     def forecast(self, cache: BranchCache) -> Tensor:
-        assert cache.last_full is not None
-        dt = float(cache.step - cache.last_full)
+        # Newton's form at the full steps x_0 > x_1 > ... (newest first): f[x_0] + (x - x_0) f[x_0, x_1]
+        # + (x - x_0)(x - x_1) f[x_0, x_1, x_2]
         out = cache.derivatives[0].clone()
-        for k, d in enumerate(cache.derivatives[1:], start=1):
-            out.add_(d, alpha=dt**k / math.factorial(k))
+        weight = 1.0
+        for k, d in enumerate(cache.derivatives[1:]):
+            weight *= float(cache.step - cache.nodes[k])
+            out.add_(d, alpha=weight)
         return out
 
 
@@ -145,7 +148,8 @@ class BranchCache:
     computed: list[int] = field(default_factory=list)
     probe_residual: Tensor | None = None  # the probe's residual at the last full step
     remainder: Tensor | None = None  # the rest's residual on the image tokens at the last full step
-    derivatives: list[Tensor] = field(default_factory=list)  # Taylor: remainder and its finite differences
+    derivatives: list[Tensor] = field(default_factory=list)  # taylor: divided differences, newest node first
+    nodes: list[int] = field(default_factory=list)  # taylor: the full steps they were taken at, newest first
     last_full: int | None = None
     last_change: float | None = None
     _probe_out: Tensor | None = None
@@ -181,15 +185,15 @@ class BranchCache:
         self.step += 1
 
     def _differentiate(self, remainder: Tensor) -> None:
-        """Taylor's derivatives at this full step: the remainder, then each order's finite difference against
-        the previous full step's (as many orders as there are earlier full steps, up to the policy's)."""
+        """The divided differences at this full step: f[x_0] = the remainder, then f[x_0..x_k+1] =
+        (f[x_0..x_k] - f[x_1..x_k+1]) / (x_0 - x_k+1) from the previous full step's (as many orders as there
+        are earlier full steps, up to the policy's)."""
         assert isinstance(self.policy, TaylorCache)
+        nodes = [self.step, *self.nodes][: self.policy.order + 1]
         new = [remainder]
-        if self.last_full is not None:
-            dt = float(self.step - self.last_full)
-            for k in range(min(self.policy.order, len(self.derivatives))):
-                new.append((new[k] - self.derivatives[k]) / dt)
-        self.derivatives = new
+        for k in range(min(self.policy.order, len(self.derivatives))):
+            new.append((new[k] - self.derivatives[k]) / float(nodes[0] - nodes[k + 1]))
+        self.derivatives, self.nodes = new, nodes
         self.remainder = remainder
 
     def record(self) -> dict[str, Any]:
