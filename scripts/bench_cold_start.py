@@ -590,7 +590,13 @@ def main() -> int:
     args = p.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     args.models = args.models.split(",")
-    {"build": cmd_build, "read": cmd_read, "cold": cmd_cold, "first-call": cmd_first_call, "imports": cmd_imports}[args.step](args)
+    {
+        "build": cmd_build,
+        "read": cmd_read,
+        "cold": cmd_cold,
+        "first-call": cmd_first_call,
+        "imports": cmd_imports,
+    }[args.step](args)
     return 0
 
 

@@ -40,7 +40,9 @@ SWEEP = (
 )
 
 
-def render(pipe: Pipeline, scenes: list[Scene], cache: str | None, batch: int) -> tuple[list[np.ndarray], float]:
+def render(
+    pipe: Pipeline, scenes: list[Scene], cache: str | None, batch: int
+) -> tuple[list[np.ndarray], float]:
     """The scenes' pictures (scene k from noise seed k) and the fraction of transformer calls skipped."""
     images: list[np.ndarray] = []
     calls = computed = 0
@@ -60,7 +62,9 @@ def render(pipe: Pipeline, scenes: list[Scene], cache: str | None, batch: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", action="append", help="built-in model names [default: tiny, tiny-flux2]")
-    ap.add_argument("--policy", action="append", help=f"cache specs to score [default: {len(SWEEP)} of a sweep]")
+    ap.add_argument(
+        "--policy", action="append", help=f"cache specs to score [default: {len(SWEEP)} of a sweep]"
+    )
     ap.add_argument("--per-pair", type=int, default=3, help="prompts per held-out combination")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default="cpu")

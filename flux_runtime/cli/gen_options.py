@@ -34,6 +34,7 @@ class CacheSpec(click.ParamType):
             self.fail(str(e), param, ctx)
         return None if policy is None else policy.spec
 
+
 OPTIONS: dict[str, tuple[click.Option, ...]] = {
     "Prompt and output": (
         option("--prompt -p", str, "What to draw.", NO_DEFAULT),

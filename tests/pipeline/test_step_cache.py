@@ -104,7 +104,9 @@ def test_memory_plans_keep_the_bits_of_a_cached_call() -> None:
 
 
 def test_cache_set_on_the_pipeline_and_switched_off_per_call() -> None:
-    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32, cache="first-block:threshold=0.2")
+    pipe = Pipeline.from_pretrained(
+        "tiny", device="cpu", dtype=torch.float32, cache="first-block:threshold=0.2"
+    )
     assert pipe.cache == FirstBlockCache(threshold=0.2)
     assert pipe("a red circle", **KW).info["cache"]["policy"] == "first-block"
     assert pipe("a red circle", **KW, cache="off").info["cache"] == "off"
@@ -127,7 +129,9 @@ def test_flux_gen_cache_is_recorded_and_replayed(tmp_path: Path) -> None:
     runner = CliRunner()
     png, again = tmp_path / "a.png", tmp_path / "b.png"
     args = ["--model", "tiny", "--prompt", "a red circle", "--steps", "5", "--width", "32", "--height", "32"]
-    result = runner.invoke(main, [*args, "--cache", "first-block:threshold=0.5", "--out", str(png), "--quiet"])
+    result = runner.invoke(
+        main, [*args, "--cache", "first-block:threshold=0.5", "--out", str(png), "--quiet"]
+    )
     assert result.exit_code == 0, result.output
     record = read_provenance(png)["cache"]
     assert record["spec"] == "first-block:warmup=1,last=1,probe=1,threshold=0.5"
