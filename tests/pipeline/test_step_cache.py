@@ -155,11 +155,11 @@ def _same_pixels(a: Path, b: Path) -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("model", ["tiny", "tiny-flux2"])
-@pytest.mark.parametrize("quality", ["lossless", "high"])
-def test_gpu_a_cache_that_never_skips_changes_no_bit(model: str, quality: str) -> None:
-    """On CUDA, with the fused kernels (the probe's pending residual written out beside the fused path) and
-    against the uncached call's CUDA graphs: the same latents; a skip pattern stays finite and close."""
-    pipe = Pipeline.from_pretrained(model, device="cuda", quality=quality)
+@pytest.mark.parametrize(("quality", "fp8"), [("lossless", False), ("high", False), ("lossless", True)])
+def test_gpu_a_cache_that_never_skips_changes_no_bit(model: str, quality: str, fp8: bool) -> None:
+    """On CUDA, with the fused kernels (the probe's pending residual written out beside the fused path), in
+    bf16 and FP8, against the uncached call's CUDA graphs: the same latents; a skip pattern stays finite."""
+    pipe = Pipeline.from_pretrained(model, device="cuda", quality=quality, fp8=fp8)
     kw = dict(num_steps=8, height=128, width=128, seed=1, output_type="latent")
     want = pipe("a red circle", **kw)
     got = pipe("a red circle", **kw, cache="first-block:threshold=0")
