@@ -104,6 +104,11 @@ class FastTokenizer:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    @property
+    def pad_token_id(self) -> int:
+        """The pad token's id (transformers' name for it)."""
+        return self.pad_id
+
     def __len__(self) -> int:
         """The vocabulary with its added tokens (transformers' `len(tokenizer)`)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
