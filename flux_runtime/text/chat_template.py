@@ -3,7 +3,7 @@
 A chat template is Jinja source shipped with a tokenizer. transformers 5 compiles it in an immutable sandbox with
 `trim_blocks` and `lstrip_blocks`, loop controls (`break`/`continue`), a `tojson` filter that does not escape
 HTML (`json.dumps`, non-ASCII kept), and the globals `raise_exception` (a template error), `strftime_now`
-(today's date), `dict` and `namespace`; it renders each conversation with `messages`, `tools=None`,
+(today's date), `dict` and `namespace`; it renders each conversation with `messages`, `tools` (None unless given),
 `documents=None`, `add_generation_prompt` and the tokenizer's named special tokens (overridden by the caller's
 keyword arguments). Messages reach the template as plain JSON data, a message's reasoning under all its names.
 This reproduces that for the text-only chats FLUX encodes, so the rendered text (and then the ids) are the same.
@@ -124,10 +124,16 @@ def _message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_chat(
-    template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False, **variables: Any
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    **variables: Any,
 ) -> str:
-    """One conversation `messages` rendered with `template`, `add_generation_prompt` and `variables` (e.g. the
-    tokenizer's special tokens, `enable_thinking`), as `apply_chat_template(messages, tokenize=False)` does."""
+    """One conversation `messages` rendered with `template`, `add_generation_prompt`, `tools` (JSON schemas) and
+    `variables` (e.g. the tokenizer's special tokens, `enable_thinking`), as `apply_chat_template(messages,
+    tokenize=False)` does."""
     if not messages:
         raise ValueError("cannot render an empty conversation: give at least one message")
     for message in messages:
@@ -136,7 +142,7 @@ def render_chat(
     chat = [_message(plain(m)) for m in messages]
     return compile_template(template).render(
         messages=chat,
-        tools=None,
+        tools=plain(tools),
         documents=None,
         add_generation_prompt=add_generation_prompt,
         **plain(variables),
