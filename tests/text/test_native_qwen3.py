@@ -257,25 +257,38 @@ GPU_CASES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
-def test_cuda_bf16_matches_transformers_at_real_widths(case: dict) -> None:
+def test_cuda_bf16_matches_transformers_at_real_widths(case: dict, tmp_path: Path) -> None:
     """bf16 on CUDA at Qwen3's real widths, 512 tokens: SDPA's kernels for `is_causal` + `enable_gqa` (no
-    padding) and for the boolean mask with repeated k/v heads (right padding, as the tokenizer pads)."""
+    padding) and for the boolean mask with repeated k/v heads (right padding, as the tokenizer pads). Ours is
+    loaded as the pipeline loads it (`load_native` onto CUDA through the pinned ring); transformers' model as
+    diffusers gets it (`from_pretrained` on the CPU, then `.cuda()`) and as our transformers fallback does
+    (`hf_weights.load_pretrained`: the state dict streamed onto CUDA, `device_map`): the same RoPE frequencies
+    and hidden states from all three."""
+    from flux_runtime.text.hf_weights import load_pretrained
+
     config = Qwen3Config(
         vocab_size=1024, intermediate_size=3 * case["hidden_size"], num_hidden_layers=4, rms_norm_eps=1e-6,
         rope_theta=1e6, tie_word_embeddings=True, **case,
     )  # fmt: skip
-    ref = tiny_model(Qwen3ForCausalLM, config, 0, torch.bfloat16).eval().cuda()
-    ours = qwen3_encoder.build(config.to_dict(), torch.bfloat16, "cpu", depth=3)
-    ours.load_state_dict({k: v for k, v in ref.state_dict().items() if k in ours.state_dict()}, strict=True)
-    ours.cuda()
+    tiny_model(Qwen3ForCausalLM, config, 0, torch.bfloat16).save_pretrained(tmp_path)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    ours = load_native("qwen3", tmp_path, files, torch.bfloat16, "cuda", "Qwen3", depth=3)
+    refs = {
+        "from_pretrained+cuda": Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        .cuda()
+        .eval(),
+        "load_pretrained(cuda)": load_pretrained(Qwen3ForCausalLM, tmp_path, torch.bfloat16, "cuda")[
+            0
+        ].eval(),
+    }
     ids = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
     right = torch.ones(2, 512, dtype=torch.int64, device="cuda")
     right[1, 100:] = 0
-    for mask in (None, torch.ones_like(right), right):
-        with torch.no_grad():
-            want = ref(
-                input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
-            ).hidden_states
-            got = ours(ids, mask, (1, 2, 3))
-        for k, state in zip((1, 2, 3), got, strict=True):
-            assert torch.equal(state, want[k]), f"hidden state {k}"
+    for name, ref in refs.items():
+        assert torch.equal(ours.inv_freq, ref.model.rotary_emb.inv_freq), name
+        for mask in (None, torch.ones_like(right), right):
+            with torch.no_grad():
+                want = ref(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+                got = ours(ids, mask, (1, 2, 3))
+            for k, state in zip((1, 2, 3), got, strict=True):
+                assert torch.equal(state, want.hidden_states[k]), f"{name}: hidden state {k}"
