@@ -1,17 +1,20 @@
-"""FLUX.1's CLIP-L and T5 tokenizers built directly on the `tokenizers` library, without importing transformers.
+"""FLUX.1's CLIP-L and T5 tokenizers and FLUX.2 [klein]'s Qwen3 tokenizer built directly on the `tokenizers`
+library, without importing transformers.
 
 Importing transformers only to tokenize prompts costs seconds per process; `tokenizers` (the Rust library under
 transformers' tokenizers) imports in a fraction of that. The loaders here rebuild, from the files of a tokenizer
 folder, the same `tokenizers.Tokenizer` that transformers 5's `CLIPTokenizer` / `T5TokenizerFast.from_pretrained`
-assemble, and `FastTokenizer` calls it the way transformers does for `tokenizer(prompts, padding="max_length",
-max_length=..., truncation=True)`, for the untruncated ids and for `decode`, so the token ids are the same.
+assemble (and `Qwen2TokenizerFast`'s, `qwen2_tokenizer`), and `FastTokenizer` calls it the way transformers does
+for `tokenizer(prompts, padding="max_length", max_length=..., truncation=True)` (with its attention mask for
+Qwen), for the untruncated ids and for `decode`, so the token ids are the same. Qwen's tokenizer also renders its
+chat template (`FastTokenizer.apply_chat_template`, through `chat_template`).
 
 What transformers does, and so what is reproduced:
 
-* Neither class uses `tokenizer.json` as-is: both rebuild the pipeline (normalizer, pre-tokenizer, model options,
-  decoder, post-processor) in code and take from the file only the vocabulary (CLIP: also the merges; T5: also
-  the SentencePiece `Precompiled` normalizer map) and its added tokens. Without `tokenizer.json`, CLIP reads
-  `vocab.json` + `merges.txt`.
+* No class uses `tokenizer.json` as-is: each rebuilds the pipeline (normalizer, pre-tokenizer, model options,
+  decoder, post-processor) in code and takes from the file only the vocabulary (CLIP, Qwen: also the merges;
+  Qwen: also the post-processor; T5: also the SentencePiece `Precompiled` normalizer map) and its added tokens.
+  Without `tokenizer.json`, CLIP reads `vocab.json` + `merges.txt` (Qwen then goes through transformers).
 * Special tokens: `tokenizer_config.json`'s `added_tokens_decoder` when it has one, otherwise
   `special_tokens_map.json` and `tokenizer.json`'s `added_tokens`; the named tokens (bos, eos, unk, pad...) are
   then added to the backend, in the same order and with the same flags (`normalized`, `special`...), since these
