@@ -19,6 +19,7 @@ The ops, their order and dtypes are those of transformers 5.25's Qwen3 under its
   `F.scaled_dot_product_attention` with `scale = head_dim ** -0.5`. Without padding the mask is dropped and SDPA
   runs `is_causal=True` with `enable_gqa=True` (head_dim <= 256); with padding the mask is boolean
   (B, 1, L, L), `causal & key-not-padding`, and k/v are repeated per query head (`expand` + `reshape`) first.
+  (A single token with heads wider than 256 has its query heads packed per key/value head instead, as there.)
   The output is transposed back, made contiguous and projected by `o_proj`.
 - Residuals `x + attention(norm(x))`, then `x + down(silu(gate(h)) * up(h))` with `h = norm(x)`.
 
@@ -178,6 +179,15 @@ class Qwen3Attention(nn.Module):
         if self.groups > 1:
             if _sdpa_gqa(mask, k, v):
                 extra["enable_gqa"] = True
+            elif (
+                n == 1
+            ):  # one query: its heads packed per key/value head as the query axis, as transformers does
+                q = q.reshape(b, -1, self.groups, self.head_dim)
+                mask = (
+                    mask
+                    if mask is None or mask.shape[1] == 1
+                    else mask.reshape(b, -1, self.groups, mask.shape[-1])
+                )
             else:
                 k, v = repeat_heads(k, self.groups), repeat_heads(v, self.groups)
         out = F.scaled_dot_product_attention(
