@@ -69,10 +69,37 @@ def test_importing_the_pipeline_imports_no_transformers():
 
     code = (
         "import sys; import flux_runtime.cli.gen; from flux_runtime.pipeline import Pipeline; "
-        "import flux_runtime.text.flux1; print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+        "import flux_runtime.text.flux1, flux_runtime.text.flux2, flux_runtime.pipeline.flux2; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _gen_imports(model: str, out: Path) -> str:
+    """The last line a `flux-gen --model <model>` run in a fresh process prints: the transformers modules and
+    `torch._dynamo` it imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from flux_runtime.cli.gen import main\n"
+        f"sys.argv = ['flux-gen', '--model', {model!r}, '--prompt', 'a red circle', '--steps', '1', '--width', '64',"
+        f" '--height', '64', '--quiet', '--out', {str(out)!r}]\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'torch._dynamo'))"
+    )
+    out_text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out_text.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_klein_run_from_safetensors_imports_no_transformers(tmp_path):
+    """FLUX.2 [klein]'s Qwen3, its tokenizer and chat template are ours when the weights are safetensors and the
+    tokenizer folder has tokenizer.json and a chat template (the built-in `tiny-flux2`: a Qwen3 folder in the
+    layout of the real ones): a whole `flux-gen` run then imports neither transformers nor `torch._dynamo`."""
+    assert (PACKAGE / "assets" / "models" / "tiny-flux2" / "text_encoder" / "model.safetensors").is_file()
+    assert _gen_imports("tiny-flux2", tmp_path / "k.png") == "[]" and (tmp_path / "k.png").is_file()
 
 
 @pytest.mark.slow
@@ -81,15 +108,4 @@ def test_a_flux1_run_from_safetensors_imports_no_transformers(tmp_path):
     carry their files (the built-in `tiny`, as a real FLUX.1 folder): a whole `flux-gen` run then never imports
     transformers, whose import is most of a fresh process's start, nor `torch._dynamo` (seconds more, pulled in
     by the first random init on the `meta` device)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; from flux_runtime.cli.gen import main\n"
-        f"sys.argv = ['flux-gen', '--model', 'tiny', '--prompt', 'a red circle', '--steps', '1', '--width', '64',"
-        f" '--height', '64', '--quiet', '--out', {str(tmp_path / 'x.png')!r}]\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'torch._dynamo'))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == "[]" and (tmp_path / "x.png").is_file()
+    assert _gen_imports("tiny", tmp_path / "x.png") == "[]" and (tmp_path / "x.png").is_file()

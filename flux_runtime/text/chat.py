@@ -10,7 +10,9 @@ FLUX.2 wraps each prompt in its encoder's chat template before tokenizing, then 
   `TokenizersBackend` tokenizer, adding no special tokens when the text already starts with `<s>`. We do the
   same without the processor, whose image side needs torchvision.
 - [klein] (Qwen3): `Qwen2TokenizerFast` renders its own template with `add_generation_prompt=True,
-  enable_thinking=False`, then tokenizes the text with its defaults (no special tokens exist to add).
+  enable_thinking=False`, then tokenizes the text with its defaults (no special tokens exist to add). A folder with
+  `tokenizer.json` and one chat template is read without transformers (`fast_tokenizers.qwen2_tokenizer`: the
+  same backend, rendered text and ids); another through `Qwen2TokenizerFast` itself.
 
 Both pad on the tokenizer's `padding_side` (right for these classes: Mistral's folder sets none) and truncate on
 its `truncation_side` (right), returning the attention mask the encoder is run with.
@@ -20,12 +22,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase, Qwen2TokenizerFast, TokenizersBackend
 
+from flux_runtime.text.fast_tokenizers import FastTokenizer, qwen2_native_reason, qwen2_tokenizer
 from flux_runtime.weights.config_files import read_json_object
 from flux_runtime.weights.errors import WeightsError
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ def load_mistral_tokenizer(folder: Path) -> tuple[PreTrainedTokenizerBase, str]:
             f"{folder}: no tokenizer.json; expected Mistral Small 3.1's processor folder "
             "(tokenizer.json, tokenizer_config.json and a chat template)"
         )
+    from transformers import TokenizersBackend
+
     tokenizer = TokenizersBackend.from_pretrained(folder, local_files_only=True)
     return tokenizer, processor_chat_template(folder)
 
@@ -66,12 +74,18 @@ def processor_chat_template(folder: Path) -> str:
     )
 
 
-def load_qwen3_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """Qwen3's tokenizer from `folder` with `Qwen2TokenizerFast`, as diffusers' Flux2KleinPipeline opens it."""
+def load_qwen3_tokenizer(folder: Path, native: bool = True) -> FastTokenizer | PreTrainedTokenizerBase:
+    """Qwen3's tokenizer (and chat template) from `folder` as diffusers' Flux2KleinPipeline opens it with
+    `Qwen2TokenizerFast`: our `FastTokenizer` when the folder allows (`qwen2_native_reason`) and `native`, else
+    transformers' class."""
     if not (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").is_file():
         raise WeightsError(
             f"{folder}: no Qwen3 tokenizer here (expected tokenizer.json, or vocab.json and merges.txt)"
         )
+    if native and qwen2_native_reason(folder) is None:
+        return qwen2_tokenizer(folder)
+    from transformers import Qwen2TokenizerFast
+
     tokenizer = Qwen2TokenizerFast.from_pretrained(folder, local_files_only=True)
     if tokenizer.chat_template is None:
         raise WeightsError(
@@ -82,7 +96,7 @@ def load_qwen3_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
 
 
 def tokenize_chats(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: FastTokenizer | PreTrainedTokenizerBase,
     texts: list[str],
     max_length: int,
     *,
@@ -95,16 +109,21 @@ def tokenize_chats(
     tokens); a warning names the prompt, its length, how many tokens are dropped and (the start of) their
     text; `encoder` names the tokenizer in that message.
     """
-    batch = tokenizer(
-        texts,
-        padding="max_length",
-        truncation=True,
-        max_length=max_length,
-        add_special_tokens=add_special_tokens,
-        return_tensors="pt",
-    )
-    # verbose=False: our warning below replaces transformers' "sequence length is longer than" message.
-    full = tokenizer(texts, add_special_tokens=add_special_tokens, verbose=False).input_ids
+    if isinstance(tokenizer, FastTokenizer):
+        input_ids, attention_mask = tokenizer.padded(texts, max_length, add_special_tokens)
+        full = tokenizer.untruncated(texts, add_special_tokens)
+    else:
+        batch = tokenizer(
+            texts,
+            padding="max_length",
+            truncation=True,
+            max_length=max_length,
+            add_special_tokens=add_special_tokens,
+            return_tensors="pt",
+        )
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        # verbose=False: our warning below replaces transformers' "sequence length is longer than" message.
+        full = tokenizer(texts, add_special_tokens=add_special_tokens, verbose=False).input_ids
     left = tokenizer.truncation_side == "left"
     for i, ids in enumerate(full):
         if len(ids) > max_length:
@@ -121,7 +140,7 @@ def tokenize_chats(
                 excess,
                 tokenizer.decode(dropped),
             )
-    return batch.input_ids, batch.attention_mask
+    return input_ids, attention_mask
 
 
 def _template_string(template: object, path: Path) -> str:

@@ -1,17 +1,20 @@
-"""FLUX.1's CLIP-L and T5 tokenizers built directly on the `tokenizers` library, without importing transformers.
+"""FLUX.1's CLIP-L and T5 tokenizers and FLUX.2 [klein]'s Qwen3 tokenizer built directly on the `tokenizers`
+library, without importing transformers.
 
 Importing transformers only to tokenize prompts costs seconds per process; `tokenizers` (the Rust library under
 transformers' tokenizers) imports in a fraction of that. The loaders here rebuild, from the files of a tokenizer
 folder, the same `tokenizers.Tokenizer` that transformers 5's `CLIPTokenizer` / `T5TokenizerFast.from_pretrained`
-assemble, and `FastTokenizer` calls it the way transformers does for `tokenizer(prompts, padding="max_length",
-max_length=..., truncation=True)`, for the untruncated ids and for `decode`, so the token ids are the same.
+assemble (and `Qwen2TokenizerFast`'s, `qwen2_tokenizer`), and `FastTokenizer` calls it the way transformers does
+for `tokenizer(prompts, padding="max_length", max_length=..., truncation=True)` (with its attention mask for
+Qwen), for the untruncated ids and for `decode`, so the token ids are the same. Qwen's tokenizer also renders its
+chat template (`FastTokenizer.apply_chat_template`, through `chat_template`).
 
 What transformers does, and so what is reproduced:
 
-* Neither class uses `tokenizer.json` as-is: both rebuild the pipeline (normalizer, pre-tokenizer, model options,
-  decoder, post-processor) in code and take from the file only the vocabulary (CLIP: also the merges; T5: also
-  the SentencePiece `Precompiled` normalizer map) and its added tokens. Without `tokenizer.json`, CLIP reads
-  `vocab.json` + `merges.txt`.
+* No class uses `tokenizer.json` as-is: each rebuilds the pipeline (normalizer, pre-tokenizer, model options,
+  decoder, post-processor) in code and takes from the file only the vocabulary (CLIP, Qwen: also the merges;
+  Qwen: also the post-processor; T5: also the SentencePiece `Precompiled` normalizer map) and its added tokens.
+  Without `tokenizer.json`, CLIP reads `vocab.json` + `merges.txt` (Qwen then goes through transformers).
 * Special tokens: `tokenizer_config.json`'s `added_tokens_decoder` when it has one, otherwise
   `special_tokens_map.json` and `tokenizer.json`'s `added_tokens`; the named tokens (bos, eos, unk, pad...) are
   then added to the backend, in the same order and with the same flags (`normalized`, `special`...), since these
@@ -82,6 +85,8 @@ class FastTokenizer:
         self.padding_side, self.truncation_side = padding_side, truncation_side
         self.word_suffix, self.clean_up_spaces = word_suffix, clean_up_spaces
         self.model_max_length = model_max_length  # tokenizer_config.json's, as transformers reads it
+        self.chat_template: str | None = None  # what `apply_chat_template` renders (Qwen's)
+        self.special_tokens_map: dict[str, str] = {}  # the named special tokens a chat template sees
         self._lock = (
             threading.Lock()
         )  # padding and truncation are backend settings, switched on for `ids` only
@@ -102,14 +107,29 @@ class FastTokenizer:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    @property
+    def pad_token_id(self) -> int:
+        """The pad token's id (transformers' name for it)."""
+        return self.pad_id
+
     def __len__(self) -> int:
         """The vocabulary with its added tokens (transformers' `len(tokenizer)`)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def ids(self, prompts: list[str], max_length: int) -> torch.Tensor:
         """Token ids int64 `[B, max_length]`: special tokens added, truncated keeping the closing one, padded."""
+        return self.padded(prompts, max_length)[0]
+
+    def padded(
+        self, prompts: list[str], max_length: int, add_special_tokens: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, attention mask) int64 `[B, max_length]`, as transformers' `tokenizer(prompts,
+        padding="max_length", truncation=True, max_length=max_length, add_special_tokens=...)`: "longest_first"
+        truncation on `truncation_side` (keeping room for the special tokens added), padding on `padding_side`
+        (mask 0 there)."""
         if not prompts:
-            return torch.zeros((0, max_length), dtype=torch.int64)
+            empty = torch.zeros((0, max_length), dtype=torch.int64)
+            return empty, empty.clone()
         with self._lock:
             self.backend.enable_truncation(
                 max_length, stride=0, strategy="longest_first", direction=self.truncation_side
@@ -123,16 +143,39 @@ class FastTokenizer:
                 pad_to_multiple_of=None,
             )
             try:
-                encodings = self.backend.encode_batch(prompts, add_special_tokens=True)
+                encodings = self.backend.encode_batch(prompts, add_special_tokens=add_special_tokens)
             finally:
                 self.backend.no_truncation()
                 self.backend.no_padding()
-        return torch.tensor([e.ids for e in encodings], dtype=torch.int64)
+        ids = torch.tensor([e.ids for e in encodings], dtype=torch.int64)
+        return ids, torch.tensor([e.attention_mask for e in encodings], dtype=torch.int64)
 
-    def untruncated(self, prompts: list[str]) -> list[list[int]]:
-        """Each prompt's full token ids with its special tokens, neither truncated nor padded."""
+    def untruncated(self, prompts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Each prompt's full token ids (with its special tokens unless told not), neither truncated nor padded."""
         with self._lock:
-            return [e.ids for e in self.backend.encode_batch(prompts, add_special_tokens=True)]
+            return [e.ids for e in self.backend.encode_batch(prompts, add_special_tokens=add_special_tokens)]
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        chat_template: str | None = None,
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """The text of one chat as transformers' `tokenizer.apply_chat_template(..., tokenize=False)` renders it
+        (`chat_template.render_chat`): `chat_template`, else the tokenizer's, with the named special tokens and
+        `kwargs` as template variables."""
+        from flux_runtime.text.chat_template import render_chat
+
+        if tokenize:
+            raise ValueError("FastTokenizer.apply_chat_template renders text only (tokenize=False)")
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat template")
+        variables = {**self.special_tokens_map, **kwargs}
+        return render_chat(template, conversation, add_generation_prompt=add_generation_prompt, **variables)
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """The text of `ids`, special tokens kept, as transformers' `decode(ids)` writes it."""
@@ -334,3 +377,107 @@ def t5_tokenizer(folder: Path) -> FastTokenizer:
         tokenizer, str(named["pad_token"]), padding_side, truncation_side, None, clean_up,
         int(config.get("model_max_length", _NO_LIMIT)),
     )  # fmt: skip
+
+
+# Qwen2's word split (transformers' Qwen2Tokenizer): English contractions, letter runs with one leading non-letter,
+# single digits, punctuation runs with their line breaks, line-break runs, then whitespace.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+    r"""\s+(?!\S)|\s+"""
+)
+# What a Qwen tokenizer folder may say that the native reader does not reproduce (transformers then reads it).
+_QWEN2_UNSUPPORTED = ("model_specific_special_tokens",)
+
+
+def qwen2_native_reason(folder: Path) -> str | None:
+    """Why `qwen2_tokenizer` cannot reproduce transformers' `Qwen2TokenizerFast` for `folder`, or None when it can:
+    it needs `tokenizer.json` and one chat template (`chat_template.jinja` or `tokenizer_config.json`'s), and
+    reads no model-specific named tokens (`image_token`...) or named template sets."""
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        return "no tokenizer.json"
+    if (folder / "additional_chat_templates").is_dir():
+        return "named chat templates (additional_chat_templates/)"
+    config = _read_json(folder / "tokenizer_config.json")
+    if not (folder / "chat_template.jinja").is_file() and not isinstance(config.get("chat_template"), str):
+        return "no single chat template"
+    named = {k for k, v in config.items() if k.endswith("_token") and isinstance(v, (str, dict))}
+    if named - set(_NAMED) or any(k in config for k in _QWEN2_UNSUPPORTED):
+        return "model-specific special tokens"
+    if isinstance(config.get("extra_special_tokens"), dict):
+        return "named extra special tokens"
+    return None
+
+
+def qwen2_tokenizer(folder: Path) -> FastTokenizer:
+    """Qwen2/Qwen3's byte-level BPE tokenizer and chat template from `folder`, as transformers 5's
+    `Qwen2TokenizerFast.from_pretrained` assembles them (`qwen2_native_reason(folder)` must be None).
+
+    As there, `tokenizer.json` gives the vocabulary, the merges, the post-processor and the added tokens, and the
+    pipeline is rebuilt in code: NFC, the Qwen2 split regex then byte-level (no prefix space), byte-level decoding.
+    Its special tokens are then added as the class does after the backend's own (every named and extra special
+    token again, as special), which decides their final flags. The chat template is `chat_template.jinja` when
+    the folder has one, else `tokenizer_config.json`'s."""
+    folder = Path(folder)
+    reason = qwen2_native_reason(folder)
+    if reason is not None:
+        raise WeightsError(f"{folder}: the Qwen tokenizer is read through transformers here ({reason})")
+    config = _read_json(folder / "tokenizer_config.json")
+    tokenizer_json = _read_json(folder / "tokenizer.json")
+    model = tokenizer_json.get("model") or {}
+    if model.get("type") not in (None, "BPE") or not isinstance(model.get("vocab"), dict):
+        raise WeightsError(f"{folder}/tokenizer.json: not a byte-level BPE vocabulary (Qwen's tokenizer)")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    defaults = dict.fromkeys(("unk_token", "eos_token", "pad_token"), "<|endoftext|>")
+    added, named = _special_tokens(folder, config, tokenizer_json, defaults)
+    extras = [_added_token(t) if isinstance(t, dict) else t for t in _config_extras(config) or []]
+
+    tokenizer = Tokenizer(
+        BPE(
+            vocab=model["vocab"],
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(
+                add_prefix_space=bool(config.get("add_prefix_space") or False), use_regex=False
+            ),
+        ]
+    )
+    tokenizer.post_processor = _file_post_processor(tokenizer_json) or processors.TemplateProcessing(
+        single="$A:0", pair="$A:0 $B:1", special_tokens=[]
+    )
+    _add_special_tokens(tokenizer, added, named, extras)
+    tokenizer.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    special = list(dict.fromkeys([*(str(t) for t in named.values()), *(str(t) for t in extras)]))
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in special])
+    padding_side, truncation_side = _sides(config, tokenizer_json)
+    fast = FastTokenizer(
+        tokenizer, str(named["pad_token"]), padding_side, truncation_side, None,
+        bool(config.get("clean_up_tokenization_spaces", False)), int(config.get("model_max_length", _NO_LIMIT)),
+    )  # fmt: skip
+    template = folder / "chat_template.jinja"
+    fast.chat_template = (
+        template.read_text(encoding="utf-8") if template.is_file() else config["chat_template"]
+    )
+    fast.special_tokens_map = {key: str(value) for key, value in named.items()}
+    return fast
+
+
+def _file_post_processor(tokenizer_json: dict[str, Any]) -> Any:
+    """The post-processor `tokenizer.json` declares (None when it has none), parsed without its vocabulary."""
+    if not tokenizer_json.get("post_processor"):
+        return None
+    minimal = dict(tokenizer_json, added_tokens=[])
+    minimal["model"] = dict(tokenizer_json["model"], vocab={}, merges=[])
+    return Tokenizer.from_str(json.dumps(minimal)).post_processor

@@ -2,9 +2,10 @@
 
 `Flux2TextEncoder` (FLUX.2 [dev]: Mistral Small 3.x, `Mistral3ForConditionalGeneration`) reproduces
 `Flux2Pipeline.encode_prompt` of diffusers 0.42.1 bit for bit, and `KleinTextEncoder` (FLUX.2 [klein]: Qwen3,
-`Qwen3ForCausalLM`) reproduces `Flux2KleinPipeline.encode_prompt`: the same transformers models, the same chat
-formatting and tokenizer arguments (`flux_runtime.text.chat`), the attention mask passed to the model, the same
-hidden states, casts, repetition and ids.
+`Qwen3ForCausalLM`) reproduces `Flux2KleinPipeline.encode_prompt`: the same models, the same chat formatting and
+tokenizer arguments (`flux_runtime.text.chat`), the attention mask passed to the model, the same hidden states,
+casts, repetition and ids. [klein] from safetensors with a `tokenizer.json` folder runs without transformers:
+our Qwen3 stack (`qwen3_encoder`, the layers up to 27 only), tokenizer and chat template give the same bits.
 
 The tensors `encode` returns are the contract for the DiT (a caller may build them itself, e.g. from cached
 embeddings; they must then follow it exactly):
@@ -21,25 +22,31 @@ Row `b * n + j` belongs to prompt `b` (`n = num_images_per_prompt`), as diffuser
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
-from transformers import (
-    Mistral3Config,
-    Mistral3ForConditionalGeneration,
-    PreTrainedTokenizerBase,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from flux_runtime.registry import MISTRAL_PROCESSOR_ID, MISTRAL_SMALL_ID
 from flux_runtime.text.chat import load_mistral_tokenizer, load_qwen3_tokenizer, tokenize_chats
 from flux_runtime.text.checks import check_count, check_sequence_length, prompt_list
+from flux_runtime.text.fast_tokenizers import FastTokenizer
 from flux_runtime.text.llm import StackedLLM
+from flux_runtime.text.native_weights import load_native
+from flux_runtime.text.qwen3_encoder import Qwen3Encoder
 from flux_runtime.text.tiny import TINY_WIDTH
 from flux_runtime.text.tokenizers import TINY_TOKENIZERS
-from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.hub import resolve, safetensors_files
+
+if TYPE_CHECKING:  # transformers is imported where it is used: loading it takes seconds (klein need not)
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
 # BFL's FLUX.2 [dev] and diffusers' converter pair Mistral Small 3.2's weights with Mistral Small 3.1's processor.
 # FLUX.2 is trained with 512 text tokens (BFL's MAX_LENGTH); diffusers' default.
@@ -143,7 +150,12 @@ class Flux2TextEncoder(_StackedStatesEncoder):
     family = "Mistral"
     model_type = "mistral3"
     pipeline = "FLUX.2 [dev]"
-    model_class = Mistral3ForConditionalGeneration
+
+    @classmethod
+    def model_class(cls) -> type[Mistral3ForConditionalGeneration]:
+        from transformers import Mistral3ForConditionalGeneration
+
+        return Mistral3ForConditionalGeneration
 
     @classmethod
     def from_components(
@@ -202,13 +214,37 @@ class KleinTextEncoder(_StackedStatesEncoder):
     with `from_pretrained` (a diffusers FLUX.2 [klein] folder or cached id: `text_encoder/` holds
     Qwen3ForCausalLM, `tokenizer/` Qwen2TokenizerFast), `from_components` (a Qwen3 folder or cached id such as
     Qwen/Qwen3-4B) or `tiny` (random, for tests and the demo).
+
+    Opened from files, safetensors weights load into our `Qwen3Encoder` (`load_model`) and a tokenizer folder with
+    `tokenizer.json` and a chat template into our `FastTokenizer` (`open_tokenizer`): the same bits as
+    transformers' classes, which read anything else (`.bin` weights, a `vocab.json` tokenizer...).
     """
 
     layers = (9, 18, 27)
     family = "Qwen3"
     model_type = "qwen3"
     pipeline = "FLUX.2 [klein]"
-    model_class = Qwen3ForCausalLM
+
+    @classmethod
+    def model_class(cls) -> type[Qwen3ForCausalLM]:
+        from transformers import Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM
+
+    @classmethod
+    def load_model(
+        cls, folder: Path, dtype: torch.dtype, device: torch.device | str
+    ) -> Qwen3Encoder | PreTrainedModel:
+        """Qwen3 of `folder` in `dtype` on `device`: from safetensors our `Qwen3Encoder`, only the layers up to the
+        deepest state read (`native_weights.load_native`); from `.bin` files transformers' `Qwen3ForCausalLM`."""
+        files = safetensors_files(folder, "model")
+        if not files:
+            return super().load_model(folder, dtype, device)
+        model = load_native(
+            "qwen3", folder, files, dtype, device, f"{cls.family} text encoder", max(cls.layers)
+        )
+        assert isinstance(model, Qwen3Encoder)
+        return model
 
     @classmethod
     def from_components(
@@ -225,13 +261,14 @@ class KleinTextEncoder(_StackedStatesEncoder):
         return cls._open(model_dir, model_dir if tokenizer is None else resolve(tokenizer), device, dtype)
 
     @classmethod
-    def open_tokenizer(cls, folder: Path) -> tuple[PreTrainedTokenizerBase]:
+    def open_tokenizer(cls, folder: Path) -> tuple[FastTokenizer | PreTrainedTokenizerBase]:
         return (load_qwen3_tokenizer(folder),)
 
     @classmethod
     def tiny_parts(cls) -> tuple[Qwen3Config, PreTrainedTokenizerBase]:
-        """A Qwen3 of width 32 (output 3 x 32 = 96 wide, the tiny FLUX.2 DiT's) and the shipped tokenizer."""
-        tokenizer = load_qwen3_tokenizer(TINY_TOKENIZERS / "qwen3")
+        """A Qwen3 of width 32 (output 3 x 32 = 96 wide, the tiny FLUX.2 DiT's) and the shipped tokenizer, both
+        transformers' (tests hand them to diffusers as they are)."""
+        tokenizer = load_qwen3_tokenizer(TINY_TOKENIZERS / "qwen3", native=False)
         return tiny_qwen3_config(tokenizer), tokenizer
 
     def encode_negative(
@@ -275,6 +312,8 @@ def tiny_mistral3_config(tokenizer: PreTrainedTokenizerBase) -> Mistral3Config:
     """Mistral Small 3.x shrunk to width 32: 31 text layers (so hidden state 30 is a pre-norm residual state, as
     in the 40-layer original), grouped-query attention, no sliding window, untied head; a 1-layer Pixtral
     vision tower (unused by text prompts) with Mistral Small 3.1's projector settings."""
+    from transformers import Mistral3Config
+
     text = {
         "model_type": "mistral",
         "vocab_size": len(tokenizer),
@@ -318,6 +357,8 @@ def tiny_mistral3_config(tokenizer: PreTrainedTokenizerBase) -> Mistral3Config:
 def tiny_qwen3_config(tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
     """Qwen3 shrunk to width 32: 28 layers (so hidden state 27 is a pre-norm residual state, as in the 36-layer
     originals), grouped-query attention with per-head q/k norms, tied embeddings as Qwen3-4B."""
+    from transformers import Qwen3Config
+
     return Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=TINY_WIDTH,

@@ -80,7 +80,10 @@ class Flux3TextEncoder(StackedLLM):
     model_type = "qwen3_vl"
     layers = LAYERS
     pipeline = "FLUX.3"
-    model_class = Qwen3VLForConditionalGeneration
+
+    @classmethod
+    def model_class(cls) -> type[Qwen3VLForConditionalGeneration]:
+        return Qwen3VLForConditionalGeneration
 
     @classmethod
     def from_components(

@@ -268,6 +268,31 @@ def test_offloaded_text_encoder_moves_once_per_call(folders, monkeypatch) -> Non
     assert torch.equal(out.latents, ref(PROMPTS, seed=1, num_steps=1, output_type="latent", **KW).latents)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_klein_encodes_with_our_qwen3_and_transformers_would_give_the_same_bits(folders, dtype) -> None:
+    """From the folder's safetensors and tokenizer.json the [klein] encoder is ours (Qwen3Encoder, FastTokenizer);
+    transformers' Qwen3ForCausalLM and Qwen2TokenizerFast of the same folder, swapped in, change no bit of the
+    latents or pixels (CFG: the negative prompt too)."""
+    from transformers import Qwen3ForCausalLM
+
+    from flux_runtime.text.chat import load_qwen3_tokenizer
+    from flux_runtime.text.fast_tokenizers import FastTokenizer
+    from flux_runtime.text.qwen3_encoder import Qwen3Encoder
+
+    pipe = Pipeline.from_pretrained(folders["klein"], device="cpu", dtype=dtype)
+    te = pipe.text_encoder
+    assert isinstance(te.model, Qwen3Encoder) and isinstance(te.tokenizer, FastTokenizer)
+    native = pipe(PROMPTS, seed=3, num_steps=2, guidance=4.0, **KW)
+    model = Qwen3ForCausalLM.from_pretrained(folders["klein"] / "text_encoder", dtype=dtype)
+    pipe.text_encoder = KleinTextEncoder(
+        model, load_qwen3_tokenizer(folders["klein"] / "tokenizer", native=False)
+    )
+    pipe._prompts.clear()  # the cached embeddings are the native encoder's
+    ref = pipe(PROMPTS, seed=3, num_steps=2, guidance=4.0, **KW)
+    assert torch.equal(native.latents, ref.latents)
+    _assert_same_images(native.images, ref.images, (48, 32))
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_schedule_follows_the_folder_scheduler(dynamic: bool) -> None:
     """The pipelines pass the empirical mu; the scheduler uses it only with use_dynamic_shifting."""

@@ -121,6 +121,8 @@ def test_missing_chat_templates(flux2_folders: dict[str, Path], tmp_path: Path) 
 
 
 def test_checkpoint_missing_weights_is_an_error(flux2_folders: dict[str, Path], tmp_path: Path) -> None:
+    """A weight the encoder reads is required; the final norm (and the layers past 27) are not read, so a
+    checkpoint without them still loads (natively: transformers would want them, see the `.bin` case)."""
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
@@ -129,9 +131,18 @@ def test_checkpoint_missing_weights_is_an_error(flux2_folders: dict[str, Path], 
     state = load_file(weights)
     del state["model.norm.weight"]
     save_file(state, weights, metadata={"format": "pt"})
+    assert KleinTextEncoder.from_pretrained(broken, dtype=torch.float32).model.depth == 27
+    del state["model.layers.26.mlp.down_proj.weight"]
+    save_file(state, weights, metadata={"format": "pt"})
     with pytest.raises(
-        WeightsError, match=r"the Qwen3 checkpoint lacks 1 weights, e\.g\. model\.norm\.weight"
+        WeightsError,
+        match=r"the Qwen3 text encoder checkpoint lacks 1 weights, e\.g\. model\.layers\.26\.mlp\.down_proj\.weight",
     ):
+        KleinTextEncoder.from_pretrained(broken)
+    # from .bin weights transformers loads the whole model, the final norm included
+    torch.save(state, broken / "text_encoder" / "pytorch_model.bin")
+    weights.unlink()
+    with pytest.raises(WeightsError, match=r"the Qwen3 checkpoint lacks \d+ weights"):
         KleinTextEncoder.from_pretrained(broken)
 
 
