@@ -502,19 +502,19 @@ case "$phase" in
     cat "$OUT/cold_start.jsonl"
     ;;
   final-21)
-    # session 21's last call, most needed first: the new GPU tests (step caching, the text encoders), issue 33's
-    # cold start (FLUX.1-dev bf16 / --fp8 and klein-4B against the diffusers scripts) with the first call's
-    # stages, then step caching at full size (scripts/bench_cache.py) and its tiny FLUX.2 sweep (carry .whl)
+    # session 21's last call, most needed first: the new GPU tests (step caching, the native text encoders, klein's
+    # memory plans), issue 33's cold start (FLUX.1-dev bf16 / --fp8 and klein-4B against the diffusers scripts)
+    # with the first call's stages, then step caching at full size (scripts/bench_cache.py) and a tiny FLUX.2
+    # sweep with what time is left (carry .whl)
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/extra/*.whl || status=1
-    timeout 120 python3 -m pytest -q -m gpu tests/pipeline/test_step_cache.py tests/text -p no:cacheprovider 2>&1 | tail -4 || status=1
-    timeout 120 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev,klein-4b --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
-    timeout 80 python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" || status=1
-    timeout $(left 480) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev,klein-4b --prompts 0 --out "$OUT/cold_start.jsonl" 2>&1 | tail -2 || status=1
+    timeout 100 python3 -m pytest -q -m gpu tests/pipeline/test_step_cache.py tests/text tests/pipeline/test_memory.py tests/pipeline/test_flux2_pipeline.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev,klein-4b --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout 60 python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" || status=1
+    timeout $(left 400) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev,klein-4b --prompts 0 --out "$OUT/cold_start.jsonl" 2>&1 | tail -2 || status=1
     cat "$OUT/cold_start.jsonl"
-    [ $(left 560) -gt 30 ] && { timeout $(left 560) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --json "$OUT/bench_cache.json" 2>&1 | grep -v "^\[" | tail -12 || status=1; }
-    [ $(left 575) -gt 20 ] && { timeout $(left 575) python3 scripts/eval_cache.py --model tiny-flux2 --device cuda --json "$OUT/eval_cache_flux2.json" 2>&1 | tail -12 || status=1; }
+    [ $(left 470) -gt 30 ] && { timeout $(left 470) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --json "$OUT/bench_cache.json" 2>&1 | grep -v "^\\[" | tail -12 || status=1; }
+    [ $(left 500) -gt 15 ] && { timeout $(left 500) python3 scripts/eval_cache.py --model tiny-flux2 --device cuda --policy first-block:threshold=0.05 --policy first-block:threshold=0.1 --policy first-block:threshold=0.15 --policy taylor:order=1,refresh=2 --json "$OUT/eval_cache_flux2.json" 2>&1 | tail -6 || status=1; }
     ;;
   gpu-nonkernel)
     # every GPU test outside tests/kernels (the kernels' 1491 passed after the refactor), slowest listed
