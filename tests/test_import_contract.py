@@ -109,3 +109,35 @@ def test_a_flux1_run_from_safetensors_imports_no_transformers(tmp_path):
     transformers, whose import is most of a fresh process's start, nor `torch._dynamo` (seconds more, pulled in
     by the first random init on the `meta` device)."""
     assert _gen_imports("tiny", tmp_path / "x.png") == "[]" and (tmp_path / "x.png").is_file()
+
+
+def test_loading_diffusers_folders_imports_no_dynamo(tmp_path):
+    """A load runs shape checks and builds models on `meta`; torch runs some meta ops (`cat`, random init)
+    through its reference ops, whose first use imports `torch._dynamo`: seconds of every fresh `flux-gen`
+    (the H200's FLUX.1-dev load took 8.4 s instead of 2.3 s). Loading a FLUX.1 and a FLUX.2 [klein] diffusers
+    folder must not."""
+    import subprocess
+    import sys
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+
+    from flux_runtime.text.flux2 import KleinTextEncoder
+    from tests.flux2_fixtures import make_diffusers_flux2
+    from tests.pipeline.test_flux1_pipeline import _save_pipeline
+    from tests.weights.vae_fixtures import make_diffusers_flux2_vae
+
+    flux1 = _save_pipeline(tmp_path / "flux1", guidance=True)
+    qwen = KleinTextEncoder.tiny(seed=5)
+    klein = tmp_path / "klein"
+    Flux2KleinPipeline(
+        text_encoder=qwen.model, tokenizer=qwen.tokenizer, transformer=make_diffusers_flux2(guidance=False, seed=6),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=make_diffusers_flux2_vae(seed=2),
+    ).save_pretrained(klein)  # fmt: skip
+    for folder in (flux1, klein):
+        code = (
+            "import sys; from flux_runtime.pipeline import Pipeline; "
+            f"Pipeline.from_pretrained({str(folder)!r}, device='cpu', download=False); "
+            "print(sorted(m for m in sys.modules if m in ('torch._dynamo', 'transformers', 'sympy')))"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.strip().splitlines()[-1] == "[]", folder.name

@@ -122,7 +122,12 @@ def expand_rules(fixed: list[Rule], blocks: tuple[tuple[list[Rule], int], ...]) 
 
 
 def swap_halves(t: Tensor) -> Tensor:
-    """The two row halves of `t` swapped (the final adaLN's (shift, scale) in BFL, (scale, shift) in diffusers)."""
+    """The two row halves of `t` swapped (the final adaLN's (shift, scale) in BFL, (scale, shift) in diffusers).
+
+    On the `meta` device (the loaders' shape checks) `t` itself comes back: the shape is the same, and torch's
+    meta `cat` goes through its reference ops, whose first use imports `torch._dynamo` (seconds of a load)."""
+    if t.is_meta:
+        return t
     a, b = t.chunk(2, dim=0)
     return torch.cat([b, a], dim=0)
 
