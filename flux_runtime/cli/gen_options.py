@@ -136,8 +136,8 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
         option(
             "--cache",
             CacheSpec(),
-            "Step caching, off by default: POLICY[:key=value,...], e.g. first-block:threshold=0.12 or "
-            "taylor:order=2,refresh=4. Skips most of the transformer on steps that change little; an "
+            "Step caching, off by default: POLICY[:key=value,...], e.g. first-block:threshold=0.1 or "
+            "taylor:order=1,refresh=2. Skips most of the transformer on steps that change little; an "
             "approximation, recorded in the PNG (docs/step-caching.md).",
         ),
         option(

@@ -95,8 +95,8 @@ class Pipeline(Flux1Pipe):
         `download`: fetch what the load reads and the local Hugging Face cache lacks, on first use, exactly those
         files (`flux_runtime.pipeline.downloads`); False, or HF_HUB_OFFLINE=1, never touches the network. A
         parallel run reads the cache only (fetch first: `flux-gen --download-only`).
-        `cache`: step caching for every call that passes none, a spec string (`"first-block:threshold=0.12"`,
-        `"taylor:order=2,refresh=4"`) or a policy object (`flux_runtime.sampling.step_cache`); off by default.
+        `cache`: step caching for every call that passes none, a spec string (`"first-block:threshold=0.1"`,
+        `"taylor:order=1,refresh=2"`) or a policy object (`flux_runtime.sampling.step_cache`); off by default.
         It approximates (orthogonal to `quality`); the provenance records the policy and the steps computed.
         """
         reject_unknown_load(cls.from_pretrained, unknown)

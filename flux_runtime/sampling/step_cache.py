@@ -16,8 +16,8 @@ Both always run the first `warmup` and the last `last` steps in full. Each sampl
 pass, and the negative one of true CFG) keeps its own `BranchCache`. A policy that never skips (threshold 0,
 refresh 1) gives bit-identical results: the probe and the rest are the same operations as one call.
 
-A policy is written as a spec string `POLICY[:key=value,...]` (`"first-block:threshold=0.12"`,
-`"taylor:order=2,refresh=4"`), parsed by `parse_cache` before any model work; `spec` gives it back in full.
+A policy is written as a spec string `POLICY[:key=value,...]` (`"first-block:threshold=0.1"`,
+`"taylor:order=1,refresh=2"`), parsed by `parse_cache` before any model work; `spec` gives it back in full.
 Nothing here imports a model: the transformer hands its tensors to `BranchCache.before_rest` and
 `after_rest` (the hook protocol in `flux_runtime.models.dit.step_hook`).
 """
@@ -83,13 +83,15 @@ class FirstBlockCache(CachePolicy):
     mean absolute change, against the last step that ran in full); 0 never reuses."""
 
     name: ClassVar[str] = "first-block"
-    threshold: float = 0.12
+    # 0.1: on both trained tiny models the held-out scores did not move and the pictures stayed >= 44 dB from the
+    # uncached ones, with 45 % (FLUX.1) and 61 % (FLUX.2 klein) of the transformer calls skipped
+    threshold: float = 0.1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.threshold <= 1.0 or math.isnan(self.threshold):
             raise CacheSpecError(
-                f"first-block threshold {self.threshold} is out of range: give 0 to 1 (e.g. 0.12)"
+                f"first-block threshold {self.threshold} is out of range: give 0 to 1 (e.g. 0.1)"
             )
 
     def reuse(self, cache: BranchCache, probe_residual: Tensor) -> bool:
@@ -109,8 +111,10 @@ class TaylorCache(CachePolicy):
     (1 or 2) polynomial in the step index through the last `order + 1` full steps; refresh 1 never forecasts."""
 
     name: ClassVar[str] = "taylor"
-    order: int = 2
-    refresh: int = 4
+    # order 1, refresh 2: the best pictures per call skipped on both trained tiny models (>= 50 dB, 46-48 %
+    # skipped, scores unchanged); order 2 came out worse at the same refresh
+    order: int = 1
+    refresh: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -207,7 +211,7 @@ def parse_cache(spec: str | CachePolicy | None) -> CachePolicy | None:
         return spec
     if not isinstance(spec, str):
         raise CacheSpecError(
-            f"cache must be a spec string such as 'first-block:threshold=0.12', not {spec!r}"
+            f"cache must be a spec string such as 'first-block:threshold=0.1', not {spec!r}"
         )
     text = spec.strip()
     if text in ("", "off", "none"):
