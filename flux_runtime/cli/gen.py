@@ -16,6 +16,8 @@ output paths (`gen_outputs`), `--replay` (`gen_replay`), fetching (`gen_download
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any
 
 import click
@@ -30,7 +32,7 @@ from flux_runtime.cli.gen_run import generate
 from flux_runtime.cli.timings import Stopwatch
 from flux_runtime.command_help import DOCS_PAGE, GroupedCommand
 
-__all__ = ["MODEL_CHOICES", "main", "parse_lora"]
+__all__ = ["MODEL_CHOICES", "main", "parse_lora", "run"]
 
 
 @click.command(
@@ -63,5 +65,27 @@ def main(**opts: Any) -> None:
             click.echo(f"flux-gen: {opts['_watch'].line()}", err=True)
 
 
+def run() -> None:
+    """The `flux-gen` command: `main`, then, once a run has succeeded and every file is written and closed, the
+    process ends at once instead of tearing down the interpreter (freeing the GPU's memory block by block and
+    its context took 1.3 s on the H200 after FLUX.1-dev, for nothing: the system frees it all). A failure, or a
+    rank of a parallel run (its process group ends in its own teardown), exits the usual way."""
+    try:
+        main()  # click ends with SystemExit
+    except SystemExit as e:
+        if e.code in (None, 0) and not _in_process_group():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(0)
+        raise
+
+
+def _in_process_group() -> bool:
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
 if __name__ == "__main__":  # how `--gpus N` runs each rank (and `torchrun -m flux_runtime.cli.gen`)
-    main()
+    run()
