@@ -210,9 +210,7 @@ def parse_cache(spec: str | CachePolicy | None) -> CachePolicy | None:
     if spec is None or isinstance(spec, CachePolicy):
         return spec
     if not isinstance(spec, str):
-        raise CacheSpecError(
-            f"cache must be a spec string such as 'first-block:threshold=0.1', not {spec!r}"
-        )
+        raise CacheSpecError(f"cache must be a spec string such as 'first-block:threshold=0.1', not {spec!r}")
     text = spec.strip()
     if text in ("", "off", "none"):
         return None
