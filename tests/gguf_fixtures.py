@@ -1,0 +1,86 @@
+"""GGUF files for the tests, written by the `gguf` package (`GGUFWriter`) in city96's BFL key names.
+
+Types the package can quantize (Q8_0, Q4_0/1, Q5_0/1, BF16) are quantized from the weights; the K-quants,
+which it can only dequantize, are random blocks whose fp16 scales are set to small finite values (the codes
+and sub-block scales stay random bytes: every bit pattern of them is valid).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+QUANT_NAMES = ["Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K"]
+# byte offsets of each K-quant block's fp16 super-block scales (d, then dmin where there is one)
+_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int, scale: float = 1e-3) -> np.ndarray:
+    """`rows` rows of `cols` values in the K-quant `name` as uint8 blocks: random codes, scales in
+    [scale / 4, scale]."""
+    qtype = T[name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for off in _K_SCALES[name]:
+        d = rng.uniform(scale / 4, scale, size=data.shape[0]).astype(np.float16)
+        data[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return data.reshape(rows, cols // block * size)
+
+
+def encode(name: str, values: np.ndarray, seed: int) -> np.ndarray:
+    """`values` (rows, cols) fp32 stored as `name`: quantized by the package, or random K-quant blocks."""
+    if name in _K_SCALES:
+        return random_blocks(name, values.shape[0], values.shape[1], seed)
+    return gguf.quants.quantize(values, T[name])
+
+
+def write_gguf(
+    tensors: dict[str, torch.Tensor], path: Path, type_of: Callable[[str, tuple[int, ...]], str]
+) -> Path:
+    """Write `tensors` as a GGUF file, each in the GGML type `type_of(name, shape)` names
+    (F32, F16, BF16 or a quantized type)."""
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    for i, (name, t) in enumerate(tensors.items()):
+        kind = type_of(name, tuple(t.shape))
+        values = t.detach().float().numpy()
+        if kind == "F32":
+            writer.add_tensor(name, values)
+        elif kind == "F16":
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            writer.add_tensor(name, encode(kind, values, seed=i), raw_dtype=T[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def city96_types(main: str) -> Callable[[str, tuple[int, ...]], str]:
+    """Types as city96's files have them: 1-D tensors F32, 2-D weights in `main` where their rows hold
+    whole blocks of it, else Q8_0 where they hold whole blocks of 32, else F16."""
+    block = gguf.GGML_QUANT_SIZES[T[main]][0]
+
+    def type_of(name: str, shape: tuple[int, ...]) -> str:
+        if len(shape) < 2:
+            return "F32"
+        if shape[-1] % block == 0:
+            return main
+        return "Q8_0" if shape[-1] % 32 == 0 else "F16"
+
+    return type_of
+
+
+def diffusers_dequantize(raw: torch.Tensor, name: str) -> torch.Tensor:
+    """diffusers' torch dequantization of uint8 blocks (what its `GGUFLinear` multiplies by, before the cast)."""
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+
+    return dequantize_gguf_tensor(GGUFParameter(raw, quant_type=T[name]))
