@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ QUANT_NAMES = ["Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "
 _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def random_blocks(name: str, rows: int, cols: int, seed: int, scale: float = 1e-3) -> np.ndarray:
+def random_blocks(name: str, rows: int, cols: int, seed: int, scale: float = 2e-4) -> np.ndarray:
     """`rows` rows of `cols` values in the K-quant `name` as uint8 blocks: random codes, scales in
     [scale / 4, scale]."""
     qtype = T[name]
@@ -42,26 +44,86 @@ def encode(name: str, values: np.ndarray, seed: int) -> np.ndarray:
     return gguf.quants.quantize(values, T[name])
 
 
-def write_gguf(
-    tensors: dict[str, torch.Tensor], path: Path, type_of: Callable[[str, tuple[int, ...]], str]
-) -> Path:
-    """Write `tensors` as a GGUF file, each in the GGML type `type_of(name, shape)` names
-    (F32, F16, BF16 or a quantized type)."""
-    writer = gguf.GGUFWriter(str(path), arch="flux")
+Encoded = dict[str, tuple[str, np.ndarray]]  # name -> (GGML type, what the writer stores)
+
+
+def encode_all(tensors: dict[str, torch.Tensor], type_of: Callable[[str, tuple[int, ...]], str]) -> Encoded:
+    """Each tensor in the GGML type `type_of(name, shape)` names (F32, F16 or a quantized type)."""
+    out: Encoded = {}
     for i, (name, t) in enumerate(tensors.items()):
         kind = type_of(name, tuple(t.shape))
         values = t.detach().float().numpy()
         if kind == "F32":
-            writer.add_tensor(name, values)
+            out[name] = (kind, values)
         elif kind == "F16":
-            writer.add_tensor(name, values.astype(np.float16))
+            out[name] = (kind, values.astype(np.float16))
         else:
-            writer.add_tensor(name, encode(kind, values, seed=i), raw_dtype=T[kind])
+            out[name] = (kind, encode(kind, values, seed=i))
+    return out
+
+
+def write_encoded(entries: Encoded, path: Path) -> Path:
+    """Write already encoded tensors as one GGUF file (quantized ones as raw blocks of their type)."""
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    for name, (kind, data) in entries.items():
+        if kind in ("F32", "F16"):
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=T[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_gguf(
+    tensors: dict[str, torch.Tensor], path: Path, type_of: Callable[[str, tuple[int, ...]], str]
+) -> Path:
+    """Write `tensors` as a GGUF file, each in the GGML type `type_of(name, shape)` names."""
+    return write_encoded(encode_all(tensors, type_of), path)
+
+
+def to_diffusers_names(entries: Encoded, layout: ModuleType, model: Any, hidden: int) -> Encoded:
+    """The same stored rows under diffusers' names: fused BFL tensors split by rows, halves swapped back,
+    applied to the stored bytes as diffusers' own BFL conversion applies them to its GGUF parameters."""
+    cfg = model.config
+    out: Encoded = {}
+    for rule in layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds):
+        kind, data = entries[rule.bfl]
+        for name, part in layout.bfl_to_diffusers(rule, torch.from_numpy(data), hidden).items():
+            out[name] = (kind, part.contiguous().numpy())
+    return out
+
+
+def write_flux1_pair(model: Any, folder: Path, main: str) -> tuple[Path, Path, Path]:
+    """A tiny diffusers FLUX.1 transformer as GGUF twice, same bytes: BFL names (city96's files) and diffusers
+    names (which diffusers' `from_single_file` loads without its BFL conversion, whose widths are FLUX.1-dev's);
+    plus a folder with its config.json for that loader. Types as `city96_types(main)`."""
+    from flux_runtime.weights import flux1_layout
+    from tests.random_models import bfl_transformer_state_dict
+
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = encode_all(
+        bfl_transformer_state_dict(model, flux1_layout, "guidance_embeds"), city96_types(main)
+    )
+    hidden = model.config.num_attention_heads * model.config.attention_head_dim
+    bfl = write_encoded(entries, folder / f"flux1-{main}.gguf")
+    diffusers = write_encoded(
+        to_diffusers_names(entries, flux1_layout, model, hidden), folder / f"diffusers-{main}.gguf"
+    )
+    model.save_config(folder / "config")
+    return bfl, diffusers, folder / "config"
+
+
+def diffusers_gguf_transformer(path: Path, config: Path, dtype: torch.dtype) -> Any:
+    """diffusers' GGUF load of `path`: `from_single_file` with a `GGUFQuantizationConfig(compute_dtype=dtype)`."""
+    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+
+    return FluxTransformer2DModel.from_single_file(
+        str(path), config=str(config), local_files_only=True, torch_dtype=dtype,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
+    )  # fmt: skip
 
 
 def city96_types(main: str) -> Callable[[str, tuple[int, ...]], str]:

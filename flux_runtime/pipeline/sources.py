@@ -23,6 +23,7 @@ from flux_runtime.weights.config_files import (
     read_json_if_present,
 )
 from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.gguf_file import is_gguf_file
 from flux_runtime.weights.hub import cached_revision, resolve
 from flux_runtime.weights.safetensors_io import read_header
 
@@ -115,7 +116,8 @@ def find_sources(
         return Sources(name, name, vae or name, None, None, None, None)
     root = resolve(name)
     if root.is_file():
-        read_header(root)  # a file that is not a safetensors checkpoint fails here, naming itself
+        if not is_gguf_file(root):  # a file that is neither safetensors nor GGUF fails here, naming itself
+            read_header(root)
         ae = vae or root.parent / "ae.safetensors"
         if not Path(ae).exists() and vae is None:
             raise WeightsError(

@@ -26,6 +26,7 @@ from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
 from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.config_files import INT_LIST, NUMBER, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.gguf_file import GgufSource, is_gguf_file
 from flux_runtime.weights.hub import resolve
 from flux_runtime.weights.keys import need_shape
 from flux_runtime.weights.safetensors_io import TensorSource, component_files
@@ -46,7 +47,7 @@ class TransformerCheckpoint:
     """The files of one transformer checkpoint with their headers read (`source`) and its `family`."""
 
     files: list[Path]
-    source: TensorSource = field(repr=False)
+    source: TensorSource | GgufSource = field(repr=False)
     family: Family
 
     @cached_property
@@ -61,8 +62,12 @@ class TransformerCheckpoint:
 
 def open_transformer(path_or_id: str | Path) -> TransformerCheckpoint:
     """Find and open the transformer under a file, folder or cached id; the family from its keys."""
-    files = find_transformer_files(resolve(path_or_id))
-    source = TensorSource(files)
+    path = resolve(path_or_id)
+    if is_gguf_file(path):  # llama.cpp's container (city96's quantizations): kept quantized at load
+        files, source = [path], GgufSource(path)
+    else:
+        files = find_transformer_files(path)
+        source = TensorSource(files)
     keys = source.keys()
     family: Family = (
         "flux3" if flux3_layout.is_flux3(keys) else "flux2" if flux2_layout.is_flux2(keys) else "flux1"

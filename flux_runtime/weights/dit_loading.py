@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from flux_runtime.models.dit import DiTConfig
-from flux_runtime.weights import flux1_layout
+from flux_runtime.weights import flux1_layout, gguf_loading
 from flux_runtime.weights import fp8 as fp8_layers
 from flux_runtime.weights.checkpoint import (
     ConfigKeys,
@@ -152,12 +152,20 @@ def fill_model(
     """
     finite = FiniteCheck()
     read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
+    gguf = gguf_loading.GgufWeights.of(reader)
+    if gguf is not None and fp8:
+        raise WeightsError(f"{gguf.src.path}: a GGUF checkpoint is already quantized; load it without fp8")
     # read ahead in the order the rules take the tensors (an FP8 checkpoint's scales are read as asked)
     with reader.streaming([d for r in table for d in r.diffusers], device):
-        model.precision = fp8_layers.load_state(
-            model, table, read, assemble,
-            device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
-        )  # fmt: skip
+        if gguf is not None:
+            model.precision = gguf_loading.load_state(
+                model, table, read, assemble, device=device, dtype=dtype, weights=gguf
+            )
+        else:
+            model.precision = fp8_layers.load_state(
+                model, table, read, assemble,
+                device=device, dtype=dtype, fp8=fp8_src, quantize=fp8,
+            )  # fmt: skip
     finite.raise_if_any()
     model.quantized_at_load = fp8
     for p in model.parameters():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flux_runtime import kernels
+from flux_runtime.kernels import gguf_dequant
 
 
 class Linear(nn.Module):
@@ -162,6 +163,42 @@ class Fp8Linear(nn.Module):
         kind = "static" if self.input_scale is not None else "dynamic"
         per = "channel" if self.weight_scale.ndim else "tensor"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8 {kind}, per-{per} weight scale"
+
+
+class GgufLinear(Linear):
+    """A projection whose weight stays GGML-quantized (a GGUF checkpoint's blocks, uint8) on its device.
+
+    `weight` is the dequantized weight, computed when read: fp16 from the blocks, then cast to the compute
+    dtype, as diffusers' `GGUFLinear` does before each matmul (so the bits match it); every `Linear`
+    method (`forward`, `split`, `forward_gelu`) then runs unchanged on it. `qweight` holds the blocks,
+    (out, bytes per row); `ggml_type` names their type.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        ggml_type: gguf_dequant.GgmlType,
+        dtype: torch.dtype,
+    ) -> None:
+        nn.Module.__init__(self)  # not Linear's: `weight` is a property here, not a parameter
+        self.in_features, self.out_features = in_features, out_features
+        self.ggml_type, self.out_dtype = ggml_type, dtype
+        shape = gguf_dequant.byte_shape(ggml_type, (out_features, in_features))
+        self.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    @property  # type: ignore[override]
+    def weight(self) -> Tensor:
+        return gguf_dequant.dequantize(self.qweight, self.ggml_type).to(self.out_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.out_dtype
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", gguf {self.ggml_type.name}"
 
 
 def _gelu_into(x: Tensor, out: Tensor | None, quant: kernels.Fp8Quant | None) -> Tensor:

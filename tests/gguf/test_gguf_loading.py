@@ -1,0 +1,222 @@
+"""GGUF transformers: city96-style files load kept quantized and run bit-identical to diffusers' GGUF loader."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flux_runtime.models.dit.layers import GgufLinear
+from flux_runtime.weights.errors import WeightsError
+from flux_runtime.weights.gguf_file import GgufSource
+from flux_runtime.weights.transformer import load_transformer
+from tests.flux1_fixtures import make_diffusers_transformer, make_inputs
+from tests.gguf_fixtures import (
+    QUANT_NAMES,
+    city96_types,
+    diffusers_gguf_transformer,
+    encode_all,
+    gguf,
+    random_blocks,
+    write_encoded,
+    write_flux1_pair,
+    write_gguf,
+)
+
+pytest.importorskip("diffusers")
+
+# K-quant blocks hold 256 values: the tiny model is widened so that its projections' rows hold whole blocks
+WIDE = dict(
+    attention_head_dim=128, joint_attention_dim=256, pooled_projection_dim=256, axes_dims_rope=(16, 56, 56)
+)
+
+
+def _model(main: str):
+    return make_diffusers_transformer(True, **(WIDE if main.endswith("_K") else {}))
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Per quantization type: (diffusers model, BFL-named file, diffusers-named file, config folder), built once."""
+    made: dict[str, tuple] = {}
+
+    def get(main: str):
+        if main not in made:
+            model = _model(main)
+            made[main] = (model, *write_flux1_pair(model, tmp_path_factory.mktemp(main), main))
+        return made[main]
+
+    return get
+
+
+def _inputs(model, dtype: torch.dtype):
+    img, img_ids, txt, txt_ids, t, y, g = make_inputs(1, 4, 4, 8, dtype)
+    width = model.config.joint_attention_dim
+    gen = torch.Generator().manual_seed(1)
+    txt = torch.randn(1, 8, width, generator=gen).to(dtype)
+    y = torch.randn(1, model.config.pooled_projection_dim, generator=gen).to(dtype)
+    return img, img_ids, txt, txt_ids, t, y, g
+
+
+def _outputs(ours, ref, inputs):
+    img, img_ids, txt, txt_ids, t, y, g = inputs
+    with torch.no_grad():
+        want = ref(
+            hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=t,
+            img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False,
+        )[0]  # fmt: skip
+        got = ours(img, img_ids, txt, txt_ids, t, y, g)
+    return got, want
+
+
+@pytest.mark.parametrize("main", QUANT_NAMES)
+def test_every_type_loads_quantized_and_dequantizes_as_diffusers(pairs, main):
+    """bf16 compute: every projection holds its blocks (uint8) and its weight is `torch.equal` to the
+    weight diffusers' GGUFLinear multiplies by (its q, k, v rows stacked as BFL fuses them); the output too."""
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    model, bfl, dif, cfg = pairs(main)
+    dtype = torch.bfloat16
+    ours = load_transformer(bfl, device="cpu", dtype=dtype)
+    ref = diffusers_gguf_transformer(dif, cfg, dtype)
+    assert ours.precision == f"gguf-{main}"
+    qkv = ours.double_blocks[0].img_attn.qkv
+    assert isinstance(qkv, GgufLinear) and qkv.qweight.dtype == torch.uint8 and qkv.ggml_type.name == main
+    attn = ref.transformer_blocks[0].attn
+    theirs = [dequantize_gguf_tensor(m.weight).to(m.compute_dtype) for m in (attn.to_q, attn.to_k, attn.to_v)]
+    assert torch.equal(qkv.weight, torch.cat(theirs))
+    lin2, proj = ours.single_blocks[1].linear2, ref.single_transformer_blocks[1].proj_out
+    assert torch.equal(lin2.weight, dequantize_gguf_tensor(proj.weight).to(dtype))
+    assert ours.double_blocks[0].img_attn.norm.query_norm.scale.dtype == dtype  # F32 in the file: plain
+    got, want = _outputs(ours, ref, _inputs(model, dtype))
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("main", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_transformer_output_is_bit_identical_to_diffusers(pairs, main, dtype):
+    """The transformer's output from the BFL-named file (city96's) and the same bytes under diffusers' names,
+    against diffusers' `from_single_file` with `GGUFQuantizationConfig(compute_dtype=dtype)`."""
+    model, bfl, dif, cfg = pairs(main)
+    ref = diffusers_gguf_transformer(dif, cfg, dtype)
+    inputs = _inputs(model, dtype)
+    for path in (bfl, dif):
+        ours = load_transformer(path, device="cpu", dtype=dtype)
+        got, want = _outputs(ours, ref, inputs)
+        assert got.dtype == dtype and torch.equal(got, want), path.name
+
+
+def test_mixed_types_and_the_precision_name(tmp_path):
+    """A Q4_K file whose narrow rows fall back to Q8_0 (as quantizers do) and whose 2-D F16 tensors stay plain:
+    the precision names the dominant type, `gguf_types` counts every one."""
+    model = _model("Q4_K")
+    from flux_runtime.weights import flux1_layout
+    from tests.random_models import bfl_transformer_state_dict
+
+    sd = bfl_transformer_state_dict(model, flux1_layout, "guidance_embeds")
+    base = city96_types("Q4_K")
+
+    def type_of(name: str, shape: tuple[int, ...]) -> str:
+        return "F16" if name.startswith("final_layer.") and len(shape) == 2 else base(name, shape)
+
+    ours = load_transformer(
+        write_gguf(sd, tmp_path / "mixed.gguf", type_of), device="cpu", dtype=torch.float32
+    )
+    assert ours.precision == "gguf-Q4_K"
+    assert set(ours.gguf_types) == {"Q4_K", "Q8_0"} and ours.gguf_types["Q8_0"] == 256 * 64  # img_in
+    assert not isinstance(ours.final_layer.linear, GgufLinear)
+    assert ours.final_layer.linear.weight.dtype == torch.float32
+
+
+def test_reader_lists_tensors_in_torch_order(pairs):
+    """Names, types and (rows, cols) shapes as the file holds them; quantized data as uint8 block rows."""
+    _, bfl, _, _ = pairs("Q8_0")
+    src = GgufSource(bfl)
+    assert src.ggml_type("double_blocks.0.img_attn.qkv.weight").name == "Q8_0"
+    assert src.shape("double_blocks.0.img_attn.qkv.weight") == (192, 64)
+    assert src.raw("double_blocks.0.img_attn.qkv.weight").shape == (192, 2 * 34)
+    assert src.dtype("double_blocks.0.img_attn.qkv.weight") == "F16"  # the values' dtype
+    assert src.dtype("double_blocks.0.img_attn.qkv.bias") == "F32"
+    assert not src.is_quantized("double_blocks.0.img_attn.qkv.bias")
+
+
+# ----------------------------------------------------------------------------------------------
+# bad files: one line naming the file and the tensor
+
+
+@pytest.fixture
+def small_file(tmp_path):
+    model = make_diffusers_transformer(True)
+    from flux_runtime.weights import flux1_layout
+    from tests.random_models import bfl_transformer_state_dict
+
+    return bfl_transformer_state_dict(model, flux1_layout, "guidance_embeds"), tmp_path
+
+
+def test_a_truncated_file_names_the_tensor_cut_short(small_file):
+    sd, tmp = small_file
+    path = write_gguf(sd, tmp / "t.gguf", city96_types("Q8_0"))
+    data = path.read_bytes()
+    last = list(sd)[-1]
+    cut = tmp / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 7])
+    with pytest.raises(
+        WeightsError, match=rf"cut.gguf: the file is truncated: {last} ends at byte \d+, the file has \d+"
+    ) as e:
+        load_transformer(cut, device="cpu", dtype=torch.float32)
+    assert "\n" not in str(e.value)
+    head = tmp / "head.gguf"
+    head.write_bytes(data[:20])
+    with pytest.raises(WeightsError, match=r"head.gguf: cannot read the GGUF file"):
+        GgufSource(head)
+
+
+def test_an_unsupported_type_names_the_tensor(small_file):
+    sd, tmp = small_file
+    entries = encode_all(sd, city96_types("Q8_0"))
+    name = "double_blocks.1.txt_mlp.0.weight"
+    rows, cols = sd[name].shape
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+    entries[name] = ("IQ4_NL", np.zeros((rows, cols // block * size), dtype=np.uint8))
+    path = write_encoded(entries, tmp / "iq.gguf")
+    with pytest.raises(
+        WeightsError,
+        match=rf"iq.gguf: {name} is stored as GGML IQ4_NL, which is not supported \(supported: F32, F16, BF16, Q4_0",
+    ):
+        load_transformer(path, device="cpu", dtype=torch.float32)
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(small_file):
+    sd, tmp = small_file
+    sd["double_blocks.0.img_mlp.2.weight"] = torch.randn(64, 96)  # the MLP is 256 wide
+    path = write_gguf(sd, tmp / "shape.gguf", city96_types("Q8_0"))
+    with pytest.raises(
+        WeightsError,
+        match=r"double_blocks.0.img_mlp.2.weight: expected shape \(64, 256\), checkpoint has \(64, 96\)",
+    ):
+        load_transformer(path, device="cpu", dtype=torch.float32)
+
+
+def test_fp8_on_a_gguf_file_and_a_missing_gguf_package_are_one_line_errors(small_file, monkeypatch):
+    sd, tmp = small_file
+    path = write_gguf(sd, tmp / "q.gguf", city96_types("Q8_0"))
+    with pytest.raises(WeightsError, match="already quantized; load it without fp8"):
+        load_transformer(path, device="cpu", dtype=torch.bfloat16, fp8=True)
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(
+        WeightsError, match=r"needs the gguf extra \(gguf is missing\): pip install 'flux-runtime\[gguf\]'"
+    ):
+        load_transformer(path, device="cpu", dtype=torch.float32)
+
+
+def test_k_quant_blocks_of_the_fixtures_are_finite():
+    """The random K-quant blocks the tests use decode to finite values of a sane size."""
+    from flux_runtime.kernels import gguf_dequant
+
+    for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+        w = gguf_dequant.dequantize(
+            torch.from_numpy(random_blocks(name, 4, 512, 0)), gguf_dequant.BY_NAME[name]
+        )
+        assert torch.isfinite(w).all() and 0 < w.abs().max() < 1, name
