@@ -357,9 +357,12 @@ def checkpoint_bytes(ckpt: Any, dtype: torch.dtype, fp8: bool) -> int:
 
     src, size = ckpt.source, torch.empty((), dtype=dtype).element_size()
     total = 0
+    quantized = getattr(src, "is_quantized", None)  # a GGUF file: its quantized blocks stay as stored
     for key in src.keys():
         kind, n = src.dtype(key), math.prod(src.shape(key))
-        if kind == "F8_E4M3" or (fp8 and key.endswith(".weight") and may_run_fp8(key.rsplit(".", 1)[0])):
+        if quantized is not None and quantized(key):
+            total += src.nbytes(key)
+        elif kind == "F8_E4M3" or (fp8 and key.endswith(".weight") and may_run_fp8(key.rsplit(".", 1)[0])):
             total += n
         else:
             total += n * (size if kind in CAST_KINDS else ITEMSIZE[kind])

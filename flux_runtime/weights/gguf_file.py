@@ -164,6 +164,10 @@ class GgufSource:
     def is_quantized(self, key: str) -> bool:
         return self.tensors[key].quantized
 
+    def nbytes(self, key: str) -> int:
+        """The bytes `key` takes as stored (a quantized tensor's blocks stay so once loaded)."""
+        return int(self.tensors[key].data.nbytes)
+
     def path_of(self, key: str) -> Path:
         return self.path
 

@@ -142,6 +142,18 @@ def test_reader_lists_tensors_in_torch_order(pairs):
     assert not src.is_quantized("double_blocks.0.img_attn.qkv.bias")
 
 
+def test_the_memory_plan_counts_quantized_weights_as_stored(pairs):
+    """The placement's estimate of the loaded transformer: blocks at their stored size, the rest in the dtype."""
+    from flux_runtime.pipeline.placement import checkpoint_bytes
+    from flux_runtime.weights.checkpoint import open_transformer
+
+    _, bfl, _, _ = pairs("Q8_0")
+    ckpt = open_transformer(bfl)
+    ours = load_transformer(ckpt, device="cpu", dtype=torch.float32)
+    loaded = sum(t.numel() * t.element_size() for t in (*ours.parameters(), *ours.buffers()))
+    assert checkpoint_bytes(ckpt, torch.float32, False) == loaded
+
+
 # ----------------------------------------------------------------------------------------------
 # bad files: one line naming the file and the tensor
 

@@ -1,0 +1,63 @@
+"""A GGUF transformer file as a pipeline's model: latents bit-identical to diffusers' FluxPipeline with its
+GGUF transformer, the precision recorded."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from flux_runtime.pipeline import Pipeline
+from tests.gguf_fixtures import diffusers_gguf_transformer, write_flux1_pair
+from tests.pipeline.test_flux1_pipeline import _save_pipeline
+
+pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["dev", "schnell"])
+def gguf_pipeline(request, tmp_path_factory):
+    """A tiny FluxPipeline folder, its transformer as GGUF files (BFL and diffusers names, Q8_0), and CLIP and
+    T5 folders (each model with its tokenizer) for the BFL file set."""
+    from diffusers import FluxTransformer2DModel
+
+    root = tmp_path_factory.mktemp("gguf-pipe")
+    folder = _save_pipeline(root / "FLUX.1-tiny", request.param)
+    model = FluxTransformer2DModel.from_pretrained(folder / "transformer")
+    bfl, dif, cfg = write_flux1_pair(model, root / "files", "Q8_0")
+    for name, (enc, tok) in {
+        "clip": ("text_encoder", "tokenizer"),
+        "t5": ("text_encoder_2", "tokenizer_2"),
+    }.items():
+        shutil.copytree(folder / enc, root / name)
+        shutil.copytree(folder / tok, root / name, dirs_exist_ok=True)
+    return folder, bfl, dif, cfg, root, request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pipeline_latents_equal_diffusers_with_the_same_gguf_file(gguf_pipeline, dtype):
+    from diffusers import FluxPipeline
+
+    folder, bfl, dif, cfg, root, guidance = gguf_pipeline
+    ref = FluxPipeline.from_pretrained(
+        folder, transformer=diffusers_gguf_transformer(dif, cfg, dtype), dtype=dtype
+    )
+    ours = Pipeline.from_pretrained(
+        bfl,
+        device="cpu",
+        dtype=dtype,
+        vae=folder / "vae",
+        text_encoder=root / "clip",
+        text_encoder_2=root / "t5",
+    )
+    prompts = ["a red fox in the snow", "An astronaut riding a horse on the Moon"]
+    kw = dict(height=32, width=48, max_sequence_length=64)
+    steps, scale = (3, 3.5) if guidance else (2, None)
+    want = ref(
+        prompts, generator=torch.Generator().manual_seed(42), output_type="latent",
+        num_inference_steps=steps, guidance_scale=scale or 0.0, **kw,
+    ).images  # fmt: skip
+    got = ours(prompts, seed=42, num_steps=steps, guidance=scale, output_type="latent", **kw)
+    assert got.latents.dtype == want.dtype == dtype
+    assert torch.equal(got.latents, want)
+    assert got.info["precision"] == "gguf-Q8_0"
