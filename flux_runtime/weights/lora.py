@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from flux_runtime.models.dit.layers import Fp8Linear, Linear
+from flux_runtime.models.dit.layers import Fp8Linear, GgufLinear, Linear
 from flux_runtime.weights.fp8 import Fp8Tensors, dequantize, quantize_weight
 from flux_runtime.weights.lora_common import Factors, LoraError, LoraWeights
 from flux_runtime.weights.lora_layers import Layer, LayerTable, Part
@@ -166,6 +166,12 @@ def _check_transformer(
     widen = None
     for layer_name, pieces in by_layer.items():
         layer = table.layers[layer_name]
+        held = model.get_submodule(layer_name)
+        if isinstance(held, GgufLinear):  # its weight is computed from blocks: an update would be lost
+            raise LoraError(
+                f"{name}: LoRAs on a GGUF transformer are not supported yet ({layer_name} holds "
+                f"{held.ggml_type.name} blocks); load a safetensors checkpoint of the model to apply it"
+            )
         for part, f, _ in pieces:
             rows, cols = f.up.shape[0], f.down.shape[1]
             if rows != part.rows or (f.up_bias is not None and tuple(f.up_bias.shape) != (rows,)):

@@ -232,3 +232,23 @@ def test_k_quant_blocks_of_the_fixtures_are_finite():
             torch.from_numpy(random_blocks(name, 4, 512, 0)), gguf_dequant.BY_NAME[name]
         )
         assert torch.isfinite(w).all() and 0 < w.abs().max() < 1, name
+
+
+def test_a_lora_on_a_gguf_transformer_is_refused_before_any_weight_changes(pairs, tmp_path):
+    """A LoRA would add to a weight that GgufLinear recomputes from its blocks at every call: refused, by name."""
+    from flux_runtime.weights.lora import FusedState
+    from flux_runtime.weights.lora_common import LoraError
+    from tests.lora import lora_fixtures as lf
+
+    _, bfl, _, _ = pairs("Q8_0")
+    ours = load_transformer(bfl, device="cpu", dtype=torch.float32)
+    before = ours.double_blocks[0].img_attn.qkv.qweight.clone()
+    lora = lf.bfl_file(
+        tmp_path / "lora.safetensors", lf.linear_shapes(ours), ["double_blocks.0.img_attn.qkv"]
+    )
+    with pytest.raises(
+        LoraError,
+        match=r"lora.safetensors: LoRAs on a GGUF transformer are not supported yet \(double_blocks.0.img_attn.qkv holds Q8_0 blocks\)",
+    ):
+        lf.fuse_file(ours, lora, 1.0, FusedState())
+    assert torch.equal(ours.double_blocks[0].img_attn.qkv.qweight, before)
