@@ -84,45 +84,58 @@ def write_gguf(
     return write_encoded(encode_all(tensors, type_of), path)
 
 
-def to_diffusers_names(entries: Encoded, layout: ModuleType, model: Any, hidden: int) -> Encoded:
-    """The same stored rows under diffusers' names: fused BFL tensors split by rows, halves swapped back,
-    applied to the stored bytes as diffusers' own BFL conversion applies them to its GGUF parameters."""
+def to_diffusers_names(entries: Encoded, layout: ModuleType, model: Any, split: Callable) -> Encoded:
+    """The same stored rows under diffusers' names: fused BFL tensors split by rows (`split(rule, tensor)`, the
+    layout's), halves swapped back, applied to the stored bytes as diffusers' own BFL conversion applies them
+    to its GGUF parameters."""
     cfg = model.config
     out: Encoded = {}
     for rule in layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds):
         kind, data = entries[rule.bfl]
-        for name, part in layout.bfl_to_diffusers(rule, torch.from_numpy(data), hidden).items():
+        for name, part in split(rule, torch.from_numpy(data)).items():
             out[name] = (kind, part.contiguous().numpy())
     return out
 
 
-def write_flux1_pair(model: Any, folder: Path, main: str) -> tuple[Path, Path, Path]:
-    """A tiny diffusers FLUX.1 transformer as GGUF twice, same bytes: BFL names (city96's files) and diffusers
-    names (which diffusers' `from_single_file` loads without its BFL conversion, whose widths are FLUX.1-dev's);
-    plus a folder with its config.json for that loader. Types as `city96_types(main)`."""
-    from flux_runtime.weights import flux1_layout
+def write_pair(model: Any, folder: Path, main: str, family: str = "flux1") -> tuple[Path, Path, Path]:
+    """A tiny diffusers FLUX.1 / FLUX.2 transformer as GGUF twice, same bytes: BFL names (city96's files) and
+    diffusers names (which diffusers' `from_single_file` loads without its BFL conversion, whose FLUX.1 widths
+    are FLUX.1-dev's); plus a folder with its config.json for that loader. Types as `city96_types(main)`."""
+    from flux_runtime.weights import flux1_layout, flux2_layout
     from tests.random_models import bfl_transformer_state_dict
 
+    layout = flux1_layout if family == "flux1" else flux2_layout
+    if family == "flux1":
+        hidden = model.config.num_attention_heads * model.config.attention_head_dim
+
+        def split(rule, t):
+            return flux1_layout.bfl_to_diffusers(rule, t, hidden)
+    else:
+        split = flux2_layout.bfl_to_diffusers
     folder.mkdir(parents=True, exist_ok=True)
-    entries = encode_all(
-        bfl_transformer_state_dict(model, flux1_layout, "guidance_embeds"), city96_types(main)
-    )
-    hidden = model.config.num_attention_heads * model.config.attention_head_dim
-    bfl = write_encoded(entries, folder / f"flux1-{main}.gguf")
+    entries = encode_all(bfl_transformer_state_dict(model, layout, "guidance_embeds"), city96_types(main))
+    bfl = write_encoded(entries, folder / f"{family}-{main}.gguf")
     diffusers = write_encoded(
-        to_diffusers_names(entries, flux1_layout, model, hidden), folder / f"diffusers-{main}.gguf"
+        to_diffusers_names(entries, layout, model, split), folder / f"diffusers-{main}.gguf"
     )
     model.save_config(folder / "config")
     return bfl, diffusers, folder / "config"
 
 
-def diffusers_gguf_transformer(path: Path, config: Path, dtype: torch.dtype) -> Any:
-    """diffusers' GGUF load of `path`: `from_single_file` with a `GGUFQuantizationConfig(compute_dtype=dtype)`."""
-    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+def write_flux1_pair(model: Any, folder: Path, main: str) -> tuple[Path, Path, Path]:
+    """`write_pair` of a FLUX.1 transformer."""
+    return write_pair(model, folder, main, "flux1")
 
-    return FluxTransformer2DModel.from_single_file(
+
+def diffusers_gguf_transformer(
+    path: Path, config: Path, dtype: torch.dtype, cls: str = "FluxTransformer2DModel"
+) -> Any:
+    """diffusers' GGUF load of `path`: `from_single_file` with a `GGUFQuantizationConfig(compute_dtype=dtype)`."""
+    import diffusers
+
+    return getattr(diffusers, cls).from_single_file(
         str(path), config=str(config), local_files_only=True, torch_dtype=dtype,
-        quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
+        quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=dtype),
     )  # fmt: skip
 
 
