@@ -69,6 +69,9 @@ def load_transformer(
     projections kept in e4m3; `fp8=True` quantizes a bf16 checkpoint's block projections at load
     (per-channel weight scales, per-row activation scales). `.precision` says which (`bf16`,
     `fp8-static`, `fp8-dynamic`). FP8 models compute in bf16 between their FP8 GEMMs.
+    A `.gguf` file (the `gguf` extra) loads with its block-quantized projections kept quantized and
+    dequantized before each GEMM in `dtype`, as diffusers' GGUF loader does; `.precision` is
+    `gguf-<type>` (the type of most of its quantized weights).
     `dtype` must be a floating-point dtype and `device` cpu, cuda, cuda:N or mps. Weights stored as integers
     or bools, and weights holding NaN or infinity, are refused by name.
     """
