@@ -159,7 +159,7 @@ def fill_model(
     with reader.streaming([d for r in table for d in r.diffusers], device):
         if gguf is not None:
             model.precision = gguf_loading.load_state(
-                model, table, read, assemble, device=device, dtype=dtype, weights=gguf
+                model, table, read, assemble, device=device, dtype=dtype, weights=gguf, finite=finite
             )
         else:
             model.precision = fp8_layers.load_state(

@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from flux_runtime.kernels.gguf_dequant import GgmlType
+from flux_runtime.kernels.gguf_dequant import GgmlType, dequantize
 from flux_runtime.models.dit.layers import GgufLinear, Linear
+from flux_runtime.weights.checks import FiniteCheck
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_layout import Rule
 from flux_runtime.weights.gguf_file import GgufSource
@@ -100,11 +101,14 @@ def load_state(
     device: torch.device,
     dtype: torch.dtype,
     weights: GgufWeights,
+    finite: FiniteCheck,
 ) -> str:
     """Stream every rule's tensor into `model` (built on meta); returns its precision (`precision_of`).
 
-    Quantized weights of projections go into `GgufLinear`s as their blocks; any other quantized tensor
-    (none in the FLUX files seen so far) is dequantized to `dtype` through `read`, as diffusers does.
+    Quantized weights of projections go into `GgufLinear`s as their blocks, each dequantized once here for
+    `finite` (a NaN or infinite scale, or an fp16 overflow, is named at load as in any checkpoint); any other
+    quantized tensor (none in the FLUX files seen so far) is dequantized to `dtype` through `read`, as
+    diffusers does.
     """
     sd: dict[str, Tensor] = {}
     layers: dict[str, Quantized] = {}
@@ -112,7 +116,8 @@ def load_state(
         module, _, leaf = rule.bfl.rpartition(".")
         projection = leaf == "weight" and isinstance(model.get_submodule(module), Linear)
         if projection and weights.is_quantized(rule.diffusers):
-            layers[module] = weights.read(rule.diffusers, rule.swap_halves, device)
+            raw, qtype = layers[module] = weights.read(rule.diffusers, rule.swap_halves, device)
+            finite.watch(rule.bfl, weights.src.path, dequantize(raw, qtype))
             continue
         sd[rule.bfl] = assemble(rule, read)
     _install(model, layers, sd, dtype)

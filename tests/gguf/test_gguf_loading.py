@@ -211,6 +211,20 @@ def test_a_tensor_of_the_wrong_shape_is_named(small_file):
         load_transformer(path, device="cpu", dtype=torch.float32)
 
 
+def test_an_infinite_scale_in_a_quantized_weight_is_named(small_file):
+    """One Q8_0 block whose fp16 scale is +inf: refused at load like any non-finite weight, naming the tensor."""
+    sd, tmp = small_file
+    entries = encode_all(sd, city96_types("Q8_0"))
+    name = "single_blocks.1.linear2.weight"
+    kind, data = entries[name]
+    data = data.copy()
+    data[3, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    entries[name] = (kind, data)
+    path = write_encoded(entries, tmp / "inf.gguf")
+    with pytest.raises(WeightsError, match=rf"inf.gguf: {name} holds NaN or infinite values in float16"):
+        load_transformer(path, device="cpu", dtype=torch.float32)
+
+
 def test_fp8_on_a_gguf_file_and_a_missing_gguf_package_are_one_line_errors(small_file, monkeypatch):
     sd, tmp = small_file
     path = write_gguf(sd, tmp / "q.gguf", city96_types("Q8_0"))
