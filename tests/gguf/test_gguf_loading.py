@@ -266,3 +266,19 @@ def test_a_lora_on_a_gguf_transformer_is_refused_before_any_weight_changes(pairs
     ):
         lf.fuse_file(ours, lora, 1.0, FusedState())
     assert torch.equal(ours.double_blocks[0].img_attn.qkv.qweight, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("main", ["Q8_0", "Q4_K", "Q6_K"])
+def test_on_a_gpu_the_output_is_bit_identical_to_diffusers(pairs, main):
+    """On CUDA in bf16: the blocks stay uint8 on the GPU and the output equals diffusers' GGUF load on the same
+    GPU (its torch dequantization; DIFFUSERS_GGUF_CUDA_KERNELS unset, as by default)."""
+    model, bfl, dif, cfg = pairs(main)
+    dtype = torch.bfloat16
+    ours = load_transformer(bfl, device="cuda", dtype=dtype)
+    qkv = ours.double_blocks[0].img_attn.qkv
+    assert qkv.qweight.device.type == "cuda" and qkv.qweight.dtype == torch.uint8
+    ref = diffusers_gguf_transformer(dif, cfg, dtype).to("cuda")
+    inputs = [x.to("cuda") for x in _inputs(model, dtype)]
+    got, want = _outputs(ours, ref, inputs)
+    assert torch.equal(got, want)
