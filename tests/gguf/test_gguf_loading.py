@@ -211,6 +211,24 @@ def test_a_tensor_of_the_wrong_shape_is_named(small_file):
         load_transformer(path, device="cpu", dtype=torch.float32)
 
 
+def test_rows_that_are_not_whole_blocks_are_named(small_file):
+    """A Q8_0 tensor whose stated rows (48 values) are not a whole number of 32-value blocks: its dims edited
+    in place through the package's own reader (the writer cannot make such a file)."""
+    sd, tmp = small_file
+    path = write_gguf(sd, tmp / "rows.gguf", city96_types("Q8_0"))
+    name = "double_blocks.0.img_mlp.0.weight"  # (256, 64) in Q8_0
+    reader = gguf.GGUFReader(str(path), "r+")
+    dims = next(t for t in reader.tensors if t.name == name).field.parts[3]
+    dims[:] = [48, 256]
+    reader.data.flush()
+    del reader
+    with pytest.raises(
+        WeightsError,
+        match=rf"rows.gguf: {name} has shape \[\d+, 48\], whose rows are not a whole number of Q8_0 blocks of 32",
+    ):
+        load_transformer(path, device="cpu", dtype=torch.float32)
+
+
 def test_an_infinite_scale_in_a_quantized_weight_is_named(small_file):
     """One Q8_0 block whose fp16 scale is +inf: refused at load like any non-finite weight, naming the tensor."""
     sd, tmp = small_file
