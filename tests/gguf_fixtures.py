@@ -97,10 +97,17 @@ def to_diffusers_names(entries: Encoded, layout: ModuleType, model: Any, split: 
     return out
 
 
-def write_pair(model: Any, folder: Path, main: str, family: str = "flux1") -> tuple[Path, Path, Path]:
+def write_pair(
+    model: Any,
+    folder: Path,
+    main: str,
+    family: str = "flux1",
+    type_of: Callable[[str, tuple[int, ...]], str] | None = None,
+) -> tuple[Path, Path, Path]:
     """A tiny diffusers FLUX.1 / FLUX.2 transformer as GGUF twice, same bytes: BFL names (city96's files) and
     diffusers names (which diffusers' `from_single_file` loads without its BFL conversion, whose FLUX.1 widths
-    are FLUX.1-dev's); plus a folder with its config.json for that loader. Types as `city96_types(main)`."""
+    are FLUX.1-dev's); plus a folder with its config.json for that loader. Types by `type_of`, default
+    `city96_types(main)`."""
     from flux_runtime.weights import flux1_layout, flux2_layout
     from tests.random_models import bfl_transformer_state_dict
 
@@ -113,7 +120,8 @@ def write_pair(model: Any, folder: Path, main: str, family: str = "flux1") -> tu
     else:
         split = flux2_layout.bfl_to_diffusers
     folder.mkdir(parents=True, exist_ok=True)
-    entries = encode_all(bfl_transformer_state_dict(model, layout, "guidance_embeds"), city96_types(main))
+    sd = bfl_transformer_state_dict(model, layout, "guidance_embeds")
+    entries = encode_all(sd, type_of or city96_types(main))
     bfl = write_encoded(entries, folder / f"{family}-{main}.gguf")
     diffusers = write_encoded(
         to_diffusers_names(entries, layout, model, split), folder / f"diffusers-{main}.gguf"

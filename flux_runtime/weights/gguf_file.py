@@ -13,6 +13,7 @@ short, a GGML type this runtime does not dequantize, a row that is not a whole n
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -80,11 +81,16 @@ def _ggml_type(number: int, name: str, path: Path) -> GgmlType:
     )
 
 
+@functools.cache
 def _reader_class(gguf: Any) -> type:
     """A `GGUFReader` that checks each tensor's type, shape and extent before the package maps it, so a
     problem names the tensor (the package itself fails on the first one with a numpy reshape error)."""
 
     class _Reader(gguf.GGUFReader):  # type: ignore[misc, name-defined]
+        def __init__(self, path: Path) -> None:
+            self._path = path
+            super().__init__(str(path), mode="r")
+
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)
             for field in fields:
@@ -115,10 +121,8 @@ def read_tensors(path: str | Path) -> list[GgufTensor]:
     size = os.path.getsize(path)
     if size == 0:
         raise WeightsError(f"{path}: the file is empty")
-    cls = _reader_class(gguf)
-    cls._path = path
     try:
-        reader = cls(str(path), mode="r")
+        reader = _reader_class(gguf)(path)
     except WeightsError:
         raise
     except (ValueError, IndexError, KeyError, OverflowError) as e:

@@ -23,6 +23,7 @@ from tests.gguf_fixtures import (
     write_encoded,
     write_flux1_pair,
     write_gguf,
+    write_pair,
 )
 
 pytest.importorskip("diffusers")
@@ -106,6 +107,30 @@ def test_transformer_output_is_bit_identical_to_diffusers(pairs, main, dtype):
         ours = load_transformer(path, device="cpu", dtype=dtype)
         got, want = _outputs(ours, ref, inputs)
         assert got.dtype == dtype and torch.equal(got, want), path.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wide_types_stored_2d_load_plain_and_match_diffusers(tmp_path, dtype):
+    """2-D weights stored BF16, F16 or F32 beside Q5_0 ones: plain Linear weights here (diffusers dequantizes
+    its BF16 ones before each matmul, exactly), the output bit-identical all the same."""
+    model = _model("Q5_0")
+    base = city96_types("Q5_0")
+    wide = {"txt_in.weight": "BF16", "img_in.weight": "F16", "final_layer.linear.weight": "F32"}
+
+    def type_of(name: str, shape: tuple[int, ...]) -> str:
+        return wide.get(name) or ("BF16" if ".img_mlp." in name and len(shape) == 2 else base(name, shape))
+
+    bfl, dif, cfg = write_pair(model, tmp_path, "Q5_0", type_of=type_of)
+    src = GgufSource(bfl)
+    assert [src.ggml_type(k).name for k in wide] == list(wide.values())
+    ours = load_transformer(bfl, device="cpu", dtype=dtype)
+    assert ours.precision == "gguf-Q5_0"
+    for name in [*wide, "double_blocks.0.img_mlp.0.weight"]:
+        layer = ours.get_submodule(name.removesuffix(".weight"))
+        assert not isinstance(layer, GgufLinear) and layer.weight.dtype == dtype, name
+    ref = diffusers_gguf_transformer(dif, cfg, dtype)
+    got, want = _outputs(ours, ref, _inputs(model, dtype))
+    assert torch.equal(got, want)
 
 
 def test_mixed_types_and_the_precision_name(tmp_path):
