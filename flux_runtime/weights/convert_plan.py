@@ -34,6 +34,7 @@ from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.flux1_transformer import detect_layout, infer_config
 from flux_runtime.weights.flux2_transformer import FLUX2
 from flux_runtime.weights.flux3_transformer import FLUX3
+from flux_runtime.weights.gguf_file import GgufSource
 from flux_runtime.weights.keys import KeyView, raise_key_errors
 from flux_runtime.weights.safetensors_io import TensorSource
 from flux_runtime.weights.safetensors_writer import Output
@@ -108,6 +109,11 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
     """Plan converting a FLUX.1, FLUX.2 or FLUX.3 transformer to the other layout (strict: every key used, every shape right)."""
     ckpt = open_transformer(path_or_id)
     files, src = ckpt.files, ckpt.source
+    if isinstance(src, GgufSource):  # converting would dequantize it: values kept, the file's bytes not
+        raise WeightsError(
+            f"{files[0]}: flux-convert does not convert GGUF files (yet); load the .gguf file itself, "
+            "it keeps its quantized weights"
+        )
     if ckpt.family == "flux3":
         return _plan_flux3_transformer(files, src)
     if ckpt.family == "flux2":

@@ -107,3 +107,18 @@ def test_flux_gen_takes_a_gguf_file_records_its_precision_and_replays(gguf_pipel
     r = runner.invoke(gen_main, ["--replay", str(out), *parts, "--out", str(again), "-q"])
     assert r.exit_code == 0, r.output
     assert np.array_equal(np.array(Image.open(out)), np.array(Image.open(again)))
+
+
+def test_flux_convert_refuses_a_gguf_file(gguf_pipeline, tmp_path):
+    """Converting would silently dequantize: a one-line refusal that says to load the file itself."""
+    from click.testing import CliRunner
+
+    from flux_runtime.cli.convert import main as convert_main
+
+    _, bfl, _, _, _, guidance = gguf_pipeline
+    if not guidance:
+        pytest.skip("dev covers it")
+    r = CliRunner().invoke(convert_main, ["transformer", str(bfl), str(tmp_path / "out")])
+    assert r.exit_code != 0
+    assert "flux-convert does not convert GGUF files (yet); load the .gguf file itself" in r.output
+    assert not (tmp_path / "out").exists()
