@@ -73,30 +73,30 @@ def _fp16(field: Tensor) -> Tensor:
     return field.contiguous().view(torch.float16)
 
 
-def _shifts(blocks: Tensor, *bits: int) -> Tensor:
-    return torch.tensor(bits, device=blocks.device, dtype=torch.uint8)
+def _shifts(like: Tensor, step: int) -> Tensor:
+    """The bit shifts 0, step, ... below 8 as uint8 on `like`'s device: made by `arange`, a kernel, not
+    copied from the host (a host copy is not allowed while a CUDA graph is being captured)."""
+    return torch.arange(0, 8, step, device=like.device, dtype=torch.uint8)
 
 
 def _nibbles(qs: Tensor, group: int) -> Tensor:
     """4-bit codes: each run of `group` bytes gives its low nibbles, then its high ones; (n, -1, group) uint8."""
     n = qs.shape[0]
-    x = qs.reshape(n, -1, 1, group) >> _shifts(qs, 0, 4).reshape(1, 1, 2, 1)
+    x = qs.reshape(n, -1, 1, group) >> _shifts(qs, 4).reshape(1, 1, 2, 1)
     return (x & 0x0F).reshape(n, -1, group)
 
 
 def _crumbs(qs: Tensor, group: int) -> Tensor:
     """2-bit codes: each run of `group` bytes gives bits 0-1, 2-3, 4-5, 6-7 in turn; (n, -1, group) uint8."""
     n = qs.shape[0]
-    x = qs.reshape(n, -1, 1, group) >> _shifts(qs, 0, 2, 4, 6).reshape(1, 1, 4, 1)
+    x = qs.reshape(n, -1, 1, group) >> _shifts(qs, 2).reshape(1, 1, 4, 1)
     return (x & 0x03).reshape(n, -1, group)
 
 
 def _bits(mask: Tensor, group: int) -> Tensor:
     """1-bit planes: each run of `group` bytes gives bit 0 of every byte, then bit 1, ... bit 7; uint8."""
     n = mask.shape[0]
-    x = mask.reshape(n, -1, 1, group) >> torch.arange(8, device=mask.device, dtype=torch.uint8).reshape(
-        1, 1, 8, 1
-    )
+    x = mask.reshape(n, -1, 1, group) >> _shifts(mask, 1).reshape(1, 1, 8, 1)
     return (x & 0x01).reshape(n, -1, group)
 
 
@@ -165,8 +165,8 @@ def _q2_k(blocks: Tensor) -> Tensor:
 def _q3_k(blocks: Tensor) -> Tensor:
     n = blocks.shape[0]
     hmask, qs, packed, d = _parts(blocks, QK_K // 8, QK_K // 4, 12)
-    low4 = (packed[:, :8].reshape(n, 1, 8) >> _shifts(packed, 0, 4).reshape(1, 2, 1)).reshape(n, 16)
-    high2 = (packed[:, 8:].reshape(n, 1, 4) >> _shifts(packed, 0, 2, 4, 6).reshape(1, 4, 1)).reshape(n, 16)
+    low4 = (packed[:, :8].reshape(n, 1, 8) >> _shifts(packed, 4).reshape(1, 2, 1)).reshape(n, 16)
+    high2 = (packed[:, 8:].reshape(n, 1, 4) >> _shifts(packed, 2).reshape(1, 4, 1)).reshape(n, 16)
     sub = ((low4 & 0x0F) | ((high2 & 0x03) << 4)).to(torch.int8) - 32
     scale = (_fp16(d) * sub).reshape(n, 16, 1)
     low = _crumbs(qs, 32).reshape(n, 16, QK_K // 16)

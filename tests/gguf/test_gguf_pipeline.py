@@ -122,3 +122,35 @@ def test_flux_convert_refuses_a_gguf_file(gguf_pipeline, tmp_path):
     assert r.exit_code != 0
     assert "flux-convert does not convert GGUF files (yet); load the .gguf file itself" in r.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_with_cuda_graphs_the_latents_equal_diffusers(gguf_pipeline):
+    """bf16 on CUDA, the default tier and CUDA graphs (the dequantization is captured in them): the latents equal
+    diffusers' FluxPipeline with its GGUF transformer on the same GPU."""
+    from diffusers import FluxPipeline
+
+    folder, bfl, dif, cfg, root, guidance = gguf_pipeline
+    dtype = torch.bfloat16
+    ref = FluxPipeline.from_pretrained(
+        folder, transformer=diffusers_gguf_transformer(dif, cfg, dtype), dtype=dtype
+    )
+    ref = ref.to("cuda")
+    ours = Pipeline.from_pretrained(
+        bfl,
+        device="cuda",
+        dtype=dtype,
+        vae=folder / "vae",
+        text_encoder=root / "clip",
+        text_encoder_2=root / "t5",
+    )
+    steps, scale = (3, 3.5) if guidance else (2, None)
+    kw = dict(height=32, width=48, max_sequence_length=64)
+    want = ref(
+        "a red fox", generator=torch.Generator("cuda").manual_seed(42), output_type="latent",
+        num_inference_steps=steps, guidance_scale=scale or 0.0, **kw,
+    ).images  # fmt: skip
+    for _ in range(2):  # the second call replays the captured graphs
+        got = ours("a red fox", generator=torch.Generator("cuda").manual_seed(42), num_steps=steps, guidance=scale,
+                   output_type="latent", **kw)  # fmt: skip
+        assert torch.equal(got.latents, want)
