@@ -84,7 +84,12 @@ def _ggml_type(number: int, name: str, path: Path) -> GgmlType:
 @functools.cache
 def _reader_class(gguf: Any) -> type:
     """A `GGUFReader` that checks each tensor's type, shape and extent before the package maps it, so a
-    problem names the tensor (the package itself fails on the first one with a numpy reshape error)."""
+    problem names the tensor (the package itself fails on the first one with a numpy reshape error).
+
+    It reads the tensor-info fields the package has parsed (name, dims, type, offset: the layout of
+    `ReaderField.parts` since gguf 0.10, checked on 0.19); a release that lays them out otherwise skips
+    these checks and leaves the package's own errors, which `read_tensors` still reports in one line.
+    """
 
     class _Reader(gguf.GGUFReader):  # type: ignore[misc, name-defined]
         def __init__(self, path: Path) -> None:
@@ -93,6 +98,8 @@ def _reader_class(gguf: Any) -> type:
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)
+            if any(len(field.parts) != 6 for field in fields):  # not the layout this check knows
+                return super()._build_tensors(start_offs, fields)
             for field in fields:
                 _, name_data, _, dims, raw_type, offset = field.parts
                 name = bytes(name_data).decode("utf-8", "replace")
