@@ -1,7 +1,7 @@
 """The request models (pydantic) and errors shaped as OpenAI's: `{"error": {message, type, param, code}}`.
 
 Field names follow OpenAI's Images API (`prompt`, `n`, `size`, `response_format`, `model`, `user`); the
-FLUX controls (`seed`, `steps`, `guidance`, `quality`, `negative_prompt`, `true_cfg_scale`, `upsample`, `timeout`;
+FLUX controls (`seed`, `steps`, `guidance`, `quality`, `cache`, `negative_prompt`, `true_cfg_scale`, `upsample`, `timeout`;
 for edits `strength`, `max_area`, `auto_resize`) are extra fields, sent by the openai client through `extra_body`.
 """
 
@@ -53,6 +53,9 @@ class GenerationRequest(BaseModel):
     steps: int | None = Field(None, ge=1)
     guidance: float | None = Field(None, ge=0)
     quality: Literal["lossless", "high"] | None = None
+    cache: str | None = Field(
+        None, max_length=200
+    )  # a step-cache spec ("first-block:threshold=0.1"); runs alone
     negative_prompt: str | None = Field(None, min_length=1, max_length=20_000)
     true_cfg_scale: float = Field(1.0, ge=1)
     upsample: bool | None = None  # FLUX.3: run the prompt upsampler (None: the model's default)

@@ -246,6 +246,14 @@ def create_app(
                     raise APIError(
                         400, f"{name} is {tokens} tokens; {model} reads at most {limit}", param=name
                     )
+        if req.cache is not None:
+            from flux_runtime.sampling.step_cache import CacheSpecError, parse_cache
+
+            try:
+                policy = parse_cache(req.cache)
+            except CacheSpecError as e:
+                raise APIError(400, str(e), param="cache") from None
+            req.cache = None if policy is None else policy.spec
         if family != "flux3" and req.upsample is not None:
             raise APIError(400, f"upsample is FLUX.3's prompt upsampler; {model} has none", param="upsample")
         if family != "flux1" and (req.negative_prompt is not None or req.true_cfg_scale != 1.0):
@@ -260,7 +268,7 @@ def create_app(
         return Job(
             prompt=req.prompt, n=req.n, seed=secrets.randbelow(2**32) if req.seed is None else req.seed,
             width=size[0] if size else None, height=size[1] if size else None, steps=req.steps,
-            guidance=req.guidance, quality=req.quality, negative_prompt=req.negative_prompt,
+            guidance=req.guidance, quality=req.quality, cache=req.cache, negative_prompt=req.negative_prompt,
             true_cfg_scale=req.true_cfg_scale, upsample=req.upsample, deadline=time.monotonic() + timeout, **extra,
         )  # fmt: skip
 

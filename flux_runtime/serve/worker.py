@@ -55,6 +55,9 @@ class Job:
     steps: int | None
     guidance: float | None
     quality: str | None
+    cache: str | None = (
+        None  # a step-cache spec in full; such a job runs alone (a batch skips steps together)
+    )
     negative_prompt: str | None = None
     true_cfg_scale: float = 1.0
     upsample: bool | None = None  # FLUX.3's prompt upsampler; None: the pipeline's default
@@ -70,8 +73,8 @@ class Job:
 
     @property
     def batch_key(self) -> tuple | None:
-        """Jobs with equal keys run in one batch; None (edits) runs alone."""
-        if self.images:
+        """Jobs with equal keys run in one batch; None (edits, step-cached jobs) runs alone."""
+        if self.images or self.cache is not None:
             return None
         return (
             self.width, self.height, self.steps, self.guidance, self.quality, self.negative_prompt,
@@ -360,7 +363,7 @@ class Worker:
         seeds = [j.seed + i for j, i in units]
         size = {} if first.width is None else {"width": first.width, "height": first.height}
         kwargs: dict[str, Any] = dict(
-            num_steps=first.steps, guidance=first.guidance, quality=first.quality,
+            num_steps=first.steps, guidance=first.guidance, quality=first.quality, cache=first.cache or "off",
             generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
             progress=_StageTimer(self.metrics, jobs), **size,
         )  # fmt: skip

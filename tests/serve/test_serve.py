@@ -57,6 +57,17 @@ def test_generation_is_the_pipelines_image_with_its_provenance(server, pipe):
     assert image.convert("RGB").tobytes() == direct.tobytes()
 
 
+def test_a_step_cached_generation_is_the_pipelines_and_records_its_policy(server, pipe):
+    r = _post(server, {"prompt": "a red circle", "seed": 3, "cache": "first-block:threshold=0.5", "size": "64x64",
+                       "steps": 6})  # fmt: skip
+    assert r.status_code == 200, r.text
+    image, info = _png(r.json()["data"][0]["b64_json"])
+    assert info["cache"]["spec"] == "first-block:warmup=1,last=1,probe=1,threshold=0.5"
+    direct = pipe("a red circle", seed=3, width=64, height=64, num_steps=6, cache="first-block:threshold=0.5")
+    assert info["cache"] == direct.info["cache"]
+    assert image.convert("RGB").tobytes() == direct.images[0].tobytes()
+
+
 def test_n_images_are_seed_plus_i_and_url_format_serves_them(server):
     r = _post(server, {"prompt": "a blue square", "n": 2, "seed": 11, "response_format": "url", **SMALL})
     assert r.status_code == 200, r.text
@@ -137,6 +148,8 @@ def test_img2img_and_inpainting_are_the_pipelines_images(server, pipe):
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "x", "steps": 0}, 400, "steps"),
         ({"prompt": "x", "quality": "hd"}, 400, "quality"),
+        ({"prompt": "x", "cache": "teacache"}, 400, "cache"),
+        ({"prompt": "x", "cache": "first-block:threshold=2"}, 400, "cache"),
         ({"prompt": "x", "colour": "red"}, 400, "colour"),
     ],
 )
