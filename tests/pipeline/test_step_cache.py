@@ -4,9 +4,7 @@ the CLI and replay carry the policy."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 import torch
@@ -17,21 +15,11 @@ from flux_runtime.pipeline import FluxError, Pipeline
 from flux_runtime.pipeline.memory import Plan, spread
 from flux_runtime.pipeline.placement import apply_plan, footprint
 from flux_runtime.pipeline.provenance import read_provenance
-from flux_runtime.sampling.step_cache import BranchCache, FirstBlockCache
+from flux_runtime.sampling.step_cache import FirstBlockCache
+from scripts.bench_cache import Skips  # a forced pattern: random weights show no real redundancy
 
 MODELS = ("tiny", "tiny-flux2", "tiny-flux3-random")
 KW = dict(num_steps=5, height=32, width=32, seed=2, output_type="latent")
-
-
-@dataclass(frozen=True)
-class Skips(FirstBlockCache):
-    """A forced pattern: reuse on exactly the steps in `skip` (random weights show no real redundancy)."""
-
-    name: ClassVar[str] = "skips"
-    skip: tuple[int, ...] = ()
-
-    def reuse(self, cache: BranchCache, probe_residual: torch.Tensor) -> bool:
-        return cache.step in self.skip
 
 
 @pytest.fixture(scope="module", params=MODELS)
