@@ -76,6 +76,10 @@ class CachePolicy:
         assert cache.remainder is not None
         return cache.remainder
 
+    def keep(self, cache: BranchCache, remainder: Tensor) -> None:
+        """What a full step leaves for the skipped ones: here its remainder residual as it is."""
+        cache.remainder = remainder
+
 
 @dataclass(frozen=True)
 class FirstBlockCache(CachePolicy):
@@ -138,6 +142,17 @@ class TaylorCache(CachePolicy):
             out.add_(d, alpha=weight)
         return out
 
+    def keep(self, cache: BranchCache, remainder: Tensor) -> None:
+        """The divided differences at this full step x_0: f[x_0] = the remainder (in float32), then
+        f[x_0..x_k+1] = (f[x_0..x_k] - f[x_1..x_k+1]) / (x_0 - x_k+1) from the previous full step's (as many
+        orders as there are earlier full steps, up to `order`)."""
+        nodes = [cache.step, *cache.nodes][: self.order + 1]
+        new = [remainder.float()]
+        for k in range(min(self.order, len(cache.derivatives))):
+            new.append((new[k] - cache.derivatives[k]) / float(nodes[0] - nodes[k + 1]))
+        cache.derivatives, cache.nodes = new, nodes
+        cache.remainder = new[0]
+
 
 POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (FirstBlockCache, TaylorCache)}
 
@@ -178,27 +193,11 @@ class BranchCache:
     def after_rest(self, out: Tensor) -> None:
         """After a full step: keep the rest's residual on the image tokens `out` (before the final layer)."""
         assert self._probe_out is not None, "after_rest without before_rest"
-        remainder = out - self._probe_out
-        if isinstance(self.policy, TaylorCache):
-            self._differentiate(remainder.float())
-        else:
-            self.remainder = remainder
+        self.policy.keep(self, out - self._probe_out)
         self.computed.append(self.step)
         self.last_full = self.step
         self._probe_out = None
         self.step += 1
-
-    def _differentiate(self, remainder: Tensor) -> None:
-        """The divided differences at this full step: f[x_0] = the remainder, then f[x_0..x_k+1] =
-        (f[x_0..x_k] - f[x_1..x_k+1]) / (x_0 - x_k+1) from the previous full step's (as many orders as there
-        are earlier full steps, up to the policy's)."""
-        assert isinstance(self.policy, TaylorCache)
-        nodes = [self.step, *self.nodes][: self.policy.order + 1]
-        new = [remainder]
-        for k in range(min(self.policy.order, len(self.derivatives))):
-            new.append((new[k] - self.derivatives[k]) / float(nodes[0] - nodes[k + 1]))
-        self.derivatives, self.nodes = new, nodes
-        self.remainder = remainder
 
     def record(self) -> dict[str, Any]:
         return {"computed_steps": list(self.computed), "calls": self.step}
