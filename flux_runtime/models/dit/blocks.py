@@ -39,6 +39,7 @@ from flux_runtime.models.dit.layers import (
     shared_ids,
     timestep_embedding,
 )
+from flux_runtime.models.dit.residuals import ControlResiduals, add_image_residual, add_residual
 from flux_runtime.models.dit.step_hook import StepHook
 
 
@@ -296,16 +297,23 @@ class JointTransformer(nn.Module):
             vec = vec + self.guidance_in(timestep_embedding(g).to(embed_dtype))
         return vec
 
-    def run_blocks(self, img: Tensor, txt: Tensor, double: tuple, single: tuple, pe: RoPE) -> Stream:
+    def run_blocks(
+        self, img: Tensor, txt: Tensor, double: tuple, single: tuple, pe: RoPE,
+        control: ControlResiduals | None = None,
+    ) -> Stream:  # fmt: skip
         """The embedded streams through the double blocks (`block(img, txt, *double, pe)`), then joined
         `[txt | img]` through the single blocks (`block(x, *single, pe)`): the image rows of the result, a
-        pending residual left pending."""
+        pending residual left pending. `control`: ControlNet residuals added to the image states after
+        each block."""
         hook = self.step_hook
         probe = -1 if hook is None else hook.probe_blocks
         img_s: Stream = img
         txt_s: Stream = txt
+        n_double, n_single = len(self.double_blocks), len(self.single_blocks)
         for k, block in enumerate(self.double_blocks):
             img_s, txt_s = block(img_s, txt_s, *double, pe)
+            if control is not None:
+                img_s = add_residual(img_s, control.after_double(k, n_double))
             if k + 1 == probe:  # step caching: the probe's image tokens decide whether the rest runs
                 assert hook is not None
                 reused = hook.before_rest(img, materialize(img_s))
@@ -314,10 +322,12 @@ class JointTransformer(nn.Module):
 
         # (B, L_txt + L_img, D)
         x: Stream = torch.cat([materialize(txt_s), materialize(img_s)], dim=1)
-        for block in self.single_blocks:
-            x = block(x, *single, pe)
-
         n_txt = txt.shape[1]
+        for k, block in enumerate(self.single_blocks):
+            x = block(x, *single, pe)
+            if control is not None:
+                x = add_image_residual(x, n_txt, control.after_single(k, n_single))
+
         out: Stream = (
             Pending(x.residual[:, n_txt:], x.gate, x.update[:, n_txt:])
             if isinstance(x, Pending)

@@ -19,6 +19,7 @@ from flux_runtime.models.dit import blocks
 from flux_runtime.models.dit.blocks import JointTransformer, Modulation
 from flux_runtime.models.dit.config import DiTConfig
 from flux_runtime.models.dit.layers import Linear, MLPEmbedder, ModulationOut, RoPE, Stream, norm_modulate
+from flux_runtime.models.dit.residuals import ControlResiduals
 
 
 class ModulationSource:
@@ -136,13 +137,15 @@ class Flux1Transformer(JointTransformer):
         guidance: Tensor | None = None,
         pe: RoPE | None = None,
         mods: Tensor | None = None,
+        control: ControlResiduals | None = None,
     ) -> Tensor:
         """Predict the flow velocity.
 
         img (B, L_img, in_channels) packed latents; txt (B, L_txt, context_in_dim) T5 states;
         timesteps (B,) in [0, 1]; y (B, vec_in_dim) pooled CLIP; guidance (B,) for dev, None for
         schnell; pe optional precomputed `rope(txt_ids, img_ids)`; mods optional (B, total) row of
-        `modulation_table` for this step (then timesteps, y and guidance are not read again).
+        `modulation_table` for this step (then timesteps, y and guidance are not read again); control
+        optional ControlNet residuals for the blocks' image states (`Flux1ControlNet`).
         """
         self.check_inputs(img, txt, timesteps, guidance, y)
         if pe is None:
@@ -154,7 +157,7 @@ class Flux1Transformer(JointTransformer):
 
         img = self.img_in(img)
         txt = self.txt_in(txt)
-        return self.final_layer(self.run_blocks(img, txt, (source,), (source,), pe), source)
+        return self.final_layer(self.run_blocks(img, txt, (source,), (source,), pe, control), source)
 
     def conditioning(self, timesteps: Tensor, y: Tensor, guidance: Tensor | None) -> Tensor:
         """`silu(vec)` (B, D), rounded as diffusers: t*1000 in the model dtype, (t + g) + y."""
