@@ -15,6 +15,7 @@ import gc
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -171,6 +172,14 @@ class Recipe:
         """`velocity` with `Start.channel_cond`: concatenated on the channels (Fill, Depth/Canny); FLUX.3 reads it
         as its own reference-token stream instead."""
         return self.velocity(torch.cat([x, cond], dim=2), t, g, txt, vec, mods, ids, pe)
+
+    def controlled_velocity(
+        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+        ids: tuple[Tensor, Tensor], pe: RoPE, control: Any, active: tuple,
+    ) -> Tensor:  # fmt: skip
+        """`velocity` with ControlNets (`Start.control`): `control` the call's ControlNet tensors, `active` which
+        of them run at this step and at what scale (only recipes that take ControlNets implement it)."""
+        raise NotImplementedError
 
     def fixed_conditioning(
         self, txt: Tensor, cond: Tensor | None, ids: tuple[Tensor, Tensor], pe: Any
@@ -342,11 +351,17 @@ class Recipe:
         ids = (img_ids, txt_ids)
         channel_cond = start.channel_cond
 
+        control = start.control  # ControlNets: their inputs, and which run at each step
+
         def velocity(
             x: Tensor, t: Tensor, gd: Tensor | None, txt: Any, vec: Tensor | None, mods: Tensor | None,
-            cc: Tensor | None,
+            cc: Tensor | None, ctl: Any = None, active: tuple = (),
         ) -> Tensor:  # fmt: skip
             with tier.mounted():
+                if (
+                    active
+                ):  # ControlNets run this step (their tensors in `ctl`, which and how strong in `active`)
+                    return self.controlled_velocity(x, t, gd, txt, vec, mods, ids, pe, ctl, active)
                 if cc is not None:  # Fill / Control latents, FLUX.3 references
                     return self.conditioned_velocity(x, cc, t, gd, txt, vec, mods, ids, pe)
                 return self.velocity(x, t, gd, txt, vec, mods, ids, pe)
@@ -358,6 +373,7 @@ class Recipe:
         if cache_run is not None:
             call.prepared["cache"] = cache_run
         use_graphs = self._graphs_enabled() and cache_run is None
+        graph_keys: dict[str, tuple] = {}  # each branch's graph of the last step (whose kernels are reported)
         # what `high` approximated in this call (see `record_approximations`)
         approximations: set[str] = set()
 
@@ -372,19 +388,31 @@ class Recipe:
             step = iter(range(steps))
             with tier.mounted():  # the branch's step-invariant streams, once per generation
                 text, cc = self.fixed_conditioning(txt, channel_cond, ids, pe)
+            ctl = None if control is None else control.tensors
 
-            def mods() -> Tensor | None:
-                return None if table is None else table[next(step)]
+            def step_inputs() -> tuple[Tensor | None, tuple]:
+                """This step's row of the modulation table and its active ControlNets."""
+                i = next(step)
+                return (None if table is None else table[i]), (() if control is None else control.active(i))
 
             if not use_graphs:
-                eager = lambda x, t, gd: velocity(x, t, gd, text, vec, mods(), cc)  # noqa: E731
+
+                def eager(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
+                    m, active = step_inputs()
+                    return velocity(x, t, gd, text, vec, m, cc, ctl, active)
+
                 return eager if cache_run is None else cache_run.wrap(name, eager)
-            # one graph per branch: a replay overwrites its static output, and CFG needs both at once
-            key = (start.rope_key, tier, name)
-            if key not in self._graphed:
-                self._graphed[key] = self._new_graph(velocity)
-            graphed = self._graphed[key]
-            return lambda x, t, gd: graphed(x, t, gd, text, vec, mods(), cc)
+
+            # one graph per branch (a replay overwrites its static output, and CFG needs both at once) and
+            # set of active ControlNets with their scales (a graph holds the Python numbers it was captured with)
+            def graphed(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
+                m, active = step_inputs()
+                key = graph_keys[name] = (start.rope_key, tier, name, active)
+                if key not in self._graphed:
+                    self._graphed[key] = self._new_graph(partial(velocity, active=active))
+                return self._graphed[key](x, t, gd, text, vec, m, cc, ctl if active else None)
+
+            return graphed
 
         call.report("denoise", 0, steps)
         reset_fused_ops_report()
@@ -417,7 +445,7 @@ class Recipe:
                 after_step=start.blend,
             )
         watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
-        kernels = kernels_used(self._graphed.get((start.rope_key, tier, "cond")) if use_graphs else None)
+        kernels = kernels_used(self._graphed.get(graph_keys.get("cond", ())) if use_graphs else None)
         if tier.kernels == "high" and getattr(self.transformer, "precision", "bf16") != "bf16":
             approximations.add(FAST_FP8_ACCUMULATION)
         call.prepared["approximations"] = approximations

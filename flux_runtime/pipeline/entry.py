@@ -62,6 +62,7 @@ class Pipeline(Flux1Pipe):
         parallel: ParallelConfig | int | None = None,
         download: bool = True,
         cache: str | CachePolicy | None = None,
+        controlnet: Any = None,
         **unknown: Any,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
@@ -98,6 +99,8 @@ class Pipeline(Flux1Pipe):
         `cache`: step caching for every call that passes none, a spec string (`"first-block:threshold=0.1"`,
         `"taylor:order=1,refresh=2"`) or a policy object (`flux_runtime.sampling.step_cache`); off by default.
         It approximates (orthogonal to `quality`); the provenance records the policy and the steps computed.
+        `controlnet` (FLUX.1): one ControlNet or a list (paths, cached ids or `load_controlnet` models), run in
+        that order by calls that give their `control_image`s (see `Flux1Pipe.__call__`).
         """
         reject_unknown_load(cls.from_pretrained, unknown)
         policy = as_policy(cache)
@@ -109,7 +112,7 @@ class Pipeline(Flux1Pipe):
             path_or_id, device=device, dtype=dtype, quality=quality, vae=vae, text_encoder=text_encoder,
             text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
             is_distilled=is_distilled, fp8=fp8, variant=variant, memory=memory, fp8_text=fp8_text,
-            parallel=parallel, download=download,
+            parallel=parallel, download=download, controlnet=controlnet,
         )  # fmt: skip
         pipe.cache = policy
         return pipe
@@ -134,6 +137,7 @@ class Pipeline(Flux1Pipe):
         fp8_text: bool,
         parallel: ParallelConfig | int | None,
         download: bool,
+        controlnet: Any = None,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """`from_pretrained` after its own checks: the family read from the checkpoint, its recipe built."""
         flux1_variants.check_variant_name(variant)
@@ -162,6 +166,8 @@ class Pipeline(Flux1Pipe):
                 "memory budgets and text-encoder offload plan one GPU; a parallel run keeps every model resident: "
                 "drop memory= / offload_text_encoders, or parallel="
             )
+        if controlnet is not None:
+            check_controlnet_sources(controlnet, parallel)
         world = None
         config = None if parallel is None else as_config(parallel)
         if config is not None and (config.world_size > 1 or launched_world_size() is not None):
@@ -174,6 +180,8 @@ class Pipeline(Flux1Pipe):
         family, ckpt = open_family(src)
         # a family's recipe is imported when a checkpoint of it opens: FLUX.2's and FLUX.3's text encoders
         # bring in `transformers`, seconds that a FLUX.1 run need not pay
+        if family != "flux1" and controlnet is not None:
+            raise FluxError(f"ControlNets are FLUX.1 models; this checkpoint is {family}: drop controlnet=")
         if family == "flux2":
             from flux_runtime.pipeline.flux2 import Flux2Pipe
 
@@ -205,5 +213,28 @@ class Pipeline(Flux1Pipe):
         return cls.from_sources(
             src, device=device, dtype=dtype, quality=quality, cuda_graphs=cuda_graphs,
             offload_text_encoders=offload_text_encoders, fp8=fp8, fp8_text=fp8_text, variant=variant,
-            checkpoint=ckpt, budget=budget, parallel=world,
+            checkpoint=ckpt, budget=budget, parallel=world, controlnet=controlnet,
         )  # fmt: skip
+
+
+def check_controlnet_sources(controlnet: Any, parallel: Any) -> None:
+    """`from_pretrained(controlnet=...)` checked before anything loads: each path or id names a ControlNet's
+    files (their headers read), and the run is on one process."""
+    from flux_runtime.models.dit.controlnet import Flux1ControlNet
+    from flux_runtime.weights.controlnet import controlnet_files
+    from flux_runtime.weights.errors import WeightsError
+
+    if parallel is not None:
+        raise FluxError("ControlNets run on one GPU for now: drop controlnet= or parallel= (--gpus)")
+    items = controlnet if isinstance(controlnet, (list, tuple)) else [controlnet]
+    for item in items:
+        if isinstance(item, (str, Path)):
+            try:
+                controlnet_files(item)
+            except WeightsError as e:
+                raise FluxError(f"controlnet: {e}") from None
+        elif not isinstance(item, Flux1ControlNet):
+            raise FluxError(
+                f"controlnet= takes ControlNets (load_controlnet), paths or ids, or a list of them; got "
+                f"{type(item).__name__}"
+            )

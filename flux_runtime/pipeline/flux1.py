@@ -21,7 +21,7 @@ from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
-from flux_runtime.pipeline import flux1_variants, placement
+from flux_runtime.pipeline import controlnets, flux1_variants, placement
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
@@ -89,10 +89,14 @@ class Flux1Pipe(Recipe):
         offload_text_encoders: bool = False,
         variant: Variant | None = None,
         cache: str | CachePolicy | None = None,
+        controlnet: Any = None,
     ) -> None:
         self.cache = as_policy(cache)
         self.variant: Variant = flux1_variants.variant_of(transformer, vae, variant, model_name)
         check_latent_widths(transformer, vae, model_name, self.variant)
+        weight = transformer.img_in.weight
+        self.controlnets = controlnets.as_controlnets(controlnet, device=weight.device, dtype=weight.dtype)
+        controlnets.check_nets(self.controlnets, transformer, vae, model_name)
         if text_encoder is not None:  # None on the ranks of a parallel run other than rank 0
             _check_text_widths(transformer, text_encoder, model_name)
         self._setup(
@@ -117,6 +121,7 @@ class Flux1Pipe(Recipe):
         checkpoint: TransformerCheckpoint | None = None,
         budget: int | None = None,
         parallel: World | None = None,
+        controlnet: Any = None,
     ) -> Flux1Pipe:
         """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`;
         `checkpoint`: the transformer already opened there, so its headers are not read again).
@@ -124,7 +129,12 @@ class Flux1Pipe(Recipe):
         The text encoders: the folder's CLIP-L and T5 (`text_encoder/`, `text_encoder_2/` and their tokenizers),
         else the ones `find_sources` was given or defaults to; a built-in model's small ones.
         `parallel`: this process's rank of a parallel run (the text encoders load on rank 0 only).
+        `controlnet`: ControlNets (paths, ids or loaded models, one or a list) loaded beside the transformer.
         """
+        # ControlNets stay on the device: the memory plan places the rest in what they leave of the budget
+        nets = controlnets.as_controlnets(controlnet, device=device, dtype=dtype)
+        if budget is not None and nets:
+            budget = max(budget - controlnets.weight_bytes(nets), 0)
         # with a budget the transformer loads to host memory unless it fits the device, the text encoders
         # to host memory always: the plan then puts on the device what it keeps there
         dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
@@ -159,6 +169,7 @@ class Flux1Pipe(Recipe):
             quality=quality,
             cuda_graphs=cuda_graphs,
             variant=named,
+            controlnet=nets,
         )
         return settle(
             pipe, src, fp8_text=fp8_text, budget=budget, offload_text_encoders=offload_text_encoders,
@@ -238,6 +249,10 @@ class Flux1Pipe(Recipe):
         control_image: Image.Image | None = None,
         auto_resize: bool = True,
         max_area: int | None = None,
+        controlnet_conditioning_scale: float | list[float] = 1.0,
+        control_mode: int | str | list[int | str | None] | None = None,
+        control_guidance_start: float | list[float] = 0.0,
+        control_guidance_end: float | list[float] = 1.0,
         **unknown: Any,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
@@ -253,7 +268,11 @@ class Flux1Pipe(Recipe):
         output keeps `width / height` at `max_area` pixels, default 1024², as FluxKontextPipeline rescales
         it); on a Fill checkpoint `image` +
         `mask_image` are its conditioning. `control_image`: the depth map or edge image of a Depth / Canny
-        checkpoint.
+        checkpoint; on a pipeline with ControlNets, their control images (one, or a list: one per ControlNet,
+        each the output's size, which it sets when height/width are not given), with per ControlNet (one
+        value for all, or a list) `controlnet_conditioning_scale`, `control_mode` (a union ControlNet's:
+        an index or a name such as "canny", "depth") and the fraction of the steps it acts in,
+        `control_guidance_start` to `control_guidance_end`, as diffusers' FluxControlNetPipeline.
         """
         reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.1")
         if max_sequence_length is None:
@@ -265,7 +284,9 @@ class Flux1Pipe(Recipe):
             inputs=dict(
                 negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale, image=image,
                 mask_image=mask_image, strength=strength, control_image=control_image, auto_resize=auto_resize,
-                max_area=max_area,
+                max_area=max_area, controlnet_conditioning_scale=controlnet_conditioning_scale,
+                control_mode=control_mode, control_guidance_start=control_guidance_start,
+                control_guidance_end=control_guidance_end,
             ),
             cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
@@ -287,10 +308,13 @@ class Flux1Pipe(Recipe):
                     f"pooled_prompt_embeds must be ({call.prompt_embeds.shape[0]}, {cfg.vec_in_dim}), "
                     f"got {tuple(call.pooled_prompt_embeds.shape)}"
                 )
-        # the variant's inputs (images, masks, strength, negative prompt) and the default size they imply
+        # the ControlNets' inputs (taking control_image), then the variant's (images, masks, strength,
+        # negative prompt) and the default size they imply
+        controlnets.check_call(self, call)
         flux1_variants.check_inputs(self, call)
-        call.height = self.default_size if call.height is None else call.height
-        call.width = self.default_size if call.width is None else call.width
+        default_h, default_w = controlnets.default_size(call) or (self.default_size, self.default_size)
+        call.height = default_h if call.height is None else call.height
+        call.width = default_w if call.width is None else call.width
         f = self.vae.config.spatial_factor
         check_size(call.height, call.width, 2 * f)
         check_vae_tile(self.vae_tile, (call.height // f, call.width // f))
@@ -308,6 +332,7 @@ class Flux1Pipe(Recipe):
             call.num_images_per_prompt, call.output_type, call.quality,
         )  # fmt: skip
         flux1_variants.check_after_size(self, call)
+        controlnets.check_sizes(call)
 
     def encode_prompt(
         self,
@@ -356,6 +381,10 @@ class Flux1Pipe(Recipe):
         return Conditioning(txt, vec, neg[0], neg[1])
 
     def prepare(self, call: Call, cond: Conditioning) -> Start:
+        if "controlnet" in call.prepared:
+            return controlnets.prepare(
+                self, call, cond, lambda g: self.text2img_start(call, cond, generator=g)
+            )
         return flux1_variants.prepare(self, call, cond)
 
     def text2img_start(
@@ -398,6 +427,14 @@ class Flux1Pipe(Recipe):
         img_ids, txt_ids = ids
         return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods)
 
+    def controlled_velocity(
+        self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
+        ids: tuple[Tensor, Tensor], pe: RoPE, control: Any, active: tuple,
+    ) -> Tensor:  # fmt: skip
+        residuals = controlnets.residuals(self.controlnets, control, active, x, t)
+        img_ids, txt_ids = ids
+        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, control=residuals)
+
     def modulation_table(
         self, call: Call, start: Start, vec: Tensor | None, g: Tensor | None
     ) -> Tensor | None:
@@ -422,7 +459,7 @@ class Flux1Pipe(Recipe):
         )
 
     def record_inputs(self, call: Call) -> dict[str, Any]:
-        return flux1_variants.record_inputs(self, call)
+        return {**flux1_variants.record_inputs(self, call), **controlnets.record(self, call)}
 
 
 def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, name: str) -> None:

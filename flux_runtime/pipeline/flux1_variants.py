@@ -241,7 +241,7 @@ def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
         return _control_start(pipe, call, cond)
     if call.inputs["image"] is None:
         return pipe.text2img_start(call, cond)
-    generator = _generator(call)
+    generator = call_generator(call)
     if pipe.variant == "fill":
         start = _img2img_start(pipe, call, cond, generator, inpaint=False)
         start.channel_cond = _fill_condition(pipe, call, cond, generator)
@@ -249,7 +249,7 @@ def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
     return _img2img_start(pipe, call, cond, generator)
 
 
-def _generator(call: Call) -> torch.Generator | list[torch.Generator] | None:
+def call_generator(call: Call) -> torch.Generator | list[torch.Generator] | None:
     """One generator for every draw of the call (VAE samples, noise), as diffusers threads it through them."""
     return torch.Generator("cpu").manual_seed(call.seed) if call.seed is not None else call.generator
 
@@ -260,8 +260,8 @@ def _control_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
     latents sit beside the noisy ones on the channels at every step. The noise is text to image's."""
     assert call.height is not None and call.width is not None  # filled by check
     device, vae, batch = pipe.device, pipe.vae, cond.batch
-    generator = _generator(call)
-    pixels = _preprocess(call.inputs["control_image"], call.height, call.width)
+    generator = call_generator(call)
+    pixels = preprocess(call.inputs["control_image"], call.height, call.width)
     pixels = pixels.repeat_interleave(batch, dim=0).to(device=device, dtype=pipe.dtype)
     if isinstance(generator, list) and len(generator) != batch:
         raise FluxError(f"got {len(generator)} generators for a batch of {batch}; pass one per image")
@@ -282,8 +282,8 @@ def _fill_condition(
     batch, f = cond.batch, vae.config.spatial_factor
     h, w = latent_size(call.height, call.width, f)
     first = generator[0] if isinstance(generator, list) else generator
-    pixels = _preprocess(call.inputs["image"], call.height, call.width)
-    mask = _preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
+    pixels = preprocess(call.inputs["image"], call.height, call.width)
+    mask = preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
     masked = (pixels * (1 - mask)).to(device=device, dtype=dtype)
     latents = vae.scale_latents(vae.encode(masked, sample=True, generator=first)).to(
         device=device, dtype=dtype
@@ -305,7 +305,7 @@ def _kontext_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
         return start
     device, dtype, vae = pipe.device, cond.txt.dtype, pipe.vae
     ref_h, ref_w = call.prepared["reference_size"]
-    pixels = _preprocess(call.inputs["image"], ref_h, ref_w).to(device=device, dtype=dtype)
+    pixels = preprocess(call.inputs["image"], ref_h, ref_w).to(device=device, dtype=dtype)
     latents = vae.scale_latents(vae.encode(pixels))
     latents = torch.cat([latents] * cond.batch, dim=0)
     gh, gw = latents.shape[2:]
@@ -318,7 +318,7 @@ def _kontext_start(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
     return start
 
 
-def _preprocess(image: Image.Image, height: int, width: int, *, mask: bool = False) -> Tensor:
+def preprocess(image: Image.Image, height: int, width: int, *, mask: bool = False) -> Tensor:
     """VaeImageProcessor.preprocess: LANCZOS resize to width x height, [0, 1] floats (B, C, H, W); an image
     to [-1, 1] RGB, a mask to one grayscale channel binarized at 0.5."""
     image = image.convert("L") if mask else image if image.mode == "RGB" else image.convert("RGB")
@@ -349,7 +349,7 @@ def _img2img_start(
     batch, f = cond.batch, vae.config.spatial_factor
     h, w = latent_size(call.height, call.width, f)
     first = generator[0] if isinstance(generator, list) else generator
-    pixels = _preprocess(call.inputs["image"], call.height, call.width).to(device=device, dtype=dtype)
+    pixels = preprocess(call.inputs["image"], call.height, call.width).to(device=device, dtype=dtype)
     image_latents = vae.scale_latents(vae.encode(pixels, sample=True, generator=first))
     image_latents = torch.cat([image_latents] * batch, dim=0)  # (B, C, h, w)
     noise = draw_noise(tuple(image_latents.shape), dtype=dtype, device=device, generator=generator)
@@ -360,7 +360,7 @@ def _img2img_start(
     latents = pack(sigma * noise + (1.0 - sigma) * image_latents)
     blend = None
     if inpaint and call.inputs["mask_image"] is not None:
-        mask = _preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
+        mask = preprocess(call.inputs["mask_image"], call.height, call.width, mask=True)
         mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
         mask = pack(mask.repeat(batch, image_latents.shape[1], 1, 1))
         packed_image, packed_noise = pack(image_latents), pack(noise)

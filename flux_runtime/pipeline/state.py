@@ -99,4 +99,5 @@ class Start:
     reference_tokens: Tensor | None = None  # appended after the latents (FLUX.2 references, Kontext)
     channel_cond: Tensor | None = None  # every step's extra input: `conditioned_velocity` says how it joins
     blend: Callable[[int, Tensor], Tensor] | None = None  # after step i (inpainting keeps the unmasked part)
+    control: Any = None  # ControlNets' inputs and per-step activity (`pipeline.controlnets.ControlRun`)
     crop: tuple[int, int, int, int] | None = None  # (left, top, right, bottom) of the decoded image to keep

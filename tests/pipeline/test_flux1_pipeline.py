@@ -14,7 +14,7 @@ from tests.weights.vae_fixtures import make_diffusers_vae
 PROMPTS = ["a red fox in the snow", "An astronaut riding a horse on the Moon"]
 
 
-def _save_pipeline(folder, guidance: bool):
+def _save_pipeline(folder, guidance: bool, **vae: object):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     text = Flux1TextEncoder.tiny(seed=3)
@@ -31,7 +31,7 @@ def _save_pipeline(folder, guidance: bool):
         scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
     pipe = FluxPipeline(
         scheduler=scheduler,
-        vae=make_diffusers_vae(),
+        vae=make_diffusers_vae(**vae),
         text_encoder=text.clip,
         tokenizer=text.clip_tokenizer,
         text_encoder_2=text.t5,

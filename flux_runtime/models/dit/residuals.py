@@ -29,12 +29,16 @@ class ControlResiduals:
         return _pick(self.single, k, blocks, False)
 
     def plus(self, other: ControlResiduals) -> ControlResiduals:
-        """The sum, residual by residual (several ControlNets: `other` added after `self`, as diffusers does)."""
-        return ControlResiduals(
-            tuple(a + b for a, b in zip(self.double, other.double, strict=True)),
-            tuple(a + b for a, b in zip(self.single, other.single, strict=True)),
-            self.repeat,
-        )
+        """The sum, residual by residual, as diffusers sums several ControlNets' (`other` added after `self`):
+        a kind of block `self` has none for stays without, one `other` has none for keeps `self`'s, and the
+        shorter list of the two decides the length."""
+        return ControlResiduals(_add(self.double, other.double), _add(self.single, other.single), self.repeat)
+
+
+def _add(a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    if not a or not b:
+        return a
+    return tuple(x + y for x, y in zip(a, b, strict=False))
 
 
 def _pick(samples: tuple[Tensor, ...], k: int, blocks: int, repeat: bool) -> Tensor | None:

@@ -1,0 +1,115 @@
+"""ControlNets on the FLUX.1 pipeline give diffusers' FluxControlNetPipeline's bits: one ControlNet of each kind
+(InstantX, union, XLabs), several at once with their own scales and step fractions, and with true CFG; loaded
+through our loader from the folders diffusers wrote, in fp32 and bf16 on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flux_runtime.pipeline import Pipeline
+from flux_runtime.weights.controlnet import load_controlnet
+from tests.controlnet_fixtures import make_diffusers_controlnet
+from tests.pipeline.test_flux1_pipeline import PROMPTS, _save_pipeline
+from tests.random_models import save_diffusers
+
+KW = dict(height=32, width=48, max_sequence_length=16)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("controlnet")
+    pipe = _save_pipeline(root / "FLUX.1-tiny", True)
+    # XLabs' hint encoder takes the pixels 8x down: the autoencoder must too
+    pipe8 = _save_pipeline(root / "FLUX.1-tiny-8x", True, block_out_channels=(32, 32, 32, 32))
+    nets = {
+        "instantx": save_diffusers(make_diffusers_controlnet("instantx", seed=5), root / "instantx"),
+        "instantx2": save_diffusers(make_diffusers_controlnet("instantx", seed=7), root / "i2"),
+        "union": save_diffusers(make_diffusers_controlnet("union", seed=9), root / "union"),
+        "xlabs": save_diffusers(make_diffusers_controlnet("xlabs", seed=11), root / "xlabs"),
+    }
+    return {"pipe": pipe, "pipe8": pipe8}, nets
+
+
+def control_image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, size=(32, 48, 3), dtype=np.uint8), "RGB")
+
+
+def reference(pipe_folder, net_folders, dtype, **kw):
+    """diffusers' latents and PIL images for `kw` (one generator seeded 5 per run)."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel
+
+    nets = [FluxControlNetModel.from_pretrained(f, torch_dtype=dtype) for f in net_folders]
+    controlnet = nets[0] if len(nets) == 1 else FluxMultiControlNetModel(nets)
+    ref = FluxControlNetPipeline.from_pretrained(pipe_folder, controlnet=controlnet, torch_dtype=dtype)
+    runs = [
+        ref(generator=torch.Generator().manual_seed(5), output_type=t, guidance_scale=3.5, **KW, **kw).images
+        for t in ("latent", "pil")
+    ]
+    return runs
+
+
+def check_same(got, latents, images) -> None:
+    assert torch.equal(got.latents, latents)
+    for g, w in zip(got.images, images, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["instantx", "union", "xlabs"])
+def test_one_controlnet_equals_diffusers(folders, kind, dtype):
+    pipes, nets = folders
+    pipe_folder = pipes["pipe8" if kind == "xlabs" else "pipe"]
+    mode = 2 if kind == "union" else None
+    image = control_image(1)
+    args = dict(control_image=image, controlnet_conditioning_scale=0.7, control_mode=mode,
+                control_guidance_start=0.25, control_guidance_end=1.0, num_inference_steps=4)  # fmt: skip
+    latents, images = reference(pipe_folder, [nets[kind]], dtype, prompt=PROMPTS, **args)
+    ours = Pipeline.from_pretrained(pipe_folder, device="cpu", dtype=dtype, controlnet=nets[kind])
+    args["num_steps"] = args.pop("num_inference_steps")
+    got = ours(PROMPTS, seed=5, **KW, **args)
+    check_same(got, latents, images)
+    (record,) = got.info["controlnets"]
+    assert record["kind"] == kind and record["scale"] == 0.7 and record["guidance_start"] == 0.25
+    assert record.get("mode") == mode and len(record["image"]["sha256"]) == 64
+
+
+def test_several_controlnets_and_true_cfg_equal_diffusers(folders):
+    """Two ControlNets with their own scales and step fractions, and true
+    CFG, whose negative branch takes the positive branch's residuals."""
+    pipes, nets = folders
+    pipe_folder, dtype = pipes["pipe"], torch.bfloat16
+    images = [control_image(2), control_image(3)]
+    args = dict(control_image=images, controlnet_conditioning_scale=[0.6, 1.3], control_guidance_start=[0.0, 0.5],
+                control_guidance_end=[0.75, 1.0], negative_prompt="blurry", true_cfg_scale=3.0)  # fmt: skip
+    latents, pil = reference(
+        pipe_folder,
+        [nets["instantx"], nets["instantx2"]],
+        dtype,
+        prompt=PROMPTS[0],
+        num_inference_steps=4,
+        **args,
+    )
+    models = [load_controlnet(nets[k], dtype=dtype) for k in ("instantx", "instantx2")]
+    ours = Pipeline.from_pretrained(pipe_folder, device="cpu", dtype=dtype, controlnet=models)
+    got = ours(PROMPTS[0], seed=5, num_steps=4, **KW, **args)
+    check_same(got, latents, pil)
+    assert [r["scale"] for r in got.info["controlnets"]] == [0.6, 1.3]
+
+
+def test_an_idle_controlnet_is_skipped_losslessly(folders):
+    """Outside its step fraction a ControlNet is not run at all; diffusers runs it at scale 0 and adds zeros:
+    the same bits."""
+    pipes, nets = folders
+    ours = Pipeline.from_pretrained(
+        pipes["pipe"], device="cpu", dtype=torch.bfloat16, controlnet=nets["instantx"]
+    )
+    image = control_image(4)
+    idle = ours(PROMPTS[0], seed=3, num_steps=4, control_image=image, control_guidance_start=0.99, **KW)
+    zero = ours(PROMPTS[0], seed=3, num_steps=4, control_image=image, controlnet_conditioning_scale=0.0, **KW)
+    acting = ours(PROMPTS[0], seed=3, num_steps=4, control_image=image, **KW)
+    assert torch.equal(idle.latents, zero.latents)
+    assert not torch.equal(idle.latents, acting.latents)
