@@ -21,11 +21,11 @@ KINDS = {
 }
 
 
-def make_diffusers_controlnet(kind: str, guidance: bool = True, seed: int = 5):
+def make_diffusers_controlnet(kind: str, guidance: bool = True, seed: int = 5, **overrides):
     """A tiny `FluxControlNetModel` of `kind` with every parameter (the zero-initialised ones too) randomised."""
     from diffusers import FluxControlNetModel
 
-    kw = {**TINY_KW, **KINDS[kind], "guidance_embeds": guidance}
+    kw = {**TINY_KW, **KINDS[kind], "guidance_embeds": guidance, **overrides}
     return randomised(FluxControlNetModel, seed, **kw)
 
 

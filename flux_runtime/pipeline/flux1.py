@@ -169,7 +169,7 @@ class Flux1Pipe(Recipe):
             quality=quality,
             cuda_graphs=cuda_graphs,
             variant=named,
-            controlnet=nets,
+            controlnet=nets or None,
         )
         return settle(
             pipe, src, fp8_text=fp8_text, budget=budget, offload_text_encoders=offload_text_encoders,
