@@ -64,9 +64,9 @@ def test_call_inputs_are_checked_before_any_model_work(nets, kinds, kwargs, mess
 
 
 def test_load_checks(nets, tmp_path):
-    with pytest.raises(FluxError, match="ControlNets are FLUX.1 models; this checkpoint is flux2"):
+    with pytest.raises(FluxError, match=r"ControlNets are FLUX\.1 models; this checkpoint is flux2"):
         Pipeline.from_pretrained("tiny-flux2", device="cpu", controlnet=nets["instantx"])
-    with pytest.raises(FluxError, match="controlnet: .*neither an existing file"):
+    with pytest.raises(FluxError, match=r"controlnet: .*neither an existing file"):
         Pipeline.from_pretrained("tiny", device="cpu", controlnet=tmp_path / "nothing.safetensors")
     with pytest.raises(FluxError, match="cannot run together"):
         Pipeline.from_pretrained("tiny", device="cpu", controlnet=[nets["instantx"], nets["xlabs"]])

@@ -52,7 +52,7 @@ def test_xlabs_layout_file_loads_the_same_model(tmp_path, kind):
             save_xlabs(ref, tmp_path / "x.safetensors", folder_model.control), dtype=torch.float32
         )
 
-    (double, _), got, ours = residuals_both(kind, torch.float32, from_file)
+    (double, _), got, _ = residuals_both(kind, torch.float32, from_file)
     assert all(map(torch.equal, got.double, double))
 
 
@@ -64,7 +64,7 @@ def test_a_transformer_is_not_a_controlnet(tmp_path):
 
 def test_other_files_are_named(tmp_path):
     path = save_tensors({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, tmp_path / "lora.safetensors")
-    with pytest.raises(WeightsError, match="not a FLUX.1 ControlNet"):
+    with pytest.raises(WeightsError, match=r"not a FLUX\.1 ControlNet"):
         load_controlnet(path)
     with pytest.raises(WeightsError, match="neither an existing file"):
         load_controlnet(tmp_path / "missing.safetensors")
