@@ -24,7 +24,10 @@ ONE_FAMILY: tuple[tuple[str, dict[str, Callable[[Any], bool]]], ...] = (
         {
             "mask": lambda v: v is not None,
             "strength": lambda v: v is not None,
-            "control_image": lambda v: v is not None,
+            "control_image": bool,
+            "controlnets": bool,
+            "control_modes": bool,
+            "control_range": lambda v: v is not None,
             "max_area": lambda v: v is not None,
             "no_auto_resize": bool,
             "negative_prompt": lambda v: v is not None,
@@ -79,7 +82,7 @@ def check_early(opts: dict[str, Any]) -> None:
 
 def check_inputs(opts: dict[str, Any], opened: set[Path]) -> None:
     """The input images (each path once in `opened`) decode and the boxes hold, before any weights are read."""
-    for path in (*opts["image"], opts["mask"], opts["control_image"]):
+    for path in (*opts["image"], opts["mask"], *opts["control_image"]):
         if path is not None and path.resolve() not in opened:
             open_image(path.resolve())
             opened.add(path.resolve())
@@ -132,7 +135,7 @@ def read_boxes(value: str | list[Any] | None) -> Any:
         raise click.ClickException(f"{where}: not valid JSON ({e})") from None
 
 
-def parse_lora(spec: str) -> tuple[str, float]:
+def parse_lora(spec: str, option: str = "--lora") -> tuple[str, float]:
     """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path."""
     import math
 
@@ -143,9 +146,35 @@ def parse_lora(spec: str) -> tuple[str, float]:
         except ValueError:
             return spec, 1.0
         if not math.isfinite(scale):
-            raise click.ClickException(f"--lora {spec}: the scale {tail} must be a finite number")
+            raise click.ClickException(f"{option} {spec}: the scale {tail} must be a finite number")
         return path, scale
     return spec, 1.0
+
+
+def controlnets_of(opts: dict[str, Any]) -> list[tuple[str, float]]:
+    """The ControlNets to run, (path, scale) each: a replayed record's, else --controlnet's."""
+    return opts.get("_controlnets") or [parse_lora(spec, "--controlnet") for spec in opts["controlnets"]]
+
+
+def check_controlnet_files(controlnets: list[tuple[str, float]]) -> None:
+    """A missing or damaged ControlNet, or a file that is none, fails before any model loads."""
+    from flux_runtime.weights.controlnet import controlnet_files, detect_layout
+    from flux_runtime.weights.errors import WeightsError
+    from flux_runtime.weights.safetensors_io import read_header
+
+    for path, _ in controlnets:
+        try:
+            files, _ = controlnet_files(path)
+            detect_layout(list(read_header(files[0])), files[0])
+        except WeightsError as e:
+            raise click.ClickException(f"--controlnet: {e}") from None
+
+
+def control_modes(opts: dict[str, Any]) -> Any:
+    """--control-mode as the pipeline takes it: None, one mode for all, or a list (`none` → None; digits →
+    an index; else a mode name the pipeline checks)."""
+    modes = [None if m.lower() == "none" else int(m) if m.isdigit() else m for m in opts["control_modes"]]
+    return None if not modes else modes[0] if len(modes) == 1 else modes
 
 
 def loras_of(opts: dict[str, Any]) -> list[tuple[str, float]]:
@@ -190,6 +219,20 @@ def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
         )
     if len(images) > 1:
         raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
+    nets, controls = len(pipe.controlnets), len(opts["control_image"])
+    if nets and controls != nets:
+        raise click.ClickException(
+            f"give one --control-image per --controlnet: {nets} ControlNet(s), {controls} control image(s)"
+        )
+    if not nets and controls > 1:
+        raise click.ClickException(
+            "a Depth / Canny model takes one --control-image; several need --controlnet"
+        )
+    if len(opts["control_modes"]) not in (0, 1, nets):
+        raise click.ClickException(
+            f"give one --control-mode for every ControlNet, or one each: {nets} ControlNet(s), "
+            f"{len(opts['control_modes'])} modes"
+        )
     if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
         raise click.ClickException(
             f"--max-area and --no-auto-resize need a FLUX.1 Kontext model; {opts['model']} is not one"

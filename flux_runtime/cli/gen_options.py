@@ -35,6 +35,24 @@ class CacheSpec(click.ParamType):
         return None if policy is None else policy.spec
 
 
+class ControlRange(click.ParamType):
+    """`START:END`, the fraction of the steps ControlNets act in, checked as the command line is read."""
+
+    name = "START:END"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple:
+        if isinstance(value, tuple):
+            return value
+        start, sep, end = str(value).partition(":")
+        try:
+            bounds = (float(start), float(end)) if sep else None
+        except ValueError:
+            bounds = None
+        if bounds is None or not 0 <= bounds[0] < bounds[1] <= 1:
+            self.fail(f"{value!r} is not START:END with 0 <= START < END <= 1 (e.g. 0:0.6)", param, ctx)
+        return bounds
+
+
 OPTIONS: dict[str, tuple[click.Option, ...]] = {
     "Prompt and output": (
         option("--prompt -p", str, "What to draw.", NO_DEFAULT),
@@ -62,6 +80,16 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             "--lora loras",
             str,
             "A LoRA fused at SCALE (repeatable). PATH is a .safetensors file, a folder or a cached id; SCALE "
+            "defaults to 1.",
+            NO_DEFAULT,
+            multiple=True,
+            metavar="PATH[:SCALE]",
+        ),
+        option(
+            "--controlnet controlnets",
+            str,
+            "A FLUX.1 ControlNet at SCALE (repeatable). Run in order, each with its --control-image; PATH is "
+            "a diffusers folder or file (InstantX, Shakker-Labs, union), an XLabs file or a cached id; SCALE "
             "defaults to 1.",
             NO_DEFAULT,
             multiple=True,
@@ -169,7 +197,27 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             float,
             "FLUX.1 img2img / inpainting: how much of --image is redrawn. In (0, 1] [default: 0.6].",
         ),
-        option("--control-image", FILE, "FLUX.1 Depth / Canny: the depth map or edge image."),
+        option(
+            "--control-image",
+            FILE,
+            "FLUX.1 Depth / Canny: the depth map or edge image. With --controlnet: one per ControlNet, in "
+            "order, each the output's size (the first sets it when --width / --height are not given).",
+            NO_DEFAULT,
+            multiple=True,
+        ),
+        option(
+            "--control-mode control_modes",
+            str,
+            "A union ControlNet's mode (canny, depth, ...). canny, tile, depth, blur, pose, gray, lq or an "
+            "index; one for every --controlnet, or one each in order (none for a ControlNet without modes).",
+            NO_DEFAULT,
+            multiple=True,
+        ),
+        option(
+            "--control-range",
+            ControlRange(),
+            "The fraction of the steps the ControlNets act in. START:END, each in [0, 1] [default: 0:1].",
+        ),
         option(
             "--max-area",
             click.IntRange(min=1),

@@ -40,6 +40,9 @@ REPLAYED = (
     "max_area",
     "no_auto_resize",
     "lora",
+    "controlnet",
+    "control_mode",
+    "control_range",
     "no_upsample",
     "prompt_upsampler",
     "upsampler_prompts",
@@ -57,6 +60,8 @@ RECORDED = {
     "height": "height",
     "max_sequence_length": "max_sequence_length",
 }
+# the click parameters of the options whose parameter is not named as the option
+PARAMETERS = {"lora": "loras", "controlnet": "controlnets", "control_mode": "control_modes"}
 # the input images the record names: its role for each -> the option
 INPUT_ROLES = (("image", "image"), ("mask_image", "mask"), ("control_image", "control_image"))
 
@@ -68,7 +73,7 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     given = [
         name
         for name in REPLAYED
-        if ctx.get_parameter_source("loras" if name == "lora" else name)
+        if ctx.get_parameter_source(PARAMETERS.get(name, name))
         in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
     ]
     if given:
@@ -105,11 +110,12 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     for role, opt in INPUT_ROLES:
         if role in inputs:
             (path,) = _replay_images(png, [inputs[role]])
-            opts[opt] = (path,) if opt == "image" else path
+            opts[opt] = (path,) if opt in ("image", "control_image") else path
     if "upsample" in rec:  # FLUX.3: the caption that was encoded, never the upsampler again
         opts["_upsampled_prompt"] = rec.get("upsampled_prompt")
         opts["no_upsample"] = rec.get("upsampled_prompt") is None
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
+    _replay_controlnets(png, rec.get("controlnets") or [], opts)
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
     # the whole recorded batch runs again: a batch's size changes its GEMMs' rounding, so image i of a
@@ -132,6 +138,43 @@ def _replay_loras(png: Path, recorded: list[dict[str, Any]]) -> list[tuple[str, 
             raise click.ClickException(f"cannot replay {png}: its LoRA {path} has changed since")
         out.append((str(path), float(lo["scale"])))
     return out
+
+
+def _replay_controlnets(png: Path, recorded: list[dict[str, Any]], opts: dict[str, Any]) -> None:
+    """The ControlNets a PNG was made with (each still at its path with the same files), their control images
+    (the same pixels), scales, modes and step fraction, into `opts`."""
+    if not recorded:
+        return
+    from flux_runtime.weights.controlnet import controlnet_files
+    from flux_runtime.weights.errors import WeightsError
+    from flux_runtime.weights.safetensors_io import files_fingerprint
+
+    nets = []
+    for net in recorded:
+        if not net.get("path"):
+            raise click.ClickException(
+                f"cannot replay {png}: a ControlNet was passed in memory, not from a path"
+            )
+        try:
+            files, _ = controlnet_files(net["path"])
+        except WeightsError:
+            raise click.ClickException(f"cannot replay {png}: its ControlNet {net['path']} is gone") from None
+        if files_fingerprint(files) != net.get("weights"):
+            raise click.ClickException(f"cannot replay {png}: its ControlNet {net['path']} has changed since")
+        nets.append((net["path"], float(net["scale"])))
+    fractions = {(net["guidance_start"], net["guidance_end"]) for net in recorded}
+    if len(fractions) > 1:
+        raise click.ClickException(
+            f"cannot replay {png}: its ControlNets acted over different fractions of the steps, which "
+            "--control-range cannot say"
+        )
+    ((start, end),) = fractions
+    opts.update(
+        _controlnets=nets,
+        control_image=_replay_images(png, [net["image"] for net in recorded]),
+        control_modes=tuple("none" if net.get("mode") is None else str(net["mode"]) for net in recorded),
+        control_range=(start, end),
+    )
 
 
 def _replay_images(png: Path, recorded: list[dict[str, Any]]) -> tuple[Path, ...]:

@@ -19,10 +19,13 @@ from typing import Any
 import click
 
 from flux_runtime.cli.gen_checks import (
+    check_controlnet_files,
     check_early,
     check_flux1_variant,
     check_inputs,
     check_lora_files,
+    control_modes,
+    controlnets_of,
     loras_of,
     open_image,
     read_boxes,
@@ -143,6 +146,8 @@ def generate(opts: dict[str, Any]) -> None:
         with watch.lap("download"):
             fetch(opts)
     check_lora_files(loras)
+    controlnets = controlnets_of(opts)
+    check_controlnet_files(controlnets)
 
     # options of another family fail now, before anything loads
     family = model_family(opts["model"], **model_parts(opts))
@@ -169,6 +174,7 @@ def generate(opts: dict[str, Any]) -> None:
             memory=opts["memory"] if rank is None else "auto",
             parallel=None if rank is None else opts["gpus"],
             download=False,  # fetched above
+            controlnet=[path for path, _ in controlnets] or None,
         )
     if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
@@ -264,11 +270,20 @@ def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
         )
     if pipe.family == "flux2":
         return pipe(opts["prompt"], image=images_in or None, **common)
-    flux1_inputs = {
-        name: open_image(opts[opt].resolve())
-        for name, opt in (("mask_image", "mask"), ("control_image", "control_image"))
-        if opts[opt] is not None
-    }
+    flux1_inputs: dict[str, Any] = {}
+    if opts["mask"] is not None:
+        flux1_inputs["mask_image"] = open_image(opts["mask"].resolve())
+    controls = [open_image(p.resolve()) for p in opts["control_image"]]
+    if pipe.controlnets:
+        flux1_inputs.update(
+            control_image=controls,
+            controlnet_conditioning_scale=[scale for _, scale in controlnets_of(opts)],
+            control_mode=control_modes(opts),
+            control_guidance_start=(opts["control_range"] or (0.0, 1.0))[0],
+            control_guidance_end=(opts["control_range"] or (0.0, 1.0))[1],
+        )
+    elif controls:  # a Depth / Canny model's
+        flux1_inputs["control_image"] = controls[0]
     if pipe.variant == "kontext":
         flux1_inputs.update(max_area=opts["max_area"], auto_resize=not opts["no_auto_resize"])
     return pipe(

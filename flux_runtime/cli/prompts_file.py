@@ -71,7 +71,10 @@ KEYS: dict[str, _Key] = {
     "true_cfg": _Key("a finite number >= 1", lambda v: _is_number(v) and v >= 1),
     "strength": _Key("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
     "mask": PATH,
-    "control_image": PATH,
+    "control_image": _Key(
+        "a file path or a list of file paths",
+        lambda v: _text(v) or (isinstance(v, list) and bool(v) and all(_text(p) for p in v)),
+    ),
     "max_area": _int_in(1),
     "no_auto_resize": _Key("true or false", lambda v: isinstance(v, bool)),
     "no_upsample": _Key("true or false", lambda v: isinstance(v, bool)),
@@ -182,7 +185,7 @@ def _json_line(text: str, where: str, folder: Path, command_options: Collection[
         if key in obj:
             given = obj[key] if isinstance(obj[key], list) else [obj[key]]
             paths = tuple(_existing(p, folder, where, key) for p in given)
-            obj[key] = paths if key == "image" else paths[0]
+            obj[key] = paths if key in ("image", "control_image") else paths[0]
     if isinstance(obj.get("boxes"), str) and not obj["boxes"].lstrip().startswith("["):
         obj["boxes"] = str(_existing(obj["boxes"], folder, where, "boxes"))
     return obj

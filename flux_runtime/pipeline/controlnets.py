@@ -334,7 +334,8 @@ def _summed_length(counts: list[int]) -> int:
 
 
 def record(pipe: Flux1Pipe, call: Call) -> dict[str, Any]:
-    """Provenance: each ControlNet's kind, files and fingerprint, its image's, scale, mode and step fraction."""
+    """Provenance: each ControlNet's kind, path and fingerprint (None for one built in memory), its image's
+    path and fingerprint, scale, mode and step fraction."""
     args: ControlArgs | None = call.prepared.get("controlnet")
     if args is None:
         return {}
@@ -343,7 +344,7 @@ def record(pipe: Flux1Pipe, call: Call) -> dict[str, Any]:
         pipe.controlnets, args.images, args.scales, args.modes, args.starts, args.ends, strict=True
     ):
         entry: dict[str, Any] = {
-            "kind": net.control.kind, "files": list(getattr(net, "source", [])),
+            "kind": net.control.kind, "path": getattr(net, "path", None),
             "weights": getattr(net, "fingerprint", None), "image": image_record(image), "scale": scale,
             "guidance_start": s, "guidance_end": e,
         }  # fmt: skip

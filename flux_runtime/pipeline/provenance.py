@@ -33,6 +33,7 @@ from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.checkpoint import find_transformer_files
 from flux_runtime.weights.config_files import BOOL, INT, NUMBER, STR, Kind
 from flux_runtime.weights.hub import resolve
+from flux_runtime.weights.safetensors_io import files_fingerprint
 
 # The PNG text chunk holding the record.
 CHUNK = "flux_runtime"
@@ -186,13 +187,7 @@ def weights_id(src: Sources) -> str:
     spec = builtin(src.name)
     if spec is not None:  # built-in models name themselves: `tiny-seed0`, `tiny-trained-<sha256 of its file>`
         return spec.weights_id()
-    digest = hashlib.sha256()
-    for f in find_transformer_files(resolve(src.transformer)):
-        digest.update(f.name.encode())
-        digest.update(str(f.stat().st_size).encode())
-        with open(f, "rb") as fh:
-            digest.update(fh.read(1 << 16))
-    return digest.hexdigest()[:16]
+    return files_fingerprint(find_transformer_files(resolve(src.transformer)))
 
 
 def provenance(

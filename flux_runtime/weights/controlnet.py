@@ -22,7 +22,7 @@ from flux_runtime.weights.dit_loading import check_table_keys, checked_load_args
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.hub import resolve, safetensors_files
 from flux_runtime.weights.keys import need_shape
-from flux_runtime.weights.safetensors_io import TensorSource
+from flux_runtime.weights.safetensors_io import TensorSource, files_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ def load_controlnet(
 
     `path_or_id`: a diffusers ControlNet folder (`config.json` + `diffusion_pytorch_model*.safetensors`), one
     .safetensors file in diffusers' or XLabs' layout, a folder holding one, or a Hugging Face id in the local
-    cache. `.control.kind` says what loaded (`instantx`, `union`, `xlabs`); `.source` the files.
+    cache. `.control.kind` says what loaded (`instantx`, `union`, `xlabs`); `.path` where it was read, `.source`
+    its files and `.fingerprint` a short hash of them (names, sizes, headers), both recorded in the provenance.
     """
     device, dtype = checked_load_args(device, dtype, False)
     files, folder_config = controlnet_files(path_or_id)
@@ -62,7 +63,9 @@ def load_controlnet(
         shape_of=reader.shape, table=table, split=lambda r, t: flux1_layout.bfl_to_diffusers(r, t, hidden),
         assemble=flux1_layout.diffusers_to_bfl, device=device, dtype=dtype, fp8_src=None, fp8=False,
     )  # fmt: skip
+    model.path = str(resolve(path_or_id).resolve())
     model.source = [str(f) for f in files]
+    model.fingerprint = files_fingerprint(files)
     return model  # type: ignore[return-value]
 
 

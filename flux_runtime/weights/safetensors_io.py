@@ -8,6 +8,7 @@ never later inside `safe_open` or a loader.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -284,3 +285,15 @@ def check_safetensors_folder(folder: Path, stem: str = "model") -> None:
     """
     for path in safetensors_files(folder, stem):
         read_header(path)
+
+
+def files_fingerprint(files: list[Path]) -> str:
+    """A short fingerprint of a model's weight files: sha256 over their names, sizes and first 64 KiB (the
+    header, whose offsets pin every tensor's size), cheap for files of many GB."""
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode())
+        digest.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(1 << 16))
+    return digest.hexdigest()[:16]
