@@ -33,7 +33,7 @@ from flux_runtime.sampling import pack
 from flux_runtime.sampling.reference_images import require_image
 
 if TYPE_CHECKING:
-    from flux_runtime.pipeline.flux1 import Flux1Pipe
+    from flux_runtime.pipeline.core import Recipe as Flux1Pipe  # the FLUX.1 recipe
 
 # The union ControlNets' modes (InstantX FLUX.1-dev-Controlnet-Union, Shakker-Labs Union Pro): name → index.
 UNION_MODES = {"canny": 0, "tile": 1, "depth": 2, "blur": 3, "pose": 4, "gray": 5, "lq": 6}
