@@ -4,8 +4,10 @@ A pipeline holds its ControlNets in order (`Pipeline(..., controlnet=...)`, `fro
 a call gives one control image per ControlNet, and per ControlNet a scale, a union mode and the fraction of
 the steps it acts in (`control_guidance_start` / `_end`). Every input is checked before any model runs.
 
-Per call (`prepare`): each control image, resized to the output, goes through the VAE as a posterior sample drawn
-from the call's generator before the noise (InstantX, union), or stays pixels (XLabs' hint encoder). Per step
+Text to image, img2img and inpainting take them alike (FluxControlNetPipeline, FluxControlNetImg2ImgPipeline,
+FluxControlNetInpaintPipeline). Per call (`prepare`): each control image, at the output's size, goes through the
+VAE as a posterior sample drawn from the call's generator before the variant draws its own (the input image's
+sample, the noise) (InstantX, union), or stays pixels (XLabs' hint encoder). Per step
 (`residuals`): each ControlNet acting at this step runs on the latents with the positive prompt, its residuals
 times its scale are summed in order, and the transformer adds them after its blocks; the negative branch of
 true CFG gets the same residuals (computed again from the same inputs: the same bits). A ControlNet outside its
@@ -127,13 +129,9 @@ def check_call(pipe: Flux1Pipe, call: Call) -> None:
         return
     if pipe.variant != "text2img":
         raise FluxError(
-            f"{pipe.model_name} is a {pipe.variant} checkpoint: ControlNets run on FLUX.1 text to image only"
+            f"{pipe.model_name} is a {pipe.variant} checkpoint: ControlNets run on FLUX.1 text to image, img2img "
+            "and inpainting only"
         )
-    for arg in ("image", "mask_image", "strength"):
-        if inputs.get(arg) is not None:
-            raise FluxError(
-                f"{arg} with a ControlNet (img2img / inpainting) is not supported yet: drop {arg} or the ControlNet"
-            )
     n = len(nets)
     images = _per_net(inputs.pop("control_image"), n, "control_image", None)
     if any(i is None for i in images):

@@ -381,11 +381,15 @@ class Flux1Pipe(Recipe):
         return Conditioning(txt, vec, neg[0], neg[1])
 
     def prepare(self, call: Call, cond: Conditioning) -> Start:
-        if "controlnet" in call.prepared:
+        if "controlnet" not in call.prepared:
+            return flux1_variants.prepare(self, call, cond)
+        if call.inputs["image"] is None:
             return controlnets.prepare(
                 self, call, cond, lambda g: self.text2img_start(call, cond, generator=g)
             )
-        return flux1_variants.prepare(self, call, cond)
+        return controlnets.prepare(
+            self, call, cond, lambda g: flux1_variants.img2img_start(self, call, cond, g)
+        )
 
     def text2img_start(
         self, call: Call, cond: Conditioning, generator: torch.Generator | list[torch.Generator] | None = None

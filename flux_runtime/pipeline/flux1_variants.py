@@ -243,10 +243,10 @@ def prepare(pipe: Pipeline, call: Call, cond: Conditioning) -> Start:
         return pipe.text2img_start(call, cond)
     generator = call_generator(call)
     if pipe.variant == "fill":
-        start = _img2img_start(pipe, call, cond, generator, inpaint=False)
+        start = img2img_start(pipe, call, cond, generator, inpaint=False)
         start.channel_cond = _fill_condition(pipe, call, cond, generator)
         return start
-    return _img2img_start(pipe, call, cond, generator)
+    return img2img_start(pipe, call, cond, generator)
 
 
 def call_generator(call: Call) -> torch.Generator | list[torch.Generator] | None:
@@ -333,7 +333,7 @@ def preprocess(image: Image.Image, height: int, width: int, *, mask: bool = Fals
     return 2.0 * pixels - 1.0
 
 
-def _img2img_start(
+def img2img_start(
     pipe: Pipeline,
     call: Call,
     cond: Conditioning,

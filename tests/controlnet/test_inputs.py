@@ -51,7 +51,7 @@ IMAGE = Image.new("RGB", (32, 32), (120, 30, 200))
          "control_guidance_start 0.5 must be below control_guidance_end 0.5"),
         (["instantx", "instantx"], dict(control_image=[IMAGE]), "control_image has 1 entries for 2 ControlNet"),
         (["instantx"], dict(control_image="edges.png"), "control_image"),
-        (["instantx"], dict(control_image=IMAGE, image=IMAGE), "image with a ControlNet"),
+        (["instantx"], dict(control_image=IMAGE, image=IMAGE, strength=1.5), r"strength 1.5 must be in \(0, 1\]"),
         ([], dict(controlnet_conditioning_scale=0.5), "controlnet_conditioning_scale needs a ControlNet"),
     ],
 )  # fmt: skip

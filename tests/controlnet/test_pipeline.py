@@ -113,3 +113,38 @@ def test_an_idle_controlnet_is_skipped_losslessly(folders):
     acting = ours(PROMPTS[0], seed=3, num_steps=4, control_image=image, **KW)
     assert torch.equal(idle.latents, zero.latents)
     assert not torch.equal(idle.latents, acting.latents)
+
+
+@pytest.mark.parametrize("mode", ["img2img", "inpaint"])
+def test_img2img_and_inpainting_with_a_controlnet_equal_diffusers(folders, mode):
+    from diffusers import (
+        FluxControlNetImg2ImgPipeline,
+        FluxControlNetInpaintPipeline,
+        FluxControlNetModel,
+        FluxMultiControlNetModel,
+    )
+
+    pipes, nets = folders
+    dtype = torch.bfloat16
+    controls = [control_image(5), control_image(6)]
+    image, mask = (
+        control_image(7),
+        Image.fromarray((np.arange(48)[None, :].repeat(32, 0) * 5).astype(np.uint8)),
+    )
+    extra = dict(image=image, strength=0.8) | (dict(mask_image=mask) if mode == "inpaint" else {})
+    args = dict(control_image=controls, controlnet_conditioning_scale=[0.9, 0.5], control_mode=[None, 2])
+    cls = FluxControlNetInpaintPipeline if mode == "inpaint" else FluxControlNetImg2ImgPipeline
+    multi = FluxMultiControlNetModel(
+        [FluxControlNetModel.from_pretrained(nets[k], torch_dtype=dtype) for k in ("instantx", "union")]
+    )
+    ref = cls.from_pretrained(pipes["pipe"], controlnet=multi, torch_dtype=dtype)
+    want = [
+        ref(prompt=PROMPTS[1], generator=torch.Generator().manual_seed(5), output_type=t, guidance_scale=3.5,
+            num_inference_steps=5, **KW, **args, **extra).images
+        for t in ("latent", "pil")
+    ]  # fmt: skip
+    ours = Pipeline.from_pretrained(
+        pipes["pipe"], device="cpu", dtype=dtype, controlnet=[nets["instantx"], nets["union"]]
+    )
+    got = ours(PROMPTS[1], seed=5, num_steps=5, **KW, **args, **extra)
+    check_same(got, *want)
