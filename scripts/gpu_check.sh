@@ -3,6 +3,7 @@
 # three calls: `fp8-floor` (the FP8 and bf16 step of FLUX.1-dev, klein-4B and FLUX.2-dev, 184 s), then `fp8-tests`
 # and `gpu-rest` (the whole GPU suite between them, each with room for RUNS's tiny trainings beside it).
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
+#   bash scripts/gpu_check.sh controlnet  the ControlNets' GPU tests, one FLUX.1-dev + ControlNet step vs diffusers
 #   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
 #   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
 #   bash scripts/gpu_check.sh fp8-flux3 FLUX.3 FP8 GPU tests, FLUX.3 Klein FP8 per-step bench (t2i, one reference)
@@ -531,6 +532,13 @@ case "$phase" in
     if [ -n "${BEFORE:-}" ]; then
       (cd "$BEFORE" && PYTHONPATH=/tmp/site:$PWD timeout 75 python3 scripts/bench.py --dit --iters 5 --json "$OUT/bench_dit_before.json" 2>&1 | tail -12) || status=1
     fi
+    ;;
+  controlnet)
+    # issue 38's ControlNets: their GPU tests (diffusers' bits with the fused kernels and CUDA graphs; high, FP8
+    # and a step cache running), then one FLUX.1-dev step with an InstantX-shaped ControlNet against diffusers'
+    # (scripts/bench_controlnet.py; carry .whl)
+    timeout 200 python3 -m pytest -q -m gpu tests/controlnet -p no:cacheprovider 2>&1 | tail -4 || status=1
+    timeout 300 python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -12 || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -148,3 +148,31 @@ def test_img2img_and_inpainting_with_a_controlnet_equal_diffusers(folders, mode)
     )
     got = ours(PROMPTS[1], seed=5, num_steps=5, **KW, **args, **extra)
     check_same(got, *want)
+
+
+def test_cuda_graph_path_keys_graphs_by_the_acting_controlnets(folders, monkeypatch):
+    """The graph path (a CPU stand-in whose replays share one output buffer, as CUDA graphs do): one graph per
+    branch and set of acting ControlNets with their scales, the control tensors passed as inputs; the same bits
+    as the eager path, and a new scale makes new graphs rather than replaying the old ones."""
+    from tests.pipeline.test_flux2_pipeline import _AliasingGraphs
+
+    pipes, nets = folders
+    ours = Pipeline.from_pretrained(
+        pipes["pipe"], device="cpu", dtype=torch.float32, controlnet=nets["instantx"]
+    )
+    args = dict(
+        control_image=control_image(8), control_guidance_start=0.5, negative_prompt="dull", true_cfg_scale=2.0
+    )
+    eager = [
+        ours(PROMPTS[0], seed=2, num_steps=4, controlnet_conditioning_scale=s, **KW, **args)
+        for s in (0.5, 0.9)
+    ]
+    monkeypatch.setattr(ours, "_new_graph", _AliasingGraphs)
+    monkeypatch.setattr(ours, "_graphs_enabled", lambda: True)
+    _AliasingGraphs.made = 0
+    first = ours(PROMPTS[0], seed=2, num_steps=4, controlnet_conditioning_scale=0.5, **KW, **args)
+    assert first.info["cuda_graphs"] is True and torch.equal(first.latents, eager[0].latents)
+    assert _AliasingGraphs.made == 4  # (cond, uncond) x (idle, acting at 0.5)
+    second = ours(PROMPTS[0], seed=2, num_steps=4, controlnet_conditioning_scale=0.9, **KW, **args)
+    assert torch.equal(second.latents, eager[1].latents)
+    assert _AliasingGraphs.made == 6  # the idle graphs are kept, the acting ones are new
