@@ -1,7 +1,7 @@
 """What `flux-gen` fetches from the Hugging Face Hub: before a run (`fetch`), or alone (`--download-only`).
 
 Only the files the load will read, and only what the local cache lacks: the model, its separate parts
-(--vae, --text-encoder, --text-encoder-2), the FLUX.3 prompt upsampler and the LoRAs. Nothing with --offline
+(--vae, --text-encoder, --text-encoder-2), the FLUX.3 prompt upsampler, the LoRAs and the ControlNets. Nothing with --offline
 or HF_HUB_OFFLINE=1.
 """
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import click
 
-from flux_runtime.cli.gen_checks import loras_of
+from flux_runtime.cli.gen_checks import controlnets_of, loras_of
 from flux_runtime.cli.gen_options import model_parts
 
 
 def fetch(opts: dict[str, Any]) -> list[Any]:
-    """Fetch what the model, its parts, the prompt upsampler and the LoRAs read and the local cache lacks
+    """Fetch what the model, its parts, the prompt upsampler, the LoRAs and the ControlNets read and the local cache lacks
     (nothing with --offline or HF_HUB_OFFLINE=1); the repos' plans (`weights.download.RepoPlan`)."""
     from flux_runtime.weights.download import downloads_allowed
 
@@ -37,6 +37,7 @@ def fetch(opts: dict[str, Any]) -> list[Any]:
         **model_parts(opts),
         upsampler=False if opts["no_upsample"] else opts["prompt_upsampler"] or True,
         loras=[path for path, _ in loras],
+        controlnets=[path for path, _ in controlnets_of(opts)],
     )
 
 

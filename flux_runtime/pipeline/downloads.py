@@ -3,7 +3,7 @@
 The repos a load reads, each planned by the part it plays (`weights.download`): the model's own repo (one
 transformer layout, one autoencoder, its text encoders and tokenizers, configs); the text encoders it pairs
 with where that repo holds none (the ids given, else BFL's pairing: the registry's for a registry model, the one
-its transformer's keys call for otherwise); FLUX.3's prompt upsampler; LoRAs. Local paths and built-in models
+its transformer's keys call for otherwise); FLUX.3's prompt upsampler; LoRAs; ControlNets. Local paths and built-in models
 need nothing. All repos are planned (a metadata request each) before any file moves, so a gated repo, a missing
 network or a full disk is one line before the large transfers; the one exception is a repo the registry does
 not know whose text encoders live elsewhere: those are known only from its transformer's keys, once it is here.
@@ -39,16 +39,21 @@ def fetch_model(
     text_encoder_2: str | Path | None = None,
     upsampler: str | Path | bool = True,
     loras: Sequence[str | Path] = (),
+    controlnets: Sequence[str | Path] = (),
 ) -> list[RepoPlan]:
     """Fetch what loading `path_or_id` with these parts reads and the local cache lacks; return the plans.
 
     Arguments as `Pipeline.from_pretrained`'s; `upsampler`: FLUX.3's prompt upsampler, True the model's own
     (its repo's `prompt_upsampler/`, else the registry's), False none, or a folder or id; `loras`: LoRA files
-    or ids. A repo the Hub cannot be reached for is read from the cache when it is there (a warning says so).
+    or ids; `controlnets`: ControlNet folders, files or ids. A repo the Hub cannot be reached for is read from the cache when it is there (a warning says so).
     """
     spec = spec_for(path_or_id)
-    if spec is not None and spec.builtin:
-        return []
+    adapters: Wanted = [(str(lora), "lora") for lora in loras]
+    adapters += [(str(net), "controlnet") for net in controlnets]
+    if spec is not None and spec.builtin:  # in the package: only the adapters may need fetching
+        plans = _plan(adapters)
+        fetch(plans)
+        return plans
     name = MODEL_IDS.get(str(path_or_id), str(path_or_id))
     main = hub_id(name)
     own_text = text_encoder is None and text_encoder_2 is None
@@ -69,7 +74,7 @@ def fetch_model(
         wanted.append((spec.upsampler, "model"))
     elif not isinstance(upsampler, bool):
         wanted.append((str(upsampler), "model"))
-    wanted += [(str(lora), "lora") for lora in loras]
+    wanted += adapters
     plans += _plan(wanted)
     fetch(plans)
 

@@ -167,14 +167,25 @@ class Pipeline(Flux1Pipe):
                 "drop memory= / offload_text_encoders, or parallel="
             )
         if controlnet is not None:
-            check_controlnet_sources(controlnet, parallel)
+            check_controlnet_arguments(controlnet, parallel)
         world = None
         config = None if parallel is None else as_config(parallel)
         if config is not None and (config.world_size > 1 or launched_world_size() is not None):
             world, device = join(config, device)
         budget = placement.budget_for(memory, device, offload_text_encoders) if world is None else None
+        nets = (
+            []
+            if controlnet is None
+            else controlnet
+            if isinstance(controlnet, (list, tuple))
+            else [controlnet]
+        )
         if parallel is None and downloads_allowed(download):
-            fetch_model(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
+            fetch_model(
+                path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+                controlnets=[n for n in nets if isinstance(n, (str, Path))],
+            )  # fmt: skip
+        check_controlnet_files(nets)
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         # the checkpoint is opened once: its headers tell the family and feed the loader
         family, ckpt = open_family(src)
@@ -217,24 +228,31 @@ class Pipeline(Flux1Pipe):
         )  # fmt: skip
 
 
-def check_controlnet_sources(controlnet: Any, parallel: Any) -> None:
-    """`from_pretrained(controlnet=...)` checked before anything loads: each path or id names a ControlNet's
-    files (their headers read), and the run is on one process."""
+def check_controlnet_arguments(controlnet: Any, parallel: Any) -> None:
+    """`from_pretrained(controlnet=...)` checked before anything is fetched or loaded: paths, ids or ControlNets,
+    on one process."""
     from flux_runtime.models.dit.controlnet import Flux1ControlNet
-    from flux_runtime.weights.controlnet import controlnet_files
-    from flux_runtime.weights.errors import WeightsError
 
     if parallel is not None:
         raise FluxError("ControlNets run on one GPU for now: drop controlnet= or parallel= (--gpus)")
     items = controlnet if isinstance(controlnet, (list, tuple)) else [controlnet]
     for item in items:
+        if not isinstance(item, (str, Path, Flux1ControlNet)):
+            raise FluxError(
+                f"controlnet= takes ControlNets (load_controlnet), paths or ids, or a list of them; got "
+                f"{type(item).__name__}"
+            )
+
+
+def check_controlnet_files(nets: list[Any]) -> None:
+    """Each ControlNet given by path or id names a ControlNet's files (located, no tensor read), before the
+    transformer loads."""
+    from flux_runtime.weights.controlnet import controlnet_files
+    from flux_runtime.weights.errors import WeightsError
+
+    for item in nets:
         if isinstance(item, (str, Path)):
             try:
                 controlnet_files(item)
             except WeightsError as e:
                 raise FluxError(f"controlnet: {e}") from None
-        elif not isinstance(item, Flux1ControlNet):
-            raise FluxError(
-                f"controlnet= takes ControlNets (load_controlnet), paths or ids, or a list of them; got "
-                f"{type(item).__name__}"
-            )

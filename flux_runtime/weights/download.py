@@ -28,7 +28,7 @@ from flux_runtime.weights.hub import cached_snapshot
 
 log = logging.getLogger(__name__)
 
-Role = Literal["pipeline", "model", "tokenizer", "vae", "lora"]
+Role = Literal["pipeline", "model", "tokenizer", "vae", "lora", "controlnet"]
 """What a repo is read for: `pipeline` a model's own repo (a diffusers pipeline folder or a BFL file set);
 `model` a transformers model with its tokenizer (a text encoder, the prompt upsampler), or the text encoder
 folders of a diffusers pipeline; `tokenizer` its tokenizer and processor files only (FLUX.2 [dev] reads Mistral
@@ -123,14 +123,24 @@ def plan_files(listing: Mapping[str, int] | Iterable[str], role: Role, *, text: 
         if BFL_VAE in paths:
             return [BFL_VAE]
         raise WeightsError("no autoencoder (vae/, diffusion_pytorch_model.safetensors or ae.safetensors)")
+    if role == "controlnet":  # a diffusers ControlNet folder, else its one weight file (XLabs)
+        weights = _weights(paths, "", DIFFUSERS_WEIGHTS)
+        if weights:
+            return _configs(paths, "") + weights
+        return _one_root_file(paths, "a ControlNet")
     # lora: the file the LoRA loader picks in a folder
     if LORA_FILE in paths:
         return [LORA_FILE]
+    return _one_root_file(paths, "a LoRA")
+
+
+def _one_root_file(paths: list[str], what: str) -> list[str]:
+    """The one .safetensors file at a repo's root; several or none is a WeightsError naming them."""
     root = [p for p in paths if "/" not in p and p.endswith(".safetensors")]
     if len(root) != 1:
         found = ", ".join(root) if root else "none"
         raise WeightsError(
-            f"holds {found} at its root; a LoRA is one .safetensors file: download it yourself"
+            f"holds {found} at its root; {what} is one .safetensors file: download the one you want yourself"
         )
     return root
 

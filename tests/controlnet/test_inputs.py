@@ -87,3 +87,29 @@ def test_xlabs_needs_an_8x_autoencoder(nets):
         FluxError, match="XLabs ControlNets read the control image 8x down, but tiny's autoencoder"
     ):
         controlnets.check_nets(pipe.controlnets, pipe.transformer, vae_2x, "tiny")
+
+
+def test_a_controlnet_id_is_fetched_on_first_use(nets, online, tmp_path):
+    """`controlnet="org/name"` on a first run fetches the ControlNet's config and weights (not its README or
+    sample images) from the Hub, then loads it; a second run fetches nothing."""
+    from tests.hub_server import Repo
+
+    folder = nets["instantx"]
+    (tmp_path / "README.md").write_text("a ControlNet")
+    files = {p.name: p for p in folder.iterdir()} | {
+        "README.md": tmp_path / "README.md",
+        "images/a.png": tmp_path / "README.md",
+    }
+    online.repos["someone/flux-canny"] = Repo(files)
+    pipe = Pipeline.from_pretrained(
+        "tiny", device="cpu", dtype=torch.float32, controlnet="someone/flux-canny"
+    )
+    assert sorted(online.fetched("someone/flux-canny")) == [
+        "config.json",
+        "diffusion_pytorch_model.safetensors",
+    ]
+    out = pipe("a cat", height=32, width=32, num_steps=1, control_image=IMAGE)
+    assert out.info["controlnets"][0]["kind"] == "instantx"
+    online.log.clear()
+    Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32, controlnet="someone/flux-canny")
+    assert [(r.method, r.kind) for r in online.log] == [("GET", "info")]

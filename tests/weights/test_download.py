@@ -149,6 +149,19 @@ def test_lora_and_vae_plans() -> None:
     assert plan_files(["ae.safetensors", "flux1-dev.safetensors"], "vae") == ["ae.safetensors"]
 
 
+def test_controlnet_plans() -> None:
+    """A diffusers ControlNet repo: its config and weights, not its sample images; an XLabs repo: its one file."""
+    instantx = ["README.md", "config.json", "diffusion_pytorch_model.safetensors", "images/canny.jpg"]
+    assert plan_files(instantx, "controlnet") == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert plan_files(["README.md", "flux-canny-controlnet-v3.safetensors"], "controlnet") == [
+        "flux-canny-controlnet-v3.safetensors"
+    ]
+    with pytest.raises(
+        WeightsError, match=r"a ControlNet is one \.safetensors file: download the one you want"
+    ):
+        plan_files(["canny-v2.safetensors", "canny-v3.safetensors"], "controlnet")
+
+
 # --------------------------------------------------------------------------------------------------
 # against the stand-in Hub
 
