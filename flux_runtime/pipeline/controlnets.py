@@ -350,8 +350,3 @@ def record(pipe: Flux1Pipe, call: Call) -> dict[str, Any]:
             entry["mode"] = mode
         out.append(entry)
     return {"controlnets": out}
-
-
-def weight_bytes(nets: Sequence[Flux1ControlNet]) -> int:
-    """The ControlNets' weights, in bytes (what the memory plan counts beside the transformer's)."""
-    return sum(p.numel() * p.element_size() for net in nets for p in net.parameters())

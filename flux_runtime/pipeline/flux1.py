@@ -131,13 +131,12 @@ class Flux1Pipe(Recipe):
         `parallel`: this process's rank of a parallel run (the text encoders load on rank 0 only).
         `controlnet`: ControlNets (paths, ids or loaded models, one or a list) loaded beside the transformer.
         """
-        # ControlNets stay on the device: the memory plan places the rest in what they leave of the budget
+        # ControlNets stay on the device in every plan (counted beside the autoencoder)
         nets = controlnets.as_controlnets(controlnet, device=device, dtype=dtype)
-        if budget is not None and nets:
-            budget = max(budget - controlnets.weight_bytes(nets), 0)
+        left = None if budget is None else max(budget - placement.resident_adapter_bytes(nets), 0)
         # with a budget the transformer loads to host memory unless it fits the device, the text encoders
         # to host memory always: the plan then puts on the device what it keeps there
-        dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
+        dit_device = placement.transformer_device(left, checkpoint, dtype, fp8, device)
         transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
         assert isinstance(transformer, Flux1Transformer)  # told by the keys
         sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
@@ -155,7 +154,7 @@ class Flux1Pipe(Recipe):
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
         main = parallel is None or parallel.is_main  # only rank 0 encodes
-        text_device = placement.text_device(budget, device, offload_text_encoders, _text_sources(src))
+        text_device = placement.text_device(left, device, offload_text_encoders, _text_sources(src))
         text = _open_text(src, text_device, dtype) if main else None
         if fp8_text and text is not None:
             text.quantize_fp8()

@@ -239,14 +239,34 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
     return Footprint(
         text=part_of(text_roots, text_layers),
         dit=part_of([t], dit_layers(t)),
-        vae=part_of([pipe.vae], []).rest,
+        vae=part_of([pipe.vae], []).rest + resident_adapter_bytes(getattr(pipe, "controlnets", ())),
         act_encode=encode_bytes(text_roots, max_len, 2 if cfg else 1),
-        act_denoise=_denoise(pipe, size, size, max_len, 1, cfg),
+        act_denoise=_denoise(pipe, size, size, max_len, 1, cfg) + control_residual_bytes(pipe, size, size, 1),
         act_decode=_decode(pipe, size, size, 1, tiled=False),
         act_decode_tiled=_decode(pipe, size, size, 1, tiled=True),
         workspace=_workspace(device or pipe.device),
         graphs=bool(pipe.cuda_graphs) and (device or pipe.device).type == "cuda" and pipe.parallel is None,
     )
+
+
+def resident_adapter_bytes(nets: Sequence[nn.Module]) -> int:
+    """The weights of ControlNets, which stay on the device in every plan (the footprint counts them with the
+    autoencoder's)."""
+    return sum(part_of([net], []).rest for net in nets)
+
+
+def control_residual_bytes(pipe: Any, height: int, width: int, batch: int) -> int:
+    """What a step with ControlNets holds beside the transformer's activations: their residuals, one image state
+    (B, L_img, D) per ControlNet block in the model dtype, twice (a ControlNet's own and the running sum); 0
+    without ControlNets."""
+    nets = getattr(pipe, "controlnets", ())
+    if not nets:
+        return 0
+    f = pipe.vae.config.spatial_factor
+    tokens = (height // (2 * f)) * (width // (2 * f))
+    cfg = nets[0].config
+    blocks = cfg.depth + cfg.depth_single_blocks
+    return 2 * blocks * batch * tokens * cfg.hidden_size * pipe.dtype.itemsize
 
 
 def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, device: torch.device) -> Plan:

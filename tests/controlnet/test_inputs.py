@@ -113,3 +113,19 @@ def test_a_controlnet_id_is_fetched_on_first_use(nets, online, tmp_path):
     online.log.clear()
     Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32, controlnet="someone/flux-canny")
     assert [(r.method, r.kind) for r in online.log] == [("GET", "info")]
+
+
+def test_the_memory_plan_counts_the_controlnets(nets):
+    """A ControlNet's weights stay on the device in every plan, counted with the autoencoder's; its residuals
+    are counted in the denoising step's activations."""
+    from flux_runtime.pipeline.placement import footprint
+
+    plain = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+    with_net = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32, controlnet=nets["union"])
+    net_bytes = sum(p.numel() * 4 for p in with_net.controlnets[0].parameters())
+    a, b = footprint(plain), footprint(with_net)
+    assert (
+        net_bytes <= b.vae - a.vae < net_bytes + 512 * 64
+    )  # each tensor rounded up to the allocator's 512 B
+    tokens = (plain.default_size // 16) ** 2
+    assert b.act_denoise - a.act_denoise == 2 * 2 * tokens * 192 * 4  # two double blocks' residuals, twice
