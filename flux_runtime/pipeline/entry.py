@@ -28,6 +28,7 @@ from flux_runtime.registry import Variant
 from flux_runtime.sampling.step_cache import CachePolicy
 from flux_runtime.weights.download import downloads_allowed
 from flux_runtime.weights.pinned_stream import keep_ring
+from flux_runtime.weights.redux import find_redux
 
 if TYPE_CHECKING:
     from flux_runtime.pipeline.flux2 import Flux2Pipe
@@ -62,6 +63,8 @@ class Pipeline(Flux1Pipe):
         parallel: ParallelConfig | int | None = None,
         download: bool = True,
         cache: str | CachePolicy | None = None,
+        redux: str | Path | None = None,
+        redux_image_encoder: str | Path | None = None,
         **unknown: Any,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
@@ -98,6 +101,9 @@ class Pipeline(Flux1Pipe):
         `cache`: step caching for every call that passes none, a spec string (`"first-block:threshold=0.1"`,
         `"taylor:order=1,refresh=2"`) or a policy object (`flux_runtime.sampling.step_cache`); off by default.
         It approximates (orthogonal to `quality`); the provenance records the policy and the steps computed.
+        `redux` (FLUX.1): attach FLUX.1 Redux, so that `pipe(image=IMG)` generates from an image (`load_redux`):
+        the FLUX.1-Redux-dev folder, or BFL's flux1-redux-dev.safetensors with `redux_image_encoder`, its SigLIP
+        (a FLUX.1-Redux-dev folder or google/siglip-so400m-patch14-384); local paths or cached ids.
         """
         reject_unknown_load(cls.from_pretrained, unknown)
         policy = as_policy(cache)
@@ -109,7 +115,7 @@ class Pipeline(Flux1Pipe):
             path_or_id, device=device, dtype=dtype, quality=quality, vae=vae, text_encoder=text_encoder,
             text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
             is_distilled=is_distilled, fp8=fp8, variant=variant, memory=memory, fp8_text=fp8_text,
-            parallel=parallel, download=download,
+            parallel=parallel, download=download, redux=redux, redux_image_encoder=redux_image_encoder,
         )  # fmt: skip
         pipe.cache = policy
         return pipe
@@ -134,6 +140,8 @@ class Pipeline(Flux1Pipe):
         fp8_text: bool,
         parallel: ParallelConfig | int | None,
         download: bool,
+        redux: str | Path | None = None,
+        redux_image_encoder: str | Path | None = None,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """`from_pretrained` after its own checks: the family read from the checkpoint, its recipe built."""
         flux1_variants.check_variant_name(variant)
@@ -162,6 +170,9 @@ class Pipeline(Flux1Pipe):
                 "memory budgets and text-encoder offload plan one GPU; a parallel run keeps every model resident: "
                 "drop memory= / offload_text_encoders, or parallel="
             )
+        if redux is None and redux_image_encoder is not None:
+            raise FluxError("redux_image_encoder is the SigLIP of a Redux: give redux= too")
+        redux_files = None if redux is None else find_redux(redux, redux_image_encoder)  # before any load
         world = None
         config = None if parallel is None else as_config(parallel)
         if config is not None and (config.world_size > 1 or launched_world_size() is not None):
@@ -172,6 +183,9 @@ class Pipeline(Flux1Pipe):
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         # the checkpoint is opened once: its headers tell the family and feed the loader
         family, ckpt = open_family(src)
+        if redux_files is not None and family != "flux1":
+            name = {"flux2": "FLUX.2", "flux3": "FLUX.3"}.get(family, family)
+            raise FluxError(f"Redux conditions FLUX.1 models; {path_or_id} is {name}")
         # a family's recipe is imported when a checkpoint of it opens: FLUX.2's and FLUX.3's text encoders
         # bring in `transformers`, seconds that a FLUX.1 run need not pay
         if family == "flux2":
@@ -205,5 +219,5 @@ class Pipeline(Flux1Pipe):
         return cls.from_sources(
             src, device=device, dtype=dtype, quality=quality, cuda_graphs=cuda_graphs,
             offload_text_encoders=offload_text_encoders, fp8=fp8, fp8_text=fp8_text, variant=variant,
-            checkpoint=ckpt, budget=budget, parallel=world,
+            checkpoint=ckpt, budget=budget, parallel=world, redux=redux_files,
         )  # fmt: skip
