@@ -171,6 +171,33 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
         ),
         option("--control-image", FILE, "FLUX.1 Depth / Canny: the depth map or edge image."),
         option(
+            "--redux",
+            str,
+            "FLUX.1 Redux: make variations of --image (repeatable: the images are mixed), --prompt optional. "
+            "The FLUX.1-Redux-dev folder or id, or BFL's flux1-redux-dev.safetensors with "
+            "--redux-image-encoder.",
+            metavar="PATH",
+        ),
+        option(
+            "--redux-image-encoder",
+            str,
+            "FLUX.1 Redux: the SigLIP beside BFL's single file. A FLUX.1-Redux-dev folder, or "
+            "google/siglip-so400m-patch14-384.",
+            metavar="PATH",
+        ),
+        option(
+            "--redux-scale",
+            click.FloatRange(min=0),
+            "FLUX.1 Redux: weight of each image's tokens (prompt_embeds_scale).",
+            1.0,
+        ),
+        option(
+            "--redux-pooled-scale",
+            click.FloatRange(min=0),
+            "FLUX.1 Redux: weight of the pooled prompt vector (pooled_prompt_embeds_scale).",
+            1.0,
+        ),
+        option(
             "--max-area",
             click.IntRange(min=1),
             "FLUX.1 Kontext: output pixels. The size keeps --width / --height at this area [default: 1024²].",

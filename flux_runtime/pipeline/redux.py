@@ -70,10 +70,11 @@ class Redux:
         return self.embedder(self.image_encoder.encode(images, device)).to(device=device)
 
     def record(self) -> dict[str, Any]:
-        """The provenance of the weights: what was named, the SigLIP folder and the files' fingerprint."""
+        """The provenance of the weights: what was named (the Redux, its SigLIP: null when inside the Redux
+        folder) and the files' fingerprint."""
         return {
             "path": self.files.source,
-            "image_encoder": str(self.files.image_encoder),
+            "image_encoder": self.files.encoder_source,
             "weights": self.weights_id,
         }
 

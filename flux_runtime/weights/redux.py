@@ -45,13 +45,15 @@ _TRANSFORMER_MARKS = ("double_blocks.", "transformer_blocks.", "single_blocks.",
 @dataclass(frozen=True)
 class ReduxFiles:
     """Where one Redux's parts are: the embedder's safetensors file(s), the SigLIP model folder and the
-    folder with its `preprocessor_config.json`; `source` is what the caller named."""
+    folder with its `preprocessor_config.json`; `source` and `encoder_source` are what the caller named
+    (`encoder_source` None: the SigLIP inside the Redux folder)."""
 
     source: str
     embedder: tuple[Path, ...]
     image_encoder: Path
     feature_extractor: Path
     config: ReduxConfig
+    encoder_source: str | None = None
 
     def weights_id(self) -> str:
         """A short fingerprint of the files: sha256 over each one's name, size and first 64 KiB (its header
@@ -93,7 +95,8 @@ def find_redux(path_or_id: str | Path, image_encoder: str | Path | None = None) 
             )
         encoder_root = image_encoder
     encoder, processor = _siglip_folders(encoder_root)
-    return ReduxFiles(str(path_or_id), files, encoder, processor, config)
+    named = None if image_encoder is None else str(image_encoder)
+    return ReduxFiles(str(path_or_id), files, encoder, processor, config, named)
 
 
 def redux_config(files: tuple[Path, ...]) -> ReduxConfig:
