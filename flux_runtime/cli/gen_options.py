@@ -173,29 +173,33 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
         option(
             "--redux",
             str,
-            "FLUX.1 Redux: make variations of --image (repeatable: the images are mixed), --prompt optional. "
-            "The FLUX.1-Redux-dev folder or id, or BFL's flux1-redux-dev.safetensors with "
+            "FLUX.1 Redux: variations of --image. Repeat --image to mix images; --prompt is optional. PATH: "
+            "the FLUX.1-Redux-dev folder or id, or BFL's flux1-redux-dev.safetensors with "
             "--redux-image-encoder.",
             metavar="PATH",
         ),
         option(
             "--redux-image-encoder",
             str,
-            "FLUX.1 Redux: the SigLIP beside BFL's single file. A FLUX.1-Redux-dev folder, or "
+            "FLUX.1 Redux: SigLIP for a single file. A FLUX.1-Redux-dev folder, or "
             "google/siglip-so400m-patch14-384.",
             metavar="PATH",
         ),
         option(
             "--redux-scale",
             click.FloatRange(min=0),
-            "FLUX.1 Redux: weight of each image's tokens (prompt_embeds_scale).",
+            "FLUX.1 Redux: weight of the tokens. Each image's, prompt and image (prompt_embeds_scale) "
+            "[default: 1].",
             1.0,
+            show_default=False,
         ),
         option(
             "--redux-pooled-scale",
             click.FloatRange(min=0),
-            "FLUX.1 Redux: weight of the pooled prompt vector (pooled_prompt_embeds_scale).",
+            "FLUX.1 Redux: weight of the pooled vector. Each image's (pooled_prompt_embeds_scale) "
+            "[default: 1].",
             1.0,
+            show_default=False,
         ),
         option(
             "--max-area",

@@ -5,7 +5,8 @@ state per patch. The model and the preprocessing are `transformers`' own classes
 exactly as diffusers' `FluxPriorReduxPipeline` opens them, so the pixels SigLIP sees and the states it
 gives are the same bits: the processor resizes, rescales and normalises as its `preprocessor_config.json`
 says (for FLUX.1-Redux-dev: 384 x 384 bicubic, then (x / 255 - 0.5) / 0.5), in float32, and the result is
-cast to the encoder's dtype. It sits with the text encoders because it plays their part (conditioning the
+cast to the encoder's dtype. Which backend the `SiglipImageProcessor` name gives (torchvision's where it is
+installed, else PIL's) is `transformers`' choice, and the same for diffusers in the same environment. It sits with the text encoders because it plays their part (conditioning the
 transformer) and loads through the same checked `transformers` path; `transformers` is imported only here,
 when a Redux is opened.
 """
@@ -49,13 +50,17 @@ class SiglipImageEncoder:
                 f"{model_folder} holds a {found!r} model; the Redux image encoder is a SigLIP vision model "
                 f"(model_type {' or '.join(repr(t) for t in MODEL_TYPES)})"
             )
-        from transformers import SiglipImageProcessor, SiglipVisionModel
+        from transformers import SiglipVisionModel
         from transformers.utils import logging as hf_logging
 
         model = load_checked(SiglipVisionModel, model_folder, dtype, device, "SigLIP image encoder")
         level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # not its notice of which backend it picked (diffusers picks the same)
+        # transformers' notice of the backend its `SiglipImageProcessor` name resolves to (torchvision's, else
+        # PIL's) is not shown: diffusers opens the same name in the same environment, so it gets the same one
+        hf_logging.set_verbosity_error()
         try:
+            from transformers import SiglipImageProcessor
+
             processor = SiglipImageProcessor.from_pretrained(processor_folder, local_files_only=True)
         finally:
             hf_logging.set_verbosity(level)
