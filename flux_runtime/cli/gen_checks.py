@@ -99,6 +99,8 @@ def check_redux_options(opts: dict[str, Any]) -> None:
         return
     if not opts["image"]:
         raise click.ClickException("--redux needs --image (the image to make variations of)")
+    if (opts.get("gpus") or 1) > 1:
+        raise click.ClickException("--redux runs on one GPU for now: drop --gpus")
     for name in ("strength", "mask"):
         if opts.get(name) is not None:
             raise click.ClickException(f"with --redux, --image is the Redux image: drop --{name}")

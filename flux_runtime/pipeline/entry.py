@@ -172,6 +172,8 @@ class Pipeline(Flux1Pipe):
             )
         if redux is None and redux_image_encoder is not None:
             raise FluxError("redux_image_encoder is the SigLIP of a Redux: give redux= too")
+        if redux is not None and parallel is not None:
+            raise FluxError("Redux runs on one GPU for now: drop redux= (--redux) or parallel= (--gpus)")
         redux_files = None if redux is None else find_redux(redux, redux_image_encoder)  # before any load
         world = None
         config = None if parallel is None else as_config(parallel)

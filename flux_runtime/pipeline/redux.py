@@ -108,6 +108,8 @@ def attach(pipe: Recipe, path: str | Path, image_encoder: str | Path | None = No
     pipeline's device; under a memory plan the plan is made again with it counted among the text encoders."""
     if getattr(pipe, "family", None) != "flux1":
         raise FluxError(f"Redux conditions FLUX.1 models; {pipe.model_name} is not FLUX.1")
+    if pipe.parallel is not None:
+        raise FluxError("Redux runs on one GPU for now: load it on a pipeline without parallel=")
     files = find_redux(path, image_encoder)
     device = pipe.device
     planned = pipe.placement is not None

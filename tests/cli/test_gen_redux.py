@@ -80,6 +80,7 @@ def test_redux_with_a_prompt_from_the_folder(files, tmp_path):
         (["--redux-image-encoder", "{folder}", "-p", "x"], "--redux-image-encoder needs --redux"),
         (["--redux-scale", "0.5", "-p", "x"], "--redux-scale needs --redux"),
         (["--redux", "{folder}", "--image", "{image}", "--strength", "0.5"], "drop --strength"),
+        (["--redux", "{folder}", "--image", "{image}", "--gpus", "2"], "--redux runs on one GPU for now"),
         (
             ["--redux", "{folder}", "--image", "{image}", "--model", "tiny-flux2"],
             "--redux needs a FLUX.1 model",

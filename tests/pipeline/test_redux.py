@@ -175,6 +175,7 @@ def test_one_prompt_serves_every_image_and_the_cache_answers(dev, monkeypatch):
     assert again.info["redux"]["pooled_prompt_embeds_scale"] == [1.5, 1.5]
 
 
+@pytest.mark.slow
 def test_memory_plans_move_redux_with_the_text_encoders(dev):
     """Under an offload plan Redux lives off the device between text stages, and gives the same bits;
     `load_redux` on a placed pipeline plans again with it counted."""
@@ -182,21 +183,22 @@ def test_memory_plans_move_redux_with_the_text_encoders(dev):
     from flux_runtime.pipeline.placement import apply_plan, footprint
 
     folder, redux = dev
+    kw = dict(image=_image(40, 30, seed=1), seed=3, num_steps=2, output_type="latent", **KW)
+    offload = Plan("offload-text", 1 << 40, text="offloaded")
+    planned = Pipeline.from_pretrained(folder, device="cpu", dtype=torch.float32, redux=redux)
+    want = planned(**kw).latents  # no plan: everything on the device
+    apply_plan(planned, offload, torch.device("cpu"))
+    assert torch.equal(planned(**kw).latents, want)
+    assert planned.planned_tokens(None)[0] == 512 + IMAGE_TOKENS
+
     plain = Pipeline.from_pretrained(folder, device="cpu", dtype=torch.float32)
     without = footprint(plain).text.total
-    image = _image(40, 30, seed=1)
-    kw = dict(image=image, seed=3, num_steps=2, output_type="latent", **KW)
-    apply_plan(plain, Plan("offload-text", 1 << 40, text="offloaded"), torch.device("cpu"))
+    apply_plan(plain, offload, torch.device("cpu"))
     plain.load_redux(redux)  # after the plan: made again, Redux among the text stage's models
     assert footprint(plain).text.total > without
     roots = plain.placement.models["text"].roots
     assert plain.redux.embedder in roots and plain.redux.image_encoder.model in roots
-    want = Pipeline.from_pretrained(folder, device="cpu", dtype=torch.float32, redux=redux)(**kw).latents
     assert torch.equal(plain(**kw).latents, want)
-    planned = Pipeline.from_pretrained(folder, device="cpu", dtype=torch.float32, redux=redux)
-    apply_plan(planned, Plan("offload-text", 1 << 40, text="offloaded"), torch.device("cpu"))
-    assert torch.equal(planned(**kw).latents, want)
-    assert planned.planned_tokens(None)[0] == 512 + IMAGE_TOKENS
 
 
 # ------------------------------------------------------------------------------------------------- bad input
@@ -275,6 +277,8 @@ def test_bad_redux_files_are_one_line_errors(dev, tmp_path):
         find_redux(single, redux / "image_encoder")
     with pytest.raises(FluxError, match="redux_image_encoder is the SigLIP of a Redux: give redux= too"):
         Pipeline.from_pretrained(folder, device="cpu", redux_image_encoder=redux)
+    with pytest.raises(FluxError, match="Redux runs on one GPU for now"):
+        Pipeline.from_pretrained(folder, device="cpu", redux=redux, parallel=2)
 
 
 def test_redux_needs_a_flux1_model_of_its_width(tiny_redux, tmp_path):
