@@ -25,7 +25,7 @@ import torch
 from flux_runtime.models.redux import ReduxConfig, ReduxEmbedder
 from flux_runtime.weights.config_files import INT, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.hub import resolve, safetensors_files
+from flux_runtime.weights.hub import hub_id, resolve, safetensors_files
 from flux_runtime.weights.safetensors_io import TensorSource
 
 __all__ = ["ReduxFiles", "find_redux", "load_redux_embedder", "redux_config"]
@@ -95,8 +95,16 @@ def find_redux(path_or_id: str | Path, image_encoder: str | Path | None = None) 
             )
         encoder_root = image_encoder
     encoder, processor = _siglip_folders(encoder_root)
-    named = None if image_encoder is None else str(image_encoder)
-    return ReduxFiles(str(path_or_id), files, encoder, processor, config, named)
+    named = None if image_encoder is None else _named(image_encoder)
+    return ReduxFiles(_named(path_or_id), files, encoder, processor, config, named)
+
+
+def _named(path_or_id: str | Path) -> str:
+    """What the provenance keeps of a path or id: a cached model id as given, a local path made absolute (so a
+    replay from another folder finds it)."""
+    return (
+        str(path_or_id) if hub_id(path_or_id) is not None else str(Path(path_or_id).expanduser().absolute())
+    )
 
 
 def redux_config(files: tuple[Path, ...]) -> ReduxConfig:

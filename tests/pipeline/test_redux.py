@@ -291,3 +291,12 @@ def test_redux_needs_a_flux1_model_of_its_width(tiny_redux, tmp_path):
     ):
         tiny_redux.load_redux(wide)
     assert tiny_redux.redux.files.source == redux  # the one attached stays
+
+
+def test_the_record_names_local_files_absolutely(dev, monkeypatch):
+    """A relative path is recorded absolute, so a replay from another folder finds the same files."""
+    _, redux = dev
+    monkeypatch.chdir(redux.parent)
+    files = find_redux(redux.name, redux.name)
+    assert files.source == files.encoder_source == str(redux)
+    assert files.weights_id() == find_redux(redux).weights_id()
