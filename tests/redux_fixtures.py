@@ -63,3 +63,19 @@ def save_bfl_redux(path: Path, txt_width: int) -> Path:
     """BFL's single file: the embedder's four tensors under their own names."""
     sd = make_embedder(txt_width).state_dict()
     return save_tensors({k: v.contiguous() for k, v in sd.items()}, path)
+
+
+def save_whole_siglip(folder: Path) -> Path:
+    """`make_siglip`'s vision tower inside a whole SigLIP (with a text half), its processor beside it: the
+    layout of google/siglip-so400m-patch14-384, the SigLIP BFL's single file is used with."""
+    from transformers import SiglipConfig, SiglipModel
+
+    vision, processor = make_siglip()
+    text = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+    )
+    whole = SiglipModel(SiglipConfig(vision_config=vision.config.to_dict(), text_config=text))
+    whole.vision_model.load_state_dict(vision.state_dict())
+    whole.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder

@@ -50,17 +50,17 @@ class SiglipImageEncoder:
                 f"{model_folder} holds a {found!r} model; the Redux image encoder is a SigLIP vision model "
                 f"(model_type {' or '.join(repr(t) for t in MODEL_TYPES)})"
             )
-        from transformers import SiglipVisionModel
         from transformers.utils import logging as hf_logging
 
-        model = load_checked(SiglipVisionModel, model_folder, dtype, device, "SigLIP image encoder")
         level = hf_logging.get_verbosity()
-        # transformers' notice of the backend its `SiglipImageProcessor` name resolves to (torchvision's, else
-        # PIL's) is not shown: diffusers opens the same name in the same environment, so it gets the same one
+        # not shown: the load report of a whole SigLIP's text half, which is not read (missing vision weights
+        # are an error of `load_checked`), and the notice of the backend the `SiglipImageProcessor` name
+        # resolves to (torchvision's, else PIL's), which diffusers, opening the same name, gets too
         hf_logging.set_verbosity_error()
         try:
-            from transformers import SiglipImageProcessor
+            from transformers import SiglipImageProcessor, SiglipVisionModel
 
+            model = load_checked(SiglipVisionModel, model_folder, dtype, device, "SigLIP image encoder")
             processor = SiglipImageProcessor.from_pretrained(processor_folder, local_files_only=True)
         finally:
             hf_logging.set_verbosity(level)

@@ -300,3 +300,23 @@ def test_the_record_names_local_files_absolutely(dev, monkeypatch):
     files = find_redux(redux.name, redux.name)
     assert files.source == files.encoder_source == str(redux)
     assert files.weights_id() == find_redux(redux).weights_id()
+
+
+def test_a_whole_siglip_folder_gives_its_vision_tower(dev, tmp_path):
+    """BFL's file beside google/siglip-so400m-patch14-384's layout (vision + text, processor config beside):
+    the same states as the diffusers folder's image_encoder/ holding the same vision weights."""
+    from flux_runtime.text.siglip import SiglipImageEncoder
+    from tests.redux_fixtures import save_whole_siglip
+
+    _, redux = dev
+    whole = save_whole_siglip(tmp_path / "siglip-so400m-patch14-384")
+    files = find_redux(save_bfl_redux(tmp_path / "flux1-redux-dev.safetensors", 32), whole)
+    assert files.image_encoder == files.feature_extractor == whole
+    images = [_image(40, 30, seed=1), _image(16, 64, seed=2)]
+    states = [
+        SiglipImageEncoder.from_folders(
+            f.image_encoder, f.feature_extractor, device="cpu", dtype=torch.float32
+        ).encode(images, torch.device("cpu"))
+        for f in (files, find_redux(redux))
+    ]
+    assert states[0].shape == (2, IMAGE_TOKENS, 16) and torch.equal(states[0], states[1])
