@@ -129,7 +129,7 @@ def check_call(pipe: Recipe, call: Call) -> bool:
     pipeline `image` moves to `inputs["redux_images"]` (a list), the scales to one float per image."""
     inputs = call.inputs
     redux, image = getattr(pipe, "redux", None), inputs["image"]
-    given = [name for name in SCALES if inputs[name] != 1.0]
+    given = [name for name in SCALES if inputs.get(name, 1.0) != 1.0]
     if redux is None or image is None:
         if given:
             needs = "a Redux pipeline (redux= / load_redux)" if redux is None else "an image"
@@ -166,7 +166,7 @@ def check_call(pipe: Recipe, call: Call) -> bool:
         if pipe.text_encoder is None:
             raise FluxError("this pipeline has no text encoders: a Redux call takes no prompt here")
     for name in SCALES:
-        inputs[name] = _scales(name, inputs[name], len(images))
+        inputs[name] = _scales(name, inputs.get(name, 1.0), len(images))
     inputs["redux_images"], inputs["image"] = images, None
     return True
 
