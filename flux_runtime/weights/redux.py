@@ -25,7 +25,7 @@ import torch
 from flux_runtime.models.redux import ReduxConfig, ReduxEmbedder
 from flux_runtime.weights.config_files import INT, check_fields, read_json_if_present
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.hub import hub_id, resolve, safetensors_files
+from flux_runtime.weights.hub import cached_snapshot, hub_id, resolve, safetensors_files
 from flux_runtime.weights.safetensors_io import TensorSource
 
 __all__ = ["ReduxFiles", "find_redux", "load_redux_embedder", "redux_config"]
@@ -71,7 +71,7 @@ class ReduxFiles:
 def find_redux(path_or_id: str | Path, image_encoder: str | Path | None = None) -> ReduxFiles:
     """The Redux at `path_or_id` (a diffusers folder, BFL's single file, or a cached model id), its
     SigLIP from `image_encoder` when given (needed beside a single file), all checked."""
-    root = resolve(path_or_id)
+    root = _local(path_or_id)
     if root.is_dir():
         folder = root / "image_embedder"
         if not folder.is_dir():
@@ -97,6 +97,17 @@ def find_redux(path_or_id: str | Path, image_encoder: str | Path | None = None) 
     encoder, processor = _siglip_folders(encoder_root)
     named = None if image_encoder is None else _named(image_encoder)
     return ReduxFiles(_named(path_or_id), files, encoder, processor, config, named)
+
+
+def _local(path_or_id: str | Path) -> Path:
+    """`resolve`, with what to do about a model id missing from the cache: Redux files are not fetched."""
+    name = hub_id(path_or_id)
+    if name is not None and cached_snapshot(name) is None:
+        raise WeightsError(
+            f"{name!r} is not in the local Hugging Face cache, and Redux files are not fetched: download it "
+            f"first (huggingface-cli download {name}) or give a local path"
+        )
+    return resolve(path_or_id)
 
 
 def _named(path_or_id: str | Path) -> str:
@@ -158,7 +169,7 @@ def _check_folder_config(folder: Path, config: ReduxConfig) -> None:
 
 def _siglip_folders(path_or_id: str | Path) -> tuple[Path, Path]:
     """(the SigLIP model folder, the folder with its preprocessor config) that `path_or_id` names."""
-    root = resolve(path_or_id)
+    root = _local(path_or_id)
     if not root.is_dir():
         raise WeightsError(f"{root} is not a folder; the Redux image encoder is {ENCODER_HINT}")
     if (root / "image_encoder").is_dir():

@@ -264,6 +264,8 @@ def test_bad_redux_files_are_one_line_errors(dev, tmp_path):
     single = save_bfl_redux(tmp_path / "flux1-redux-dev.safetensors", 32)
     with pytest.raises(WeightsError, match="neither an existing file or folder"):
         find_redux(tmp_path / "missing.safetensors")
+    with pytest.raises(WeightsError, match="Redux files are not fetched"):
+        find_redux("nobody/no-such-redux")
     with pytest.raises(WeightsError, match="BFL's Redux embedder alone: name its SigLIP image encoder"):
         find_redux(single)
     with pytest.raises(WeightsError, match="is a FLUX transformer checkpoint, not a Redux embedder"):
