@@ -196,8 +196,9 @@ def test_memory_plans_move_redux_with_the_text_encoders(dev):
     apply_plan(plain, offload, torch.device("cpu"))
     plain.load_redux(redux)  # after the plan: made again, Redux among the text stage's models
     assert footprint(plain).text.total > without
-    roots = plain.placement.models["text"].roots
-    assert plain.redux.embedder in roots and plain.redux.image_encoder.model in roots
+    text = plain.placement.models["text"]
+    assert plain.redux.embedder in text.roots and plain.redux.image_encoder.model in text.roots
+    assert text.mode == "offloaded" and text.units  # the encoders packed again, with Redux among them
     assert torch.equal(plain(**kw).latents, want)
 
 
