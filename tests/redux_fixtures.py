@@ -59,9 +59,9 @@ def save_redux(folder: Path, txt_width: int) -> Path:
     return folder
 
 
-def save_bfl_redux(path: Path, txt_width: int) -> Path:
+def save_bfl_redux(path: Path, txt_width: int, seed: int = 11) -> Path:
     """BFL's single file: the embedder's four tensors under their own names."""
-    sd = make_embedder(txt_width).state_dict()
+    sd = make_embedder(txt_width, seed).state_dict()
     return save_tensors({k: v.contiguous() for k, v in sd.items()}, path)
 
 

@@ -35,7 +35,8 @@ def files(tmp_path_factory):
 
 @pytest.mark.slow  # three tiny runs: flux-gen, the pipeline, the replay
 def test_redux_run_equals_the_pipeline_and_replays(files, tmp_path):
-    folder, single = files
+    folder, _ = files
+    single = save_bfl_redux(tmp_path / "flux1-redux-dev.safetensors", 32)
     a, b = _write(tmp_path / "a.png", 1), _write(tmp_path / "b.png", 2)
     out = tmp_path / "out.png"
     res = _run(
@@ -59,6 +60,9 @@ def test_redux_run_equals_the_pipeline_and_replays(files, tmp_path):
     _write(b, 9)  # an image changed since: the replay refuses
     res = CliRunner().invoke(main, ["--replay", str(out), "--out", str(tmp_path / "x.png"), "--quiet"])
     assert res.exit_code == 1 and "b.png has changed since" in res.output
+    save_bfl_redux(single, 32, seed=12)  # so did the Redux
+    res = CliRunner().invoke(main, ["--replay", str(out), "--out", str(tmp_path / "x.png"), "--quiet"])
+    assert res.exit_code == 1 and f"its Redux {single} has changed since" in res.output
 
 
 def test_redux_with_a_prompt_from_the_folder(files, tmp_path):
