@@ -8,7 +8,7 @@ is one call here: `pipe(image=IMG)` on a pipeline with a Redux attached (`from_p
    (`ReduxEmbedder`): (B, N, D) image tokens in the embedder's dtype;
 2. the text part: with a prompt, the pipeline's T5 states and CLIP pooled vector of it (one prompt per
    image; one string serves every image); without one, zeros (B, L, D) and (B, D_pooled) in the image
-   tokens' dtype (`L` = max_sequence_length, default 512 as diffusers' fixed 512);
+   tokens' dtype (`L` = max_sequence_length: by default 512, what diffusers fixes for both);
 3. T5 states and image tokens concatenated along the sequence, each image's row multiplied by its
    `prompt_embeds_scale` and the pooled vector by `pooled_prompt_embeds_scale` (both rounded to the image
    tokens' dtype first, as diffusers builds the scale tensor), then summed over the images into one
