@@ -32,6 +32,10 @@ ONE_FAMILY: tuple[tuple[str, dict[str, Callable[[Any], bool]]], ...] = (
             "no_auto_resize": bool,
             "negative_prompt": lambda v: v is not None,
             "true_cfg": lambda v: v != 1.0,
+            "redux": lambda v: v is not None,
+            "redux_image_encoder": lambda v: v is not None,
+            "redux_scale": lambda v: v != 1.0,
+            "redux_pooled_scale": lambda v: v != 1.0,
         },
     ),
     ("FLUX.3", {"no_upsample": bool, "prompt_upsampler": bool, "upsampler_prompts": bool, "boxes": bool}),
@@ -60,7 +64,9 @@ def check_early(opts: dict[str, Any]) -> None:
     )
     from flux_runtime.weights.builtin import size_multiple
 
-    check_prompts(opts["prompt"])
+    if opts.get("redux") is None or opts["prompt"] is not None:  # a Redux run needs no prompt
+        check_prompts(opts["prompt"])
+    check_redux_options(opts)
     if opts["height"] is not None or opts["width"] is not None:
         # the multiple where the registry knows the model's autoencoder; else the pipeline checks it once loaded
         multiple = (None if opts["vae"] is not None else size_multiple(opts["model"])) or 0
@@ -78,6 +84,34 @@ def check_early(opts: dict[str, Any]) -> None:
         raise click.ClickException("--mask needs --image (the image to inpaint)")
     if opts.get("strength") is not None and not opts["image"]:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
+
+
+def check_redux_options(opts: dict[str, Any]) -> None:
+    """--redux and its companions: given together, beside --image and none of img2img's options, and the
+    Redux files themselves (paths and headers only)."""
+    redux = opts.get("redux")
+    if redux is None:
+        given = [f"--{k.replace('_', '-')}" for k in ("redux_image_encoder",) if opts.get(k) is not None]
+        given += [
+            f"--{k.replace('_', '-')}"
+            for k in ("redux_scale", "redux_pooled_scale")
+            if opts.get(k, 1.0) != 1.0
+        ]
+        if given:
+            raise click.ClickException(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --redux")
+        return
+    if not opts["image"]:
+        raise click.ClickException("--redux needs --image (the image to make variations of)")
+    if (opts.get("gpus") or 1) > 1:
+        raise click.ClickException("--redux runs on one GPU for now: drop --gpus")
+    for name in ("strength", "mask"):
+        if opts.get(name) is not None:
+            raise click.ClickException(f"with --redux, --image is the Redux image: drop --{name}")
+    if opts.get("negative_prompt") is not None:
+        raise click.ClickException("--negative-prompt (true CFG) does not run with --redux: drop it")
+    from flux_runtime.weights.redux import find_redux
+
+    find_redux(redux, opts.get("redux_image_encoder"))  # a wrong file fails now, in one line
 
 
 def check_inputs(opts: dict[str, Any], opened: set[Path]) -> None:
@@ -211,6 +245,8 @@ def refuse_other_family(opts: dict[str, Any], family: str) -> None:
 def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
     """The options a FLUX.1 model takes only in some variants, checked once the variant is known."""
     images = opts["image"]
+    if opts.get("redux") is not None:  # --image is the Redux image; the pipeline refuses Kontext and Fill
+        return
     if images and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
         # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
         raise click.ClickException(

@@ -219,6 +219,37 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             "The fraction of the steps the ControlNets act in. START:END, each in [0, 1] [default: 0:1].",
         ),
         option(
+            "--redux",
+            str,
+            "FLUX.1 Redux: variations of --image. Repeat --image to mix images; --prompt is optional. PATH: "
+            "the FLUX.1-Redux-dev folder or id, or BFL's flux1-redux-dev.safetensors with "
+            "--redux-image-encoder.",
+            metavar="PATH",
+        ),
+        option(
+            "--redux-image-encoder",
+            str,
+            "FLUX.1 Redux: SigLIP for a single file. A FLUX.1-Redux-dev folder, or "
+            "google/siglip-so400m-patch14-384.",
+            metavar="PATH",
+        ),
+        option(
+            "--redux-scale",
+            click.FloatRange(min=0),
+            "FLUX.1 Redux: weight of the tokens. Each image's, prompt and image (prompt_embeds_scale) "
+            "[default: 1].",
+            1.0,
+            show_default=False,
+        ),
+        option(
+            "--redux-pooled-scale",
+            click.FloatRange(min=0),
+            "FLUX.1 Redux: weight of the pooled vector. Each image's (pooled_prompt_embeds_scale) "
+            "[default: 1].",
+            1.0,
+            show_default=False,
+        ),
+        option(
             "--max-area",
             click.IntRange(min=1),
             "FLUX.1 Kontext: output pixels. The size keeps --width / --height at this area [default: 1024²].",

@@ -175,6 +175,8 @@ def generate(opts: dict[str, Any]) -> None:
             parallel=None if rank is None else opts["gpus"],
             download=False,  # fetched above
             controlnet=[path for path, _ in controlnets] or None,
+            redux=opts["redux"],  # FLUX.1 Redux (refused above for other families)
+            redux_image_encoder=opts["redux_image_encoder"],
         )
     if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
@@ -286,6 +288,11 @@ def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
         flux1_inputs["control_image"] = controls[0]
     if pipe.variant == "kontext":
         flux1_inputs.update(max_area=opts["max_area"], auto_resize=not opts["no_auto_resize"])
+    if opts["redux"] is not None:  # every --image is a Redux image
+        flux1_inputs.update(
+            prompt_embeds_scale=opts["redux_scale"], pooled_prompt_embeds_scale=opts["redux_pooled_scale"]
+        )
+        return pipe(opts["prompt"], image=images_in, **flux1_inputs, **common)
     return pipe(
         opts["prompt"],
         image=images_in[0] if images_in else None,

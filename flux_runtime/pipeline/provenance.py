@@ -59,6 +59,23 @@ def _is_reference(v: object) -> bool:
     )
 
 
+def _is_redux(v: object) -> bool:
+    """FLUX.1 Redux: the files named, their fingerprint, each image, and a scale per image."""
+    return (
+        isinstance(v, dict)
+        and isinstance(v.get("path"), str)
+        and (v.get("image_encoder") is None or isinstance(v.get("image_encoder"), str))
+        and isinstance(v.get("weights"), str)
+        and isinstance(v.get("images"), list)
+        and len(v["images"]) > 0
+        and all(_is_reference(r) for r in v["images"])
+        and all(
+            isinstance(v.get(k), list) and len(v[k]) == len(v["images"]) and all(NUMBER.ok(x) for x in v[k])
+            for k in ("prompt_embeds_scale", "pooled_prompt_embeds_scale")
+        )
+    )
+
+
 def _is_lora(v: object) -> bool:
     return (
         isinstance(v, dict)
@@ -133,6 +150,10 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
         lambda v: isinstance(v, list) and all(_is_lora(r) for r in v),
     ),
     "lora_fp8": STR,
+    "redux": Kind(
+        "a {path, image_encoder, weights, images, prompt_embeds_scale, pooled_prompt_embeds_scale} object",
+        _is_redux,
+    ),
     "input_images": Kind(
         "an object of {path, width, height, sha256} objects by role (image, mask_image, control_image)",
         lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),
