@@ -21,7 +21,7 @@ from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
-from flux_runtime.pipeline import flux1_variants, placement
+from flux_runtime.pipeline import flux1_variants, ip_adapter, placement
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
@@ -37,7 +37,15 @@ from flux_runtime.pipeline.core import Recipe, RoPE, settle
 from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.sources import Sources, schedule_config
-from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
+from flux_runtime.pipeline.state import (
+    Call,
+    Conditioning,
+    OutputType,
+    PipelineOutput,
+    Progress,
+    Start,
+    WithExtra,
+)
 from flux_runtime.pipeline.step_caching import as_policy
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import Variant, spec_for
@@ -238,6 +246,8 @@ class Flux1Pipe(Recipe):
         control_image: Image.Image | None = None,
         auto_resize: bool = True,
         max_area: int | None = None,
+        ip_adapter_image: Image.Image | None = None,
+        negative_ip_adapter_image: Image.Image | None = None,
         **unknown: Any,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
@@ -253,7 +263,8 @@ class Flux1Pipe(Recipe):
         output keeps `width / height` at `max_area` pixels, default 1024², as FluxKontextPipeline rescales
         it); on a Fill checkpoint `image` +
         `mask_image` are its conditioning. `control_image`: the depth map or edge image of a Depth / Canny
-        checkpoint.
+        checkpoint. `ip_adapter_image` (with an IP-Adapter loaded, `load_ip_adapter`): the image prompt;
+        `negative_ip_adapter_image`: the negative branch's under true CFG (default: a black image).
         """
         reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.1")
         if max_sequence_length is None:
@@ -265,7 +276,8 @@ class Flux1Pipe(Recipe):
             inputs=dict(
                 negative_prompt=negative_prompt, true_cfg_scale=true_cfg_scale, image=image,
                 mask_image=mask_image, strength=strength, control_image=control_image, auto_resize=auto_resize,
-                max_area=max_area,
+                max_area=max_area, ip_adapter_image=ip_adapter_image,
+                negative_ip_adapter_image=negative_ip_adapter_image,
             ),
             cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
@@ -289,6 +301,7 @@ class Flux1Pipe(Recipe):
                 )
         # the variant's inputs (images, masks, strength, negative prompt) and the default size they imply
         flux1_variants.check_inputs(self, call)
+        ip_adapter.check_call(self, call)
         call.height = self.default_size if call.height is None else call.height
         call.width = self.default_size if call.width is None else call.width
         f = self.vae.config.spatial_factor
@@ -351,9 +364,41 @@ class Flux1Pipe(Recipe):
             neg = None
             if negative is not None:
                 _, neg = self._encode_texts(["", negative], call.max_sequence_length, n)
-        if neg is None:
-            return Conditioning(txt, vec)
-        return Conditioning(txt, vec, neg[0], neg[1])
+        cond = Conditioning(txt, vec) if neg is None else Conditioning(txt, vec, neg[0], neg[1])
+        if ip_adapter.loaded(self) is not None:
+            cond.extra, cond.negative_extra = ip_adapter.encode_images(self, call, cond.batch)
+        return cond
+
+    def fixed_extra(self, extra: Any) -> Any:
+        """The IP-Adapter's image tokens from the branch's CLIP image embeddings, once per generation (diffusers
+        projects them at every step: the same ops on the same inputs)."""
+        return self.transformer.project_image(extra)
+
+    # ------------------------------------------------------------------ IP-Adapter
+    def load_ip_adapter(
+        self,
+        path: str | Path,
+        scale: float | list[float] = 1.0,
+        *,
+        image_encoder: str | Path | None = None,
+        image_encoder_dtype: torch.dtype = torch.float16,
+    ) -> ip_adapter.LoadedIPAdapter:
+        """Load the XLabs FLUX.1 IP-Adapter (as diffusers' `load_ip_adapter`): `path` a .safetensors file, a
+        folder holding `ip_adapter.safetensors`, or a cached Hugging Face id; `scale` one number or one per
+        double block. `image_encoder`: the CLIP vision encoder (CLIPVisionModelWithProjection folder or cached
+        id; default `image_encoder/` beside the adapter, else openai/clip-vit-large-patch14 from the cache),
+        run in `image_encoder_dtype` (diffusers' default fp16). Calls then take `ip_adapter_image`."""
+        return ip_adapter.load_ip_adapter(
+            self, path, scale, image_encoder=image_encoder, image_encoder_dtype=image_encoder_dtype
+        )
+
+    def unload_ip_adapter(self) -> None:
+        """Take the IP-Adapter and its image encoder off: calls run as the plain pipeline again."""
+        ip_adapter.unload_ip_adapter(self)
+
+    def set_ip_adapter_scale(self, scale: float | list[float]) -> None:
+        """The loaded IP-Adapter's scale: one number, or one per double block."""
+        ip_adapter.set_ip_adapter_scale(self, scale)
 
     def prepare(self, call: Call, cond: Conditioning) -> Start:
         return flux1_variants.prepare(self, call, cond)
@@ -396,7 +441,10 @@ class Flux1Pipe(Recipe):
         ids: tuple[Tensor, Tensor], pe: RoPE,
     ) -> Tensor:  # fmt: skip
         img_ids, txt_ids = ids
-        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods)
+        ip = None
+        if isinstance(txt, WithExtra):  # the branch's IP-Adapter image tokens
+            txt, ip = txt
+        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, ip=ip)
 
     def modulation_table(
         self, call: Call, start: Start, vec: Tensor | None, g: Tensor | None
@@ -422,7 +470,7 @@ class Flux1Pipe(Recipe):
         )
 
     def record_inputs(self, call: Call) -> dict[str, Any]:
-        return flux1_variants.record_inputs(self, call)
+        return {**flux1_variants.record_inputs(self, call), **ip_adapter.record_inputs(self, call)}
 
 
 def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, name: str) -> None:

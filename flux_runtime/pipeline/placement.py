@@ -231,7 +231,7 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
     """Weights of the loaded models and the activations of a default call (default size, one image, the
     model's default text length; FLUX.2 [klein] base: with CFG), planned for `device` (default: the
     pipeline's)."""
-    text_roots, text_layers = pipe.text_encoder.parts()
+    text_roots, text_layers = text_parts(pipe)
     t = pipe.transformer
     size, (max_len, _) = pipe.default_size, pipe.planned_tokens(None)
     uses_cfg = getattr(pipe, "uses_cfg", None)
@@ -247,6 +247,14 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
         workspace=_workspace(device or pipe.device),
         graphs=bool(pipe.cuda_graphs) and (device or pipe.device).type == "cuda" and pipe.parallel is None,
     )
+
+
+def text_parts(pipe: Any) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The text encoders' (models, layers) as a plan moves them, with the pipeline's image encoder (the
+    IP-Adapter's CLIP vision model) among the models: it encodes in the same stage."""
+    roots, layers = pipe.text_encoder.parts()
+    image = getattr(pipe, "image_encoder", None)
+    return ([*roots, image] if image is not None else list(roots)), list(layers)
 
 
 def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, device: torch.device) -> Plan:
@@ -272,7 +280,7 @@ def apply_plan(pipe: Any, plan: Plan, device: torch.device, fp: Footprint | None
     if not plan.layers:
         plan = replace(plan, layers={"text": len(fp.text.layers), "dit": len(fp.dit.layers)})
     if pipe.placement is None:
-        text_roots, text_layers = pipe.text_encoder.parts()
+        text_roots, text_layers = text_parts(pipe)
         t = pipe.transformer
         models = {
             "text": ModelPlacement("text encoder", text_roots, text_layers, device),

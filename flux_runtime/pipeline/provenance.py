@@ -132,6 +132,22 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
         lambda v: isinstance(v, list) and all(_is_lora(r) for r in v),
     ),
     "lora_fp8": STR,
+    # FLUX.1's IP-Adapter: its file, fingerprint, scale (or one per double block) and CLIP vision encoder
+    "ip_adapter": Kind(
+        "a {name, path, sha256, scale, image_encoder} object",
+        lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(v.get(k), str) for k in ("name", "path", "sha256", "image_encoder"))
+            and (
+                NUMBER.ok(v.get("scale"))
+                or (isinstance(v.get("scale"), list) and all(NUMBER.ok(s) for s in v["scale"]))
+            )
+        ),
+    ),
+    "ip_adapter_images": Kind(
+        "an object of {path, width, height, sha256} objects by role (ip_adapter_image, negative_ip_adapter_image)",
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),
+    ),
     "input_images": Kind(
         "an object of {path, width, height, sha256} objects by role (image, mask_image, control_image)",
         lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),

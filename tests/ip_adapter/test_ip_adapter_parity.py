@@ -1,0 +1,83 @@
+"""IP-Adapter parity: our FLUX.1 pipeline with the XLabs IP-Adapter gives diffusers' FluxPipeline bits after its
+`load_ip_adapter`, in fp32 and bf16, with and without true CFG; at scale 0 it gives the plain pipeline's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from flux_runtime.pipeline import Pipeline
+from tests.ip_adapter.ip_fixtures import picture
+
+KW = dict(height=32, width=48, max_sequence_length=16)
+PROMPT = "a red fox in the snow"
+CFG = dict(negative_prompt="blurry, dark", true_cfg_scale=2.5)
+
+
+def _diffusers(files: dict, dtype: torch.dtype, scale: Any, **call: Any) -> tuple[torch.Tensor, list]:
+    """diffusers' final latents (caught after the last step) and PIL images."""
+    from diffusers import FluxPipeline
+
+    ref = FluxPipeline.from_pretrained(files["pipe"], dtype=dtype)
+    ref.load_ip_adapter(
+        str(files["adapter"]), weight_name="ip_adapter.safetensors",
+        image_encoder_pretrained_model_name_or_path=str(files["clip"]),
+    )  # fmt: skip
+    ref.set_ip_adapter_scale(scale)
+    caught = {}
+
+    def catch(pipe: Any, i: int, t: Any, kwargs: dict) -> dict:
+        caught["latents"] = kwargs["latents"]
+        return kwargs
+
+    out = ref(
+        PROMPT, generator=torch.Generator().manual_seed(42), num_inference_steps=2, guidance_scale=3.5,
+        callback_on_step_end=catch, **KW, **call,
+    )  # fmt: skip
+    return caught["latents"], out.images
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale", "call"),
+    [
+        (torch.float32, 0.7, {}),
+        (torch.float32, [0.3, 1.2], CFG),  # one scale per double block
+        (torch.bfloat16, 1.0, {}),
+        (torch.bfloat16, 0.7, {**CFG, "negative_ip_adapter_image": picture(9, (30, 30))}),
+    ],
+    ids=["fp32", "fp32-cfg-per-block", "bf16", "bf16-cfg-negative-image"],
+)
+def test_equals_diffusers(ip_files: dict, dtype: torch.dtype, scale: Any, call: dict) -> None:
+    call = {"ip_adapter_image": picture(1), **call}
+    want_latents, want_images = _diffusers(ip_files, dtype, scale, **call)
+
+    ours = Pipeline.from_pretrained(ip_files["pipe"], device="cpu", dtype=dtype)
+    ours.load_ip_adapter(ip_files["adapter"], scale, image_encoder=ip_files["clip"])
+    got = ours(PROMPT, seed=42, num_steps=2, guidance=3.5, **KW, **call)
+    assert got.latents.dtype == dtype
+    assert torch.equal(got.latents, want_latents)
+    for g, w in zip(got.images, want_images, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+
+    # the adapter changed the picture: the plain pipeline's latents differ
+    ours.unload_ip_adapter()
+    plain_call = {k: v for k, v in call.items() if "ip_adapter" not in k}
+    plain = ours(PROMPT, seed=42, num_steps=2, guidance=3.5, output_type="latent", **KW, **plain_call)
+    assert not torch.equal(plain.latents, got.latents)
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["plain", "cfg"])
+def test_scale_zero_is_the_plain_pipeline(ip_files: dict, cfg: bool) -> None:
+    pipe = Pipeline.from_pretrained(ip_files["pipe"], device="cpu", dtype=torch.bfloat16)
+    call = dict(seed=3, num_steps=2, guidance=3.5, output_type="latent", **KW, **(CFG if cfg else {}))
+    plain = pipe(PROMPT, **call).latents
+    pipe.load_ip_adapter(ip_files["adapter"], 0.0, image_encoder=ip_files["clip"])
+    assert torch.equal(pipe(PROMPT, ip_adapter_image=picture(2), **call).latents, plain)
+    pipe.set_ip_adapter_scale(0.8)
+    scaled = pipe(PROMPT, ip_adapter_image=picture(2), **call).latents
+    assert not torch.equal(scaled, plain)
+    pipe.unload_ip_adapter()  # back to the plain pipeline, bit for bit
+    assert torch.equal(pipe(PROMPT, **call).latents, plain)
