@@ -30,7 +30,9 @@ def save_clip_vision(folder: Path, seed: int = 5) -> Path:
     return folder
 
 
-def xlabs_tensors(seed: int = 7, tokens: int = 4, depth: int = TINY_KW["num_layers"]) -> dict[str, torch.Tensor]:
+def xlabs_tensors(
+    seed: int = 7, tokens: int = 4, depth: int = TINY_KW["num_layers"]
+) -> dict[str, torch.Tensor]:
     """Random IP-Adapter weights under XLabs' keys for the tiny FLUX.1 (bf16, as XLabs ships them)."""
     gen = torch.Generator().manual_seed(seed)
     width = TINY_KW["joint_attention_dim"]
