@@ -40,6 +40,10 @@ REPLAYED = (
     "max_area",
     "no_auto_resize",
     "lora",
+    "ip_adapter",
+    "ip_image",
+    "negative_ip_image",
+    "ip_image_encoder",
     "no_upsample",
     "prompt_upsampler",
     "upsampler_prompts",
@@ -59,6 +63,7 @@ RECORDED = {
 }
 # the input images the record names: its role for each -> the option
 INPUT_ROLES = (("image", "image"), ("mask_image", "mask"), ("control_image", "control_image"))
+IP_ROLES = (("ip_adapter_image", "ip_image"), ("negative_ip_adapter_image", "negative_ip_image"))
 
 
 def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
@@ -110,6 +115,12 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         opts["_upsampled_prompt"] = rec.get("upsampled_prompt")
         opts["no_upsample"] = rec.get("upsampled_prompt") is None
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
+    if rec.get("ip_adapter") is not None:
+        opts["_ip_adapter"] = _replay_ip_adapter(png, rec["ip_adapter"])
+    ip_images = rec.get("ip_adapter_images") or {}
+    for role, opt in IP_ROLES:
+        if role in ip_images:
+            (opts[opt],) = _replay_images(png, [ip_images[role]])
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
     # the whole recorded batch runs again: a batch's size changes its GEMMs' rounding, so image i of a
@@ -117,6 +128,19 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     opts["_replay_batch"] = rec.get("num_images", opts["_replay_index"] + 1)
     served = rec.get("served_batch")  # flux-serve ran this image in one call with other requests' images
     opts["_served_batch"] = served if isinstance(served, int) and not isinstance(served, bool) else None
+
+
+def _replay_ip_adapter(png: Path, recorded: dict[str, Any]) -> tuple[str, Any, str]:
+    """The IP-Adapter a PNG was made with, (path, scale, image encoder), its file still there with the same
+    bytes."""
+    import hashlib
+
+    path = Path(recorded["path"])
+    if not path.is_file():
+        raise click.ClickException(f"cannot replay {png}: its IP-Adapter {path} is gone")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != recorded["sha256"]:
+        raise click.ClickException(f"cannot replay {png}: its IP-Adapter {path} has changed since")
+    return str(path), recorded["scale"], recorded["image_encoder"]
 
 
 def _replay_loras(png: Path, recorded: list[dict[str, Any]]) -> list[tuple[str, float]]:

@@ -22,7 +22,9 @@ from flux_runtime.cli.gen_checks import (
     check_early,
     check_flux1_variant,
     check_inputs,
+    check_ip_adapter,
     check_lora_files,
+    ip_adapter_of,
     loras_of,
     open_image,
     read_boxes,
@@ -143,6 +145,8 @@ def generate(opts: dict[str, Any]) -> None:
         with watch.lap("download"):
             fetch(opts)
     check_lora_files(loras)
+    ip = ip_adapter_of(opts)
+    check_ip_adapter(ip)
 
     # options of another family fail now, before anything loads
     family = model_family(opts["model"], **model_parts(opts))
@@ -176,6 +180,8 @@ def generate(opts: dict[str, Any]) -> None:
     with watch.lap("load"):
         for path, scale in loras:
             pipe.load_lora(path, scale=scale)
+        if ip is not None:
+            pipe.load_ip_adapter(ip[0], ip[1], image_encoder=ip[2])
     if main_rank and replaying:
         _replay_warnings(opts, pipe.weights_id)
     if pipe.family == "flux3" and (
@@ -266,9 +272,12 @@ def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
         return pipe(opts["prompt"], image=images_in or None, **common)
     flux1_inputs = {
         name: open_image(opts[opt].resolve())
-        for name, opt in (("mask_image", "mask"), ("control_image", "control_image"))
+        for name, opt in (
+            ("mask_image", "mask"), ("control_image", "control_image"), ("ip_adapter_image", "ip_image"),
+            ("negative_ip_adapter_image", "negative_ip_image"),
+        )
         if opts[opt] is not None
-    }
+    }  # fmt: skip
     if pipe.variant == "kontext":
         flux1_inputs.update(max_area=opts["max_area"], auto_resize=not opts["no_auto_resize"])
     return pipe(
