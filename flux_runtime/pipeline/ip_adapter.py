@@ -169,7 +169,7 @@ def load_ip_adapter(
         )
     if loaded(pipe) is not None:
         unload_ip_adapter(pipe)
-    adapter = _build(weights, cfg, t.img_in.weight.device, pipe.dtype)
+    adapter = build_adapter(weights, cfg, t.img_in.weight.device, pipe.dtype)
     t.set_ip_adapter(adapter)
     adapter.set_scale(_per_block(scale, cfg.depth))
     record = LoadedIPAdapter(
@@ -202,7 +202,7 @@ def _check_fits(weights: IPAdapterWeights, cfg: Any, model: str) -> None:
             )
 
 
-def _build(weights: IPAdapterWeights, cfg: Any, device: torch.device, dtype: torch.dtype) -> IPAdapter:
+def build_adapter(weights: IPAdapterWeights, cfg: Any, device: torch.device, dtype: torch.dtype) -> IPAdapter:
     """The adapter's modules with the file's tensors cast to the transformer's dtype (diffusers loads them in
     the transformer's dtype too), on `device`."""
     with torch.device("meta"):
