@@ -173,21 +173,21 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
         option(
             "--ip-adapter",
             str,
-            "FLUX.1: an XLabs IP-Adapter at SCALE (default 1). PATH is its .safetensors file, a folder holding "
-            "ip_adapter.safetensors or a cached id. Needs --ip-image.",
+            "FLUX.1: an XLabs IP-Adapter at SCALE. SCALE defaults to 1; PATH is its .safetensors file, a folder "
+            "holding ip_adapter.safetensors or a cached id. Needs --ip-image.",
             metavar="PATH[:SCALE]",
         ),
         option("--ip-image", FILE, "FLUX.1 with --ip-adapter: the image prompt."),
         option(
             "--negative-ip-image",
             FILE,
-            "FLUX.1 with --ip-adapter and true CFG: the negative branch's image prompt [default: black].",
+            "FLUX.1 true CFG: the negative image prompt. With --ip-adapter [default: a black image].",
         ),
         option(
             "--ip-image-encoder",
             str,
-            "The CLIP vision encoder of --ip-adapter: a CLIPVisionModelWithProjection folder or cached id. "
-            "[default: image_encoder/ beside the adapter, else openai/clip-vit-large-patch14 from the cache]",
+            "The CLIP vision encoder for --ip-adapter. A CLIPVisionModelWithProjection folder or cached id "
+            "[default: image_encoder/ beside the adapter, else openai/clip-vit-large-patch14 from the cache].",
         ),
         option(
             "--max-area",
