@@ -57,7 +57,8 @@ class BlockIPAdapter(nn.Module):
         block projected it (before its norm), the block's query-norm weight, the image tokens `states`
         (B, 1, T, width) of this branch."""
         b, n, h, dh = img_q.shape
-        q = F.rms_norm(img_q, (dh,), query_norm, EPS)
+        # diffusers norms its `to_q` output, a contiguous tensor; the block's query may be a view of its qkv
+        q = F.rms_norm(img_q.contiguous(), (dh,), query_norm, EPS)
         k = self.to_k_ip(states).view(b, -1, h, dh)
         v = self.to_v_ip(states).view(b, -1, h, dh)
         out = sdpa(q, k, v).reshape(b, -1, h * dh).to(q.dtype)
