@@ -223,11 +223,13 @@ def _replan(pipe: Any) -> None:
         return
     from flux_runtime.pipeline import placement
 
-    device, budget = pipe.placement.device, pipe.memory_plan.budget
-    pipe.placement.reset()  # all that moves is off the device: the new plan packs it again from there
+    device, plan = pipe.placement.device, pipe.memory_plan
+    pipe.placement.reset()  # all that moves is off the device: the new placement packs it again from there
     pipe.placement = None
-    if budget is not None:
-        placement.apply_budget(pipe, budget, pipe.offload_text_encoders, device)
+    if plan.budget is None:  # a plan named outright: the same plan
+        placement.apply_plan(pipe, plan, device)
+    else:  # chosen for a budget: chosen again, the new weights counted
+        placement.apply_budget(pipe, plan.budget, pipe.offload_text_encoders, device)
 
 
 def unload_ip_adapter(pipe: Any) -> None:
