@@ -67,7 +67,7 @@ def ip_adapter_file(path_or_id: str | Path) -> Path:
             found = ", ".join(f.name for f in files) if files else "none"
             raise IPAdapterError(f"{path_or_id}: give the IP-Adapter file itself; this folder holds {found}")
         path = files[0]
-    return path.resolve()
+    return path.absolute()  # not resolved: a cached snapshot's file keeps its name (its blob has a hash)
 
 
 def _our_name(key: str) -> str | None:
