@@ -173,7 +173,12 @@ def load_ip_adapter(
     t.set_ip_adapter(adapter)
     adapter.set_scale(_per_block(scale, cfg.depth))
     record = LoadedIPAdapter(
-        str(weights.file), weights.sha256, scale, hub_id(image_encoder) or str(folder.absolute()), encoder, processor
+        str(weights.file),
+        weights.sha256,
+        scale,
+        hub_id(image_encoder) or str(folder.absolute()),
+        encoder,
+        processor,
     )
     pipe._ip_adapter = record
     pipe.image_encoder = encoder
