@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from flux_runtime.pipeline import FluxError, Pipeline
 from flux_runtime.pipeline.memory import Plan
@@ -210,3 +211,51 @@ def test_loading_under_a_plan_plans_again(ip_files: dict, want: torch.Tensor) ->
     other.unload_ip_adapter()
     assert not any(root is encoder for root in other.placement.models["text"].roots)
     assert footprint(other).dit.total == before
+
+
+class _StaticGraph:
+    """A CUDA graph's contract on the CPU: every input (the IP tokens among them) copied into buffers made at
+    the first call, the output one buffer overwritten by each call."""
+
+    made = 0
+    tier_used = None
+
+    def __init__(self, fn) -> None:
+        self.fn, self.inputs, self.out = fn, None, None
+        _StaticGraph.made += 1
+
+    def __call__(self, *xs):
+        from torch.utils import _pytree as pytree
+
+        leaves, spec = pytree.tree_flatten(xs)
+        if self.inputs is None:
+            self.inputs = [None if x is None else x.clone() for x in leaves]
+        for buf, x in zip(self.inputs, leaves, strict=True):
+            if buf is not None:
+                buf.copy_(x)
+        y = self.fn(*pytree.tree_unflatten(self.inputs, spec))
+        self.out = torch.empty_like(y) if self.out is None else self.out
+        return self.out.copy_(y)
+
+
+def test_each_branch_replays_its_own_image_tokens(pipe: Pipeline, want: torch.Tensor, monkeypatch) -> None:
+    """Under graph-style static inputs and outputs (one graph per branch), cond and uncond keep their own image
+    tokens: the latents are the eager ones."""
+    monkeypatch.setattr(pipe, "_graphs_enabled", lambda: True)
+    monkeypatch.setattr(pipe, "_new_graph", _StaticGraph)
+    pipe._graphed.clear()
+    try:
+        got = pipe("a fox", ip_adapter_image=picture(1), **KW, **CFG)
+        assert got.info["cuda_graphs"] is True and _StaticGraph.made == 2
+        assert torch.equal(got.latents, want)
+        # the negative branch really reads other tokens than the positive one: a black negative image
+        # given outright changes nothing, another one changes the latents
+        black = Image.new("RGB", (32, 32))
+        assert torch.equal(
+            pipe("a fox", ip_adapter_image=picture(1), negative_ip_adapter_image=black, **KW, **CFG).latents,
+            want,
+        )
+        other = pipe("a fox", ip_adapter_image=picture(1), negative_ip_adapter_image=picture(6), **KW, **CFG)
+        assert not torch.equal(other.latents, want)
+    finally:
+        pipe._graphed.clear()
