@@ -92,10 +92,6 @@ def check_ip_options(opts: dict[str, Any]) -> None:
                 raise click.ClickException(f"--{flag.replace('_', '-')} needs --ip-adapter")
     elif not images:
         raise click.ClickException("--ip-adapter needs --ip-image (the image prompt)")
-    elif opts.get("image") or opts.get("mask") is not None or opts.get("control_image") is not None:
-        raise click.ClickException(
-            "--ip-adapter runs with FLUX.1 text to image only: drop --image / --mask / --control-image"
-        )
 
 
 def ip_adapter_of(opts: dict[str, Any]) -> tuple[str, float | list[float], str | None] | None:
@@ -244,6 +240,11 @@ def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
         )
     if len(images) > 1:
         raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
+    if (opts.get("ip_adapter") or opts.get("_ip_adapter")) is not None and pipe.variant != "text2img":
+        raise click.ClickException(
+            f"--ip-adapter runs with FLUX.1 text to image, img2img and inpainting; {opts['model']} is a "
+            f"{pipe.variant} checkpoint"
+        )
     if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
         raise click.ClickException(
             f"--max-area and --no-auto-resize need a FLUX.1 Kontext model; {opts['model']} is not one"

@@ -259,7 +259,8 @@ def set_ip_adapter_scale(pipe: Any, scale: float | list[float]) -> None:
 
 def check_call(pipe: Any, call: Call) -> None:
     """The call's IP-Adapter images, before any model runs: PIL images, only with an adapter loaded and on
-    FLUX.1 text to image, and an image whenever an adapter is loaded (diffusers fails without one)."""
+    FLUX.1 text to image / img2img / inpainting, and an image whenever an adapter is loaded (diffusers fails
+    without one)."""
     inputs = call.inputs
     given = [role for role in IMAGE_ROLES if inputs.get(role) is not None]
     for role in given:
@@ -273,10 +274,10 @@ def check_call(pipe: Any, call: Call) -> None:
         raise FluxError(
             "an IP-Adapter is loaded: pass ip_adapter_image (or negative_ip_adapter_image), or unload_ip_adapter()"
         )
-    if pipe.variant != "text2img" or inputs.get("image") is not None:
+    if pipe.variant != "text2img":
         raise FluxError(
-            "the IP-Adapter runs with FLUX.1 text to image only (FluxPipeline), not img2img, inpainting, "
-            f"Kontext, Fill or Depth / Canny ({pipe.model_name} is {pipe.variant})"
+            "the IP-Adapter runs with FLUX.1 text to image, img2img and inpainting (as diffusers' FluxPipeline, "
+            f"FluxImg2ImgPipeline, FluxInpaintPipeline), not with {pipe.model_name}, a {pipe.variant} checkpoint"
         )
     if pipe.parallel is not None:
         raise FluxError("the IP-Adapter does not run in a parallel (multi-GPU) run yet: run on one GPU")

@@ -17,11 +17,13 @@ PROMPT = "a red fox in the snow"
 CFG = dict(negative_prompt="blurry, dark", true_cfg_scale=2.5)
 
 
-def _diffusers(files: dict, dtype: torch.dtype, scale: Any, **call: Any) -> tuple[torch.Tensor, list]:
-    """diffusers' final latents (caught after the last step) and PIL images."""
-    from diffusers import FluxPipeline
+def _diffusers(
+    files: dict, dtype: torch.dtype, scale: Any, pipeline: str = "FluxPipeline", **call: Any
+) -> tuple[torch.Tensor, list]:
+    """diffusers' final latents (caught after the last step) and PIL images, from its `pipeline`."""
+    import diffusers
 
-    ref = FluxPipeline.from_pretrained(files["pipe"], dtype=dtype)
+    ref = getattr(diffusers, pipeline).from_pretrained(files["pipe"], dtype=dtype)
     ref.load_ip_adapter(
         str(files["adapter"]), weight_name="ip_adapter.safetensors",
         image_encoder_pretrained_model_name_or_path=str(files["clip"]),
@@ -84,3 +86,30 @@ def test_scale_zero_is_the_plain_pipeline(ip_files: dict, cfg: bool) -> None:
     assert not torch.equal(scaled, plain)
     pipe.unload_ip_adapter()  # back to the plain pipeline, bit for bit
     assert torch.equal(pipe(PROMPT, **call).latents, plain)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "dtype", "call"),
+    [
+        ("FluxImg2ImgPipeline", torch.float32, dict(image=picture(3, (48, 32)), strength=0.7)),
+        (
+            "FluxInpaintPipeline",
+            torch.bfloat16,
+            dict(
+                image=picture(3, (48, 32)), mask_image=picture(4, (48, 32)).convert("L"), strength=0.8, **CFG
+            ),
+        ),
+    ],
+    ids=["img2img", "inpaint-cfg"],
+)
+def test_img2img_and_inpainting_equal_diffusers(
+    ip_files: dict, pipeline: str, dtype: torch.dtype, call: dict
+):
+    call = {"ip_adapter_image": picture(1), **call}
+    want_latents, want_images = _diffusers(ip_files, dtype, 0.8, pipeline, **call)
+    ours = Pipeline.from_pretrained(ip_files["pipe"], device="cpu", dtype=dtype)
+    ours.load_ip_adapter(ip_files["adapter"], 0.8, image_encoder=ip_files["clip"])
+    got = ours(PROMPT, seed=42, num_steps=2, guidance=3.5, **KW, **call)
+    assert torch.equal(got.latents, want_latents)
+    for g, w in zip(got.images, want_images, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
