@@ -240,9 +240,12 @@ def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
         )
     if len(images) > 1:
         raise click.ClickException("FLUX.1 takes one --image (img2img, inpainting, Kontext, Fill)")
-    if (opts.get("ip_adapter") or opts.get("_ip_adapter")) is not None and pipe.variant != "text2img":
+    if (opts.get("ip_adapter") or opts.get("_ip_adapter")) is not None and pipe.variant in (
+        "fill",
+        "control",
+    ):
         raise click.ClickException(
-            f"--ip-adapter runs with FLUX.1 text to image, img2img and inpainting; {opts['model']} is a "
+            f"--ip-adapter runs with FLUX.1 text to image, img2img, inpainting and Kontext; {opts['model']} is a "
             f"{pipe.variant} checkpoint"
         )
     if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):

@@ -169,7 +169,8 @@ def load_ip_adapter(
         )
     if loaded(pipe) is not None:
         unload_ip_adapter(pipe)
-    adapter = build_adapter(weights, cfg, t.img_in.weight.device, pipe.dtype)
+    # beside the transformer's weights, wherever they are now (a plan then packs it with them)
+    adapter = build_adapter(weights, cfg, next(t.parameters()).device, pipe.dtype)
     t.set_ip_adapter(adapter)
     adapter.set_scale(_per_block(scale, cfg.depth))
     record = LoadedIPAdapter(
@@ -274,10 +275,10 @@ def check_call(pipe: Any, call: Call) -> None:
         raise FluxError(
             "an IP-Adapter is loaded: pass ip_adapter_image (or negative_ip_adapter_image), or unload_ip_adapter()"
         )
-    if pipe.variant != "text2img":
+    if pipe.variant not in ("text2img", "kontext"):
         raise FluxError(
-            "the IP-Adapter runs with FLUX.1 text to image, img2img and inpainting (as diffusers' FluxPipeline, "
-            f"FluxImg2ImgPipeline, FluxInpaintPipeline), not with {pipe.model_name}, a {pipe.variant} checkpoint"
+            "the IP-Adapter runs with FLUX.1 text to image, img2img, inpainting and Kontext (as diffusers' "
+            f"pipelines for them), not with {pipe.model_name}, a {pipe.variant} checkpoint"
         )
     if pipe.parallel is not None:
         raise FluxError("the IP-Adapter does not run in a parallel (multi-GPU) run yet: run on one GPU")

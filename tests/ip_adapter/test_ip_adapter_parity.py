@@ -113,3 +113,42 @@ def test_img2img_and_inpainting_equal_diffusers(
     assert torch.equal(got.latents, want_latents)
     for g, w in zip(got.images, want_images, strict=True):
         assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.fixture(scope="module")
+def kontext(ip_files: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny dev components saved by diffusers as a FluxKontextPipeline, with the same adapter and encoder."""
+    from diffusers import FluxKontextPipeline
+
+    folder = tmp_path_factory.mktemp("kontext") / "FLUX.1-Kontext-tiny"
+    FluxKontextPipeline.from_pretrained(ip_files["pipe"]).save_pretrained(folder)
+    return {**ip_files, "pipe": folder}
+
+
+@pytest.mark.slow  # diffusers' Kontext pipeline: its import and a second folder
+@pytest.mark.parametrize(
+    ("dtype", "cfg"), [(torch.float32, {}), (torch.bfloat16, CFG)], ids=["fp32", "bf16-cfg"]
+)
+def test_kontext_equals_diffusers(kontext: dict, dtype: torch.dtype, cfg: dict) -> None:
+    """The image prompt beside Kontext's reference image (whose tokens the image query covers too)."""
+    from diffusers import FluxKontextPipeline
+
+    ref = FluxKontextPipeline.from_pretrained(kontext["pipe"], dtype=dtype)
+    ref.load_ip_adapter(
+        str(kontext["adapter"]), weight_name="ip_adapter.safetensors",
+        image_encoder_pretrained_model_name_or_path=str(kontext["clip"]),
+    )  # fmt: skip
+    ref.set_ip_adapter_scale(0.8)
+    kw = dict(
+        image=picture(3, (41, 30)), ip_adapter_image=picture(1), height=32, width=48, max_area=32 * 48,
+        max_sequence_length=16, **cfg,
+    )  # fmt: skip
+    want = ref(
+        prompt=PROMPT, _auto_resize=False, generator=torch.Generator().manual_seed(5), num_inference_steps=2,
+        guidance_scale=2.5, output_type="latent", **kw,
+    ).images  # fmt: skip
+    ours = Pipeline.from_pretrained(kontext["pipe"], device="cpu", dtype=dtype)
+    assert ours.variant == "kontext"
+    ours.load_ip_adapter(kontext["adapter"], 0.8, image_encoder=kontext["clip"])
+    got = ours(PROMPT, auto_resize=False, seed=5, num_steps=2, guidance=2.5, output_type="latent", **kw)
+    assert torch.equal(got.latents, want)
