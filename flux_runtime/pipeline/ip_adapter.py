@@ -159,7 +159,8 @@ def load_ip_adapter(
         raise FluxError(str(e)) from None
     _check_fits(weights, cfg, pipe.model_name)
     folder = encoder_source(weights.file, image_encoder)
-    device = pipe.device
+    # under a memory plan the encoder loads to host memory: the plan, made again below, places it
+    device = pipe.device if pipe.placement is None else torch.device("cpu")
     encoder, processor = open_encoder(folder, device, image_encoder_dtype)
     width = encoder.config.projection_dim
     if width != weights.embed_dim:
