@@ -17,10 +17,8 @@ PROMPT = "a red fox in the snow"
 CFG = dict(negative_prompt="blurry, dark", true_cfg_scale=2.5)
 
 
-def _diffusers(
-    files: dict, dtype: torch.dtype, scale: Any, pipeline: str = "FluxPipeline", **call: Any
-) -> tuple[torch.Tensor, list]:
-    """diffusers' final latents (caught after the last step) and PIL images, from its `pipeline`."""
+def _load_diffusers(files: dict, dtype: torch.dtype, pipeline: str = "FluxPipeline") -> Any:
+    """diffusers' `pipeline` from the tiny folder with the adapter loaded by its `load_ip_adapter`."""
     import diffusers
 
     ref = getattr(diffusers, pipeline).from_pretrained(files["pipe"], dtype=dtype)
@@ -28,6 +26,11 @@ def _diffusers(
         str(files["adapter"]), weight_name="ip_adapter.safetensors",
         image_encoder_pretrained_model_name_or_path=str(files["clip"]),
     )  # fmt: skip
+    return ref
+
+
+def _run_diffusers(ref: Any, scale: Any, **call: Any) -> tuple[torch.Tensor, list]:
+    """diffusers' final latents (caught after the last step) and PIL images at `scale`."""
     ref.set_ip_adapter_scale(scale)
     caught = {}
 
@@ -42,6 +45,23 @@ def _diffusers(
     return caught["latents"], out.images
 
 
+def _diffusers(
+    files: dict, dtype: torch.dtype, scale: Any, pipeline: str, **call: Any
+) -> tuple[torch.Tensor, list]:
+    return _run_diffusers(_load_diffusers(files, dtype, pipeline), scale, **call)
+
+
+@pytest.fixture(scope="module")
+def pipes(ip_files: dict) -> dict[torch.dtype, tuple[Any, Pipeline]]:
+    """Per dtype: diffusers' FluxPipeline and ours, each with the adapter loaded (the tests set the scale)."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = Pipeline.from_pretrained(ip_files["pipe"], device="cpu", dtype=dtype)
+        ours.load_ip_adapter(ip_files["adapter"], image_encoder=ip_files["clip"])
+        out[dtype] = (_load_diffusers(ip_files, dtype), ours)
+    return out
+
+
 @pytest.mark.parametrize(
     ("dtype", "scale", "call"),
     [
@@ -53,23 +73,29 @@ def _diffusers(
     ],
     ids=["fp32", "fp32-cfg-per-block", "bf16", "bf16-cfg-negative-image", "bf16-cfg-batch2"],
 )
-def test_equals_diffusers(ip_files: dict, dtype: torch.dtype, scale: Any, call: dict) -> None:
+def test_equals_diffusers(pipes: dict, dtype: torch.dtype, scale: Any, call: dict) -> None:
+    ref, ours = pipes[dtype]
     call = {"ip_adapter_image": picture(1), **call}
-    want_latents, want_images = _diffusers(ip_files, dtype, scale, **call)
+    want_latents, want_images = _run_diffusers(ref, scale, **call)
 
-    ours = Pipeline.from_pretrained(ip_files["pipe"], device="cpu", dtype=dtype)
-    ours.load_ip_adapter(ip_files["adapter"], scale, image_encoder=ip_files["clip"])
+    ours.set_ip_adapter_scale(scale)
     got = ours(PROMPT, seed=42, num_steps=2, guidance=3.5, **KW, **call)
     assert got.latents.dtype == dtype
     assert torch.equal(got.latents, want_latents)
     for g, w in zip(got.images, want_images, strict=True):
         assert np.array_equal(np.asarray(g), np.asarray(w))
 
-    # the adapter changed the picture: the plain pipeline's latents differ
-    ours.unload_ip_adapter()
-    plain_call = {k: v for k, v in call.items() if "ip_adapter" not in k}
-    plain = ours(PROMPT, seed=42, num_steps=2, guidance=3.5, output_type="latent", **KW, **plain_call)
-    assert not torch.equal(plain.latents, got.latents)
+    # the image prompt matters: another image gives other latents
+    other = ours(
+        PROMPT,
+        seed=42,
+        num_steps=2,
+        guidance=3.5,
+        output_type="latent",
+        **KW,
+        **{**call, "ip_adapter_image": picture(7)},
+    )
+    assert not torch.equal(other.latents, got.latents)
 
 
 @pytest.mark.parametrize("cfg", [False, True], ids=["plain", "cfg"])
