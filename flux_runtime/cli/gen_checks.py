@@ -36,6 +36,10 @@ ONE_FAMILY: tuple[tuple[str, dict[str, Callable[[Any], bool]]], ...] = (
             "redux_image_encoder": lambda v: v is not None,
             "redux_scale": lambda v: v != 1.0,
             "redux_pooled_scale": lambda v: v != 1.0,
+            "ip_adapter": lambda v: v is not None,
+            "ip_image": lambda v: v is not None,
+            "negative_ip_image": lambda v: v is not None,
+            "ip_image_encoder": lambda v: v is not None,
         },
     ),
     ("FLUX.3", {"no_upsample": bool, "prompt_upsampler": bool, "upsampler_prompts": bool, "boxes": bool}),
@@ -84,6 +88,45 @@ def check_early(opts: dict[str, Any]) -> None:
         raise click.ClickException("--mask needs --image (the image to inpaint)")
     if opts.get("strength") is not None and not opts["image"]:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
+    check_ip_options(opts)
+
+
+def check_ip_options(opts: dict[str, Any]) -> None:
+    """--ip-adapter and its images go together: the adapter needs an image prompt, the images an adapter."""
+    adapter = opts.get("ip_adapter") or opts.get("_ip_adapter")
+    images = [f for f in ("ip_image", "negative_ip_image") if opts.get(f) is not None]
+    if adapter is None:
+        for flag in (*images, "ip_image_encoder"):
+            if opts.get(flag) is not None:
+                raise click.ClickException(f"--{flag.replace('_', '-')} needs --ip-adapter")
+    elif not images:
+        raise click.ClickException("--ip-adapter needs --ip-image (the image prompt)")
+
+
+def ip_adapter_of(opts: dict[str, Any]) -> tuple[str, float | list[float], str | None] | None:
+    """The IP-Adapter to load, (path, scale, image encoder): a replayed record's, else --ip-adapter's."""
+    if opts.get("_ip_adapter") is not None:
+        return opts["_ip_adapter"]
+    if opts.get("ip_adapter") is None:
+        return None
+    path, scale = parse_lora(opts["ip_adapter"], "--ip-adapter")
+    return path, scale, opts.get("ip_image_encoder")
+
+
+def check_ip_adapter(adapter: tuple[str, float | list[float], str | None] | None) -> None:
+    """A missing file, a file that is no IP-Adapter and a missing CLIP vision encoder fail before the model
+    loads."""
+    if adapter is None:
+        return
+    from flux_runtime.pipeline.errors import FluxError
+    from flux_runtime.pipeline.ip_adapter import encoder_source
+    from flux_runtime.weights.ip_adapter import IPAdapterError, check_ip_adapter_file
+
+    path, _, encoder = adapter
+    try:
+        encoder_source(check_ip_adapter_file(path), encoder)
+    except (IPAdapterError, FluxError) as e:
+        raise click.ClickException(f"--ip-adapter: {str(e).removeprefix('IP-Adapter ')}") from None
 
 
 def check_redux_options(opts: dict[str, Any]) -> None:
@@ -116,7 +159,13 @@ def check_redux_options(opts: dict[str, Any]) -> None:
 
 def check_inputs(opts: dict[str, Any], opened: set[Path]) -> None:
     """The input images (each path once in `opened`) decode and the boxes hold, before any weights are read."""
-    for path in (*opts["image"], opts["mask"], *opts["control_image"]):
+    for path in (
+        *opts["image"],
+        opts["mask"],
+        *opts["control_image"],
+        opts["ip_image"],
+        opts["negative_ip_image"],
+    ):
         if path is not None and path.resolve() not in opened:
             open_image(path.resolve())
             opened.add(path.resolve())
@@ -169,8 +218,9 @@ def read_boxes(value: str | list[Any] | None) -> Any:
         raise click.ClickException(f"{where}: not valid JSON ({e})") from None
 
 
-def parse_lora(spec: str, option: str = "--lora") -> tuple[str, float]:
-    """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path."""
+def parse_lora(spec: str, flag: str = "--lora") -> tuple[str, float]:
+    """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path (`flag`: the option,
+    for the message)."""
     import math
 
     path, _, tail = spec.rpartition(":")
@@ -180,7 +230,7 @@ def parse_lora(spec: str, option: str = "--lora") -> tuple[str, float]:
         except ValueError:
             return spec, 1.0
         if not math.isfinite(scale):
-            raise click.ClickException(f"{option} {spec}: the scale {tail} must be a finite number")
+            raise click.ClickException(f"{flag} {spec}: the scale {tail} must be a finite number")
         return path, scale
     return spec, 1.0
 
@@ -268,6 +318,14 @@ def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
         raise click.ClickException(
             f"give one --control-mode for every ControlNet, or one each: {nets} ControlNet(s), "
             f"{len(opts['control_modes'])} modes"
+        )
+    if (opts.get("ip_adapter") or opts.get("_ip_adapter")) is not None and pipe.variant in (
+        "fill",
+        "control",
+    ):
+        raise click.ClickException(
+            f"--ip-adapter runs with FLUX.1 text to image, img2img, inpainting and Kontext; {opts['model']} is a "
+            f"{pipe.variant} checkpoint"
         )
     if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
         raise click.ClickException(

@@ -250,6 +250,25 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             show_default=False,
         ),
         option(
+            "--ip-adapter",
+            str,
+            "FLUX.1: an XLabs IP-Adapter at SCALE. SCALE defaults to 1; PATH is its .safetensors file, a folder "
+            "holding ip_adapter.safetensors or a cached id. Needs --ip-image.",
+            metavar="PATH[:SCALE]",
+        ),
+        option("--ip-image", FILE, "FLUX.1 with --ip-adapter: the image prompt."),
+        option(
+            "--negative-ip-image",
+            FILE,
+            "FLUX.1 true CFG: the negative image prompt. With --ip-adapter [default: a black image].",
+        ),
+        option(
+            "--ip-image-encoder",
+            str,
+            "The CLIP vision encoder for --ip-adapter. A CLIPVisionModelWithProjection folder or cached id "
+            "[default: image_encoder/ beside the adapter, else openai/clip-vit-large-patch14 from the cache].",
+        ),
+        option(
             "--max-area",
             click.IntRange(min=1),
             "FLUX.1 Kontext: output pixels. The size keeps --width / --height at this area [default: 1024²].",

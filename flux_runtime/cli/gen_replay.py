@@ -43,6 +43,10 @@ REPLAYED = (
     "controlnet",
     "control_mode",
     "control_range",
+    "ip_adapter",
+    "ip_image",
+    "negative_ip_image",
+    "ip_image_encoder",
     "no_upsample",
     "prompt_upsampler",
     "upsampler_prompts",
@@ -68,6 +72,7 @@ RECORDED = {
 PARAMETERS = {"lora": "loras", "controlnet": "controlnets", "control_mode": "control_modes"}
 # the input images the record names: its role for each -> the option
 INPUT_ROLES = (("image", "image"), ("mask_image", "mask"), ("control_image", "control_image"))
+IP_ROLES = (("ip_adapter_image", "ip_image"), ("negative_ip_adapter_image", "negative_ip_image"))
 
 
 def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
@@ -122,6 +127,12 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         opts.update(_replay_redux(png, rec["redux"]))
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
     _replay_controlnets(png, rec.get("controlnets") or [], opts)
+    if rec.get("ip_adapter") is not None:
+        opts["_ip_adapter"] = _replay_ip_adapter(png, rec["ip_adapter"])
+    ip_images = rec.get("ip_adapter_images") or {}
+    for role, opt in IP_ROLES:
+        if role in ip_images:
+            (opts[opt],) = _replay_images(png, [ip_images[role]])
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
     # the whole recorded batch runs again: a batch's size changes its GEMMs' rounding, so image i of a
@@ -153,6 +164,19 @@ def _replay_redux(png: Path, redux: dict[str, Any]) -> dict[str, Any]:
         "image": _replay_images(png, redux["images"]),
         **scales,
     }
+
+
+def _replay_ip_adapter(png: Path, recorded: dict[str, Any]) -> tuple[str, Any, str]:
+    """The IP-Adapter a PNG was made with, (path, scale, image encoder), its file still there with the same
+    bytes."""
+    import hashlib
+
+    path = Path(recorded["path"])
+    if not path.is_file():
+        raise click.ClickException(f"cannot replay {png}: its IP-Adapter {path} is gone")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != recorded["sha256"]:
+        raise click.ClickException(f"cannot replay {png}: its IP-Adapter {path} has changed since")
+    return str(path), recorded["scale"], recorded["image_encoder"]
 
 
 def _replay_loras(png: Path, recorded: list[dict[str, Any]]) -> list[tuple[str, float]]:

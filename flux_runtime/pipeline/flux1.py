@@ -21,7 +21,7 @@ from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
-from flux_runtime.pipeline import controlnets, flux1_variants, placement
+from flux_runtime.pipeline import controlnets, flux1_variants, ip_adapter, placement
 from flux_runtime.pipeline import redux as redux_stage
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
@@ -39,7 +39,15 @@ from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.provenance import weights_id
 from flux_runtime.pipeline.redux import Redux, open_redux
 from flux_runtime.pipeline.sources import Sources, schedule_config
-from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
+from flux_runtime.pipeline.state import (
+    Call,
+    Conditioning,
+    OutputType,
+    PipelineOutput,
+    Progress,
+    Start,
+    WithExtra,
+)
 from flux_runtime.pipeline.step_caching import as_policy
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import Variant, spec_for
@@ -272,6 +280,8 @@ class Flux1Pipe(Recipe):
         control_guidance_end: float | list[float] = 1.0,
         prompt_embeds_scale: float | list[float] = 1.0,
         pooled_prompt_embeds_scale: float | list[float] = 1.0,
+        ip_adapter_image: Image.Image | None = None,
+        negative_ip_adapter_image: Image.Image | None = None,
         **unknown: Any,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
@@ -296,6 +306,8 @@ class Flux1Pipe(Recipe):
         which conditions the call in place of the prompt, as FluxPriorReduxPipeline then FluxPipeline; `prompt`
         is optional there, `prompt_embeds_scale` / `pooled_prompt_embeds_scale` weigh each image (one number,
         or one per image); img2img, Kontext and Fill, which read `image` too, are refused.
+        `ip_adapter_image` (with an IP-Adapter loaded, `load_ip_adapter`): the image prompt;
+        `negative_ip_adapter_image`: the negative branch's under true CFG (default: a black image).
         """
         reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.1")
         if max_sequence_length is None:
@@ -311,6 +323,7 @@ class Flux1Pipe(Recipe):
                 control_mode=control_mode, control_guidance_start=control_guidance_start,
                 control_guidance_end=control_guidance_end,
                 prompt_embeds_scale=prompt_embeds_scale, pooled_prompt_embeds_scale=pooled_prompt_embeds_scale,
+                ip_adapter_image=ip_adapter_image, negative_ip_adapter_image=negative_ip_adapter_image,
             ),
             cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
@@ -338,6 +351,7 @@ class Flux1Pipe(Recipe):
         # negative prompt) and the default size they imply
         controlnets.check_call(self, call)
         flux1_variants.check_inputs(self, call)
+        ip_adapter.check_call(self, call)
         default_h, default_w = controlnets.default_size(call) or (self.default_size, self.default_size)
         call.height = default_h if call.height is None else call.height
         call.width = default_w if call.width is None else call.width
@@ -404,9 +418,41 @@ class Flux1Pipe(Recipe):
             neg = None
             if negative is not None:
                 _, neg = self._encode_texts(["", negative], call.max_sequence_length, n)
-        if neg is None:
-            return Conditioning(txt, vec)
-        return Conditioning(txt, vec, neg[0], neg[1])
+        cond = Conditioning(txt, vec) if neg is None else Conditioning(txt, vec, neg[0], neg[1])
+        if ip_adapter.loaded(self) is not None:
+            cond.extra, cond.negative_extra = ip_adapter.encode_images(self, call, cond.batch)
+        return cond
+
+    def fixed_extra(self, extra: Any) -> Any:
+        """The IP-Adapter's image tokens from the branch's CLIP image embeddings, once per generation (diffusers
+        projects them at every step: the same ops on the same inputs)."""
+        return self.transformer.project_image(extra)
+
+    # ------------------------------------------------------------------ IP-Adapter
+    def load_ip_adapter(
+        self,
+        path: str | Path,
+        scale: float | list[float] = 1.0,
+        *,
+        image_encoder: str | Path | None = None,
+        image_encoder_dtype: torch.dtype = torch.float16,
+    ) -> ip_adapter.LoadedIPAdapter:
+        """Load the XLabs FLUX.1 IP-Adapter (as diffusers' `load_ip_adapter`): `path` a .safetensors file, a
+        folder holding `ip_adapter.safetensors`, or a cached Hugging Face id; `scale` one number or one per
+        double block. `image_encoder`: the CLIP vision encoder (CLIPVisionModelWithProjection folder or cached
+        id; default `image_encoder/` beside the adapter, else openai/clip-vit-large-patch14 from the cache),
+        run in `image_encoder_dtype` (diffusers' default fp16). Calls then take `ip_adapter_image`."""
+        return ip_adapter.load_ip_adapter(
+            self, path, scale, image_encoder=image_encoder, image_encoder_dtype=image_encoder_dtype
+        )
+
+    def unload_ip_adapter(self) -> None:
+        """Take the IP-Adapter and its image encoder off: calls run as the plain pipeline again."""
+        ip_adapter.unload_ip_adapter(self)
+
+    def set_ip_adapter_scale(self, scale: float | list[float]) -> None:
+        """The loaded IP-Adapter's scale: one number, or one per double block."""
+        ip_adapter.set_ip_adapter_scale(self, scale)
 
     def prepare(self, call: Call, cond: Conditioning) -> Start:
         if "controlnet" not in call.prepared:
@@ -457,7 +503,10 @@ class Flux1Pipe(Recipe):
         ids: tuple[Tensor, Tensor], pe: RoPE,
     ) -> Tensor:  # fmt: skip
         img_ids, txt_ids = ids
-        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods)
+        ip = None
+        if isinstance(txt, WithExtra):  # the branch's IP-Adapter image tokens
+            txt, ip = txt
+        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, ip=ip)
 
     def controlled_velocity(
         self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
@@ -465,7 +514,12 @@ class Flux1Pipe(Recipe):
     ) -> Tensor:  # fmt: skip
         residuals = controlnets.residuals(self.controlnets, control, active, x, t)
         img_ids, txt_ids = ids
-        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, control=residuals)
+        ip = None
+        if isinstance(txt, WithExtra):  # the branch's IP-Adapter image tokens (the ControlNets read none)
+            txt, ip = txt
+        return self.transformer(
+            x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, ip=ip, control=residuals
+        )
 
     def modulation_table(
         self, call: Call, start: Start, vec: Tensor | None, g: Tensor | None
@@ -495,6 +549,7 @@ class Flux1Pipe(Recipe):
             **flux1_variants.record_inputs(self, call),
             **controlnets.record(self, call),
             **redux_stage.record_inputs(self, call),
+            **ip_adapter.record_inputs(self, call),
         }
 
     def planned_tokens(self, call: Call | None) -> tuple[int, int]:

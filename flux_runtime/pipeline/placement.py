@@ -212,11 +212,14 @@ def _decode(pipe: Any, height: int, width: int, batch: int, *, tiled: bool) -> i
 
 
 def text_parts(pipe: Any) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The text stage's models and repeated layers: the text encoders' (none on a pipeline without them) and a
-    FLUX.1 Redux's SigLIP and embedder, which run in that stage and move with the encoders, whole."""
+    """The text stage's models and repeated layers: the text encoders' (none on a pipeline without them), a
+    FLUX.1 Redux's SigLIP and embedder and the IP-Adapter's CLIP vision model, which run in that stage and move
+    with the encoders, whole."""
     roots, layers = pipe.text_encoder.parts() if pipe.text_encoder is not None else ([], [])
     redux = getattr(pipe, "redux", None)
-    return [*roots, *(redux.modules() if redux is not None else [])], list(layers)
+    image = getattr(pipe, "image_encoder", None)
+    extra = [*(redux.modules() if redux is not None else []), *([image] if image is not None else [])]
+    return [*roots, *extra], list(layers)
 
 
 def replan_text(pipe: Any) -> Plan:
