@@ -27,6 +27,7 @@ from flux_runtime.kernels.fp8 import (
 )
 from flux_runtime.kernels.gated_residual import gated_residual
 from flux_runtime.kernels.gelu import gelu_tanh
+from flux_runtime.kernels.gguf_dequant_triton import dequantize_as as gguf_dequant_as
 from flux_runtime.kernels.layer_norm_modulate import (
     layer_norm_modulate,
     layer_norm_modulate_fp8,
@@ -62,6 +63,7 @@ __all__ = [
     "gated_residual",
     "gelu_tanh",
     "gelu_tanh_fp8",
+    "gguf_dequant_as",
     "head_major_layout",
     "is_head_major",
     "joint_token_gated_residual",
