@@ -186,6 +186,7 @@ def _gguf_dequant_kernel(
     S: tl.constexpr,
     L: tl.constexpr,
     BLOCKS: tl.constexpr,  # blocks per program
+    F32_OUT: tl.constexpr,  # the output is fp32: the fp16 values are stored as they are
     GPU: tl.constexpr,
 ):
     # grid: (cdiv(n_blocks, BLOCKS),)
@@ -198,7 +199,7 @@ def _gguf_dequant_kernel(
     )  # the last program's spare rows re-read a block
     v = _dequant_block(base, s, j, QTYPE, GPU)
     mask = (blk < n_blocks) & (j >= 0)
-    if DTYPE.is_fp32():
+    if F32_OUT:
         tl.store(out_ptr + blk * (S * L) + j, v, mask=mask)
     else:
         tl.store(out_ptr + blk * (S * L) + j, to_storage(v, DTYPE, GPU), mask=mask)
@@ -235,7 +236,16 @@ def dequantize_triton(
     )
     per = blocks or BLOCKS_PER_PROGRAM[qtype.block]
     _gguf_dequant_kernel[(triton.cdiv(n_blocks, per),)](
-        raw, out, n_blocks, QTYPE=qtype.id, TYPE_SIZE=qtype.type_size, S=s, L=length, BLOCKS=per, **EXACT
+        raw,
+        out,
+        n_blocks,
+        QTYPE=qtype.id,
+        TYPE_SIZE=qtype.type_size,
+        S=s,
+        L=length,
+        BLOCKS=per,
+        F32_OUT=dtype == torch.float32,
+        **EXACT,
     )
     return out
 
