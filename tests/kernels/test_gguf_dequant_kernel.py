@@ -44,7 +44,12 @@ pytestmark = pytest.mark.filterwarnings(
 # FLUX.1-dev's projections (out, in): attention, qkv, MLP in/out, single blocks' linear1/linear2, modulation
 FLUX1_SHAPES = [(3072, 3072), (9216, 3072), (12288, 3072), (3072, 12288), (21504, 3072), (3072, 15360)]
 FLUX1_SHAPES += [(18432, 3072)]
-WIDTHS = sorted({cols for _, cols in FLUX1_SHAPES} | {6144})  # FLUX.2's hidden width too
+WIDTHS = sorted({cols for _, cols in FLUX1_SHAPES} | {6144})  # FLUX.2-dev's hidden width too
+# the other input widths of FLUX.2's projections: klein 4B's MLP down (9216), klein 9B's hidden, MLP down and
+# linear2 (4096, 12288, 16384), dev's MLP down and linear2 (18432, 24576)
+FLUX2_WIDTHS = (4096, 9216, 16384, 18432, 24576)
+# FLUX.2-dev's largest projections: the single blocks' linear1 (q, k, v and the SwiGLU pair) and linear2
+FLUX2_DEV_SHAPES = [(55296, 6144), (6144, 24576)]
 CPU_REASON = "inputs on cpu; the kernel runs on cuda"
 
 
@@ -88,6 +93,15 @@ def test_every_type_and_dtype_at_flux_widths(name: str, cols: int) -> None:
     raw = blocks(name, 3 if cols < 12288 else 2, cols, seed=cols)
     for dtype in OUT_DTYPES:
         assert_matches(raw, qtype, dtype)
+
+
+@interpreter
+@pytest.mark.parametrize("name", QUANT_NAMES)
+def test_every_type_at_flux2_widths(name: str) -> None:
+    """One row of each of FLUX.2's other widths, bf16 (the dtype FLUX.2 runs in)."""
+    qtype = gguf_dequant.BY_NAME[name]
+    for cols in FLUX2_WIDTHS:
+        assert_matches(blocks(name, 1, cols, seed=cols), qtype, torch.bfloat16)
 
 
 @interpreter
@@ -235,9 +249,9 @@ def test_full_size_projection(name: str) -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", FLUX1_SHAPES, ids=row_id)
+@pytest.mark.parametrize("shape", FLUX1_SHAPES + FLUX2_DEV_SHAPES, ids=row_id)
 @pytest.mark.parametrize("name", QUANT_NAMES)
-def test_gpu_flux1_projections(name: str, shape: tuple[int, int]) -> None:
+def test_gpu_flux_projections(name: str, shape: tuple[int, int]) -> None:
     """Random codes and sub-block scales, each block's fp16 fields drawn from N(0, 0.02) (drawn on the GPU: the
     numpy quantizer is slow at these sizes)."""
     qtype = gguf_dequant.BY_NAME[name]
