@@ -4,6 +4,8 @@ Every op here is called by the models through the name exported below. The refer
 implementation *is* the model math (op for op what diffusers runs); fused Triton kernels
 live beside their reference in the same module and are picked by `dispatch`: the pipeline sets the
 tier with `use_fused("lossless")` and reads `fused_ops_report()` to say which kernels actually ran.
+`gguf_dequant_as` is the weight of a GGUF projection (`gguf_dequant` the reference, its kernel in
+`gguf_dequant_triton`, a module of its own beside it).
 
 This package imports nothing from the rest of `flux_runtime`.
 """
