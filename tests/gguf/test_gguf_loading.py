@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.models.dit.layers import GgufLinear
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.gguf_file import GgufSource
@@ -325,3 +326,11 @@ def test_on_a_gpu_the_output_is_bit_identical_to_diffusers(pairs, main):
     inputs = [x.to("cuda") for x in _inputs(model, dtype)]
     got, want = _outputs(ours, ref, inputs)
     assert torch.equal(got, want)
+    # the lossless tier: every projection's weight from the fused dequantization kernel, verified on first use
+    reset_fused_ops_report(forget_signatures=True)
+    with torch.no_grad(), use_fused("lossless"):
+        for _ in range(2):
+            assert torch.equal(ours(*inputs), want)
+    report = fused_ops_report()
+    assert report.fused_calls.get("gguf_dequant", 0) > 0 and not report.mismatches, str(report)
+    assert not [k for k in report.fallbacks if k[0] == "gguf_dequant"], str(report)
