@@ -222,21 +222,11 @@ def build_adapter(weights: IPAdapterWeights, cfg: Any, device: torch.device, dty
 
 
 def _replan(pipe: Any) -> None:
-    """After the models changed: graphs dropped (they hold the old modules' addresses) and, under a memory
-    plan, the plan made again with the adapter's and the encoder's weights counted (the encoder moves with
-    the text encoders, the adapter with the transformer)."""
-    pipe._graphed.clear()
-    if pipe.placement is None:
-        return
+    """The plan made again with the adapter's and the encoder's weights counted (the encoder moves with the
+    text encoders, the adapter with the transformer): `placement.replan`."""
     from flux_runtime.pipeline import placement
 
-    device, plan = pipe.placement.device, pipe.memory_plan
-    pipe.placement.reset()  # all that moves is off the device: the new placement packs it again from there
-    pipe.placement = None
-    if plan.budget is None:  # a plan named outright: the same plan
-        placement.apply_plan(pipe, plan, device)
-    else:  # chosen for a budget: chosen again, the new weights counted
-        placement.apply_budget(pipe, plan.budget, pipe.offload_text_encoders, device)
+    placement.replan(pipe)
 
 
 def unload_ip_adapter(pipe: Any) -> None:

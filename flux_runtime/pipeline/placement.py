@@ -293,6 +293,22 @@ def control_residual_bytes(pipe: Any, height: int, width: int, batch: int) -> in
     return 2 * blocks * batch * tokens * cfg.hidden_size * pipe.dtype.itemsize
 
 
+def replan(pipe: Any) -> None:
+    """After the models changed (an adapter joined or left, a LoRA swapped a layer for a larger one): graphs
+    dropped (they hold the old modules' addresses) and, under a memory plan, the plan made again with the
+    weights as they are now (a plan named outright: the same plan; one chosen for a budget: chosen again)."""
+    pipe._graphed.clear()
+    if pipe.placement is None:
+        return
+    device, plan = pipe.placement.device, pipe.memory_plan
+    pipe.placement.reset()  # all that moves is off the device: the new placement packs it again from there
+    pipe.placement = None
+    if plan.budget is None:
+        apply_plan(pipe, plan, device)
+    else:
+        apply_budget(pipe, plan.budget, pipe.offload_text_encoders, device)
+
+
 def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, device: torch.device) -> Plan:
     """Choose `pipe`'s plan for `memory` on `device` and place its models by it (see `Recipe.set_memory`)."""
     budget = budget_for(memory, device, offload_text_encoders)

@@ -150,6 +150,7 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
         lambda v: isinstance(v, list) and all(_is_lora(r) for r in v),
     ),
     "lora_fp8": STR,
+    "lora_gguf": STR,
     "redux": Kind(
         "a {path, image_encoder, weights, images, prompt_embeds_scale, pooled_prompt_embeds_scale} object",
         _is_redux,
