@@ -91,9 +91,7 @@ def load_lora(pipe: Any, path: str | Path, scale: float = 1.0) -> LoadedLora:
         text_encoder=clip, name=file.name,
     )  # fmt: skip
     pipe._graphed.clear()  # graphs replay the old weights' addresses
-    if (
-        report.gguf_layers
-    ):  # layers grew from GGUF blocks to the compute dtype: a memory plan counts them anew
+    if report.gguf_layers:  # GGUF layers grew to the compute dtype: a memory plan counts them anew
         from flux_runtime.pipeline import placement
 
         placement.replan(pipe)
