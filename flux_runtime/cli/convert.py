@@ -114,8 +114,8 @@ def main(
     source becomes one BFL file DST (.safetensors). Values and dtypes are kept bit for bit.
 
     `flux-convert gguf SRC DST --type Q4_K` writes the FLUX.1 / FLUX.2 transformer at SRC as one GGUF file
-    DST (BFL names, city96's layout): 2-D weights in TYPE, norms, biases, embedders and the final layer
-    kept wide.
+    DST (BFL names, as city96's files): 2-D weights in TYPE; norms and biases F32; the embedders, the final
+    layer and rows that are not whole blocks of TYPE in the source's float type.
 
     `flux-convert quantize SRC DST` instead writes the bf16 model at SRC (any checkpoint or model name
     `Pipeline.from_pretrained` opens) as a ModelOpt FP8 diffusers folder DST, its static input scales

@@ -13,7 +13,8 @@ searches scales that minimise a weighted squared error:
 
 Each code is then the nearest one under the scales exactly as a reader computes them (fp16 products), so the
 error of a value is at most half a step of its sub-block, and a step is at most (1 + 2/63) times the sub-block
-span / (levels - 1) of the widest sub-block in its super-block (measured in `tests/gguf/test_gguf_write.py`).
+span / (levels - 1) of the widest sub-block in its super-block, plus the fp16 roundings a reader makes (and,
+for blocks of values below ~1e-4, fp16's subnormal scales); `tests/gguf/test_gguf_kquants.py` checks this.
 """
 
 from __future__ import annotations

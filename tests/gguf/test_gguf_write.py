@@ -28,7 +28,13 @@ WIDE = dict(
 # the largest |error| in a block of 32, as (divisor, steps): the `gguf` package's step is the block's max |x| / the
 # divisor; a half step where it rounds to nearest, a whole one for Q4_0/Q5_0, whose scale maps the signed extreme
 # to the lowest code so that the other extreme may be clipped by one step
-LEGACY_STEP = {"Q8_0": (127, 0.5), "Q5_1": (15.5, 0.5), "Q4_1": (7.5, 0.5), "Q5_0": (16, 1.0), "Q4_0": (8, 1.0)}
+LEGACY_STEP = {
+    "Q8_0": (127, 0.5),
+    "Q5_1": (15.5, 0.5),
+    "Q4_1": (7.5, 0.5),
+    "Q5_0": (16, 1.0),
+    "Q4_0": (8, 1.0),
+}
 # relative RMS error of the weights (measured ~0.6x these on the tiny model, std 0.02-ish weights)
 REL_RMS = {"F16": 1e-3, "BF16": 4e-3, "Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.06, "Q5_1": 0.06, "Q5_0": 0.06}
 REL_RMS.update({"Q4_K": 0.12, "Q4_1": 0.12, "Q4_0": 0.12})
@@ -144,7 +150,9 @@ def test_flux1_output_near_the_source(flux1, tmp_path):
     assert 0 < rel["Q8_0"] < 0.02 and 5 * rel["Q8_0"] < rel["Q4_K"] < 0.25, rel
 
 
-@pytest.mark.parametrize(("qtype", "guidance"), [("Q8_0", True), ("Q6_K", False)], ids=["dev-Q8_0", "klein-Q6_K"])
+@pytest.mark.parametrize(
+    ("qtype", "guidance"), [("Q8_0", True), ("Q6_K", False)], ids=["dev-Q8_0", "klein-Q6_K"]
+)
 def test_flux2_from_a_diffusers_folder(tmp_path, qtype, guidance):
     """A FLUX.2 diffusers folder (fp32) becomes a BFL-named file, the same bytes as from its BFL twin."""
     wide = dict(num_layers=1, num_single_layers=1, attention_head_dim=128, joint_attention_dim=256)
