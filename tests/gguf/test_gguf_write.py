@@ -14,8 +14,10 @@ from flux_runtime.weights.transformer import load_transformer
 from tests.cli.convert_helpers import fail, run, tensors
 from tests.flux1_fixtures import make_diffusers_transformer, save_bfl
 from tests.flux2_fixtures import make_diffusers_flux2
+from tests.flux2_fixtures import make_inputs as make_flux2_inputs
 from tests.flux2_fixtures import save_bfl as save_bfl_flux2
-from tests.gguf_fixtures import gguf
+from tests.gguf_fixtures import diffusers_gguf_transformer, gguf
+from tests.models.helpers import diffusers_forward
 from tests.random_models import save_diffusers
 
 pytest.importorskip("diffusers")
@@ -53,6 +55,23 @@ def flux1(tmp_path_factory):
             src = save_bfl(model, folder / "flux1.safetensors", prefix="model.diffusion_model.")
             made[wide] = src, {k.removeprefix("model.diffusion_model."): v for k, v in tensors(src).items()}
         return made[wide]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def written(flux1, tmp_path_factory):
+    """`flux-convert gguf` of `flux1`'s file (the wide one by default for the K-quants) in a type, run once each:
+    (its output, the file, the source tensors)."""
+    made: dict[tuple[str, bool], tuple] = {}
+
+    def get(qtype: str, wide: bool | None = None):
+        key = qtype, qtype.endswith("_K") if wide is None else wide
+        if key not in made:
+            src, sd = flux1(key[1])
+            dst = tmp_path_factory.mktemp(qtype) / "out.gguf"
+            made[key] = run("gguf", src, dst, "--type", qtype.lower()), dst, sd
+        return made[key]
 
     return get
 
@@ -116,19 +135,18 @@ def _check_file(path, sd, qtype: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES)
-def test_flux1_round_trip_every_type(flux1, tmp_path, qtype):
-    src, sd = flux1(qtype.endswith("_K"))
-    out = run("gguf", src, tmp_path / "out.gguf", "--type", qtype.lower())
+def test_flux1_round_trip_every_type(written, qtype):
+    out, path, sd = written(qtype)
     assert f"gguf: bfl -> GGUF {qtype}, {len(sd)} tensors" in out
-    _check_file(tmp_path / "out.gguf", sd, qtype, torch.bfloat16)
-    reader = gguf.GGUFReader(str(tmp_path / "out.gguf"))
+    _check_file(path, sd, qtype, torch.bfloat16)
+    reader = gguf.GGUFReader(str(path))
     field = reader.get_field("general.architecture")
     assert field.contents() == "flux"  # the name ComfyUI-GGUF accepts for FLUX.1 and FLUX.2
     assert reader.get_field("general.quantization_version").contents() == gguf.GGML_QUANT_VERSION
-    assert not (tmp_path / "out.gguf.partial").exists()
+    assert [p.name for p in path.parent.iterdir()] == ["out.gguf"]  # no .partial left
 
 
-def test_flux1_output_near_the_source(flux1, tmp_path):
+def test_flux1_output_near_the_source(flux1, written):
     """The whole transformer from the Q8_0 and Q4_K files in fp32: outputs near the source's, Q8_0 nearer."""
     from tests.flux1_fixtures import make_inputs
 
@@ -141,8 +159,8 @@ def test_flux1_output_near_the_source(flux1, tmp_path):
     with torch.no_grad():
         want = ref(img, img_ids, txt, txt_ids, t, y, g)
         for qtype in ("Q8_0", "Q4_K"):
-            run("gguf", src, tmp_path / f"{qtype}.gguf", "--type", qtype, "-q")
-            got = load_transformer(tmp_path / f"{qtype}.gguf", device="cpu", dtype=torch.float32)(
+            _, path, _ = written(qtype, wide=True)
+            got = load_transformer(path, device="cpu", dtype=torch.float32)(
                 img, img_ids, txt, txt_ids, t, y, g
             )
             rel[qtype] = ((got - want).norm() / want.norm()).item()
@@ -161,13 +179,25 @@ def test_flux2_from_a_diffusers_folder(tmp_path, qtype, guidance):
     bfl = save_bfl_flux2(model, tmp_path / "flux2.safetensors")
     out = run("gguf", folder, tmp_path / "a.gguf", "--type", qtype)
     assert "gguf: diffusers -> GGUF" in out
-    run("gguf", bfl, tmp_path / "b.gguf", "--type", qtype)
-    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    if qtype == "Q8_0":  # the same bytes from the BFL twin (once: the steps are the same for every type)
+        run("gguf", bfl, tmp_path / "b.gguf", "--type", qtype, "-q")
+        assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
     sd = tensors(bfl)
     _check_file(tmp_path / "a.gguf", sd, qtype, torch.float32)
     # fp32 source: the kept tensors stay F32
     assert GgufSource(tmp_path / "a.gguf").ggml_type("img_in.weight").name == "F32"
-    assert load_transformer(tmp_path / "a.gguf", device="cpu", dtype=torch.float32).config.family == "flux2"
+    # diffusers' `from_single_file` reads this BFL-named file itself (its FLUX.2 conversion takes the widths
+    # from the config; FLUX.1's assumes FLUX.1-dev's): the whole transformer's output is bit-identical
+    dtype = torch.bfloat16
+    ref = diffusers_gguf_transformer(tmp_path / "a.gguf", folder, dtype, "Flux2Transformer2DModel")
+    img, img_ids, txt, txt_ids, t, g = make_flux2_inputs(1, 3, 5, 7, dtype)
+    txt = torch.randn(1, 7, 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = diffusers_forward(ref, img, img_ids, txt, txt_ids, t, g)
+    ours = load_transformer(tmp_path / "a.gguf", device="cpu", dtype=dtype)
+    assert ours.config.family == "flux2" and ours.precision == f"gguf-{qtype}"
+    with torch.no_grad():
+        got = ours(img, img_ids, txt, txt_ids, t, g if guidance else None)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
 
 
 def test_rows_that_are_not_whole_blocks_keep_the_source_type(tmp_path):
