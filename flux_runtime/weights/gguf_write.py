@@ -138,8 +138,8 @@ def _check_destination(dst: Path, sources: list[Path], overwrite: bool) -> None:
 
 
 def plan_gguf(src: str | Path) -> ConversionPlan:
-    """The BFL-named tensors of the FLUX.1 or FLUX.2 transformer at `src`; FLUX.3 is refused (our GGUF
-    loader is untested on it)."""
+    """The BFL-named tensors of the FLUX.1 or FLUX.2 transformer at `src`; FLUX.3 (our GGUF loader is untested on
+    it) and FP8 checkpoints are refused."""
     plan = plan_transformer(src, to_bfl=True)
     family = getattr(plan.config, "family", "flux1")
     if family not in ("flux1", "flux2"):
@@ -147,6 +147,12 @@ def plan_gguf(src: str | Path) -> ConversionPlan:
             f"{plan.source[0]}: a {family.upper().replace('FLUX', 'FLUX.')} transformer; flux-convert gguf "
             "writes FLUX.1 and FLUX.2 ones"
         )
+    for o in plan.outputs():
+        if o.dtype not in _FLOAT_NAMES:  # FP8 weights: their error would add to the quantization's
+            raise WeightsError(
+                f"{plan.source[0]}: {o.key} is {str(o.dtype).removeprefix('torch.')}; flux-convert gguf quantizes "
+                "bf16, fp16 or fp32 weights (convert from the bf16 checkpoint, not an FP8 one)"
+            )
     return plan
 
 

@@ -18,7 +18,7 @@ from tests.flux2_fixtures import make_inputs as make_flux2_inputs
 from tests.flux2_fixtures import save_bfl as save_bfl_flux2
 from tests.gguf_fixtures import diffusers_gguf_transformer, gguf
 from tests.models.helpers import diffusers_forward
-from tests.random_models import save_diffusers
+from tests.random_models import save_diffusers, save_tensors
 
 pytest.importorskip("diffusers")
 
@@ -240,6 +240,11 @@ def test_bad_inputs_are_one_line(flux1, tmp_path):
     assert "ending in .gguf" in fail("gguf", src, tmp_path / "a.safetensors", "--type", "Q8_0")
     vae = save_bfl_vae(make_diffusers_vae(), tmp_path / "ae.safetensors")
     assert fail("gguf", vae, tmp_path / "a.gguf", "--type", "Q8_0").startswith("Error: ")
+    model = make_diffusers_transformer(True)
+    sd = {k: v.to(torch.float8_e4m3fn) if ".img_mlp." in k and v.ndim == 2 else v for k, v in tensors(
+        save_bfl(model, tmp_path / "bf16.safetensors")).items()}  # fmt: skip
+    fp8 = save_tensors(sd, tmp_path / "fp8.safetensors")
+    assert "not an FP8 one" in fail("gguf", fp8, tmp_path / "a.gguf", "--type", "Q8_0")
     run("gguf", src, tmp_path / "q.gguf", "--type", "Q8_0", "-q")
     assert "GGUF" in fail("gguf", tmp_path / "q.gguf", tmp_path / "b.gguf", "--type", "Q4_0")
     assert not list(tmp_path.glob("a.*")) and not list(tmp_path.glob("b.*"))
