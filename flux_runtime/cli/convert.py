@@ -31,7 +31,7 @@ from flux_runtime.command_help import (
 COMPONENTS = ("transformer", "vae")
 DEFAULT_MAX_SHARD_SIZE = "10GB"
 # `flux_runtime.weights.gguf_write.GGUF_TYPES`, written out for the same reason (a test keeps them equal)
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0")
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K")
 
 
 class _Size(click.ParamType):

@@ -1,20 +1,23 @@
-"""Quantizing to the GGML K-quants Q4_K, Q5_K and Q6_K (the `gguf` package only dequantizes them).
+"""Quantizing to the GGML K-quants Q6_K, Q5_K, Q4_K, Q3_K and Q2_K (the `gguf` package only dequantizes them).
 
 The blocks are the format's, laid out exactly as `kernels.gguf_dequant` (and every other reader) decodes
-them: a super-block of 256 values with fp16 super-scales and 6-bit (Q4_K/Q5_K) or 8-bit (Q6_K) sub-block
-scales. The choice of scales is deliberately simple, simpler than llama.cpp's `llama-quantize`, which
+them: a super-block of 256 values with fp16 super-scales and 4-bit (Q2_K), 6-bit (Q3_K, Q4_K, Q5_K) or 8-bit
+(Q6_K) sub-block scales. The choice of scales is deliberately simple, simpler than llama.cpp's `llama-quantize`, which
 searches scales that minimise a weighted squared error:
 
 - Q4_K / Q5_K (8 sub-blocks of 32, `x ≈ d*sc*q - dmin*m`, q in 0..15 or 0..31): each sub-block's minimum
   (never above 0) is rounded *up* to a multiple of `dmin`, its range then rounded up to a multiple of `d`, so
   the sub-block's values all fall inside the codes' span and no value is clipped.
-- Q6_K (16 sub-blocks of 16, `x ≈ d*sc*(q - 32)`, q - 32 in -32..31): each sub-block's scale is its largest
-  |x| / 31, rounded up to a multiple of `d`.
+- Q2_K (16 sub-blocks of 16, 4-bit sub-block scales and minima, q in 0..3): as Q4_K.
+- Q6_K (16 sub-blocks of 16, `x ≈ d*sc*(q - 32)`, q - 32 in -32..31) and Q3_K (16 of 16, `x ≈ d*(sc - 32)*q`,
+  q in -4..3): each sub-block's scale is its largest |x| / 31 (Q3_K: / 3, leaving code -4 unused), rounded
+  up to a multiple of `d`.
 
 Each code is then the nearest one under the scales exactly as a reader computes them (fp16 products), so the
-error of a value is at most half a step of its sub-block, and a step is at most (1 + 2/63) times the sub-block
-span / (levels - 1) of the widest sub-block in its super-block, plus the fp16 roundings a reader makes (and,
-for blocks of values below ~1e-4, fp16's subnormal scales); `tests/gguf/test_gguf_kquants.py` checks this.
+error of a value is at most half a step of its sub-block, and a step is at most (1 + 1/g)^2 (two-sided types)
+or (1 + 1/g) (symmetric ones) times the span / (levels - 1) of the widest sub-block in its super-block, g the
+sub-scale grid (63, 127, 31, 15), plus the fp16 roundings a reader makes (and, for blocks of values below
+~1e-4, fp16's subnormal scales); `tests/gguf/test_gguf_kquants.py` checks this.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import torch
 from torch import Tensor
 
 QK_K = 256
-K_TYPES = ("Q6_K", "Q5_K", "Q4_K")
+K_TYPES = ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 # bytes per super-block
-TYPE_SIZE = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+TYPE_SIZE = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def _fp16_at_least(x: Tensor) -> Tensor:
@@ -138,7 +141,58 @@ def quantize_q6_k(x: Tensor) -> Tensor:
     return torch.cat([ql, qh, scales, _fp16_bytes(d)], dim=1)
 
 
-_QUANTIZE = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+def _pack_crumbs(q: Tensor) -> Tensor:
+    """2-bit codes (n, 256) as 64 bytes: in each half (128 codes), quarter c in bits 2c, 2c + 1 of 32 bytes."""
+    n = q.shape[0]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(1, 1, 4, 1)
+    return (q.reshape(n, 2, 4, 32).to(torch.int32) << shifts).sum(dim=2).to(torch.uint8).reshape(n, 64)
+
+
+def quantize_q2_k(x: Tensor) -> Tensor:
+    """Super-blocks (n, 256) fp32 as Q2_K blocks (n, 84): 16 bytes of 4-bit scale (low) and minimum (high)
+    nibbles, 64 bytes of 2-bit codes, fp16 d, dmin. 16 sub-blocks of 16, `x ≈ d*sc*q - dmin*m`, q in 0..3."""
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    low = (-sub.amin(dim=2)).clamp(min=0)
+    dmin = _fp16_at_least(low.amax(dim=1) / 15)
+    m = _ceil_div(low, dmin.float()[:, None], 15)
+    offset = (dmin[:, None] * m.to(torch.float16)).float()
+    span = (sub.amax(dim=2) + offset).clamp(min=0)
+    d = _fp16_at_least(span.amax(dim=1) / (15 * 3))
+    sc = _ceil_div(span / 3, d.float()[:, None], 15)
+    scale = (d[:, None] * sc.to(torch.float16)).float()
+    q = _codes(sub, scale[:, :, None], offset[:, :, None], 3).reshape(n, QK_K)
+    scales = (sc.to(torch.uint8) | (m.to(torch.uint8) << 4)).reshape(n, 16)
+    return torch.cat([scales, _pack_crumbs(q), _fp16_bytes(d), _fp16_bytes(dmin)], dim=1)
+
+
+def quantize_q3_k(x: Tensor) -> Tensor:
+    """Super-blocks (n, 256) fp32 as Q3_K blocks (n, 110): 32 bytes of high-bit planes, 64 of 2-bit codes, 12
+    of 6-bit scales, fp16 d. 16 sub-blocks of 16, `x ≈ d*(sc - 32)*q`, q in -4..3 (only -3..3 used here: a
+    sub-block's scale is its largest |x| / 3, so nothing is clipped)."""
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    need = sub.abs().amax(dim=2) / 3
+    d = _fp16_at_least(need.amax(dim=1) / 31)
+    sc = _ceil_div(need, d.float()[:, None], 31)
+    scale = (d[:, None] * sc.to(torch.float16)).float()[:, :, None]
+    q = _codes(sub, scale, 4 * scale, 7).reshape(n, QK_K)  # q + 4, in 0..7
+    # the low 2 bits as Q2_K's codes; the third bit set means "do not subtract 4"
+    hmask = _pack_bit_planes(q >> 2, 32)
+    stored = (sc + 32).to(torch.uint8)  # 6-bit, offset by 32
+    lo, hi = stored & 0x0F, stored >> 4
+    packed_lo = lo[:, :8] | (lo[:, 8:] << 4)
+    packed_hi = hi[:, 0:4] | (hi[:, 4:8] << 2) | (hi[:, 8:12] << 4) | (hi[:, 12:16] << 6)
+    return torch.cat([hmask, _pack_crumbs(q & 0x03), packed_lo, packed_hi, _fp16_bytes(d)], dim=1)
+
+
+_QUANTIZE = {
+    "Q2_K": quantize_q2_k,
+    "Q3_K": quantize_q3_k,
+    "Q4_K": quantize_q4_k,
+    "Q5_K": quantize_q5_k,
+    "Q6_K": quantize_q6_k,
+}
 
 
 def quantize_k(values: Tensor, name: str, rows_per_chunk: int = 256) -> Tensor:

@@ -8,8 +8,8 @@ time (`gguf.GGUFWriter`'s streaming calls), so memory holds one tensor whatever 
 written under a `.partial` name and renamed once complete.
 
 Quantizers: the `gguf` package's (Q8_0, Q5_0/1, Q4_0/1) and our own for the K-quants (`gguf_kquants`:
-Q6_K, Q5_K, Q4_K, with simpler scale choices than llama.cpp's). Q3_K and Q2_K are refused, naming the tools
-that write them.
+Q6_K ... Q2_K, with simpler scale choices than llama.cpp's). Other types (the I-quants) are refused, naming
+llama.cpp's `llama-quantize`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from flux_runtime.weights.gguf_kquants import K_TYPES, quantize_k
 log = logging.getLogger(__name__)
 
 # what `flux-convert gguf --type` writes, smallest error first
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0")
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K")
 _PACKAGE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
-_NOT_WRITTEN = ("Q3_K", "Q2_K")
 # the type's values per block (a row must hold whole blocks)
 BLOCK = {"F16": 1, "BF16": 1, "Q8_0": 32, "Q5_1": 32, "Q5_0": 32, "Q4_1": 32, "Q4_0": 32}
 BLOCK.update(dict.fromkeys(K_TYPES, 256))
@@ -49,7 +48,7 @@ SMALL = 1024
 _FILE_TYPES = {
     "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0", "Q6_K": "MOSTLY_Q6_K",
     "Q5_K": "MOSTLY_Q5_K_S", "Q5_1": "MOSTLY_Q5_1", "Q5_0": "MOSTLY_Q5_0", "Q4_K": "MOSTLY_Q4_K_S",
-    "Q4_1": "MOSTLY_Q4_1", "Q4_0": "MOSTLY_Q4_0",
+    "Q4_1": "MOSTLY_Q4_1", "Q4_0": "MOSTLY_Q4_0", "Q3_K": "MOSTLY_Q3_K_S", "Q2_K": "MOSTLY_Q2_K",
 }  # fmt: skip
 FP16_MAX = 65504.0
 _FLOAT_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -60,13 +59,10 @@ def check_type(qtype: str) -> str:
     name = qtype.upper()
     if name in GGUF_TYPES:
         return name
-    if name in _NOT_WRITTEN:
-        raise WeightsError(
-            f"--type {name}: flux-convert does not write {name} (its scales need llama.cpp's search); write "
-            "a Q8_0/F16 file here and quantize it with llama.cpp's llama-quantize as city96's tools do, or "
-            "use Q4_K"
-        )
-    raise WeightsError(f"--type {qtype}: not a type flux-convert writes ({', '.join(GGUF_TYPES)})")
+    raise WeightsError(
+        f"--type {qtype}: not a type flux-convert writes ({', '.join(GGUF_TYPES)}); for others (IQ4_XS, ...) "
+        "write a Q8_0 or F16 file and quantize it with llama.cpp's llama-quantize, as city96's tools do"
+    )
 
 
 def tensor_type(name: str, shape: tuple[int, ...], source: torch.dtype, qtype: str) -> str:

@@ -1,4 +1,4 @@
-"""Our K-quant quantizer (Q4_K, Q5_K, Q6_K): blocks every reader decodes alike, within the stated error bound."""
+"""Our K-quant quantizer (Q6_K ... Q2_K): blocks every reader decodes alike, within the stated error bound."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from tests.gguf_fixtures import diffusers_dequantize, gguf
 
 pytest.importorskip("diffusers")
 
-LEVELS = {"Q4_K": 16, "Q5_K": 32, "Q6_K": 63}  # Q6_K: codes -31..31 used, so 62 steps across 2 * max|x|
+# (codes used, values per sub-block, sub-scale grid, two-sided): Q6_K uses codes -31..31 and Q3_K -3..3, so 62 and
+# 6 steps across 2 * max|x|; the two-sided types round their minimum up as well as their scale
+KINDS = {
+    "Q6_K": (63, 16, 127, False),
+    "Q5_K": (32, 32, 63, True),
+    "Q4_K": (16, 32, 63, True),
+    "Q3_K": (7, 16, 31, False),
+    "Q2_K": (4, 16, 15, True),
+}
 
 
 def _weights(seed: int) -> torch.Tensor:
@@ -32,10 +40,10 @@ def _rel_rms(err: torch.Tensor, x: torch.Tensor) -> float:
     return (err.pow(2).mean().sqrt() / x.pow(2).mean().sqrt()).item()
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", list(KINDS))
 def test_blocks_decode_alike_and_within_half_a_step(name):
     """Ours `torch.equal` to diffusers' dequantization, the `gguf` package's (fp32) within fp16 rounding; every
-    value within half a step of its super-block's widest sub-block (scales rounded up: 1 + 2/63 at most)."""
+    value within half a step of its super-block's widest sub-block (scales rounded up on their grid)."""
     x = _weights(3)
     raw = quantize_k(x, name)
     qtype = gguf_dequant.BY_NAME[name]
@@ -47,23 +55,24 @@ def test_blocks_decode_alike_and_within_half_a_step(name):
     torch.testing.assert_close(ours.float(), theirs, rtol=2e-3, atol=tol)
 
     err = (ours.float() - x).reshape(-1, 256)
-    if name == "Q6_K":
-        span = 2 * x.reshape(-1, 16, 16).abs().amax(dim=2)
-    else:
-        sub = x.reshape(-1, 8, 32)
+    levels, size, grid, two_sided = KINDS[name]
+    sub = x.reshape(-1, 256 // size, size)
+    if two_sided:
         span = sub.amax(dim=2).clamp(min=0) - sub.amin(dim=2).clamp(max=0)
-    step = span.reshape(err.shape[0], -1).amax(dim=1) / (LEVELS[name] - 1)
+    else:
+        span = 2 * sub.abs().amax(dim=2)
+    step = span.amax(dim=1) / (levels - 1) * (1 + 1 / grid) ** (2 if two_sided else 1)
     # the reader's fp16 product and sum; and scales below fp16's normal range (the 1e-4 block), whose products
     # round to multiples of 2^-24: up to 32 codes times half that
     fp16_slack = 2.0**-10 * x.reshape(-1, 256).abs().amax(dim=1) + 32 * 2.0**-25
-    bound = 0.5 * (1 + 2 / 63) * step + fp16_slack
+    bound = 0.5 * step + fp16_slack
     assert (err.abs().amax(dim=1) <= bound).all()
     assert torch.equal(ours[3, :256], torch.zeros(256, dtype=torch.float16))  # a zero block stays zero
 
 
 def test_error_is_below_the_legacy_types_of_as_many_bits():
-    """Gaussian weights: Q4_K (4.5 bits a value) below Q4_0 (4.5), Q5_K (5.5) below Q5_0 (5.5), Q6_K below half
-    of Q5_0, the legacy types quantized by the `gguf` package."""
+    """Gaussian weights: Q4_K (4.5 bits a value) below Q4_0 (4.5), Q5_K (5.5) below Q5_0 (5.5), Q6_K (6.56) below
+    half of Q5_0, the legacy types quantized by the `gguf` package."""
     x = torch.randn(128, 2048, generator=torch.Generator().manual_seed(0)) * 0.02
 
     def legacy(name: str) -> float:
@@ -77,6 +86,8 @@ def test_error_is_below_the_legacy_types_of_as_many_bits():
 
     q4_0, q5_0 = legacy("Q4_0"), legacy("Q5_0")
     assert ours("Q4_K") < q4_0 and ours("Q5_K") < q5_0 and ours("Q6_K") < q5_0 / 2
+    # fewer bits, more error: Q3_K (3.44 bits) and Q2_K (2.63) between Q4_0's and 5x it
+    assert q4_0 < ours("Q3_K") < ours("Q2_K") < 5 * q4_0
 
 
 def test_rows_must_hold_whole_super_blocks():
