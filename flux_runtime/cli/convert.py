@@ -184,7 +184,10 @@ def _refuse_builtin(src: str) -> None:
     )
 
 
-def _gguf(src: str, dst: Path, qtype: str | None, overwrite: bool, quiet: bool, parts: dict) -> None:
+def _gguf(
+    src: str, dst: Path, qtype: str | None, overwrite: bool, quiet: bool, parts: dict[str, str | None]
+) -> None:
+    """`flux-convert gguf`: write the transformer at `src` as the GGUF file `dst`, its weights in `qtype`."""
     given = [f"--{k.replace('_', '-')}" for k, v in parts.items() if v is not None]
     if given:
         raise click.UsageError(f"{', '.join(given)}: only for quantize (gguf reads one transformer)")

@@ -248,6 +248,12 @@ def test_bad_inputs_are_one_line(flux1, tmp_path):
     run("gguf", src, tmp_path / "q.gguf", "--type", "Q8_0", "-q")
     assert "GGUF" in fail("gguf", tmp_path / "q.gguf", tmp_path / "b.gguf", "--type", "Q4_0")
     assert not list(tmp_path.glob("a.*")) and not list(tmp_path.glob("b.*"))
+    from click.testing import CliRunner
+
+    from flux_runtime.cli.convert import main
+
+    r = CliRunner().invoke(main, ["transformer", str(src), str(tmp_path / "c"), "--type", "Q8_0"])
+    assert r.exit_code == 2 and "--type: only for gguf" in r.output  # a usage error, as click reports them
 
 
 def test_values_fp16_cannot_hold_are_refused(tmp_path):
