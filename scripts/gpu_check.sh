@@ -4,6 +4,11 @@
 # and `gpu-rest` (the whole GPU suite between them, each with room for RUNS's tiny trainings beside it).
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh controlnet  the ControlNets' GPU tests, one FLUX.1-dev + ControlNet step vs diffusers
+#   bash scripts/gpu_check.sh next-22   the GPU tests written on 2026-12-04 (adapters, GGUF kernel), the ControlNet step bench
+#   bash scripts/gpu_check.sh gguf      the GGUF GPU tests and scripts/bench_gguf.py (Q8_0/Q4_K/... dequant + step)
+#   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
+#                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
+#                                       FLUX.1-dev step with Q4_K / Q8_0 projections vs the bf16 step
 #   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
 #   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
 #   bash scripts/gpu_check.sh fp8-flux3 FLUX.3 FP8 GPU tests, FLUX.3 Klein FP8 per-step bench (t2i, one reference)
@@ -539,6 +544,26 @@ case "$phase" in
     # (scripts/bench_controlnet.py; carry .whl)
     timeout 200 python3 -m pytest -q -m gpu tests/controlnet -p no:cacheprovider 2>&1 | tail -4 || status=1
     timeout 300 python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -12 || status=1
+    ;;
+  gguf)
+    # GGUF checkpoints: the fused dequantization kernel's GPU tests (every type at FLUX.1-dev's projection shapes,
+    # special fp16 scales, GgufLinear in a CUDA graph), the GGUF loaders' and pipeline's (diffusers' bits on the
+    # GPU, lossless tier included), the dispatcher's all-ops check; then scripts/bench_gguf.py (carry .whl)
+    timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_gguf_dequant_kernel.py tests/gguf \
+      tests/kernels/test_dispatch.py -p no:cacheprovider 2>&1 | tail -6 || status=1
+    timeout 330 python3 scripts/bench_gguf.py --json "$OUT/bench_gguf.json" 2>&1 | tail -120 || status=1
+    ;;
+  next-22)
+    # the first call of the session after 2026-12-04 (no GPU was lent that day), most needed first: every GPU
+    # test written that day and never run (ControlNets, IP-Adapter and Redux on CUDA with graphs, the GGUF
+    # kernel and loaders, the dispatcher's all-ops list), then one FLUX.1-dev + ControlNet step against
+    # diffusers' (carry .whl; issue 33's re-time is `READ=0 MODELS=flux1-dev,klein-4b PROMPTS=0 ... cold-start`)
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    timeout 300 python3 -m pytest -q -m gpu tests/controlnet tests/ip_adapter/test_ip_adapter_gpu.py \
+      tests/pipeline/test_redux_gpu.py tests/gguf tests/kernels/test_gguf_dequant_kernel.py \
+      tests/kernels/test_dispatch.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_22.txt" | tail -30 || status=1
+    timeout $(left 420) python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -10 || status=1
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

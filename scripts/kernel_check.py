@@ -5,7 +5,7 @@ For every op in `flux_runtime.kernels`, every FLUX site shape (hidden 3072 / 614
 128; 512 text tokens and the 512², 1024², 768×1344 images as text, image and joint streams; batch 1
 and 2; one odd size; FLUX.2 SwiGLU widths of [dev] and both [klein]s; the single blocks' `out=` slices;
 FLUX.3 Klein's per-token ops at 480 text tokens, 512² / 1024² images, 0 or 1 reference, per-mode and
-joint) and bf16 and fp16:
+joint; GGUF dequantization at FLUX.1-dev's projections in four types) and bf16 and fp16:
 
 1. fresh random inputs; the memory the fused outputs will land in is filled with NaN first (freed
    NaN blocks of the output sizes, which the caching allocator hands back; `out=` buffers are NaN
@@ -53,6 +53,8 @@ from flux_runtime.kernels.fp8 import (
 )
 from flux_runtime.kernels.gated_residual import gated_residual_reference, gated_residual_triton
 from flux_runtime.kernels.gelu import all_half_values, gelu_tanh_reference, gelu_tanh_triton
+from flux_runtime.kernels.gguf_dequant import BY_NAME as GGML_TYPES
+from flux_runtime.kernels.gguf_dequant_triton import HALF_FIELDS, dequantize_reference, dequantize_triton
 from flux_runtime.kernels.layer_norm_modulate import (
     layer_norm_modulate_reference,
     layer_norm_modulate_triton,
@@ -495,6 +497,34 @@ def _flux3_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
             yield _flux3_qk_case(f"F3 {label} B{b}", dtype, b, FLUX3_TXT + n, {"": qk_norm_rope_fp32_triton})
 
 
+# GGUF projections of FLUX.1-dev (out, in) and the types timed at them (the kernel's tests cover all types)
+GGUF_SHAPES = ((3072, 3072), (9216, 3072), (12288, 3072), (3072, 12288), (21504, 3072), (3072, 15360))
+GGUF_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _gguf_blocks(name: str, rows: int, cols: int) -> tuple[Tensor]:
+    """(rows, bytes) uint8 blocks of GGML type `name`: random codes, fp16 scales from N(0, 0.02)."""
+    qtype = GGML_TYPES[name]
+    n = rows * cols // qtype.block
+    raw = torch.randint(0, 256, (n, qtype.type_size), device="cuda").to(torch.uint8)
+    for off in HALF_FIELDS[name]:
+        raw[:, off : off + 2] = (torch.randn(n, 1, device="cuda") * 0.02).half().view(torch.uint8)
+    return (raw.reshape(rows, -1),)
+
+
+def _gguf_cases(dtype: torch.dtype, s: int) -> Iterator[Case]:
+    """GGUF dequantization, blocks to `dtype`, at FLUX.1-dev's projection shapes."""
+    for name in GGUF_TYPES:
+        qtype = GGML_TYPES[name]
+        for rows, cols in GGUF_SHAPES:
+            nbytes = rows * cols // qtype.block * qtype.type_size + rows * cols * s
+            yield Case(
+                "gguf_dequant", f"{name} {rows}x{cols}", dtype, partial(_gguf_blocks, name, rows, cols),
+                {"": partial(dequantize_triton, qtype=qtype, dtype=dtype)},
+                partial(dequantize_reference, qtype=qtype, dtype=dtype), nbytes,
+            )  # fmt: skip
+
+
 def cases(dtype: torch.dtype) -> Iterator[Case]:
     s = torch.empty((), dtype=dtype).element_size()
     yield from _row_cases(dtype, s)
@@ -503,6 +533,7 @@ def cases(dtype: torch.dtype) -> Iterator[Case]:
     yield from _attention_act_cases(dtype, s)
     yield from _act_fp8_cases(dtype, s)
     yield from _flux3_cases(dtype, s)
+    yield from _gguf_cases(dtype, s)
 
 
 def tune_cases() -> Iterator[Case]:

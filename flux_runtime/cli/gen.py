@@ -55,8 +55,10 @@ def main(**opts: Any) -> None:
         if opts["download_only"]:
             download_only(opts)
             return
-        if not opts["prompt"] and opts["prompts"] is None:
-            raise click.UsageError("--prompt is required (or --replay an image, or --prompts a file)")
+        if not opts["prompt"] and opts["prompts"] is None and opts["redux"] is None:
+            raise click.UsageError(
+                "--prompt is required (or --replay an image, --prompts a file, or --redux)"
+            )
         if rank is None and (opts["gpus"] or 1) > 1:
             spawn_ranks(opts)
         opts["_rank"] = rank

@@ -32,6 +32,14 @@ ONE_FAMILY: tuple[tuple[str, dict[str, Callable[[Any], bool]]], ...] = (
             "no_auto_resize": bool,
             "negative_prompt": lambda v: v is not None,
             "true_cfg": lambda v: v != 1.0,
+            "redux": lambda v: v is not None,
+            "redux_image_encoder": lambda v: v is not None,
+            "redux_scale": lambda v: v != 1.0,
+            "redux_pooled_scale": lambda v: v != 1.0,
+            "ip_adapter": lambda v: v is not None,
+            "ip_image": lambda v: v is not None,
+            "negative_ip_image": lambda v: v is not None,
+            "ip_image_encoder": lambda v: v is not None,
         },
     ),
     ("FLUX.3", {"no_upsample": bool, "prompt_upsampler": bool, "upsampler_prompts": bool, "boxes": bool}),
@@ -60,7 +68,9 @@ def check_early(opts: dict[str, Any]) -> None:
     )
     from flux_runtime.weights.builtin import size_multiple
 
-    check_prompts(opts["prompt"])
+    if opts.get("redux") is None or opts["prompt"] is not None:  # a Redux run needs no prompt
+        check_prompts(opts["prompt"])
+    check_redux_options(opts)
     if opts["height"] is not None or opts["width"] is not None:
         # the multiple where the registry knows the model's autoencoder; else the pipeline checks it once loaded
         multiple = (None if opts["vae"] is not None else size_multiple(opts["model"])) or 0
@@ -78,11 +88,84 @@ def check_early(opts: dict[str, Any]) -> None:
         raise click.ClickException("--mask needs --image (the image to inpaint)")
     if opts.get("strength") is not None and not opts["image"]:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
+    check_ip_options(opts)
+
+
+def check_ip_options(opts: dict[str, Any]) -> None:
+    """--ip-adapter and its images go together: the adapter needs an image prompt, the images an adapter."""
+    adapter = opts.get("ip_adapter") or opts.get("_ip_adapter")
+    images = [f for f in ("ip_image", "negative_ip_image") if opts.get(f) is not None]
+    if adapter is None:
+        for flag in (*images, "ip_image_encoder"):
+            if opts.get(flag) is not None:
+                raise click.ClickException(f"--{flag.replace('_', '-')} needs --ip-adapter")
+    elif not images:
+        raise click.ClickException("--ip-adapter needs --ip-image (the image prompt)")
+
+
+def ip_adapter_of(opts: dict[str, Any]) -> tuple[str, float | list[float], str | None] | None:
+    """The IP-Adapter to load, (path, scale, image encoder): a replayed record's, else --ip-adapter's."""
+    if opts.get("_ip_adapter") is not None:
+        return opts["_ip_adapter"]
+    if opts.get("ip_adapter") is None:
+        return None
+    path, scale = parse_lora(opts["ip_adapter"], "--ip-adapter")
+    return path, scale, opts.get("ip_image_encoder")
+
+
+def check_ip_adapter(adapter: tuple[str, float | list[float], str | None] | None) -> None:
+    """A missing file, a file that is no IP-Adapter and a missing CLIP vision encoder fail before the model
+    loads."""
+    if adapter is None:
+        return
+    from flux_runtime.pipeline.errors import FluxError
+    from flux_runtime.pipeline.ip_adapter import encoder_source
+    from flux_runtime.weights.ip_adapter import IPAdapterError, check_ip_adapter_file
+
+    path, _, encoder = adapter
+    try:
+        encoder_source(check_ip_adapter_file(path), encoder)
+    except (IPAdapterError, FluxError) as e:
+        raise click.ClickException(f"--ip-adapter: {str(e).removeprefix('IP-Adapter ')}") from None
+
+
+def check_redux_options(opts: dict[str, Any]) -> None:
+    """--redux and its companions: given together, beside --image and none of img2img's options, and the
+    Redux files themselves (paths and headers only)."""
+    redux = opts.get("redux")
+    if redux is None:
+        given = [f"--{k.replace('_', '-')}" for k in ("redux_image_encoder",) if opts.get(k) is not None]
+        given += [
+            f"--{k.replace('_', '-')}"
+            for k in ("redux_scale", "redux_pooled_scale")
+            if opts.get(k, 1.0) != 1.0
+        ]
+        if given:
+            raise click.ClickException(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --redux")
+        return
+    if not opts["image"]:
+        raise click.ClickException("--redux needs --image (the image to make variations of)")
+    if (opts.get("gpus") or 1) > 1:
+        raise click.ClickException("--redux runs on one GPU for now: drop --gpus")
+    for name in ("strength", "mask"):
+        if opts.get(name) is not None:
+            raise click.ClickException(f"with --redux, --image is the Redux image: drop --{name}")
+    if opts.get("negative_prompt") is not None:
+        raise click.ClickException("--negative-prompt (true CFG) does not run with --redux: drop it")
+    from flux_runtime.weights.redux import find_redux
+
+    find_redux(redux, opts.get("redux_image_encoder"))  # a wrong file fails now, in one line
 
 
 def check_inputs(opts: dict[str, Any], opened: set[Path]) -> None:
     """The input images (each path once in `opened`) decode and the boxes hold, before any weights are read."""
-    for path in (*opts["image"], opts["mask"], *opts["control_image"]):
+    for path in (
+        *opts["image"],
+        opts["mask"],
+        *opts["control_image"],
+        opts["ip_image"],
+        opts["negative_ip_image"],
+    ):
         if path is not None and path.resolve() not in opened:
             open_image(path.resolve())
             opened.add(path.resolve())
@@ -135,8 +218,9 @@ def read_boxes(value: str | list[Any] | None) -> Any:
         raise click.ClickException(f"{where}: not valid JSON ({e})") from None
 
 
-def parse_lora(spec: str, option: str = "--lora") -> tuple[str, float]:
-    """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path."""
+def parse_lora(spec: str, flag: str = "--lora") -> tuple[str, float]:
+    """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path (`flag`: the option,
+    for the message)."""
     import math
 
     path, _, tail = spec.rpartition(":")
@@ -146,7 +230,7 @@ def parse_lora(spec: str, option: str = "--lora") -> tuple[str, float]:
         except ValueError:
             return spec, 1.0
         if not math.isfinite(scale):
-            raise click.ClickException(f"{option} {spec}: the scale {tail} must be a finite number")
+            raise click.ClickException(f"{flag} {spec}: the scale {tail} must be a finite number")
         return path, scale
     return spec, 1.0
 
@@ -211,6 +295,8 @@ def refuse_other_family(opts: dict[str, Any], family: str) -> None:
 def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
     """The options a FLUX.1 model takes only in some variants, checked once the variant is known."""
     images = opts["image"]
+    if opts.get("redux") is not None:  # --image is the Redux image; the pipeline refuses Kontext and Fill
+        return
     if images and pipe.variant == "text2img" and opts["strength"] is None and opts["mask"] is None:
         # a reference image to edit from is FLUX.2's (or Kontext's); FLUX.1 redraws an image on request
         raise click.ClickException(
@@ -232,6 +318,14 @@ def check_flux1_variant(pipe: Any, opts: dict[str, Any]) -> None:
         raise click.ClickException(
             f"give one --control-mode for every ControlNet, or one each: {nets} ControlNet(s), "
             f"{len(opts['control_modes'])} modes"
+        )
+    if (opts.get("ip_adapter") or opts.get("_ip_adapter")) is not None and pipe.variant in (
+        "fill",
+        "control",
+    ):
+        raise click.ClickException(
+            f"--ip-adapter runs with FLUX.1 text to image, img2img, inpainting and Kontext; {opts['model']} is a "
+            f"{pipe.variant} checkpoint"
         )
     if pipe.variant != "kontext" and (opts["max_area"] is not None or opts["no_auto_resize"]):
         raise click.ClickException(

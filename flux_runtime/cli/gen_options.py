@@ -219,6 +219,56 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             "The fraction of the steps the ControlNets act in. START:END, each in [0, 1] [default: 0:1].",
         ),
         option(
+            "--redux",
+            str,
+            "FLUX.1 Redux: variations of --image. Repeat --image to mix images; --prompt is optional. PATH: "
+            "the FLUX.1-Redux-dev folder or id, or BFL's flux1-redux-dev.safetensors with "
+            "--redux-image-encoder.",
+            metavar="PATH",
+        ),
+        option(
+            "--redux-image-encoder",
+            str,
+            "FLUX.1 Redux: SigLIP for a single file. A FLUX.1-Redux-dev folder, or "
+            "google/siglip-so400m-patch14-384.",
+            metavar="PATH",
+        ),
+        option(
+            "--redux-scale",
+            click.FloatRange(min=0),
+            "FLUX.1 Redux: weight of the tokens. Each image's, prompt and image (prompt_embeds_scale) "
+            "[default: 1].",
+            1.0,
+            show_default=False,
+        ),
+        option(
+            "--redux-pooled-scale",
+            click.FloatRange(min=0),
+            "FLUX.1 Redux: weight of the pooled vector. Each image's (pooled_prompt_embeds_scale) "
+            "[default: 1].",
+            1.0,
+            show_default=False,
+        ),
+        option(
+            "--ip-adapter",
+            str,
+            "FLUX.1: an XLabs IP-Adapter at SCALE. SCALE defaults to 1; PATH is its .safetensors file, a folder "
+            "holding ip_adapter.safetensors or a cached id. Needs --ip-image.",
+            metavar="PATH[:SCALE]",
+        ),
+        option("--ip-image", FILE, "FLUX.1 with --ip-adapter: the image prompt."),
+        option(
+            "--negative-ip-image",
+            FILE,
+            "FLUX.1 true CFG: the negative image prompt. With --ip-adapter [default: a black image].",
+        ),
+        option(
+            "--ip-image-encoder",
+            str,
+            "The CLIP vision encoder for --ip-adapter. A CLIPVisionModelWithProjection folder or cached id "
+            "[default: image_encoder/ beside the adapter, else openai/clip-vit-large-patch14 from the cache].",
+        ),
+        option(
             "--max-area",
             click.IntRange(min=1),
             "FLUX.1 Kontext: output pixels. The size keeps --width / --height at this area [default: 1024²].",

@@ -43,10 +43,18 @@ REPLAYED = (
     "controlnet",
     "control_mode",
     "control_range",
+    "ip_adapter",
+    "ip_image",
+    "negative_ip_image",
+    "ip_image_encoder",
     "no_upsample",
     "prompt_upsampler",
     "upsampler_prompts",
     "boxes",
+    "redux",
+    "redux_image_encoder",
+    "redux_scale",
+    "redux_pooled_scale",
 )
 # the options the record holds as they were given: option -> the record's key
 RECORDED = {
@@ -64,6 +72,7 @@ RECORDED = {
 PARAMETERS = {"lora": "loras", "controlnet": "controlnets", "control_mode": "control_modes"}
 # the input images the record names: its role for each -> the option
 INPUT_ROLES = (("image", "image"), ("mask_image", "mask"), ("control_image", "control_image"))
+IP_ROLES = (("ip_adapter_image", "ip_image"), ("negative_ip_adapter_image", "negative_ip_image"))
 
 
 def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
@@ -84,7 +93,7 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         )
     png = opts["replay"]
     rec = read_provenance(png)
-    if not isinstance(rec["prompt"], str):
+    if not isinstance(rec["prompt"], str) and not (rec["prompt"] is None and "redux" in rec):
         raise click.ClickException(
             f"cannot replay {png}: it was made from a list of prompts or from embeddings"
         )
@@ -114,8 +123,16 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     if "upsample" in rec:  # FLUX.3: the caption that was encoded, never the upsampler again
         opts["_upsampled_prompt"] = rec.get("upsampled_prompt")
         opts["no_upsample"] = rec.get("upsampled_prompt") is None
+    if "redux" in rec:
+        opts.update(_replay_redux(png, rec["redux"]))
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
     _replay_controlnets(png, rec.get("controlnets") or [], opts)
+    if rec.get("ip_adapter") is not None:
+        opts["_ip_adapter"] = _replay_ip_adapter(png, rec["ip_adapter"])
+    ip_images = rec.get("ip_adapter_images") or {}
+    for role, opt in IP_ROLES:
+        if role in ip_images:
+            (opts[opt],) = _replay_images(png, [ip_images[role]])
     opts["_replay_weights"] = rec.get("weights")
     opts["_replay_index"] = rec.get("index", 0)
     # the whole recorded batch runs again: a batch's size changes its GEMMs' rounding, so image i of a
@@ -123,6 +140,43 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
     opts["_replay_batch"] = rec.get("num_images", opts["_replay_index"] + 1)
     served = rec.get("served_batch")  # flux-serve ran this image in one call with other requests' images
     opts["_served_batch"] = served if isinstance(served, int) and not isinstance(served, bool) else None
+
+
+def _replay_redux(png: Path, redux: dict[str, Any]) -> dict[str, Any]:
+    """The FLUX.1 Redux options a PNG was made with: its files, unchanged since (by their fingerprint), its
+    images, and one scale of each kind for all of them (what --redux-scale gives)."""
+    from flux_runtime.weights.redux import find_redux
+
+    files = find_redux(redux["path"], redux["image_encoder"])
+    if files.weights_id() != redux["weights"]:
+        raise click.ClickException(f"cannot replay {png}: its Redux {redux['path']} has changed since")
+    scales = {}
+    for option, key in (
+        ("redux_scale", "prompt_embeds_scale"),
+        ("redux_pooled_scale", "pooled_prompt_embeds_scale"),
+    ):
+        if len(set(redux[key])) != 1:
+            raise click.ClickException(f"cannot replay {png}: its Redux images had different {key}s")
+        scales[option] = redux[key][0]
+    return {
+        "redux": redux["path"],
+        "redux_image_encoder": redux["image_encoder"],
+        "image": _replay_images(png, redux["images"]),
+        **scales,
+    }
+
+
+def _replay_ip_adapter(png: Path, recorded: dict[str, Any]) -> tuple[str, Any, str]:
+    """The IP-Adapter a PNG was made with, (path, scale, image encoder), its file still there with the same
+    bytes."""
+    import hashlib
+
+    path = Path(recorded["path"])
+    if not path.is_file():
+        raise click.ClickException(f"cannot replay {png}: its IP-Adapter {path} is gone")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != recorded["sha256"]:
+        raise click.ClickException(f"cannot replay {png}: its IP-Adapter {path} has changed since")
+    return str(path), recorded["scale"], recorded["image_encoder"]
 
 
 def _replay_loras(png: Path, recorded: list[dict[str, Any]]) -> list[tuple[str, float]]:

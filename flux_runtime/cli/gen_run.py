@@ -23,9 +23,11 @@ from flux_runtime.cli.gen_checks import (
     check_early,
     check_flux1_variant,
     check_inputs,
+    check_ip_adapter,
     check_lora_files,
     control_modes,
     controlnets_of,
+    ip_adapter_of,
     loras_of,
     open_image,
     read_boxes,
@@ -148,6 +150,8 @@ def generate(opts: dict[str, Any]) -> None:
     check_lora_files(loras)
     controlnets = controlnets_of(opts)
     check_controlnet_files(controlnets)
+    ip = ip_adapter_of(opts)
+    check_ip_adapter(ip)
 
     # options of another family fail now, before anything loads
     family = model_family(opts["model"], **model_parts(opts))
@@ -175,6 +179,8 @@ def generate(opts: dict[str, Any]) -> None:
             parallel=None if rank is None else opts["gpus"],
             download=False,  # fetched above
             controlnet=[path for path, _ in controlnets] or None,
+            redux=opts["redux"],  # FLUX.1 Redux (refused above for other families)
+            redux_image_encoder=opts["redux_image_encoder"],
         )
     if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
@@ -182,6 +188,8 @@ def generate(opts: dict[str, Any]) -> None:
     with watch.lap("load"):
         for path, scale in loras:
             pipe.load_lora(path, scale=scale)
+        if ip is not None:
+            pipe.load_ip_adapter(ip[0], ip[1], image_encoder=ip[2])
     if main_rank and replaying:
         _replay_warnings(opts, pipe.weights_id)
     if pipe.family == "flux3" and (
@@ -284,8 +292,16 @@ def _call(pipe: Any, opts: dict[str, Any], progress: Progress) -> Any:
         )
     elif controls:  # a Depth / Canny model's
         flux1_inputs["control_image"] = controls[0]
+    for name, opt in (("ip_adapter_image", "ip_image"), ("negative_ip_adapter_image", "negative_ip_image")):
+        if opts[opt] is not None:
+            flux1_inputs[name] = open_image(opts[opt].resolve())
     if pipe.variant == "kontext":
         flux1_inputs.update(max_area=opts["max_area"], auto_resize=not opts["no_auto_resize"])
+    if opts["redux"] is not None:  # every --image is a Redux image
+        flux1_inputs.update(
+            prompt_embeds_scale=opts["redux_scale"], pooled_prompt_embeds_scale=opts["redux_pooled_scale"]
+        )
+        return pipe(opts["prompt"], image=images_in, **flux1_inputs, **common)
     return pipe(
         opts["prompt"],
         image=images_in[0] if images_in else None,

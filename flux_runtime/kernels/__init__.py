@@ -4,6 +4,8 @@ Every op here is called by the models through the name exported below. The refer
 implementation *is* the model math (op for op what diffusers runs); fused Triton kernels
 live beside their reference in the same module and are picked by `dispatch`: the pipeline sets the
 tier with `use_fused("lossless")` and reads `fused_ops_report()` to say which kernels actually ran.
+`gguf_dequant_as` is the weight of a GGUF projection (`gguf_dequant` the reference, its kernel in
+`gguf_dequant_triton`, a module of its own beside it).
 
 This package imports nothing from the rest of `flux_runtime`.
 """
@@ -27,6 +29,7 @@ from flux_runtime.kernels.fp8 import (
 )
 from flux_runtime.kernels.gated_residual import gated_residual
 from flux_runtime.kernels.gelu import gelu_tanh
+from flux_runtime.kernels.gguf_dequant_triton import dequantize_as as gguf_dequant_as
 from flux_runtime.kernels.layer_norm_modulate import (
     layer_norm_modulate,
     layer_norm_modulate_fp8,
@@ -62,6 +65,7 @@ __all__ = [
     "gated_residual",
     "gelu_tanh",
     "gelu_tanh_fp8",
+    "gguf_dequant_as",
     "head_major_layout",
     "is_head_major",
     "joint_token_gated_residual",

@@ -9,7 +9,8 @@ in float16: every scale is read as fp16 and each elementwise step (`d * q`, `+ m
 `d * sub_scale`) is a separate fp16 op with its own rounding; the caller then casts the fp16 weight to
 the compute dtype. The functions below take the same steps on the same dtypes in the same order, so the
 result is bit-identical to it (not to llama.cpp's fp32 dequantization, from which fp16 rounding differs
-by up to half an fp16 ulp). A later Triton kernel must reproduce these fp16 roundings.
+by up to half an fp16 ulp). The fused Triton kernel (`gguf_dequant_triton`) reproduces these fp16 roundings
+and the cast.
 
 The type numbers and block sizes are those of the GGUF format (ggml's `ggml_type`); the `gguf` package
 is not imported here (this package imports nothing optional).

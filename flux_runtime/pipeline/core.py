@@ -31,7 +31,7 @@ from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
 from flux_runtime.pipeline.memory import VAE_TILE, Plan, gib
 from flux_runtime.pipeline.placement import check_free_memory
 from flux_runtime.pipeline.provenance import provenance
-from flux_runtime.pipeline.state import Call, Conditioning, PipelineOutput, Start
+from flux_runtime.pipeline.state import Call, Conditioning, PipelineOutput, Start, WithExtra
 from flux_runtime.pipeline.step_caching import CacheRun, check_policy
 from flux_runtime.pipeline.tiers import (
     BATCHED_MODULATION,
@@ -69,6 +69,8 @@ class Recipe:
     hub_revision: tuple[str, str] | None = None  # (repo, commit) of a transformer read from the Hub's cache
     # the step-cache policy a call uses when it passes no `cache=` (`flux_runtime.sampling.step_cache`)
     cache: Any = None
+    # a vision encoder that takes turns with the text encoders under a memory plan (the IP-Adapter's CLIP)
+    image_encoder: Any = None
 
     def _setup(
         self,
@@ -191,6 +193,11 @@ class Recipe:
         lossless: the same ops on the same inputs, once instead of once per step."""
         return txt, cond
 
+    def fixed_extra(self, extra: Any) -> Any:
+        """A branch's extra step input (`Conditioning.extra`) as every step reads it, computed once per
+        generation on the transformer's device (FLUX.1: the IP-Adapter's image tokens)."""
+        return extra
+
     def guidance_tensor(self, call: Call, batch: int) -> Tensor | None:
         """What the transformer's guidance embedder is fed (B,) fp32, or None for a model without one."""
         raise NotImplementedError
@@ -217,6 +224,10 @@ class Recipe:
     ) -> Tensor | None:
         """High tier: every step's adaLN projections in one GEMM, (steps, B, total); None where unused."""
         return None
+
+    def load_ip_adapter(self, path: str | Path, scale: float | list[float] = 1.0, **kw: Any) -> Any:
+        """IP-Adapters are FLUX.1's (`Flux1Pipe.load_ip_adapter`); other families refuse them in one line."""
+        raise FluxError(f"IP-Adapters are for FLUX.1 models; {self.model_name} is not one")
 
     # ------------------------------------------------------------------ LoRAs
     def load_lora(self, path: str | Path, scale: float = 1.0) -> LoadedLora:
@@ -378,7 +389,7 @@ class Recipe:
         approximations: set[str] = set()
 
         def branch(
-            name: str, txt: Tensor, vec: Tensor | None
+            name: str, txt: Tensor, vec: Tensor | None, extra: Any
         ) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
             # the batched table reads every block's weights at once: not while the blocks stream
             batched = tier.batched_modulation and not self.memory_plan.streams_dit
@@ -388,6 +399,8 @@ class Recipe:
             step = iter(range(steps))
             with tier.mounted():  # the branch's step-invariant streams, once per generation
                 text, cc = self.fixed_conditioning(txt, channel_cond, ids, pe)
+                if extra is not None:  # a fixed input of the step too, so a graph replays this branch's
+                    text = WithExtra(text, self.fixed_extra(extra))
             ctl = None if control is None else control.tensors
 
             def step_inputs() -> tuple[Tensor | None, tuple]:
@@ -424,11 +437,11 @@ class Recipe:
 
         def uncond() -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
             assert cond.negative_txt is not None
-            return branch("uncond", cond.negative_txt, cond.negative_vec)
+            return branch("uncond", cond.negative_txt, cond.negative_vec, cond.negative_extra)
 
         # in a parallel run with CFG, each half of the ranks builds and runs one branch
         model_fn, negative = par.branches(
-            world, plan, lambda: branch("cond", cond.txt, cond.vec),
+            world, plan, lambda: branch("cond", cond.txt, cond.vec, cond.extra),
             None if cond.negative_txt is None else uncond,
         )  # fmt: skip
         with par.running(world, plan):

@@ -28,6 +28,7 @@ from flux_runtime.registry import Variant
 from flux_runtime.sampling.step_cache import CachePolicy
 from flux_runtime.weights.download import downloads_allowed
 from flux_runtime.weights.pinned_stream import keep_ring
+from flux_runtime.weights.redux import find_redux
 
 if TYPE_CHECKING:
     from flux_runtime.pipeline.flux2 import Flux2Pipe
@@ -63,6 +64,8 @@ class Pipeline(Flux1Pipe):
         download: bool = True,
         cache: str | CachePolicy | None = None,
         controlnet: Any = None,
+        redux: str | Path | None = None,
+        redux_image_encoder: str | Path | None = None,
         **unknown: Any,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """Open a FLUX.1 pipeline, or a FLUX.2 one (`Flux2Pipe`) or FLUX.3 one (`Flux3Pipe`) when the transformer's
@@ -101,6 +104,9 @@ class Pipeline(Flux1Pipe):
         It approximates (orthogonal to `quality`); the provenance records the policy and the steps computed.
         `controlnet` (FLUX.1): one ControlNet or a list (paths, cached ids or `load_controlnet` models), run in
         that order by calls that give their `control_image`s (see `Flux1Pipe.__call__`).
+        `redux` (FLUX.1): attach FLUX.1 Redux, so that `pipe(image=IMG)` generates from an image (`load_redux`):
+        the FLUX.1-Redux-dev folder, or BFL's flux1-redux-dev.safetensors with `redux_image_encoder`, its SigLIP
+        (a FLUX.1-Redux-dev folder or google/siglip-so400m-patch14-384); local paths or cached ids.
         """
         reject_unknown_load(cls.from_pretrained, unknown)
         policy = as_policy(cache)
@@ -112,7 +118,8 @@ class Pipeline(Flux1Pipe):
             path_or_id, device=device, dtype=dtype, quality=quality, vae=vae, text_encoder=text_encoder,
             text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,
             is_distilled=is_distilled, fp8=fp8, variant=variant, memory=memory, fp8_text=fp8_text,
-            parallel=parallel, download=download, controlnet=controlnet,
+            parallel=parallel, download=download, controlnet=controlnet, redux=redux,
+            redux_image_encoder=redux_image_encoder,
         )  # fmt: skip
         pipe.cache = policy
         return pipe
@@ -138,6 +145,8 @@ class Pipeline(Flux1Pipe):
         parallel: ParallelConfig | int | None,
         download: bool,
         controlnet: Any = None,
+        redux: str | Path | None = None,
+        redux_image_encoder: str | Path | None = None,
     ) -> Pipeline | Flux2Pipe | Flux3Pipe:
         """`from_pretrained` after its own checks: the family read from the checkpoint, its recipe built."""
         flux1_variants.check_variant_name(variant)
@@ -168,6 +177,11 @@ class Pipeline(Flux1Pipe):
             )
         if controlnet is not None:
             check_controlnet_arguments(controlnet, parallel)
+        if redux is None and redux_image_encoder is not None:
+            raise FluxError("redux_image_encoder is the SigLIP of a Redux: give redux= too")
+        if redux is not None and parallel is not None:
+            raise FluxError("Redux runs on one GPU for now: drop redux= (--redux) or parallel= (--gpus)")
+        redux_files = None if redux is None else find_redux(redux, redux_image_encoder)  # before any load
         world = None
         config = None if parallel is None else as_config(parallel)
         if config is not None and (config.world_size > 1 or launched_world_size() is not None):
@@ -189,6 +203,9 @@ class Pipeline(Flux1Pipe):
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
         # the checkpoint is opened once: its headers tell the family and feed the loader
         family, ckpt = open_family(src)
+        if redux_files is not None and family != "flux1":
+            name = {"flux2": "FLUX.2", "flux3": "FLUX.3"}.get(family, family)
+            raise FluxError(f"Redux conditions FLUX.1 models; {path_or_id} is {name}")
         # a family's recipe is imported when a checkpoint of it opens: FLUX.2's and FLUX.3's text encoders
         # bring in `transformers`, seconds that a FLUX.1 run need not pay
         if family != "flux1" and controlnet is not None:
@@ -224,7 +241,7 @@ class Pipeline(Flux1Pipe):
         return cls.from_sources(
             src, device=device, dtype=dtype, quality=quality, cuda_graphs=cuda_graphs,
             offload_text_encoders=offload_text_encoders, fp8=fp8, fp8_text=fp8_text, variant=variant,
-            checkpoint=ckpt, budget=budget, parallel=world, controlnet=controlnet,
+            checkpoint=ckpt, budget=budget, parallel=world, controlnet=controlnet, redux=redux_files,
         )  # fmt: skip
 
 

@@ -21,7 +21,8 @@ from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
-from flux_runtime.pipeline import controlnets, flux1_variants, placement
+from flux_runtime.pipeline import controlnets, flux1_variants, ip_adapter, placement
+from flux_runtime.pipeline import redux as redux_stage
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
     check_guidance,
@@ -36,8 +37,17 @@ from flux_runtime.pipeline.checks import (
 from flux_runtime.pipeline.core import Recipe, RoPE, settle
 from flux_runtime.pipeline.errors import FluxError, warn_caller
 from flux_runtime.pipeline.provenance import weights_id
+from flux_runtime.pipeline.redux import Redux, open_redux
 from flux_runtime.pipeline.sources import Sources, schedule_config
-from flux_runtime.pipeline.state import Call, Conditioning, OutputType, PipelineOutput, Progress, Start
+from flux_runtime.pipeline.state import (
+    Call,
+    Conditioning,
+    OutputType,
+    PipelineOutput,
+    Progress,
+    Start,
+    WithExtra,
+)
 from flux_runtime.pipeline.step_caching import as_policy
 from flux_runtime.pipeline.tiers import Tier
 from flux_runtime.registry import Variant, spec_for
@@ -54,6 +64,7 @@ from flux_runtime.text.flux1 import MAX_SEQUENCE_LENGTH, Flux1TextEncoder
 from flux_runtime.weights import load_transformer
 from flux_runtime.weights.builtin import builtin
 from flux_runtime.weights.checkpoint import TransformerCheckpoint
+from flux_runtime.weights.redux import ReduxFiles
 from flux_runtime.weights.vae import load_vae
 
 __all__ = ["Flux1Pipe"]
@@ -74,6 +85,7 @@ class Flux1Pipe(Recipe):
     """
 
     family = "flux1"  # what callers branch on without importing every recipe
+    redux: Redux | None = None  # FLUX.1 Redux: `image=` conditions a call in place of a prompt (load_redux)
 
     def __init__(
         self,
@@ -122,6 +134,7 @@ class Flux1Pipe(Recipe):
         budget: int | None = None,
         parallel: World | None = None,
         controlnet: Any = None,
+        redux: ReduxFiles | None = None,
     ) -> Flux1Pipe:
         """Load the parts `find_sources` located (arguments checked by `Pipeline.from_pretrained`;
         `checkpoint`: the transformer already opened there, so its headers are not read again).
@@ -130,6 +143,7 @@ class Flux1Pipe(Recipe):
         else the ones `find_sources` was given or defaults to; a built-in model's small ones.
         `parallel`: this process's rank of a parallel run (the text encoders load on rank 0 only).
         `controlnet`: ControlNets (paths, ids or loaded models, one or a list) loaded beside the transformer.
+        `redux`: a Redux (`find_redux`) to load beside the text encoders, where they load.
         """
         # ControlNets stay on the device in every plan (counted beside the autoencoder)
         nets = controlnets.as_controlnets(controlnet, device=device, dtype=dtype)
@@ -158,6 +172,9 @@ class Flux1Pipe(Recipe):
         text = _open_text(src, text_device, dtype) if main else None
         if fp8_text and text is not None:
             text.quantize_fp8()
+        loaded = None
+        if redux is not None and main:
+            loaded = open_redux(redux, transformer, device=text_device, dtype=dtype, name=src.name)
         pipe = cls(
             transformer,
             vae_model,
@@ -170,6 +187,7 @@ class Flux1Pipe(Recipe):
             variant=named,
             controlnet=nets or None,
         )
+        pipe.redux = loaded  # before the plan, which counts it with the text encoders
         return settle(
             pipe, src, fp8_text=fp8_text, budget=budget, offload_text_encoders=offload_text_encoders,
             device=device, parallel=parallel, sharded=sharded,
@@ -180,6 +198,14 @@ class Flux1Pipe(Recipe):
         and the widths are checked again against the VAE."""
         self.variant = flux1_variants.variant_of(self.transformer, self.vae, None, self.model_name)
         check_latent_widths(self.transformer, self.vae, name, self.variant)
+
+    def load_redux(self, path: str | Path, image_encoder: str | Path | None = None) -> Redux:
+        """Attach FLUX.1 Redux: then `pipe(image=IMG)` generates from the image (see `flux_runtime.pipeline.redux`).
+
+        `path`: the FLUX.1-Redux-dev diffusers folder (its SigLIP inside), or BFL's flux1-redux-dev.safetensors
+        with `image_encoder`, SigLIP's folder (a FLUX.1-Redux-dev folder, or google/siglip-so400m-patch14-384).
+        """
+        return redux_stage.attach(self, path, image_encoder)
 
     @property
     def is_distilled(self) -> bool:
@@ -242,7 +268,7 @@ class Flux1Pipe(Recipe):
         cache: str | CachePolicy | None = None,
         negative_prompt: str | list[str] | None = None,
         true_cfg_scale: float = 1.0,
-        image: Image.Image | None = None,
+        image: Image.Image | list[Image.Image] | None = None,
         mask_image: Image.Image | None = None,
         strength: float | None = None,
         control_image: Image.Image | None = None,
@@ -252,6 +278,10 @@ class Flux1Pipe(Recipe):
         control_mode: int | str | list[int | str | None] | None = None,
         control_guidance_start: float | list[float] = 0.0,
         control_guidance_end: float | list[float] = 1.0,
+        prompt_embeds_scale: float | list[float] = 1.0,
+        pooled_prompt_embeds_scale: float | list[float] = 1.0,
+        ip_adapter_image: Image.Image | None = None,
+        negative_ip_adapter_image: Image.Image | None = None,
         **unknown: Any,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
@@ -272,6 +302,12 @@ class Flux1Pipe(Recipe):
         value for all, or a list) `controlnet_conditioning_scale`, `control_mode` (a union ControlNet's:
         an index or a name such as "canny", "depth") and the fraction of the steps it acts in,
         `control_guidance_start` to `control_guidance_end`, as diffusers' FluxControlNetPipeline.
+        With a Redux attached (`redux=` / `load_redux`) `image` is instead the Redux image (or a list of them),
+        which conditions the call in place of the prompt, as FluxPriorReduxPipeline then FluxPipeline; `prompt`
+        is optional there, `prompt_embeds_scale` / `pooled_prompt_embeds_scale` weigh each image (one number,
+        or one per image); img2img, Kontext and Fill, which read `image` too, are refused.
+        `ip_adapter_image` (with an IP-Adapter loaded, `load_ip_adapter`): the image prompt;
+        `negative_ip_adapter_image`: the negative branch's under true CFG (default: a black image).
         """
         reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.1")
         if max_sequence_length is None:
@@ -286,6 +322,8 @@ class Flux1Pipe(Recipe):
                 max_area=max_area, controlnet_conditioning_scale=controlnet_conditioning_scale,
                 control_mode=control_mode, control_guidance_start=control_guidance_start,
                 control_guidance_end=control_guidance_end,
+                prompt_embeds_scale=prompt_embeds_scale, pooled_prompt_embeds_scale=pooled_prompt_embeds_scale,
+                ip_adapter_image=ip_adapter_image, negative_ip_adapter_image=negative_ip_adapter_image,
             ),
             cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
@@ -294,8 +332,10 @@ class Flux1Pipe(Recipe):
     # ------------------------------------------------------------------ the recipe
     def check(self, call: Call) -> None:
         cfg = self.transformer.config
+        redux_call = redux_stage.check_call(self, call)  # the Redux image(s) and scales; a prompt is optional
         if call.prompt_embeds is None:
-            check_prompts(call.prompt)
+            if not redux_call:
+                check_prompts(call.prompt)
         else:
             if call.prompt is not None:
                 raise FluxError("pass either prompt or prompt_embeds, not both")
@@ -311,6 +351,7 @@ class Flux1Pipe(Recipe):
         # negative prompt) and the default size they imply
         controlnets.check_call(self, call)
         flux1_variants.check_inputs(self, call)
+        ip_adapter.check_call(self, call)
         default_h, default_w = controlnets.default_size(call) or (self.default_size, self.default_size)
         call.height = default_h if call.height is None else call.height
         call.width = default_w if call.width is None else call.width
@@ -363,6 +404,8 @@ class Flux1Pipe(Recipe):
         return pairs[0], (pairs[1] if len(pairs) > 1 else None)
 
     def encode(self, call: Call) -> Conditioning:
+        if "redux_images" in call.inputs:
+            return redux_stage.encode(self, call)
         n = call.num_images_per_prompt
         negative = call.inputs["negative_prompt"] if call.true_cfg_scale > 1 else None
         if call.prompt_embeds is None:
@@ -375,9 +418,41 @@ class Flux1Pipe(Recipe):
             neg = None
             if negative is not None:
                 _, neg = self._encode_texts(["", negative], call.max_sequence_length, n)
-        if neg is None:
-            return Conditioning(txt, vec)
-        return Conditioning(txt, vec, neg[0], neg[1])
+        cond = Conditioning(txt, vec) if neg is None else Conditioning(txt, vec, neg[0], neg[1])
+        if ip_adapter.loaded(self) is not None:
+            cond.extra, cond.negative_extra = ip_adapter.encode_images(self, call, cond.batch)
+        return cond
+
+    def fixed_extra(self, extra: Any) -> Any:
+        """The IP-Adapter's image tokens from the branch's CLIP image embeddings, once per generation (diffusers
+        projects them at every step: the same ops on the same inputs)."""
+        return self.transformer.project_image(extra)
+
+    # ------------------------------------------------------------------ IP-Adapter
+    def load_ip_adapter(
+        self,
+        path: str | Path,
+        scale: float | list[float] = 1.0,
+        *,
+        image_encoder: str | Path | None = None,
+        image_encoder_dtype: torch.dtype = torch.float16,
+    ) -> ip_adapter.LoadedIPAdapter:
+        """Load the XLabs FLUX.1 IP-Adapter (as diffusers' `load_ip_adapter`): `path` a .safetensors file, a
+        folder holding `ip_adapter.safetensors`, or a cached Hugging Face id; `scale` one number or one per
+        double block. `image_encoder`: the CLIP vision encoder (CLIPVisionModelWithProjection folder or cached
+        id; default `image_encoder/` beside the adapter, else openai/clip-vit-large-patch14 from the cache),
+        run in `image_encoder_dtype` (diffusers' default fp16). Calls then take `ip_adapter_image`."""
+        return ip_adapter.load_ip_adapter(
+            self, path, scale, image_encoder=image_encoder, image_encoder_dtype=image_encoder_dtype
+        )
+
+    def unload_ip_adapter(self) -> None:
+        """Take the IP-Adapter and its image encoder off: calls run as the plain pipeline again."""
+        ip_adapter.unload_ip_adapter(self)
+
+    def set_ip_adapter_scale(self, scale: float | list[float]) -> None:
+        """The loaded IP-Adapter's scale: one number, or one per double block."""
+        ip_adapter.set_ip_adapter_scale(self, scale)
 
     def prepare(self, call: Call, cond: Conditioning) -> Start:
         if "controlnet" not in call.prepared:
@@ -428,7 +503,10 @@ class Flux1Pipe(Recipe):
         ids: tuple[Tensor, Tensor], pe: RoPE,
     ) -> Tensor:  # fmt: skip
         img_ids, txt_ids = ids
-        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods)
+        ip = None
+        if isinstance(txt, WithExtra):  # the branch's IP-Adapter image tokens
+            txt, ip = txt
+        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, ip=ip)
 
     def controlled_velocity(
         self, x: Tensor, t: Tensor, g: Tensor | None, txt: Tensor, vec: Tensor | None, mods: Tensor | None,
@@ -436,7 +514,12 @@ class Flux1Pipe(Recipe):
     ) -> Tensor:  # fmt: skip
         residuals = controlnets.residuals(self.controlnets, control, active, x, t)
         img_ids, txt_ids = ids
-        return self.transformer(x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, control=residuals)
+        ip = None
+        if isinstance(txt, WithExtra):  # the branch's IP-Adapter image tokens (the ControlNets read none)
+            txt, ip = txt
+        return self.transformer(
+            x, img_ids, txt, txt_ids, t, vec, g, pe=pe, mods=mods, ip=ip, control=residuals
+        )
 
     def modulation_table(
         self, call: Call, start: Start, vec: Tensor | None, g: Tensor | None
@@ -462,7 +545,19 @@ class Flux1Pipe(Recipe):
         )
 
     def record_inputs(self, call: Call) -> dict[str, Any]:
-        return {**flux1_variants.record_inputs(self, call), **controlnets.record(self, call)}
+        return {
+            **flux1_variants.record_inputs(self, call),
+            **controlnets.record(self, call),
+            **redux_stage.record_inputs(self, call),
+            **ip_adapter.record_inputs(self, call),
+        }
+
+    def planned_tokens(self, call: Call | None) -> tuple[int, int]:
+        """The text window, and with Redux (a default call on a Redux pipeline too) its image tokens after it."""
+        text, extra = super().planned_tokens(call)
+        if self.redux is not None and (call is None or "redux_images" in call.inputs):
+            text += self.redux.tokens
+        return text, extra
 
 
 def _check_text_widths(transformer: Flux1Transformer, text: Flux1TextEncoder, name: str) -> None:

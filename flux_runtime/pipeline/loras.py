@@ -36,6 +36,7 @@ class LoadedLora:
     text_layers: int  # CLIP-L projections changed
     fp8_layers: int  # of `layers`, FP8 ones dequantized, fused in bf16 and requantized
     widened: str | None = None  # "img_in 64 -> 128" for a control LoRA
+    gguf_layers: int = 0  # of `layers`, GGUF ones replaced by their dequantized weight (compute dtype)
 
     def record(self) -> dict[str, Any]:
         """The provenance entry: file name and path, sha256, scale, layout."""
@@ -90,13 +91,17 @@ def load_lora(pipe: Any, path: str | Path, scale: float = 1.0) -> LoadedLora:
         text_encoder=clip, name=file.name,
     )  # fmt: skip
     pipe._graphed.clear()  # graphs replay the old weights' addresses
+    if report.gguf_layers:  # layers grew from GGUF blocks to the compute dtype: a memory plan counts them anew
+        from flux_runtime.pipeline import placement
+
+        placement.replan(pipe)
     if report.widened is not None and hasattr(pipe, "input_widened"):  # a recipe with variants (FLUX.1)
         if loras.variant is None:
             loras.variant = pipe.variant
         pipe.input_widened(file.name)
     loaded = LoadedLora(
         str(file), sha, scale, weights.format, report.layers, report.text_layers, report.fp8_layers,
-        report.widened,
+        report.widened, report.gguf_layers,
     )  # fmt: skip
     loras.loaded.append(loaded)
     log.info(
@@ -111,20 +116,29 @@ def unload_loras(pipe: Any) -> None:
     loras = holder(pipe)
     if not loras.loaded:
         return
+    gguf = any(lo.gguf_layers for lo in loras.loaded)
     unfuse(pipe.transformer, _clip(pipe), loras.state)
     if loras.variant is not None:
         pipe.variant = loras.variant
     loras.loaded.clear()
     loras.variant = None
     pipe._graphed.clear()
+    if gguf:  # the GGUF layers are back: a memory plan counts their blocks again
+        from flux_runtime.pipeline import placement
+
+        placement.replan(pipe)
 
 
 def provenance_fields(pipe: Any) -> dict[str, Any]:
-    """`loras` (each file's record) and, on an FP8 model, `lora_fp8` saying how they were fused."""
+    """`loras` (each file's record) and, on an FP8 or GGUF model, `lora_fp8` / `lora_gguf` saying how they
+    were fused."""
     loaded = holder(pipe).loaded
     if not loaded:
         return {}
     out: dict[str, Any] = {"loras": [lo.record() for lo in loaded]}
+    gguf = sum(lo.gguf_layers for lo in loaded)
+    if gguf:
+        out["lora_gguf"] = f"{gguf} GGUF layers dequantized (diffusers' bits) and the LoRAs fused there"
     fp8 = len(holder(pipe).state.fp8_pieces)
     if fp8:
         out["lora_fp8"] = (

@@ -126,7 +126,7 @@ def check_free_memory(pipe: Any, call: Any) -> None:
     batch = _batch(call)
     text_tokens, extra_tokens = pipe.planned_tokens(call)
     # a parallel run's other ranks hold no text encoder: rank 0 encodes and shares the embeddings
-    text_roots = pipe.text_encoder.parts()[0] if pipe.text_encoder is not None else []
+    text_roots = text_parts(pipe)[0]
     stages = (
         encode_bytes(text_roots, text_tokens, 2 if cfg else 1),
         _denoise(pipe, call.height, call.width, text_tokens, batch, cfg, extra_tokens),
@@ -211,6 +211,30 @@ def _decode(pipe: Any, height: int, width: int, batch: int, *, tiled: bool) -> i
     return decode_bytes(pipe.vae.config, pipe.dtype, height, width, batch, tiled=tiled)
 
 
+def text_parts(pipe: Any) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The text stage's models and repeated layers: the text encoders' (none on a pipeline without them), a
+    FLUX.1 Redux's SigLIP and embedder and the IP-Adapter's CLIP vision model, which run in that stage and move
+    with the encoders, whole."""
+    roots, layers = pipe.text_encoder.parts() if pipe.text_encoder is not None else ([], [])
+    redux = getattr(pipe, "redux", None)
+    image = getattr(pipe, "image_encoder", None)
+    extra = [*(redux.modules() if redux is not None else []), *([image] if image is not None else [])]
+    return [*roots, *extra], list(layers)
+
+
+def replan_text(pipe: Any) -> Plan:
+    """After a model joined the text stage of a placed pipeline (`load_redux`): the text stage placed anew
+    with it, and the plan made again for the same budget (the text encoders already packed are packed
+    again with it, briefly holding their host bytes twice)."""
+    device = pipe.placement.device
+    old = pipe.placement.models["text"]
+    old.leave()
+    roots, layers = text_parts(pipe)
+    pipe.placement.models["text"] = ModelPlacement("text encoder", roots, layers, device)
+    plan = pipe.memory_plan
+    return apply_budget(pipe, plan.budget, plan.name == "offload-text" or pipe.offload_text_encoders, device)
+
+
 def encode_bytes(roots: list[nn.Module], max_len: int, batch: int) -> int:
     """The planner's activation estimate for the text encoders `roots` (transformers models) on `batch`
     prompts of `max_len` tokens."""
@@ -231,7 +255,7 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
     """Weights of the loaded models and the activations of a default call (default size, one image, the
     model's default text length; FLUX.2 [klein] base: with CFG), planned for `device` (default: the
     pipeline's)."""
-    text_roots, text_layers = pipe.text_encoder.parts()
+    text_roots, text_layers = text_parts(pipe)
     t = pipe.transformer
     size, (max_len, _) = pipe.default_size, pipe.planned_tokens(None)
     uses_cfg = getattr(pipe, "uses_cfg", None)
@@ -269,6 +293,22 @@ def control_residual_bytes(pipe: Any, height: int, width: int, batch: int) -> in
     return 2 * blocks * batch * tokens * cfg.hidden_size * pipe.dtype.itemsize
 
 
+def replan(pipe: Any) -> None:
+    """After the models changed (an adapter joined or left, a LoRA swapped a layer for a larger one): graphs
+    dropped (they hold the old modules' addresses) and, under a memory plan, the plan made again with the
+    weights as they are now (a plan named outright: the same plan; one chosen for a budget: chosen again)."""
+    pipe._graphed.clear()
+    if pipe.placement is None:
+        return
+    device, plan = pipe.placement.device, pipe.memory_plan
+    pipe.placement.reset()  # all that moves is off the device: the new placement packs it again from there
+    pipe.placement = None
+    if plan.budget is None:
+        apply_plan(pipe, plan, device)
+    else:
+        apply_budget(pipe, plan.budget, pipe.offload_text_encoders, device)
+
+
 def apply(pipe: Any, memory: str | int | None, offload_text_encoders: bool, device: torch.device) -> Plan:
     """Choose `pipe`'s plan for `memory` on `device` and place its models by it (see `Recipe.set_memory`)."""
     budget = budget_for(memory, device, offload_text_encoders)
@@ -292,7 +332,7 @@ def apply_plan(pipe: Any, plan: Plan, device: torch.device, fp: Footprint | None
     if not plan.layers:
         plan = replace(plan, layers={"text": len(fp.text.layers), "dit": len(fp.dit.layers)})
     if pipe.placement is None:
-        text_roots, text_layers = pipe.text_encoder.parts()
+        text_roots, text_layers = text_parts(pipe)
         t = pipe.transformer
         models = {
             "text": ModelPlacement("text encoder", text_roots, text_layers, device),

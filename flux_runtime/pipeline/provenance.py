@@ -59,6 +59,23 @@ def _is_reference(v: object) -> bool:
     )
 
 
+def _is_redux(v: object) -> bool:
+    """FLUX.1 Redux: the files named, their fingerprint, each image, and a scale per image."""
+    return (
+        isinstance(v, dict)
+        and isinstance(v.get("path"), str)
+        and (v.get("image_encoder") is None or isinstance(v.get("image_encoder"), str))
+        and isinstance(v.get("weights"), str)
+        and isinstance(v.get("images"), list)
+        and len(v["images"]) > 0
+        and all(_is_reference(r) for r in v["images"])
+        and all(
+            isinstance(v.get(k), list) and len(v[k]) == len(v["images"]) and all(NUMBER.ok(x) for x in v[k])
+            for k in ("prompt_embeds_scale", "pooled_prompt_embeds_scale")
+        )
+    )
+
+
 def _is_lora(v: object) -> bool:
     return (
         isinstance(v, dict)
@@ -133,6 +150,41 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
         lambda v: isinstance(v, list) and all(_is_lora(r) for r in v),
     ),
     "lora_fp8": STR,
+    "lora_gguf": STR,
+    "redux": Kind(
+        "a {path, image_encoder, weights, images, prompt_embeds_scale, pooled_prompt_embeds_scale} object",
+        _is_redux,
+    ),
+    # ControlNets: each one's kind, path, fingerprint, control image, scale, mode and step fraction
+    "controlnets": Kind(
+        "a list of {kind, path, weights, image, scale, guidance_start, guidance_end[, mode]} objects",
+        lambda v: (
+            isinstance(v, list)
+            and all(
+                isinstance(n, dict)
+                and isinstance(n.get("kind"), str)
+                and all(NUMBER.ok(n.get(k)) for k in ("scale", "guidance_start", "guidance_end"))
+                and _is_reference(n.get("image"))
+                for n in v
+            )
+        ),
+    ),
+    # FLUX.1's IP-Adapter: its file, fingerprint, scale (or one per double block) and CLIP vision encoder
+    "ip_adapter": Kind(
+        "a {name, path, sha256, scale, image_encoder} object",
+        lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(v.get(k), str) for k in ("name", "path", "sha256", "image_encoder"))
+            and (
+                NUMBER.ok(v.get("scale"))
+                or (isinstance(v.get("scale"), list) and all(NUMBER.ok(s) for s in v["scale"]))
+            )
+        ),
+    ),
+    "ip_adapter_images": Kind(
+        "an object of {path, width, height, sha256} objects by role (ip_adapter_image, negative_ip_adapter_image)",
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),
+    ),
     "input_images": Kind(
         "an object of {path, width, height, sha256} objects by role (image, mask_image, control_image)",
         lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -78,10 +78,22 @@ class Conditioning:
     vec: Tensor | None = None
     negative_txt: Tensor | None = None
     negative_vec: Tensor | None = None
+    # each branch's extra step input where the recipe has one (FLUX.1's IP-Adapter image embeddings), made
+    # ready once per generation by `Recipe.fixed_extra` and handed to `velocity` with the text (`WithExtra`)
+    extra: Any = None
+    negative_extra: Any = None
 
     @property
     def batch(self) -> int:
         return self.txt.shape[0]
+
+
+class WithExtra(NamedTuple):
+    """What `velocity` gets as its text when the branch has an extra step input: the text as every step reads
+    it and the extra (`Recipe.fixed_extra`'s result)."""
+
+    text: Any
+    extra: Any
 
 
 @dataclass

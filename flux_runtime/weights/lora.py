@@ -10,6 +10,10 @@ Only touched layers are saved, once, before their first change: `unfuse` puts th
 FP8 layers are dequantized to bf16, every LoRA fused so far is added to that in order, and the sum is
 quantized again (e4m3, one scale per output channel); their saved e4m3 bytes and scales restore them.
 A FLUX.1 control LoRA may widen `img_in` (the model's config follows) and replace QK-norm scales.
+A GGUF layer's weight is computed from its blocks at every call, so a LoRA cannot add into it: the touched
+layer is replaced by a plain one holding its dequantized weight (diffusers' dequantization, in the compute
+dtype), and the LoRA is fused there as into any bf16 layer; `unfuse` puts the quantized layer back. Those layers
+then take the compute dtype's memory (the others stay quantized).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class FuseReport:
     text_layers: int
     norms: int
     widened: str | None  # "img_in 64 -> 128" when a control LoRA widened the input
+    gguf_layers: int = 0  # of `layers`, GGUF ones replaced by their dequantized weight to fuse into
 
 
 @dataclass
@@ -94,10 +99,13 @@ def fuse(
     widened = _check_transformer(model, table, by_layer, weights, name)
     text = _check_text(text_encoder, weights, name)
 
-    fp8 = 0
+    fp8 = gguf = 0
     for layer_name, pieces in by_layer.items():
         layer = table.layers[layer_name]
         module = model.get_submodule(layer_name)
+        if isinstance(module, GgufLinear):
+            module = _dequantized(model, layer_name, module, state)
+            gguf += 1
         if layer_name == "img_in" and widened is not None:
             module = _widen(model, module, widened[1], state)
         if isinstance(module, Fp8Linear):
@@ -127,7 +135,7 @@ def fuse(
             state.saved[key] = {"data": param.data}
         param.data = t.to(device=param.device, dtype=param.dtype)
     what = None if widened is None else f"img_in {widened[0]} -> {widened[1]}"
-    return FuseReport(len(by_layer), fp8, text, len(weights.norms), what)
+    return FuseReport(len(by_layer), fp8, text, len(weights.norms), what, gguf)
 
 
 def unfuse(model: nn.Module, text_encoder: nn.Module | None, state: FusedState) -> None:
@@ -166,12 +174,6 @@ def _check_transformer(
     widen = None
     for layer_name, pieces in by_layer.items():
         layer = table.layers[layer_name]
-        held = model.get_submodule(layer_name)
-        if isinstance(held, GgufLinear):  # its weight is computed from blocks: an update would be lost
-            raise LoraError(
-                f"{name}: LoRAs on a GGUF transformer are not supported yet ({layer_name} holds "
-                f"{held.ggml_type.name} blocks); load a safetensors checkpoint of the model to apply it"
-            )
         for part, f, _ in pieces:
             rows, cols = f.up.shape[0], f.down.shape[1]
             if rows != part.rows or (f.up_bias is not None and tuple(f.up_bias.shape) != (rows,)):
@@ -235,6 +237,21 @@ def _add(weight: Tensor, bias: Tensor | None, layer: Layer, part: Part, f: Facto
     if db is not None:
         assert bias is not None  # checked
         bias[start : start + rows] += db
+
+
+def _dequantized(model: nn.Module, name: str, old: GgufLinear, state: FusedState) -> Linear:
+    """A plain layer in place of the GGUF layer `name`: its weight dequantized as every call would (in the
+    compute dtype), its bias copied; the GGUF layer kept in `state` to go back in."""
+    weight = old.weight
+    with torch.device("meta"):
+        new = Linear(old.in_features, old.out_features, old.bias is not None)
+    new.weight = nn.Parameter(weight, requires_grad=False)
+    if old.bias is not None:
+        new.bias = nn.Parameter(old.bias.data.clone(), requires_grad=False)
+    parent, _, child = name.rpartition(".")
+    model.get_submodule(parent).register_module(child, new)
+    state.saved[("transformer", name)] = {"module": old}
+    return new
 
 
 def _widen(model: nn.Module, old: nn.Module, width: int, state: FusedState) -> nn.Module:

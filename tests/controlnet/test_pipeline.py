@@ -176,3 +176,36 @@ def test_cuda_graph_path_keys_graphs_by_the_acting_controlnets(folders, monkeypa
     second = ours(PROMPTS[0], seed=2, num_steps=4, controlnet_conditioning_scale=0.9, **KW, **args)
     assert torch.equal(second.latents, eager[1].latents)
     assert _AliasingGraphs.made == 6  # the idle graphs are kept, the acting ones are new
+
+
+def test_a_controlnet_beside_an_ip_adapter_equals_diffusers(folders, tmp_path):
+    """Both adapters on one call: the image prompt reaches the transformer, the ControlNet reads none, as in
+    diffusers' FluxControlNetPipeline with `load_ip_adapter`."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    from tests.ip_adapter.ip_fixtures import picture, save_adapter, save_clip_vision
+
+    pipes, nets = folders
+    dtype = torch.bfloat16
+    clip, adapter = save_clip_vision(tmp_path / "clip"), save_adapter(tmp_path / "adapter")
+    net = FluxControlNetModel.from_pretrained(nets["instantx"], torch_dtype=dtype)
+    ref = FluxControlNetPipeline.from_pretrained(pipes["pipe"], controlnet=net, torch_dtype=dtype)
+    ref.load_ip_adapter(
+        str(adapter),
+        weight_name="ip_adapter.safetensors",
+        image_encoder_pretrained_model_name_or_path=str(clip),
+    )
+    ref.set_ip_adapter_scale(0.8)
+    args = dict(
+        control_image=control_image(9), controlnet_conditioning_scale=0.6, ip_adapter_image=picture(3)
+    )
+    want = [
+        ref(prompt=PROMPTS[0], generator=torch.Generator().manual_seed(5), output_type=t, guidance_scale=3.5,
+            num_inference_steps=3, **KW, **args).images
+        for t in ("latent", "pil")
+    ]  # fmt: skip
+    ours = Pipeline.from_pretrained(pipes["pipe"], device="cpu", dtype=dtype, controlnet=nets["instantx"])
+    ours.load_ip_adapter(adapter, 0.8, image_encoder=clip)
+    got = ours(PROMPTS[0], seed=5, num_steps=3, **KW, **args)
+    check_same(got, *want)
+    assert got.info["controlnets"] and got.info["ip_adapter"]["scale"] == 0.8

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
 from flux_runtime.models.dit.layers import GgufLinear
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.gguf_file import GgufSource
@@ -291,24 +292,44 @@ def test_k_quant_blocks_of_the_fixtures_are_finite():
         assert torch.isfinite(w).all() and 0 < w.abs().max() < 1, name
 
 
-def test_a_lora_on_a_gguf_transformer_is_refused_before_any_weight_changes(pairs, tmp_path):
-    """A LoRA would add to a weight that GgufLinear recomputes from its blocks at every call: refused, by name."""
-    from flux_runtime.weights.lora import FusedState
-    from flux_runtime.weights.lora_common import LoraError
+def test_a_lora_fuses_into_the_dequantized_layers_it_touches(pairs, tmp_path):
+    """A LoRA on a GGUF transformer: each layer it touches becomes a plain one holding its dequantized weight
+    (diffusers' dequantization) with the LoRA fused there, as into a bf16 model of those weights; the other
+    layers stay quantized; unfusing puts the GGUF layers back, bit for bit."""
+    from flux_runtime.models.dit import Flux1Transformer
+    from flux_runtime.weights.lora import FusedState, unfuse
     from tests.lora import lora_fixtures as lf
 
-    _, bfl, _, _ = pairs("Q8_0")
-    ours = load_transformer(bfl, device="cpu", dtype=torch.float32)
-    before = ours.double_blocks[0].img_attn.qkv.qweight.clone()
-    lora = lf.bfl_file(
-        tmp_path / "lora.safetensors", lf.linear_shapes(ours), ["double_blocks.0.img_attn.qkv"]
-    )
-    with pytest.raises(
-        LoraError,
-        match=r"lora.safetensors: LoRAs on a GGUF transformer are not supported yet \(double_blocks.0.img_attn.qkv holds Q8_0 blocks\)",
-    ):
-        lf.fuse_file(ours, lora, 1.0, FusedState())
-    assert torch.equal(ours.double_blocks[0].img_attn.qkv.qweight, before)
+    model, bfl, _, _ = pairs("Q8_0")
+    dtype = torch.float32
+    ours = load_transformer(bfl, device="cpu", dtype=dtype)
+    plain: dict[str, torch.Tensor] = {}  # the same model with every GGUF weight dequantized once
+    for name, module in ours.named_modules():
+        if isinstance(module, GgufLinear):
+            plain[f"{name}.weight"] = module.weight
+    plain.update({k: v for k, v in ours.state_dict().items() if not k.endswith(".qweight")})
+    with torch.device("meta"):
+        dense = Flux1Transformer(ours.config)
+    dense.load_state_dict(plain, strict=True, assign=True)
+    img, img_ids, txt, txt_ids, t, y, g = _inputs(model, dtype)
+    with torch.no_grad():
+        before = ours(img, img_ids, txt, txt_ids, t, y, g)
+    touched = ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear1", "double_blocks.1.txt_mlp.2"]
+    lora = lf.bfl_file(tmp_path / "lora.safetensors", lf.linear_shapes(ours), touched)
+    state, dense_state = FusedState(), FusedState()
+    report, _, _ = lf.fuse_file(ours, lora, 0.8, state)
+    lf.fuse_file(dense, lora, 0.8, dense_state)
+    assert report.gguf_layers == 3
+    assert not isinstance(ours.get_submodule(touched[0]), GgufLinear)
+    assert isinstance(ours.double_blocks[0].txt_attn.qkv, GgufLinear)  # untouched: still quantized
+    with torch.no_grad():
+        got = ours(img, img_ids, txt, txt_ids, t, y, g)
+        want = dense(img, img_ids, txt, txt_ids, t, y, g)
+    assert torch.equal(got, want) and not torch.equal(got, before)
+    unfuse(ours, None, state)
+    assert isinstance(ours.get_submodule(touched[0]), GgufLinear)
+    with torch.no_grad():
+        assert torch.equal(ours(img, img_ids, txt, txt_ids, t, y, g), before)
 
 
 @pytest.mark.gpu
@@ -325,3 +346,11 @@ def test_on_a_gpu_the_output_is_bit_identical_to_diffusers(pairs, main):
     inputs = [x.to("cuda") for x in _inputs(model, dtype)]
     got, want = _outputs(ours, ref, inputs)
     assert torch.equal(got, want)
+    # the lossless tier: every projection's weight from the fused dequantization kernel, verified on first use
+    reset_fused_ops_report(forget_signatures=True)
+    with torch.no_grad(), use_fused("lossless"):
+        for _ in range(2):
+            assert torch.equal(ours(*inputs), want)
+    report = fused_ops_report()
+    assert report.fused_calls.get("gguf_dequant", 0) > 0 and not report.mismatches, str(report)
+    assert not [k for k in report.fallbacks if k[0] == "gguf_dequant"], str(report)

@@ -154,3 +154,25 @@ def test_on_a_gpu_with_cuda_graphs_the_latents_equal_diffusers(gguf_pipeline):
         got = ours("a red fox", generator=torch.Generator("cuda").manual_seed(42), num_steps=steps, guidance=scale,
                    output_type="latent", **kw)  # fmt: skip
         assert torch.equal(got.latents, want)
+
+
+def test_a_lora_on_a_gguf_pipeline_is_recorded_and_unloads(gguf_pipeline, tmp_path):
+    """`load_lora` on a GGUF model fuses into dequantized copies of the layers it touches and says so in the
+    provenance; `unload_loras` gives the GGUF model's latents back."""
+    from tests.lora import lora_fixtures as lf
+
+    folder, bfl, _, _, root, _ = gguf_pipeline
+    pipe = Pipeline.from_pretrained(
+        bfl, device="cpu", dtype=torch.float32, vae=folder / "vae", text_encoder=root / "clip",
+        text_encoder_2=root / "t5",
+    )  # fmt: skip
+    kw = dict(height=32, width=48, max_sequence_length=64, num_steps=2, seed=1, output_type="latent")
+    base = pipe("a red fox", **kw).latents
+    shapes = lf.linear_shapes(pipe.transformer)
+    pipe.load_lora(lf.bfl_file(tmp_path / "style.safetensors", shapes, ["double_blocks.0.img_attn.qkv"]), 0.9)
+    fused = pipe("a red fox", **kw)
+    assert fused.info["lora_gguf"].startswith("1 GGUF layers dequantized") and not torch.equal(
+        fused.latents, base
+    )
+    pipe.unload_loras()
+    assert torch.equal(pipe("a red fox", **kw).latents, base)

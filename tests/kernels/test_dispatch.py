@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from flux_runtime import kernels
+from flux_runtime.kernels import gguf_dequant
 from flux_runtime.kernels.dispatch import (
     FusedOp,
     UnsupportedInput,
@@ -71,6 +72,9 @@ def all_op_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
     w32 = torch.rand(128, device=device)
     q3, k3 = (torch.randn(b, n, h, 128, device=device).to(dtype) for _ in range(2))
     cos3, sin3 = rope_tables(n, device)
+    q8 = gguf_dequant.BY_NAME["Q8_0"]  # (8, d) GGML Q8_0 blocks: random int8 codes, fp16 scales 1/64
+    gguf = torch.randint(0, 256, (8, d // 32, 34), dtype=torch.uint8, device=device)
+    gguf[..., :2] = torch.tensor([2.0**-6], dtype=torch.float16, device=device).view(torch.uint8)
     return {
         "modulate": lambda: kernels.modulate(x, shift, scale),
         "gated_residual": lambda: kernels.gated_residual(x, gate, u),
@@ -94,6 +98,7 @@ def all_op_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
         "joint_token_gated_residual": lambda: kernels.joint_token_gated_residual(
             txt, c_gate, x, t_gate, u_joint, u_joint
         ),
+        "gguf_dequant": lambda: kernels.gguf_dequant_as(gguf.reshape(8, -1), q8, dtype),
     }
 
 

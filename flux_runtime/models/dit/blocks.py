@@ -74,11 +74,14 @@ def double_stream(
     img_mods: tuple[ModulationOut, ...],
     txt_mods: tuple[ModulationOut, ...],
     pe: RoPE,
+    image_prompt: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Stream, Stream]:
     """The double-stream block of both FLUX generations: image and text weights apart, one joint attention.
 
     `block` holds `img_attn`, `txt_attn` (SelfAttention), `img_mlp`, `txt_mlp` and `attend`; the two
-    modulation pairs come from the block (FLUX.1) or are shared by all blocks (FLUX.2).
+    modulation pairs come from the block (FLUX.1) or are shared by all blocks (FLUX.2). `image_prompt`
+    (FLUX.1 with an IP-Adapter, `ip_adapter.ImagePrompt.attention`; None on the plain path): what the image
+    stream gains from the image query (unnormed) and the query-norm weight, added after the MLP residual.
     """
     (img_mod1, img_mod2), (txt_mod1, txt_mod2) = img_mods, txt_mods
 
@@ -109,13 +112,23 @@ def double_stream(
     v[:, n_txt:].copy_(img_v)
     txt_attn, img_attn = block.attend(q, k, v).split_with_sizes([n_txt, n_img], dim=1)
 
+    # diffusers' IP-Adapter processor projects the attention's views as they are, its plain one copies them
+    # contiguous first (on the CPU a batch rounds differently): with an image prompt, as the former
+    img_out, txt_out = (
+        (block.img_attn.proj.from_view(img_attn), block.txt_attn.proj.from_view(txt_attn))
+        if image_prompt is None
+        else (block.img_attn.proj(img_attn), block.txt_attn.proj(txt_attn))
+    )
+
     # image stream: attention residual, then MLP residual (both left pending)
-    img = Pending(img, img_mod1.gate, block.img_attn.proj.from_view(img_attn))
+    img = Pending(img, img_mod1.gate, img_out)
     img, img_n = norm_modulate(img, img_mod2, block.img_mlp[0].act_quant)
     img = Pending(img, img_mod2.gate, block.img_mlp(img_n))
+    if image_prompt is not None:  # IP-Adapter: added last, onto the written stream, as diffusers adds it
+        img = materialize(img) + image_prompt(img_q, img_norm.query_norm.scale)
 
     # text stream
-    txt = Pending(txt, txt_mod1.gate, block.txt_attn.proj.from_view(txt_attn))
+    txt = Pending(txt, txt_mod1.gate, txt_out)
     txt, txt_n = norm_modulate(txt, txt_mod2, block.txt_mlp[0].act_quant)
     txt = clip_fp16(Pending(txt, txt_mod2.gate, block.txt_mlp(txt_n)))
     return img, txt

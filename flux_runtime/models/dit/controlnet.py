@@ -148,7 +148,7 @@ class Flux1ControlNet(Flux1Transformer):
         img_s: Stream = x
         txt_s: Stream = t
         for block, out in zip(self.double_blocks, self.controlnet_blocks, strict=True):
-            img_s, txt_s = block(img_s, txt_s, source, pe)
+            img_s, txt_s = block(img_s, txt_s, source, None, pe)  # no image prompt: diffusers passes none
             img_s = materialize(img_s)
             double.append(out(img_s) * scale)
 

@@ -18,6 +18,7 @@ from flux_runtime import kernels
 from flux_runtime.models.dit import blocks
 from flux_runtime.models.dit.blocks import JointTransformer, Modulation
 from flux_runtime.models.dit.config import DiTConfig
+from flux_runtime.models.dit.ip_adapter import ImagePrompt, IPAdapter
 from flux_runtime.models.dit.layers import Linear, MLPEmbedder, ModulationOut, RoPE, Stream, norm_modulate
 from flux_runtime.models.dit.residuals import ControlResiduals
 
@@ -63,8 +64,12 @@ class DoubleStreamBlock(blocks.DoubleStreamBlock):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__(cfg, MLP, own_modulation=True)
 
-    def forward(self, img: Stream, txt: Stream, mods: ModulationSource, pe: RoPE) -> tuple[Stream, Stream]:
-        return blocks.double_stream(self, img, txt, mods(self.img_mod), mods(self.txt_mod), pe)
+    def forward(
+        self, img: Stream, txt: Stream, mods: ModulationSource, ip: ImagePrompt | None, pe: RoPE
+    ) -> tuple[Stream, Stream]:
+        """`ip`: the forward's IP-Adapter image prompt, None without one."""
+        term = None if ip is None else ip.attention(self)
+        return blocks.double_stream(self, img, txt, mods(self.img_mod), mods(self.txt_mod), pe, term)
 
 
 class SingleStreamBlock(blocks.SingleStreamBlock):
@@ -124,6 +129,8 @@ class Flux1Transformer(JointTransformer):
         self.guidance_in = MLPEmbedder(256, d) if cfg.guidance_embed else nn.Identity()
         self.txt_in = Linear(cfg.context_in_dim, d)
         self.add_blocks()
+        # the IP-Adapter on this transformer (`set_ip_adapter`); None: plain forwards
+        self.ip_adapter: IPAdapter | None = None
         self._offsets_cache: dict[int, tuple[int, int]] | None = None
 
     def forward(
@@ -138,6 +145,7 @@ class Flux1Transformer(JointTransformer):
         pe: RoPE | None = None,
         mods: Tensor | None = None,
         control: ControlResiduals | None = None,
+        ip: Tensor | None = None,
     ) -> Tensor:
         """Predict the flow velocity.
 
@@ -146,6 +154,8 @@ class Flux1Transformer(JointTransformer):
         schnell; pe optional precomputed `rope(txt_ids, img_ids)`; mods optional (B, total) row of
         `modulation_table` for this step (then timesteps, y and guidance are not read again); control
         optional ControlNet residuals for the blocks' image states (`Flux1ControlNet`).
+        `modulation_table` for this step (then timesteps, y and guidance are not read again); ip optional
+        image tokens (B, 1, T, width) of the loaded IP-Adapter (`ip_adapter`), projected by `project_image`.
         """
         self.check_inputs(img, txt, timesteps, guidance, y)
         if pe is None:
@@ -157,7 +167,25 @@ class Flux1Transformer(JointTransformer):
 
         img = self.img_in(img)
         txt = self.txt_in(txt)
-        return self.final_layer(self.run_blocks(img, txt, (source,), (source,), pe, control), source)
+        prompt = None if ip is None else self._ip_adapter().prompt(ip)
+        return self.final_layer(self.run_blocks(img, txt, (source, prompt), (source,), pe, control), source)
+
+    def set_ip_adapter(self, adapter: IPAdapter | None) -> None:
+        """Put an IP-Adapter on (its blocks paired with the double blocks) or take it off (None)."""
+        if adapter is not None:
+            adapter.attach(self.double_blocks)
+        self.ip_adapter = adapter
+
+    def _ip_adapter(self) -> IPAdapter:
+        if self.ip_adapter is None:
+            raise ValueError(
+                "ip (image-prompt tokens) needs an IP-Adapter on the transformer: set_ip_adapter"
+            )
+        return self.ip_adapter
+
+    def project_image(self, embeds: Tensor) -> Tensor:
+        """CLIP image embeddings (B, 1, E) → the IP-Adapter's image tokens `forward` takes as `ip`."""
+        return self._ip_adapter().project(embeds)
 
     def conditioning(self, timesteps: Tensor, y: Tensor, guidance: Tensor | None) -> Tensor:
         """`silu(vec)` (B, D), rounded as diffusers: t*1000 in the model dtype, (t + g) + y."""

@@ -169,7 +169,9 @@ class GgufLinear(Linear):
     """A projection whose weight stays GGML-quantized (a GGUF checkpoint's blocks, uint8) on its device.
 
     `weight` is the dequantized weight, computed when read: fp16 from the blocks, then cast to the compute
-    dtype, as diffusers' `GGUFLinear` does before each matmul (so the bits match it); every `Linear`
+    dtype, as diffusers' `GGUFLinear` does before each matmul (so the bits match it); in the `lossless` and
+    `high` tiers one fused kernel does both on CUDA (`kernels.gguf_dequant_triton`, verified bit for bit on
+    first use like the other lossless kernels), with tier `off` the torch reference; every `Linear`
     method (`forward`, `split`, `forward_gelu`) then runs unchanged on it. `qweight` holds the blocks,
     (out, bytes per row); `ggml_type` names their type.
     """
@@ -191,7 +193,7 @@ class GgufLinear(Linear):
 
     @property  # type: ignore[override]
     def weight(self) -> Tensor:
-        return gguf_dequant.dequantize(self.qweight, self.ggml_type).to(self.out_dtype)
+        return kernels.gguf_dequant_as(self.qweight, self.ggml_type, self.out_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
