@@ -1,4 +1,5 @@
-"""`flux-convert`: convert a FLUX.1, FLUX.2 or FLUX.3 transformer or VAE between the BFL and diffusers layouts.
+"""`flux-convert`: convert a FLUX.1, FLUX.2 or FLUX.3 transformer or VAE between the BFL and diffusers layouts,
+quantize one to FP8 (`quantize`), or write a FLUX.1 / FLUX.2 transformer as a GGUF file (`gguf`).
 
 One click command: parse, call `flux_runtime.weights.convert.convert`, report what was written.
 Library errors become one line and exit 1 here, and only here (`--debug` shows the traceback instead).
@@ -29,6 +30,8 @@ from flux_runtime.command_help import (
 # out so that importing this command loads no torch: Ctrl-C while torch loads is then one line too.
 COMPONENTS = ("transformer", "vae")
 DEFAULT_MAX_SHARD_SIZE = "10GB"
+# `flux_runtime.weights.gguf_write.GGUF_TYPES`, written out for the same reason (a test keeps them equal)
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K")
 
 
 class _Size(click.ParamType):
@@ -62,6 +65,11 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
         ),
         option("--overwrite", FLAG, "Replace an existing output file or folder."),
     ),
+    "GGUF (flux-convert gguf)": (
+        option(
+            "--type qtype", str, f"gguf: the weights' GGML type: {', '.join(GGUF_TYPES)}.", metavar="TYPE"
+        ),
+    ),
     "Quantize (flux-convert quantize)": (
         option(
             "--calibration-prompts", FILE, "quantize: one prompt per line [default: a built-in list of 8]."
@@ -84,7 +92,7 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
     cls=GroupedCommand,
     groups=table_groups(OPTIONS),
     params=[
-        click.Argument(["component"], type=click.Choice([*COMPONENTS, "quantize"])),
+        click.Argument(["component"], type=click.Choice([*COMPONENTS, "gguf", "quantize"])),
         click.Argument(["src"], type=str),
         click.Argument(["dst"], type=click.Path(path_type=Path)),
         *table_params(OPTIONS),
@@ -93,7 +101,7 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
     context_settings={"help_option_names": ["-h", "--help"], "show_default": True, "max_content_width": 120},
 )
 def main(
-    component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool,
+    component: str, src: str, dst: Path, max_shard_size: int, overwrite: bool, quiet: bool, qtype: str | None,
     calibration_prompts: Path | None, calibration_steps: int | None, calibration_size: int | None,
     device: str | None, vae: str | None, text_encoder: str | None, text_encoder_2: str | None, debug: bool,
 ) -> None:  # fmt: skip
@@ -105,12 +113,23 @@ def main(
     source becomes a diffusers folder DST (config.json, sharded past --max-shard-size); a diffusers
     source becomes one BFL file DST (.safetensors). Values and dtypes are kept bit for bit.
 
+    `flux-convert gguf SRC DST --type Q4_K` writes the FLUX.1 / FLUX.2 transformer at SRC as one GGUF file
+    DST (BFL names, as city96's files): 2-D weights in TYPE; norms and biases F32; the embedders, the final
+    layer and rows that are not whole blocks of TYPE in the source's float type.
+
     `flux-convert quantize SRC DST` instead writes the bf16 model at SRC (any checkpoint or model name
     `Pipeline.from_pretrained` opens) as a ModelOpt FP8 diffusers folder DST, its static input scales
     calibrated over a few generations (max |activation| per layer).
     """
     logging.basicConfig(level=logging.WARNING, format="flux-convert: %(message)s")
     parts = {"vae": vae, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2}
+    if qtype is not None and component != "gguf":
+        raise click.UsageError("--type: only for gguf (it names the GGUF file's weight type)")
+    if component == "gguf":
+        _refuse_builtin(src)
+        with one_line_errors(debug):
+            _gguf(src, dst, qtype, overwrite, quiet, parts)
+        return
     if component == "quantize":
         with one_line_errors(debug):
             _quantize(
@@ -163,6 +182,37 @@ def _refuse_builtin(src: str) -> None:
     raise click.ClickException(
         f"{src} is a built-in model, not a checkpoint; its files (BFL layout) are in {model.folder}"
     )
+
+
+def _gguf(
+    src: str, dst: Path, qtype: str | None, overwrite: bool, quiet: bool, parts: dict[str, str | None]
+) -> None:
+    """`flux-convert gguf`: write the transformer at `src` as the GGUF file `dst`, its weights in `qtype`."""
+    given = [f"--{k.replace('_', '-')}" for k, v in parts.items() if v is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: only for quantize (gguf reads one transformer)")
+    if qtype is None:
+        raise click.ClickException(f"flux-convert gguf needs --type, one of {', '.join(GGUF_TYPES)}")
+    from flux_runtime.weights.gguf_write import write_gguf
+
+    bar = None
+    try:
+        progress = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(unit="B", unit_scale=True, desc="gguf", leave=False)
+            progress = bar.update
+        result = write_gguf(src, dst, qtype, overwrite=overwrite, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not quiet:
+        types = ", ".join(f"{n} {k}" for k, n in sorted(result.types.items(), key=lambda kv: -kv[1]))
+        click.echo(
+            f"gguf: {result.source_layout} -> GGUF {qtype.upper()}, {result.num_tensors} tensors ({types}), "
+            f"{_human(result.total_bytes)} in {result.path}"
+        )
 
 
 def _quantize(

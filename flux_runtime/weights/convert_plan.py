@@ -105,8 +105,12 @@ Split = Callable[[flux1_layout.Rule, Tensor], dict[str, Tensor]]
 Fuse = Callable[[flux1_layout.Rule, Callable[[str], Tensor]], Tensor]
 
 
-def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
-    """Plan converting a FLUX.1, FLUX.2 or FLUX.3 transformer to the other layout (strict: every key used, every shape right)."""
+def plan_transformer(path_or_id: str | Path, *, to_bfl: bool = False) -> ConversionPlan:
+    """Plan converting a FLUX.1, FLUX.2 or FLUX.3 transformer to the other layout (strict: every key used, every shape right).
+
+    With `to_bfl`, the plan's outputs are BFL-named whatever the source's layout: a BFL source's tensors are
+    copied as they are (prefix stripped), after the same checks (what `flux-convert gguf` writes from).
+    """
     ckpt = open_transformer(path_or_id)
     files, src = ckpt.files, ckpt.source
     if isinstance(src, GgufSource):  # converting would dequantize it: values kept, the file's bytes not
@@ -115,9 +119,9 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
             "it keeps its quantized weights"
         )
     if ckpt.family == "flux3":
-        return _plan_flux3_transformer(files, src)
+        return _plan_flux3_transformer(files, src, to_bfl)
     if ckpt.family == "flux2":
-        return _plan_flux2_transformer(files, src)
+        return _plan_flux2_transformer(files, src, to_bfl)
     layout = detect_layout(src.keys())
     view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
     cfg = infer_config(
@@ -136,8 +140,8 @@ def plan_transformer(path_or_id: str | Path) -> ConversionPlan:
     def split(r: flux1_layout.Rule, t: Tensor) -> dict[str, Tensor]:
         return flux1_layout.bfl_to_diffusers(r, t, d)  # q, k, v blocks are `d` rows
 
-    steps = _transformer_steps(layout, view, table, expected, split, flux1_layout.diffusers_to_bfl)
-    target = "diffusers" if layout == "bfl" else "bfl"
+    steps = _transformer_steps(layout, view, table, expected, split, flux1_layout.diffusers_to_bfl, to_bfl)
+    target = "diffusers" if layout == "bfl" and not to_bfl else "bfl"
     return ConversionPlan("transformer", files, layout, target, steps, cfg, diffusers_cfg)
 
 
@@ -152,15 +156,15 @@ def _refuse_lost_fields(folder: dict | None, fixed: dict[str, Any], where: Path,
         raise WeightsError(f"{where.parent / 'config.json'}: BFL's {name} cannot express " + ", ".join(lost))
 
 
-def _plan_flux2_transformer(files: list[Path], src: TensorSource) -> ConversionPlan:
+def _plan_flux2_transformer(files: list[Path], src: TensorSource, to_bfl: bool = False) -> ConversionPlan:
     """`plan_transformer` for FLUX.2 keys: `flux2_layout`'s table, the FLUX.2 loader's config inference."""
     layout = flux2_layout.detect_layout(src.keys())
     view = KeyView(src, flux1_layout.BFL_PREFIXES if layout == "bfl" else ())
     folder = read_folder_config(files) if layout == "diffusers" else None
-    return _plan_dit(files, layout, view, folder, FLUX2, FLUX2_DIFFUSERS_FIXED)
+    return _plan_dit(files, layout, view, folder, FLUX2, FLUX2_DIFFUSERS_FIXED, to_bfl)
 
 
-def _plan_flux3_transformer(files: list[Path], src: TensorSource) -> ConversionPlan:
+def _plan_flux3_transformer(files: list[Path], src: TensorSource, to_bfl: bool = False) -> ConversionPlan:
     """`plan_transformer` for FLUX.3 keys: `flux3_layout`'s table (every rule one tensor, the final adaLN's halves
     swapped), the FLUX.3 loader's config inference. A BFL file's training-only `repa_projectors.*` are left out;
     FP8 checkpoints are refused (their scales have no place in the other layout's bf16 model)."""
@@ -177,7 +181,7 @@ def _plan_flux3_transformer(files: list[Path], src: TensorSource) -> ConversionP
         log.info("%s: leaving out %d training-only tensors (%s, ...)", files[0], len(skipped), skipped[0])
         for k in skipped:
             del view.names[k]
-    return _plan_dit(files, layout, view, folder, FLUX3, FLUX3_DIFFUSERS_FIXED)
+    return _plan_dit(files, layout, view, folder, FLUX3, FLUX3_DIFFUSERS_FIXED, to_bfl)
 
 
 def _plan_dit(
@@ -187,6 +191,7 @@ def _plan_dit(
     folder: dict | None,
     family: DitFamily,
     fixed: dict[str, Any],
+    to_bfl: bool = False,
 ) -> ConversionPlan:
     """A FLUX.2 / FLUX.3 plan once its layout is known: the depths from `view`'s keys (diffusers keys checked
     against the family's layout table), the config inferred as the family's loader does, a diffusers
@@ -206,9 +211,9 @@ def _plan_dit(
         expected = family.model(cfg).state_dict()
     table = list(layout_mod.rules(*depths))
     steps = _transformer_steps(
-        layout, view, table, expected, layout_mod.bfl_to_diffusers, layout_mod.diffusers_to_bfl
+        layout, view, table, expected, layout_mod.bfl_to_diffusers, layout_mod.diffusers_to_bfl, to_bfl
     )
-    target = "diffusers" if layout == "bfl" else "bfl"
+    target = "diffusers" if layout == "bfl" and not to_bfl else "bfl"
     return ConversionPlan("transformer", files, layout, target, steps, cfg, transformer_diffusers_config(cfg))
 
 
@@ -219,8 +224,10 @@ def _transformer_steps(
     expected: dict[str, Tensor],
     split: Split,
     fuse: Fuse,
+    to_bfl: bool = False,
 ) -> list[Step]:
-    """One step per rule: `split` a BFL tensor into its diffusers tensors, or `fuse` them into it.
+    """One step per rule: `split` a BFL tensor into its diffusers tensors, or `fuse` them into it; with
+    `to_bfl`, a BFL tensor is copied as it is.
 
     Checks first that the source has exactly the table's keys, each of the shape the model (BFL
     names) or the split of the model's tensor (diffusers names) gives.
@@ -234,10 +241,16 @@ def _transformer_steps(
                 raise WeightsError(
                     f"{r.bfl}: expected shape {tuple(expected[r.bfl].shape)}, checkpoint has {view.shape(r.bfl)}"
                 )
-            planned = split(r, meta_get(r.bfl))
+            if to_bfl:
+                planned = {r.bfl: meta_get(r.bfl)}
 
-            def run(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
-                return split(r, view.get(r.bfl))
+                def run(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
+                    return {r.bfl: view.get(r.bfl)}
+            else:
+                planned = split(r, meta_get(r.bfl))
+
+                def run(r: flux1_layout.Rule = r) -> dict[str, Tensor]:
+                    return split(r, view.get(r.bfl))
 
             steps.append(Step(_outputs(planned), run))
         return steps

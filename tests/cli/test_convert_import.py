@@ -14,6 +14,12 @@ def test_the_command_names_the_library_choices() -> None:
     assert cli.DEFAULT_MAX_SHARD_SIZE == library.DEFAULT_MAX_SHARD_SIZE
 
 
+def test_the_command_names_the_gguf_types() -> None:
+    from flux_runtime.weights import gguf_write
+
+    assert cli.GGUF_TYPES == gguf_write.GGUF_TYPES
+
+
 def test_importing_the_command_loads_no_torch() -> None:
     code = "import sys, flux_runtime.cli.convert; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
