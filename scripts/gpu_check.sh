@@ -557,13 +557,14 @@ case "$phase" in
     # the first call of the session after 2026-12-04 (no GPU was lent that day), most needed first: every GPU
     # test written that day and never run (ControlNets, IP-Adapter and Redux on CUDA with graphs, the GGUF
     # kernel and loaders, the dispatcher's all-ops list), then one FLUX.1-dev + ControlNet step against
-    # diffusers' (carry .whl; issue 33's re-time is `READ=0 MODELS=flux1-dev,klein-4b PROMPTS=0 ... cold-start`)
+    # diffusers', Redux's image encoding beside diffusers' (carry .whl; issue 33's re-time is `READ=0 MODELS=flux1-dev,klein-4b PROMPTS=0 ... cold-start`)
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
     timeout 300 python3 -m pytest -q -m gpu tests/controlnet tests/ip_adapter/test_ip_adapter_gpu.py \
       tests/pipeline/test_redux_gpu.py tests/gguf tests/kernels/test_gguf_dequant_kernel.py \
       tests/kernels/test_dispatch.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_22.txt" | tail -30 || status=1
     timeout $(left 420) python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -10 || status=1
+    [ $(left 540) -gt 30 ] && { timeout $(left 540) python3 scripts/bench_redux.py --json "$OUT/bench_redux.json" 2>&1 | tail -6 || status=1; }
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
