@@ -23,11 +23,12 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
+from flux_runtime.kernels.attention_backends import reset_attention_record
 from flux_runtime.pipeline import loras as fused_loras
 from flux_runtime.pipeline import parallel as par
 from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
+from flux_runtime.pipeline.graphs import GraphedDenoiser, attention_used, kernels_used
 from flux_runtime.pipeline.memory import VAE_TILE, Plan, gib
 from flux_runtime.pipeline.placement import check_free_memory
 from flux_runtime.pipeline.provenance import provenance
@@ -36,6 +37,7 @@ from flux_runtime.pipeline.step_caching import CacheRun, check_policy
 from flux_runtime.pipeline.tiers import (
     BATCHED_MODULATION,
     FAST_FP8_ACCUMULATION,
+    FP8_ATTENTION,
     FUSED_DECODE,
     RunTier,
     Tier,
@@ -289,6 +291,8 @@ class Recipe:
             "cache": call.prepared["cache"].record() if "cache" in call.prepared else "off",
             # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
             "kernels": kernels,
+            # the attention backend that ran and why ("sdpa" in lossless; "fa3-fp8" where high could run it)
+            **call.prepared.get("attention", {}),
             # the decode's: "off" (the reference ops), or the high tier's fused GroupNorm + SiLU
             **({} if decode_kernels is None else {"decode_kernels": decode_kernels}),
         }  # fmt: skip
@@ -416,6 +420,7 @@ class Recipe:
 
         call.report("denoise", 0, steps)
         reset_fused_ops_report()
+        reset_attention_record()
         watch = StepWatch(steps, self.device)
 
         def after_step(i: int, t: Tensor, x: Tensor) -> None:
@@ -446,6 +451,10 @@ class Recipe:
             )
         watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
         kernels = kernels_used(self._graphed.get(graph_keys.get("cond", ())) if use_graphs else None)
+        attention = attention_used(self._graphed.get(graph_keys.get("cond", ())) if use_graphs else None)
+        call.prepared["attention"] = attention
+        if "fa3-fp8" in attention["attention"]:
+            approximations.add(FP8_ATTENTION)
         if tier.kernels == "high" and getattr(self.transformer, "precision", "bf16") != "bf16":
             approximations.add(FAST_FP8_ACCUMULATION)
         call.prepared["approximations"] = approximations
