@@ -210,12 +210,17 @@ def test_fa3_fp8_at_flux_shapes_gpu() -> None:
 
     for heads, tokens in ((24, 512 + 4096), (48, 512 + 4096), (24, 512 + 16384)):
         q, k, v = (t.cuda() for t in attention_inputs(1, tokens, heads, key_offset=2.0))
-        ref = attention_fp32(q, k, v, torch.float64)
         q8, k8, v8 = (quantize_heads_reference(t) for t in (q, k, v))
         got = backends.fa3_fp8_attention(q8, k8, v8)
         assert got.dtype == torch.bfloat16 and got.shape == q.shape
-        model = fp8_attention_reference(q8, k8, v8, fp8_probabilities=True)
-        err, err_model = relative_error(got, ref), relative_error(model, ref)
+        # the references on the first 4 heads (each head is its own attention; the 2048² scores of all heads in
+        # float64 would not fit)
+        few = slice(0, 4)
+        ref = attention_fp32(q[:, :, few], k[:, :, few], v[:, :, few], torch.float64)
+        model = fp8_attention_reference(
+            *(Fp8Heads(t.data[:, :, few], t.descale[:, few]) for t in (q8, k8, v8)), fp8_probabilities=True
+        )
+        err, err_model = relative_error(got[:, :, few], ref), relative_error(model, ref)
         assert err < 0.08 and err < err_model + 0.015, (heads, tokens, err, err_model)
 
 
