@@ -112,6 +112,12 @@ def set_attention_backend(name: Preference) -> Preference:
     return previous
 
 
+def attention_preference() -> Preference:
+    """The backend setting (`set_attention_backend`): part of a captured CUDA graph's key, since the graph holds
+    the backend it was captured with."""
+    return _preference[0]
+
+
 def attention_backend(name: Preference) -> AbstractContextManager[None]:
     """`set_attention_backend(name)` for the enclosed block, the previous setting restored after it."""
     return temporarily(set_attention_backend, name)

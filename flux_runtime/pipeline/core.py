@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
-from flux_runtime.kernels.attention_backends import reset_attention_record
+from flux_runtime.kernels.attention_backends import attention_preference, reset_attention_record
 from flux_runtime.pipeline import loras as fused_loras
 from flux_runtime.pipeline import parallel as par
 from flux_runtime.pipeline.checks import StepWatch, check_finite
@@ -408,10 +408,11 @@ class Recipe:
                 return eager if cache_run is None else cache_run.wrap(name, eager)
 
             # one graph per branch (a replay overwrites its static output, and CFG needs both at once) and
-            # set of active ControlNets with their scales (a graph holds the Python numbers it was captured with)
+            # set of active ControlNets with their scales (a graph holds the Python numbers it was captured with) and
+            # attention backend setting (and the backend it chose)
             def graphed(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
                 m, active = step_inputs()
-                key = graph_keys[name] = (start.rope_key, tier, name, active)
+                key = graph_keys[name] = (start.rope_key, tier, name, active, attention_preference())
                 if key not in self._graphed:
                     self._graphed[key] = self._new_graph(partial(velocity, active=active))
                 return self._graphed[key](x, t, gd, text, vec, m, cc, ctl if active else None)
