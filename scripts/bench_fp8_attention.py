@@ -8,7 +8,8 @@ random rotations):
   FlashInfer's e4m3 prefill (`backend="fa3"`, if `flashinfer` imports);
 - the chains from the projections: bf16 (`qk_norm_rope` x2, joint V, SDPA: lossless), FP8 with the producers
   (`qk_norm_rope_fp8` x2, `heads_fp8`, FA3 e4m3: high), FP8 with eager quantization (the bf16 producers, then
-  `quantize_heads_reference` x3, FA3 e4m3), and the producers alone, bf16 and e4m3;
+  `quantize_heads_reference` x3, FA3 e4m3), and the producers alone, bf16 and e4m3; the FP8 chain again with the
+  e4m3 q, k, v all token-major and all head-major (the default stores k and v head-major: `HEAD_MAJOR`);
 - the error of each attention against float64 attention of the bf16 q, k, v (relative L2), with K smoothing
   (eager) and the e4m3 reference with e4m3 probabilities beside it; whether the producers' codes are
   `torch.equal` to the eager chain's.
@@ -57,7 +58,7 @@ from flux_runtime.kernels.attention_quant import (
 )
 from flux_runtime.kernels.dispatch import use_fused
 from flux_runtime.kernels.heads_fp8 import heads_fp8, qk_norm_rope_fp8
-from flux_runtime.kernels.qk_norm_rope import empty_heads, is_head_major, qk_norm_rope
+from flux_runtime.kernels.qk_norm_rope import empty_heads, head_major_layout, is_head_major, qk_norm_rope
 from flux_runtime.models.dit.layers import sdpa
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.weights.fp8 import quantize_model
@@ -212,6 +213,13 @@ def bench_ops(iters: int) -> None:
             "producers bf16 (q, k, joint v)": producers_bf16,
             "producers e4m3 (q, k, v)": producers_fp8,
         }
+        for layout, what in ((False, "token-major"), (True, "head-major")):  # the e4m3 codes' storage A/B
+
+            def chain_layout(p: Projections = p, layout: bool = layout) -> torch.Tensor:
+                with use_fused("high"), head_major_layout(layout):
+                    return backends.fa3_fp8_attention(*p.fp8())
+
+            arms[f"chain e4m3, producers + FA3, q, k, v {what}"] = chain_layout
         if not isinstance(fi, str):
             arms["FlashInfer e4m3"] = partial(fi, q8, k8, v8)
         ms: dict[str, float | str] = {}
