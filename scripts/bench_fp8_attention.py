@@ -14,8 +14,8 @@ random rotations):
   (eager) and the e4m3 reference with e4m3 probabilities beside it; whether the producers' codes are
   `torch.equal` to the eager chain's.
 Step (`--steps`): FLUX.1-dev (and `--models flux2-dev`) at 1024², random weights, B=1, + CUDA graph: bf16 lossless;
-bf16 high with SDPA (`attention_backend("sdpa")`) and with FP8 attention; the model quantized at load (FP8 GEMMs)
-in high with SDPA and with FP8 attention. Relative L2 error of each step against the bf16 lossless step.
+bf16 high with SDPA (`attention_backend("sdpa")`), with FP8 attention, and with FP8 attention but in the first double
+and last single block (`keep_bf16_attention`); the model quantized at load (FP8 GEMMs) in high, the same three. Relative L2 error of each step against the bf16 lossless step.
 Usage: python3 scripts/bench_fp8_attention.py [--ops] [--steps] [--models flux1-dev,flux2-dev] [--json out.json]
 (neither --ops nor --steps: both). Needs an sm90 GPU and the fa3-fwd package (`pip install
 'flux-runtime[fp8-attention]'`, or scripts/gpu_check.sh fp8-attention's wheel).
@@ -59,6 +59,7 @@ from flux_runtime.kernels.attention_quant import (
 from flux_runtime.kernels.dispatch import use_fused
 from flux_runtime.kernels.heads_fp8 import heads_fp8, qk_norm_rope_fp8
 from flux_runtime.kernels.qk_norm_rope import empty_heads, head_major_layout, is_head_major, qk_norm_rope
+from flux_runtime.models.dit.fp8_attention import keep_bf16_attention
 from flux_runtime.models.dit.layers import sdpa
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.weights.fp8 import quantize_model
@@ -298,10 +299,15 @@ def bench_step(name: str, iters: int) -> None:
     want = arm("bf16 lossless + graph", "lossless", "auto", None)
     arm("bf16 high + graph, SDPA", "high", "sdpa", want)
     arm("bf16 high + graph, FP8 attention", "high", "fa3-fp8", want)
+    keep_bf16_attention(ours, first=1, last=1)
+    arm("bf16 high + graph, FP8 attention but the first and last blocks", "high", "fa3-fp8", want)
+    keep_bf16_attention(ours)
     quantize_model(ours, torch.bfloat16)
     free_cuda()
     arm("fp8 high + graph, SDPA", "high", "sdpa", want)
     arm("fp8 high + graph, FP8 attention", "high", "fa3-fp8", want)
+    keep_bf16_attention(ours, first=1, last=1)
+    arm("fp8 high + graph, FP8 attention but the first and last blocks", "high", "fa3-fp8", want)
 
 
 def main() -> int:

@@ -181,6 +181,21 @@ def test_sequence_parallel_attention_stays_bf16(fake_fa3: list) -> None:
         assert fp8_attention.attention_choice(model.single_blocks[1], x).fp8
 
 
+def test_first_and_last_blocks_kept_in_bf16(fake_fa3: list) -> None:
+    """`keep_bf16_attention`: those blocks run SDPA under `high`, the rest FP8, and the record names both."""
+    model = random_model("flux2", 3, torch.bfloat16)
+    fp8_attention.keep_bf16_attention(model, first=1, last=1)
+    run(model, "high")
+    assert len(fake_fa3) == 2 and backends.attention_calls() == {"fa3-fp8": 2, "sdpa": 2}
+    record = backends.attention_record()
+    assert record["attention"] == "fa3-fp8, sdpa"
+    assert fp8_attention.KEPT_BF16.reason in record["attention_reason"]
+    fp8_attention.keep_bf16_attention(model)
+    backends.reset_attention_record()
+    run(model, "high")
+    assert backends.attention_calls() == {"fa3-fp8": 4}
+
+
 def test_pipeline_records_the_attention_backend(fake_fa3: list, monkeypatch: pytest.MonkeyPatch) -> None:
     """The provenance names the backend that ran; `high` with FP8 attention lists it among its approximations."""
     from flux_runtime.pipeline import Pipeline, core

@@ -1,8 +1,8 @@
 """The blocks' FP8 attention (`high` on Hopper): e4m3 q, k from QK-norm + RoPE, v from the projection, FA3.
 
 `attention_choice` says which backend a block's attention runs (`kernels.attention_backends`): `sdpa` in every
-tier but `high`, in a sequence-parallel run (its attention exchanges bf16 heads) and wherever FP8 attention
-cannot run; `fa3-fp8` otherwise. The double blocks call `double_fp8` in place of their bf16 q/k/v and attention;
+tier but `high`, in a sequence-parallel run (its attention exchanges bf16 heads), in blocks kept in bf16
+(`keep_bf16_attention`) and wherever FP8 attention cannot run; `fa3-fp8` otherwise. The double blocks call `double_fp8` in place of their bf16 q/k/v and attention;
 the single blocks rotate q and k straight into e4m3 (`rotate_fp8`) and attend with `single_fp8_heads`, which
 quantizes v from linear1's output. Each attention call records the backend it ran (`record_attention`), which
 the pipeline's provenance reports.
@@ -27,6 +27,18 @@ from flux_runtime.models.dit.layers import EPS, RoPE, attention, write_heads
 
 SEQUENCE_PARALLEL = AttentionChoice("sdpa", "sequence-parallel attention exchanges bf16 heads")
 COMPILED = AttentionChoice("sdpa", "under torch.compile")
+KEPT_BF16 = AttentionChoice("sdpa", "block kept in bf16 attention (keep_bf16_attention)")
+
+
+def keep_bf16_attention(model: nn.Module, first: int = 0, last: int = 0) -> None:
+    """Keep the first `first` double blocks and the last `last` single blocks of `model` in bf16 attention under
+    `high` (the blocks nearest the input and the output, where quantization error may matter most); the others
+    keep the backend `attention_choice` picks. `keep_bf16_attention(model)` undoes it."""
+    doubles, singles = list(model.double_blocks), list(model.single_blocks)
+    for i, block in enumerate(doubles):
+        block.bf16_attention = i < first
+    for i, block in enumerate(singles):
+        block.bf16_attention = i >= len(singles) - last
 
 
 def attention_choice(block: nn.Module, heads: Tensor) -> AttentionChoice:
@@ -37,6 +49,8 @@ def attention_choice(block: nn.Module, heads: Tensor) -> AttentionChoice:
     tier = kernels.fused_tier()
     if tier == "high" and block.attend is not attention:
         return SEQUENCE_PARALLEL
+    if tier == "high" and getattr(block, "bf16_attention", False):
+        return KEPT_BF16
     return choose_attention(tier, heads.device, heads.dtype, heads.shape[-1])
 
 
