@@ -14,8 +14,9 @@ random rotations):
   (eager) and the e4m3 reference with e4m3 probabilities beside it; whether the producers' codes are
   `torch.equal` to the eager chain's.
 Step (`--steps`): FLUX.1-dev (and `--models flux2-dev`) at 1024², random weights, B=1, + CUDA graph: bf16 lossless;
-bf16 high with SDPA (`attention_backend("sdpa")`), with FP8 attention, and with FP8 attention but in the first double
-and last single block (`keep_bf16_attention`); the model quantized at load (FP8 GEMMs) in high, the same three. Relative L2 error of each step against the bf16 lossless step.
+bf16 high with SDPA (`attention_backend("sdpa")`), with FP8 attention, and with FP8 attention but in the first
+double and last single block (`keep_bf16_attention`); the model quantized at load (FP8 GEMMs) in high, the same
+three. Relative L2 error of each step against the bf16 lossless step.
 Usage: python3 scripts/bench_fp8_attention.py [--ops] [--steps] [--models flux1-dev,flux2-dev] [--json out.json]
 (neither --ops nor --steps: both). Needs an sm90 GPU and the fa3-fwd package (`pip install
 'flux-runtime[fp8-attention]'`, or scripts/gpu_check.sh fp8-attention's wheel).

@@ -2,9 +2,9 @@
 
 `attention_choice` says which backend a block's attention runs (`kernels.attention_backends`): `sdpa` in every
 tier but `high`, in a sequence-parallel run (its attention exchanges bf16 heads), in blocks kept in bf16
-(`keep_bf16_attention`) and wherever FP8 attention cannot run; `fa3-fp8` otherwise. The double blocks call `double_fp8` in place of their bf16 q/k/v and attention;
-the single blocks rotate q and k straight into e4m3 (`rotate_fp8`) and attend with `single_fp8_heads`, which
-quantizes v from linear1's output. Each attention call records the backend it ran (`record_attention`), which
+(`keep_bf16_attention`) and wherever FP8 attention cannot run; `fa3-fp8` otherwise. The double blocks call
+`double_fp8` in place of their bf16 q/k/v and attention; the single blocks rotate q and k straight into e4m3
+(`rotate_fp8`) and attend with `single_fp8_heads`, which quantizes v from linear1's output. Each attention call records the backend it ran (`record_attention`), which
 the pipeline's provenance reports.
 """
 
