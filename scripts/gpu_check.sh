@@ -5,10 +5,14 @@
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh controlnet  the ControlNets' GPU tests, one FLUX.1-dev + ControlNet step vs diffusers
 #   bash scripts/gpu_check.sh next-22   the GPU tests written on 2026-12-04 (adapters, GGUF kernel), the ControlNet step bench
-#   bash scripts/gpu_check.sh gguf      the GGUF GPU tests and scripts/bench_gguf.py (Q8_0/Q4_K/... dequant + step)
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
 #                                       FLUX.1-dev step with Q4_K / Q8_0 projections vs the bf16 step
+#   bash scripts/gpu_check.sh fp8-attention  issue 36: fa3-fwd installed from .whl/fp8attn, the FP8 attention GPU tests,
+#                                       scripts/bench_fp8_attention.py --ops (one attention call at FLUX shapes). Carry
+#                                       .whl's top-level wheels and .whl/fp8attn, not all of .whl (.whl/flashinfer is 62 MiB)
+#   bash scripts/gpu_check.sh fp8-attention-step  the same install, the FLUX.1-dev step in high with and without FP8
+#                                       attention (bench_fp8_attention.py --steps)
 #   bash scripts/gpu_check.sh e2e       FLUX.1 50-step pipeline bench, FLUX.2 per-step bench, FLUX.2-dev end to end
 #   bash scripts/gpu_check.sh fp8       FP8 kernel + dispatch GPU tests, FP8 per-step bench (FLUX.1-dev, klein-4B, FLUX.2-dev)
 #   bash scripts/gpu_check.sh fp8-flux3 FLUX.3 FP8 GPU tests, FLUX.3 Klein FP8 per-step bench (t2i, one reference)
@@ -565,6 +569,22 @@ case "$phase" in
       tests/kernels/test_dispatch.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_22.txt" | tail -30 || status=1
     timeout $(left 420) python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -10 || status=1
     [ $(left 540) -gt 30 ] && { timeout $(left 540) python3 scripts/bench_redux.py --json "$OUT/bench_redux.json" 2>&1 | tail -6 || status=1; }
+    ;;
+  fp8-attention|fp8-attention-step)
+    # issue 36: FP8 attention for `high` on Hopper. fa3-fwd (and einops, which it imports) from .whl/fp8attn into
+    # /tmp/site (already on PYTHONPATH); FlashInfer's FP8 prefill is compared where `flashinfer` imports.
+    # fp8-attention: the GPU tests, then one attention call at FLUX shapes; fp8-attention-step: the FLUX.1-dev step
+    # in high with and without FP8 attention (MODELS=flux1-dev,flux2-dev adds FLUX.2-dev, if the call has time)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    python3 -c "import fa3_fwd_interface, torch; print('fa3-fwd imports; torch', torch.__version__)" 2>&1 | tail -2 || status=1
+    if [ "$phase" = fp8-attention ]; then
+      timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_heads_fp8.py tests/kernels/test_attention_quant.py \
+        tests/models/test_fp8_attention.py -p no:cacheprovider 2>&1 | tail -8 || status=1
+      timeout 240 python3 scripts/bench_fp8_attention.py --ops --json "$OUT/bench_fp8_attention_ops.json" 2>&1 | tail -60 || status=1
+    else
+      timeout 500 python3 scripts/bench_fp8_attention.py --steps --models "${MODELS:-flux1-dev}" \
+        --json "$OUT/bench_fp8_attention_steps.json" 2>&1 | tail -12 || status=1
+    fi
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -11,6 +11,8 @@ This package imports nothing from the rest of `flux_runtime`.
 """
 
 from flux_runtime.kernels.attention_act_fp8 import attention_act_fp8
+from flux_runtime.kernels.attention_backends import attention_backend, set_attention_backend
+from flux_runtime.kernels.attention_quant import Fp8Heads
 from flux_runtime.kernels.dispatch import (
     FusedOpsReport,
     fused_ops_report,
@@ -30,6 +32,7 @@ from flux_runtime.kernels.fp8 import (
 from flux_runtime.kernels.gated_residual import gated_residual
 from flux_runtime.kernels.gelu import gelu_tanh
 from flux_runtime.kernels.gguf_dequant_triton import dequantize_as as gguf_dequant_as
+from flux_runtime.kernels.heads_fp8 import heads_fp8, qk_norm_rope_fp8
 from flux_runtime.kernels.layer_norm_modulate import (
     layer_norm_modulate,
     layer_norm_modulate_fp8,
@@ -55,9 +58,11 @@ from flux_runtime.kernels.token_layer_norm_modulate import (
 
 __all__ = [
     "Fp8Act",
+    "Fp8Heads",
     "Fp8Quant",
     "FusedOpsReport",
     "attention_act_fp8",
+    "attention_backend",
     "empty_heads",
     "fp8_linear",
     "fused_ops_report",
@@ -67,6 +72,7 @@ __all__ = [
     "gelu_tanh_fp8",
     "gguf_dequant_as",
     "head_major_layout",
+    "heads_fp8",
     "is_head_major",
     "joint_token_gated_residual",
     "layer_norm_modulate",
@@ -74,12 +80,14 @@ __all__ = [
     "linear",
     "modulate",
     "qk_norm_rope",
+    "qk_norm_rope_fp8",
     "qk_norm_rope_fp32",
     "quantize",
     "quantize_reference",
     "reset_fused_ops_report",
     "residual_layer_norm_modulate",
     "residual_layer_norm_modulate_fp8",
+    "set_attention_backend",
     "set_head_major",
     "split_linear",
     "swiglu",

@@ -23,11 +23,12 @@ import torch
 from torch import Tensor
 
 from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
+from flux_runtime.kernels.attention_backends import attention_preference, reset_attention_record
 from flux_runtime.pipeline import loras as fused_loras
 from flux_runtime.pipeline import parallel as par
 from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.graphs import GraphedDenoiser, kernels_used
+from flux_runtime.pipeline.graphs import GraphedDenoiser, attention_used, kernels_used
 from flux_runtime.pipeline.memory import VAE_TILE, Plan, gib
 from flux_runtime.pipeline.placement import check_free_memory
 from flux_runtime.pipeline.provenance import provenance
@@ -36,6 +37,7 @@ from flux_runtime.pipeline.step_caching import CacheRun, check_policy
 from flux_runtime.pipeline.tiers import (
     BATCHED_MODULATION,
     FAST_FP8_ACCUMULATION,
+    FP8_ATTENTION,
     FUSED_DECODE,
     RunTier,
     Tier,
@@ -300,6 +302,8 @@ class Recipe:
             "cache": call.prepared["cache"].record() if "cache" in call.prepared else "off",
             # which kernels really ran: "off" (reference ops), "lossless", or "<tier>, partly reference"
             "kernels": kernels,
+            # the attention backend that ran and why ("sdpa" in lossless; "fa3-fp8" where high could run it)
+            **call.prepared.get("attention", {}),
             # the decode's: "off" (the reference ops), or the high tier's fused GroupNorm + SiLU
             **({} if decode_kernels is None else {"decode_kernels": decode_kernels}),
         }  # fmt: skip
@@ -417,10 +421,11 @@ class Recipe:
                 return eager if cache_run is None else cache_run.wrap(name, eager)
 
             # one graph per branch (a replay overwrites its static output, and CFG needs both at once) and
-            # set of active ControlNets with their scales (a graph holds the Python numbers it was captured with)
+            # set of active ControlNets with their scales (a graph holds the Python numbers it was captured with) and
+            # attention backend setting (and the backend it chose)
             def graphed(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
                 m, active = step_inputs()
-                key = graph_keys[name] = (start.rope_key, tier, name, active)
+                key = graph_keys[name] = (start.rope_key, tier, name, active, attention_preference())
                 if key not in self._graphed:
                     self._graphed[key] = self._new_graph(partial(velocity, active=active))
                 return self._graphed[key](x, t, gd, text, vec, m, cc, ctl if active else None)
@@ -429,6 +434,7 @@ class Recipe:
 
         call.report("denoise", 0, steps)
         reset_fused_ops_report()
+        reset_attention_record()
         watch = StepWatch(steps, self.device)
 
         def after_step(i: int, t: Tensor, x: Tensor) -> None:
@@ -459,6 +465,10 @@ class Recipe:
             )
         watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
         kernels = kernels_used(self._graphed.get(graph_keys.get("cond", ())) if use_graphs else None)
+        attention = attention_used(self._graphed.get(graph_keys.get("cond", ())) if use_graphs else None)
+        call.prepared["attention"] = attention
+        if "fa3-fp8" in attention["attention"]:
+            approximations.add(FP8_ATTENTION)
         if tier.kernels == "high" and getattr(self.transformer, "precision", "bf16") != "bf16":
             approximations.add(FAST_FP8_ACCUMULATION)
         call.prepared["approximations"] = approximations

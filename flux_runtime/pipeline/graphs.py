@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from flux_runtime.kernels import fused_ops_report
+from flux_runtime.kernels.attention_backends import attention_record
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class GraphedDenoiser:
         self.pool = None
         # replays run no Python, so the dispatch record stays empty: keep what the eager/captured call used
         self.tier_used: str | None = None
+        self.attention: dict[str, str] = {}  # likewise the attention backend (`attention_record`)
 
     @staticmethod
     def signature(leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
@@ -46,10 +48,10 @@ class GraphedDenoiser:
             if key not in self.seen:
                 self.seen.add(key)
                 out = self.fn(*xs)
-                self.tier_used = fused_ops_report().tier_used
+                self.tier_used, self.attention = fused_ops_report().tier_used, attention_record()
                 return out
             entry = self.graphs[key] = self._capture(leaves, spec)
-            self.tier_used = fused_ops_report().tier_used
+            self.tier_used, self.attention = fused_ops_report().tier_used, attention_record()
         graph, static_in, static_out = entry
         for buf, x in zip(static_in, leaves, strict=True):
             if buf is not None:
@@ -82,3 +84,13 @@ def kernels_used(graphed: GraphedDenoiser | None) -> str:
     if report.fused_calls or report.fallbacks or graphed is None:
         return report.tier_used
     return getattr(graphed, "tier_used", None) or report.tier_used
+
+
+# what the provenance says when no attention call was recorded (a model whose attention has one path: FLUX.3)
+SDPA_ONLY = {"attention": "sdpa", "attention_reason": "the model's attention runs SDPA only"}
+
+
+def attention_used(graphed: GraphedDenoiser | None) -> dict[str, str]:
+    """The attention backend the last generation ran (`attention_record`), from the graph's own record when every
+    step was a replay, else `SDPA_ONLY`."""
+    return attention_record() or (graphed.attention if graphed is not None else {}) or dict(SDPA_ONLY)

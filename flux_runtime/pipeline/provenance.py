@@ -110,6 +110,9 @@ RECORD_FIELDS: dict[str, Kind] = {
 OPTIONAL_FIELDS: dict[str, Kind] = {
     "kernels": STR,
     "decode_kernels": STR,
+    # the attention backend that ran ("sdpa", "fa3-fp8" or both) and why (`kernels.attention_backends`)
+    "attention": STR,
+    "attention_reason": STR,
     "reference_images": Kind(
         "a list of {path, width, height, sha256} objects",
         lambda v: isinstance(v, list) and all(_is_reference(r) for r in v),

@@ -52,7 +52,8 @@ class RunTier:
 BATCHED_MODULATION = "adaLN projections of all steps in one GEMM"
 FAST_FP8_ACCUMULATION = "fast FP8 accumulation"
 FUSED_DECODE = "fused GroupNorm + SiLU decode, channels-last"
-DENOISER_APPROXIMATIONS = (BATCHED_MODULATION, FAST_FP8_ACCUMULATION)
+FP8_ATTENTION = "FP8 attention (FA3 e4m3, per-head scales)"
+DENOISER_APPROXIMATIONS = (BATCHED_MODULATION, FAST_FP8_ACCUMULATION, FP8_ATTENTION)
 
 
 def record_approximations(tier: RunTier, made: set[str], model: str, precision: str) -> list[str]:

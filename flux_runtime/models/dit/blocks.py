@@ -18,7 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from flux_runtime import kernels
+from flux_runtime.kernels.attention_backends import record_attention
+from flux_runtime.kernels.attention_quant import Fp8Heads
 from flux_runtime.models.dit.config import DiTConfig
+from flux_runtime.models.dit.fp8_attention import attention_choice, double_fp8, rotate_fp8, single_fp8_heads
 from flux_runtime.models.dit.layers import (
     EPS,
     AnyLinear,
@@ -38,6 +41,7 @@ from flux_runtime.models.dit.layers import (
     sdpa,
     shared_ids,
     timestep_embedding,
+    write_heads,
 )
 from flux_runtime.models.dit.residuals import ControlResiduals, add_image_residual, add_residual
 from flux_runtime.models.dit.step_hook import StepHook
@@ -92,25 +96,31 @@ def double_stream(
     img_q, img_k, img_v = block.img_attn.project(img_n)
     txt_q, txt_k, txt_v = block.txt_attn.project(txt_n)
 
-    # joint attention, text first: (B, L_txt + L_img, H, Dh), each stored head-major where
-    # `kernels.is_head_major` says (SDPA then reads it contiguously)
-    img_norm, txt_norm = block.img_attn.norm, block.txt_attn.norm
-    major_q, major_k, major_v = (kernels.is_head_major(role) for role in "qkv")
-    q = kernels.qk_norm_rope(
-        txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS, major_q
-    )
-    k = kernels.qk_norm_rope(
-        txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS, major_k
-    )
-    # joint V: two strided copies (the merged-QKV views) are cheaper on the GPU than torch.cat of them; they
-    # write the head-major storage as directly as the token-major one
-    b, _, h, dh = txt_v.shape
-    v = kernels.empty_heads(
-        b, n_txt + n_img, h, dh, dtype=txt_v.dtype, device=txt_v.device, head_major=major_v
-    )
-    v[:, :n_txt].copy_(txt_v)
-    v[:, n_txt:].copy_(img_v)
-    txt_attn, img_attn = block.attend(q, k, v).split_with_sizes([n_txt, n_img], dim=1)
+    choice = attention_choice(block, img_q)
+    if choice.fp8:  # the high tier's FP8 attention (`fp8_attention`)
+        joint = double_fp8(block, (txt_q, txt_k, txt_v), (img_q, img_k, img_v), pe)
+    else:
+        record_attention(choice)
+        # joint attention, text first: (B, L_txt + L_img, H, Dh), each stored head-major where
+        # `kernels.is_head_major` says (SDPA then reads it contiguously)
+        img_norm, txt_norm = block.img_attn.norm, block.txt_attn.norm
+        major_q, major_k, major_v = (kernels.is_head_major(role) for role in "qkv")
+        q = kernels.qk_norm_rope(
+            txt_q, img_q, txt_norm.query_norm.scale, img_norm.query_norm.scale, *pe, EPS, major_q
+        )
+        k = kernels.qk_norm_rope(
+            txt_k, img_k, txt_norm.key_norm.scale, img_norm.key_norm.scale, *pe, EPS, major_k
+        )
+        # joint V: two strided copies (the merged-QKV views) are cheaper on the GPU than torch.cat of them; they
+        # write the head-major storage as directly as the token-major one
+        b, _, h, dh = txt_v.shape
+        v = kernels.empty_heads(
+            b, n_txt + n_img, h, dh, dtype=txt_v.dtype, device=txt_v.device, head_major=major_v
+        )
+        v[:, :n_txt].copy_(txt_v)
+        v[:, n_txt:].copy_(img_v)
+        joint = block.attend(q, k, v)
+    txt_attn, img_attn = joint.split_with_sizes([n_txt, n_img], dim=1)
 
     # diffusers' IP-Adapter processor projects the attention's views as they are, its plain one copies them
     # contiguous first (on the CPU a batch rounds differently): with an image prompt, as the former
@@ -216,6 +226,8 @@ class SingleStreamBlock(nn.Module):
         """q or k heads (`role`) RMS-normed with this block's weight and rotated, stored head-major where
         `kernels.is_head_major(role)` says (v stays a view of linear1's output)."""
         weight = self.norm.query_norm.scale if role == "q" else self.norm.key_norm.scale
+        if attention_choice(self, x).fp8:  # the high tier's FP8 attention: written in e4m3 (`fp8_attention`)
+            return rotate_fp8(x, weight, role, pe)  # type: ignore[return-value]
         return kernels.qk_norm_rope(None, x, None, weight, *pe, EPS, kernels.is_head_major(role))
 
     def rows_fp8(self) -> bool:
@@ -228,14 +240,27 @@ class SingleStreamBlock(nn.Module):
     ) -> Stream:
         """The gated residual through linear2 from attention and the MLP input `mlp`, both quantized in one
         pass (no 16-bit buffer); `activation` as `attention_act_fp8` names it."""
-        act = kernels.attention_act_fp8(sdpa(q, k, v), mlp, activation)
+        act = kernels.attention_act_fp8(self.attention_heads(q, k, v), mlp, activation)
         return clip_fp16(Pending(x, gate, self.linear2(act)))
 
     def out_buffer(self, x: Tensor, gate: Tensor, q: Tensor, k: Tensor, v: Tensor, h: Tensor) -> Stream:
         """The gated residual through linear2 from `h` (B, L, D + M), whose MLP half is written: attention
         goes into its first D columns in place (no concat), e4m3 when linear2 reads a static quantization."""
-        self.attend(q, k, v, out=h[..., : self.linear1.in_features], quant=self.linear2.act_quant)
+        out, quant = h[..., : self.linear1.in_features], self.linear2.act_quant
+        if isinstance(q, Fp8Heads):
+            write_heads(self.attention_heads(q, k, v), out, quant)
+        else:
+            record_attention(attention_choice(self, v))
+            self.attend(q, k, v, out=out, quant=quant)
         return clip_fp16(Pending(x, gate, self.linear2(h)))
+
+    def attention_heads(self, q: Tensor | Fp8Heads, k: Tensor | Fp8Heads, v: Tensor) -> Tensor:
+        """Full attention's heads (B, L, H, D): FP8 when `rotate` wrote q and k in e4m3, else SDPA."""
+        if isinstance(q, Fp8Heads):
+            assert isinstance(k, Fp8Heads)
+            return single_fp8_heads(q, k, v)
+        record_attention(attention_choice(self, v))
+        return sdpa(q, k, v)
 
 
 class LastLayer(nn.Module):
