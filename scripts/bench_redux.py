@@ -21,24 +21,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import DEV, finish_run, require_cuda  # scripts/benchlib.py, beside this file
+from benchlib import DEV, cuda_time, finish_run, require_cuda  # scripts/benchlib.py, beside this file
 
 SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
               image_size=384, patch_size=14)  # fmt: skip
-
-
-def timed(fn, iters: int) -> float:
-    """Median wall ms of `fn()` (host preprocessing included, as a user meets it), after two warm-ups."""
-    fn()
-    fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1000)
-    return float(np.median(times))
 
 
 @torch.no_grad()
@@ -77,7 +63,11 @@ def main() -> int:
         return ours_embedder(encoder.encode([image], torch.device(DEV)))
 
     equal = torch.equal(ours_encode(), diffusers_encode())
-    ms = {"diffusers": timed(diffusers_encode, args.iters), "ours": timed(ours_encode, args.iters)}
+    # CUDA events around the whole call: the host's preprocessing, before the first kernel, counts too
+    ms = {
+        "diffusers": cuda_time(diffusers_encode, iters=args.iters),
+        "ours": cuda_time(ours_encode, iters=args.iters),
+    }
     print("| Redux image encoding, one 1024² image, bf16 | ms | / diffusers | torch.equal |")
     print("|---|---|---|---|")
     for name, value in ms.items():
