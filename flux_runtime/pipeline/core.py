@@ -26,6 +26,7 @@ from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
 from flux_runtime.kernels.attention_backends import attention_preference, reset_attention_record
 from flux_runtime.pipeline import loras as fused_loras
 from flux_runtime.pipeline import parallel as par
+from flux_runtime.pipeline.cached_graphs import SplitGraphs
 from flux_runtime.pipeline.checks import StepWatch, check_finite
 from flux_runtime.pipeline.errors import FluxError
 from flux_runtime.pipeline.graphs import GraphedDenoiser, attention_used, kernels_used
@@ -381,13 +382,14 @@ class Recipe:
                     return self.conditioned_velocity(x, cc, t, gd, txt, vec, mods, ids, pe)
                 return self.velocity(x, t, gd, txt, vec, mods, ids, pe)
 
-        # step caching decides on the host, step by step: eager calls (recorded as cuda_graphs False)
+        # step caching decides on the host, step by step: with CUDA graphs, each step replays the probe's graph,
+        # then the rest's or the reuse's (`SplitGraphs`)
         cache_run = (
             None if call.cache is None else CacheRun(call.cache, self.transformer, len(start.timesteps))
         )
         if cache_run is not None:
             call.prepared["cache"] = cache_run
-        use_graphs = self._graphs_enabled() and cache_run is None
+        use_graphs = self._graphs_enabled()
         graph_keys: dict[str, tuple] = {}  # each branch's graph of the last step (whose kernels are reported)
         # what `high` approximated in this call (see `record_approximations`)
         approximations: set[str] = set()
@@ -423,12 +425,19 @@ class Recipe:
             # one graph per branch (a replay overwrites its static output, and CFG needs both at once) and
             # set of active ControlNets with their scales (a graph holds the Python numbers it was captured with) and
             # attention backend setting (and the backend it chose)
+            # and step cache (a cached branch's graphs are split at the probe: `SplitGraphs`)
             def graphed(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:
                 m, active = step_inputs()
-                key = graph_keys[name] = (start.rope_key, tier, name, active, attention_preference())
+                cached = cache_run is not None
+                key = (start.rope_key, tier, name, active, attention_preference(), cached)
+                graph_keys[name] = key
                 if key not in self._graphed:
-                    self._graphed[key] = self._new_graph(partial(velocity, active=active))
-                return self._graphed[key](x, t, gd, text, vec, m, cc, ctl if active else None)
+                    fn = partial(velocity, active=active)
+                    self._graphed[key] = self._new_split_graph(fn) if cached else self._new_graph(fn)
+                inputs = (x, t, gd, text, vec, m, cc, ctl if active else None)
+                if cache_run is None:
+                    return self._graphed[key](*inputs)
+                return self._graphed[key](cache_run.cache(name), *inputs)
 
             return graphed
 
@@ -535,6 +544,9 @@ class Recipe:
 
     def _new_graph(self, fn: Callable[..., Tensor]) -> GraphedDenoiser:
         return GraphedDenoiser(fn)
+
+    def _new_split_graph(self, fn: Callable[..., Tensor]) -> SplitGraphs:
+        return SplitGraphs(fn, self.transformer)
 
 
 def settle(

@@ -74,11 +74,11 @@ class GraphedDenoiser:
         return graph, static_in, static_out
 
 
-def kernels_used(graphed: GraphedDenoiser | None) -> str:
+def kernels_used(graphed: Any) -> str:
     """Which kernels the last generation ran ("off", "lossless", "<tier>, partly reference").
 
     Read from the dispatch record; when every step was a graph replay the record is empty, and the
-    graph's own record (taken when it ran eagerly or was captured) says it instead.
+    graph's own record (`graphed`: a `GraphedDenoiser` or a cached branch's `SplitGraphs`) (taken when it ran eagerly or was captured) says it instead.
     """
     report = fused_ops_report()
     if report.fused_calls or report.fallbacks or graphed is None:
@@ -90,7 +90,7 @@ def kernels_used(graphed: GraphedDenoiser | None) -> str:
 SDPA_ONLY = {"attention": "sdpa", "attention_reason": "the model's attention runs SDPA only"}
 
 
-def attention_used(graphed: GraphedDenoiser | None) -> dict[str, str]:
+def attention_used(graphed: Any) -> dict[str, str]:
     """The attention backend the last generation ran (`attention_record`), from the graph's own record when every
     step was a replay, else `SDPA_ONLY`."""
     return attention_record() or (graphed.attention if graphed is not None else {}) or dict(SDPA_ONLY)

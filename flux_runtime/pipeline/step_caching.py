@@ -3,8 +3,9 @@
 The policies are `flux_runtime.sampling.step_cache`'s; here a call's policy (the call's `cache=`, else the
 pipeline's) is checked against the model before any work, each branch's transformer calls run with that
 branch's cache hooked into the transformer, and the provenance gets the policy and the steps that ran in full.
-Cached calls run eagerly: a skipped step is a host decision between two different amounts of work, which one
-recorded CUDA graph cannot replay; the provenance's `cuda_graphs` says so.
+A skipped step is a host decision between two different amounts of work, which one recorded CUDA graph cannot
+replay: with CUDA graphs, a cached branch runs as `pipeline.cached_graphs.SplitGraphs` (the probe, then the
+rest or the reuse, each a graph), eagerly otherwise.
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ class CacheRun:
         self.policy, self.transformer, self.steps = policy, transformer, steps
         self.branches: dict[str, BranchCache] = {}
 
+    def cache(self, name: str) -> BranchCache:
+        """Branch `name`'s cache (made on first use)."""
+        return self.branches.setdefault(name, self.policy.start(self.steps))
+
     def wrap(self, name: str, velocity: Velocity) -> Velocity:
         """`velocity` with branch `name`'s cache hooked into the transformer for each of its calls."""
-        cache = self.branches.setdefault(name, self.policy.start(self.steps))
+        cache = self.cache(name)
         transformer = self.transformer
 
         def cached(x: Tensor, t: Tensor, gd: Tensor | None) -> Tensor:

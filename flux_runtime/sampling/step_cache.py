@@ -18,13 +18,15 @@ refresh 1) gives bit-identical results: the probe and the rest are the same oper
 
 A policy is written as a spec string `POLICY[:key=value,...]` (`"first-block:threshold=0.1"`,
 `"taylor:order=1,refresh=2"`), parsed by `parse_cache` before any model work; `spec` gives it back in full.
-Nothing here imports a model: the transformer hands its tensors to `BranchCache.before_rest` and
-`after_rest` (the hook protocol in `flux_runtime.models.dit.step_hook`).
+Nothing here imports a model: the transformer hands its tensors to `BranchCache.at_probe` and
+`after_rest` (the hook protocol in `flux_runtime.models.dit.step_hook`); `before_rest` is the decision alone,
+which a CUDA-graph replay asks between the probe's graph and the rest's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -189,6 +191,14 @@ class BranchCache:
         self.probe_residual = residual
         self._probe_out = probe_out
         return None
+
+    def at_probe(
+        self, probe_in: Tensor, probe_out: Tensor, finish: Callable[[Tensor], Tensor]
+    ) -> Tensor | None:
+        """The transformer's side (`models.dit.step_hook`): `finish` on `before_rest`'s image tokens when this
+        step reuses, else None (run the rest)."""
+        tokens = self.before_rest(probe_in, probe_out)
+        return None if tokens is None else finish(tokens)
 
     def after_rest(self, out: Tensor) -> None:
         """After a full step: keep the rest's residual on the image tokens `out` (before the final layer)."""

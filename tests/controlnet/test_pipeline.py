@@ -209,3 +209,32 @@ def test_a_controlnet_beside_an_ip_adapter_equals_diffusers(folders, tmp_path):
     got = ours(PROMPTS[0], seed=5, num_steps=3, **KW, **args)
     check_same(got, *want)
     assert got.info["controlnets"] and got.info["ip_adapter"]["scale"] == 0.8
+
+
+def test_a_step_cached_controlnet_call_under_split_graphs_equals_the_eager_one(folders, monkeypatch):
+    """Step caching with a ControlNet that starts acting halfway, on the CPU stand-in for graph recording: each
+    (branch, acting set) records its own probe / reuse / rest, the branch's cache carries across them, and the
+    latents equal the eager cached call's."""
+    from flux_runtime.pipeline.cached_graphs import SplitGraphs
+    from scripts.bench_cache import Skips
+    from tests.graph_emulator import EmulatedCapture
+
+    pipes, nets = folders
+    ours = Pipeline.from_pretrained(
+        pipes["pipe"], device="cpu", dtype=torch.float32, controlnet=nets["instantx"]
+    )
+    args = dict(control_image=control_image(8), control_guidance_start=0.5, cache=Skips(skip=(2, 4)))
+    eager = ours(PROMPTS[0], seed=2, num_steps=6, **KW, **args)
+    made: list[SplitGraphs] = []
+    monkeypatch.setattr(ours, "_graphs_enabled", lambda: True)
+
+    def new_split_graph(fn):
+        made.append(SplitGraphs(fn, ours.transformer, EmulatedCapture()))
+        return made[-1]
+
+    monkeypatch.setattr(ours, "_new_split_graph", new_split_graph)
+    got = ours(PROMPTS[0], seed=2, num_steps=6, **KW, **args)
+    assert got.info["cuda_graphs"] is True and torch.equal(got.latents, eager.latents)
+    assert got.info["cache"]["computed_steps"] == [0, 1, 3, 5]
+    assert len(made) == 2  # idle for steps 0-2, acting for 3-5
+    assert [m.replays for m in made] == [{"rest": 1, "reuse": 1}, {"rest": 1, "reuse": 1}]

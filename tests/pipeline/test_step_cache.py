@@ -146,13 +146,21 @@ def _same_pixels(a: Path, b: Path) -> bool:
 @pytest.mark.parametrize(("quality", "fp8"), [("lossless", False), ("high", False), ("lossless", True)])
 def test_gpu_a_cache_that_never_skips_changes_no_bit(model: str, quality: str, fp8: bool) -> None:
     """On CUDA, with the fused kernels (the probe's pending residual written out beside the fused path), in
-    bf16 and FP8, against the uncached call's CUDA graphs: the same latents; a skip pattern stays finite."""
+    bf16 and FP8, both under CUDA graphs (the cached call's split at the probe): the same latents as the uncached
+    call; a skip pattern gives the eager cached call's latents bit for bit and stays finite."""
     pipe = Pipeline.from_pretrained(model, device="cuda", quality=quality, fp8=fp8)
+    eager = Pipeline.from_pretrained(model, device="cuda", quality=quality, fp8=fp8, cuda_graphs=False)
     kw = dict(num_steps=8, height=128, width=128, seed=1, output_type="latent")
     want = pipe("a red circle", **kw)
     got = pipe("a red circle", **kw, cache="first-block:threshold=0")
-    assert want.info["cuda_graphs"] and not got.info["cuda_graphs"]
+    assert want.info["cuda_graphs"] and got.info["cuda_graphs"]
     assert torch.equal(got.latents, want.latents)
-    skipped = pipe("a red circle", **kw, cache=Skips(skip=(3, 5))).latents.float()
-    assert torch.isfinite(skipped).all()
-    assert (skipped - want.latents.float()).norm() < 0.5 * want.latents.float().norm()
+    for policy in (Skips(skip=(3, 5)), "taylor:order=2,refresh=3"):
+        skipped = pipe("a red circle", **kw, cache=policy)
+        again = eager("a red circle", **kw, cache=policy)
+        assert skipped.info["cuda_graphs"] and not again.info["cuda_graphs"]
+        assert torch.equal(skipped.latents, again.latents), policy
+        assert skipped.info["cache"] == again.info["cache"]
+        latents = skipped.latents.float()
+        assert torch.isfinite(latents).all()
+        assert (latents - want.latents.float()).norm() < 0.5 * want.latents.float().norm()

@@ -337,12 +337,12 @@ class JointTransformer(nn.Module):
 
     def run_blocks(
         self, img: Tensor, txt: Tensor, double: tuple, single: tuple, pe: RoPE,
-        control: ControlResiduals | None = None,
-    ) -> Stream:  # fmt: skip
+        finish: Callable[[Stream], Tensor], control: ControlResiduals | None = None,
+    ) -> Tensor:  # fmt: skip
         """The embedded streams through the double blocks (`block(img, txt, *double, pe)`), then joined
-        `[txt | img]` through the single blocks (`block(x, *single, pe)`): the image rows of the result, a
-        pending residual left pending. `control`: ControlNet residuals added to the image states after
-        each block."""
+        `[txt | img]` through the single blocks (`block(x, *single, pe)`), and `finish` (the final layer) on the
+        image rows of the result, a pending residual left pending. `control`: ControlNet residuals added to the
+        image states after each block."""
         hook = self.step_hook
         probe = -1 if hook is None else hook.probe_blocks
         img_s: Stream = img
@@ -354,7 +354,7 @@ class JointTransformer(nn.Module):
                 img_s = add_residual(img_s, control.after_double(k, n_double))
             if k + 1 == probe:  # step caching: the probe's image tokens decide whether the rest runs
                 assert hook is not None
-                reused = hook.before_rest(img, materialize(img_s))
+                reused = hook.at_probe(img, materialize(img_s), finish)
                 if reused is not None:
                     return reused
 
@@ -373,7 +373,7 @@ class JointTransformer(nn.Module):
         )
         if hook is not None:
             hook.after_rest(materialize(out))
-        return out
+        return finish(out)
 
     @property
     def max_probe_blocks(self) -> int:

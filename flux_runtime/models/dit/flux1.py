@@ -11,6 +11,8 @@ and its single block's projection.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor, nn
 
@@ -168,7 +170,9 @@ class Flux1Transformer(JointTransformer):
         img = self.img_in(img)
         txt = self.txt_in(txt)
         prompt = None if ip is None else self._ip_adapter().prompt(ip)
-        return self.final_layer(self.run_blocks(img, txt, (source, prompt), (source,), pe, control), source)
+        return self.run_blocks(
+            img, txt, (source, prompt), (source,), pe, partial(self.final_layer, mods=source), control
+        )
 
     def set_ip_adapter(self, adapter: IPAdapter | None) -> None:
         """Put an IP-Adapter on (its blocks paired with the double blocks) or take it off (None)."""

@@ -19,6 +19,8 @@ attention, the blocks' weights and shared steps, the run through them) is in blo
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -142,5 +144,5 @@ class Flux2Transformer(JointTransformer):
 
         img = self.img_in(img)
         txt = self.txt_in(txt)
-        x = self.run_blocks(img, txt, (mod_img, mod_txt), (mod_single,), pe)
-        return self.final_layer(x, vec_act.to(img.dtype))
+        finish = partial(self.final_layer, vec_act=vec_act.to(img.dtype))
+        return self.run_blocks(img, txt, (mod_img, mod_txt), (mod_single,), pe, finish)

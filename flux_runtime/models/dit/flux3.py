@@ -31,6 +31,7 @@ dtype, as diffusers keeps them (`cast_to` does this for a model built here).
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -378,9 +379,9 @@ class Flux3Transformer(nn.Module):
             x = block(x, mod_img, pe.image)
             if k + 1 == probe:  # step caching: the probe's image tokens decide whether the rest runs
                 assert hook is not None
-                reused = hook.before_rest(x_in, x)
+                reused = hook.at_probe(x_in, x, partial(self.final_layer["image"], temb=temb))
                 if reused is not None:
-                    return self.final_layer["image"](reused, temb)
+                    return reused
         if fixed.ref is not None:
             assert fixed.mod_ref is not None
             # content = [image | image_cond]: (B, L_img + L_ref, D)
