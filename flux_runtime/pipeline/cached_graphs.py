@@ -25,8 +25,7 @@ records into a memory pool of its own that no other graph allocates from.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,38 +35,12 @@ from torch.utils import _pytree as pytree
 
 from flux_runtime.kernels import fused_ops_report
 from flux_runtime.kernels.attention_backends import attention_record
-from flux_runtime.pipeline.graphs import GraphedDenoiser
+from flux_runtime.pipeline.graphs import CudaCapture, GraphedDenoiser
 from flux_runtime.sampling.step_cache import BranchCache
 
 log = logging.getLogger(__name__)
 
 PARTS = ("probe", "reuse", "rest")
-
-
-class CudaCapture:
-    """What recording needs from CUDA, in one place (a test stands in for it on a CPU)."""
-
-    def graph(self) -> Any:
-        return torch.cuda.CUDAGraph()
-
-    def pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
-
-    @contextmanager
-    def stream(self) -> Iterator[None]:
-        """A side stream to record on (capture cannot run on the default stream), joined back afterwards."""
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            yield
-        torch.cuda.current_stream().wait_stream(side)
-
-    def begin(self, graph: Any, pool: Any) -> None:
-        graph.capture_begin(pool=pool)
-
-    def end(self, graph: Any) -> None:
-        graph.capture_end()
 
 
 @dataclass

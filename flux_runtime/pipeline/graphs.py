@@ -10,7 +10,8 @@ until the next call (the Euler loop consumes it at once).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,13 +24,40 @@ from flux_runtime.kernels.attention_backends import attention_record
 log = logging.getLogger(__name__)
 
 
+class CudaCapture:
+    """What recording needs from CUDA, in one place (a test stands in for it on a CPU)."""
+
+    def graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    @contextmanager
+    def stream(self) -> Iterator[None]:
+        """A side stream to record on (capture cannot run on the default stream), joined back afterwards."""
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            yield
+        torch.cuda.current_stream().wait_stream(side)
+
+    def begin(self, graph: Any, pool: Any) -> None:
+        graph.capture_begin(pool=pool)
+
+    def end(self, graph: Any) -> None:
+        graph.capture_end()
+
+
 class GraphedDenoiser:
     """Wrap `fn(*inputs)`; eager on first use of a signature, captured on the second, replayed after."""
 
-    def __init__(self, fn: Callable[..., Tensor]) -> None:
+    def __init__(self, fn: Callable[..., Tensor], capture: CudaCapture | None = None) -> None:
         self.fn = fn
+        self.capture = capture or CudaCapture()
         self.seen: set[tuple] = set()
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor | None], Tensor]] = {}
+        self.graphs: dict[tuple, tuple[Any, list[Tensor | None], Tensor]] = {}
         self.pool = None
         # replays run no Python, so the dispatch record stays empty: keep what the eager/captured call used
         self.tier_used: str | None = None
@@ -64,13 +92,17 @@ class GraphedDenoiser:
             "capturing a CUDA graph of the denoiser for %s",
             [None if x is None else tuple(x.shape) for x in leaves],
         )
+        capture = self.capture
         static_in = [None if x is None else x.clone() for x in leaves]
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
+        graph = capture.graph()
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.fn(*pytree.tree_unflatten(static_in, spec))
+            self.pool = capture.pool()
+        with capture.stream():
+            capture.begin(graph, self.pool)
+            try:
+                static_out = self.fn(*pytree.tree_unflatten(static_in, spec))
+            finally:
+                capture.end(graph)
         return graph, static_in, static_out
 
 

@@ -9,6 +9,7 @@ import torch
 
 from flux_runtime.pipeline import Pipeline
 from flux_runtime.pipeline.cached_graphs import SplitGraphs
+from flux_runtime.pipeline.graphs import GraphedDenoiser
 from scripts.bench_cache import Skips
 from tests.graph_emulator import EmulatedCapture
 
@@ -35,8 +36,20 @@ def _graphed(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> list[SplitGraph
 
     monkeypatch.setattr(pipe, "_graphs_enabled", lambda: True)
     monkeypatch.setattr(pipe, "_new_split_graph", new_split_graph)
+    monkeypatch.setattr(pipe, "_new_graph", lambda fn: GraphedDenoiser(fn, EmulatedCapture()))
     pipe._graphed.clear()
     return made
+
+
+def test_uncached_graphs_replay_the_eager_call(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uncached path's `GraphedDenoiser` on the same stand-in: one graph per branch, recorded on the second
+    step and replayed after, the eager call's latents."""
+    eager = pipe("a red circle", **KW, **_cfg(pipe))
+    _graphed(pipe, monkeypatch)
+    got = pipe("a red circle", **KW, **_cfg(pipe))
+    assert got.info["cuda_graphs"] is True and torch.equal(got.latents, eager.latents)
+    graphs = [g for d in pipe._graphed.values() for g, _, _ in d.graphs.values()]
+    assert [g.replays for g in graphs] == [KW["num_steps"] - 1] * 2
 
 
 @pytest.mark.parametrize(
