@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh controlnet  the ControlNets' GPU tests, one FLUX.1-dev + ControlNet step vs diffusers
 #   bash scripts/gpu_check.sh next-22   the GPU tests written on 2026-12-04 (adapters, GGUF kernel), the ControlNet step bench
+#   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
 #                                       FLUX.1-dev step with Q4_K / Q8_0 projections vs the bf16 step
@@ -569,6 +570,17 @@ case "$phase" in
       tests/kernels/test_dispatch.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_22.txt" | tail -30 || status=1
     timeout $(left 420) python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -10 || status=1
     [ $(left 540) -gt 30 ] && { timeout $(left 540) python3 scripts/bench_redux.py --json "$OUT/bench_redux.json" 2>&1 | tail -6 || status=1; }
+    ;;
+  cache-graphs)
+    # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached
+    # latents against the eager cached ones, bf16 / high / FP8), then bench_cache.py at full size (FLUX.1-dev
+    # random weights, built here): every row eagerly and under graphs (carry .whl)
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    timeout 120 python3 -m pytest -q -m gpu tests/pipeline/test_step_cache.py -p no:cacheprovider 2>&1 | tail -6 || status=1
+    timeout 120 python3 -m pytest -q tests/pipeline/test_cached_graphs.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    [ -d /tmp/cold/flux1-dev ] || timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    [ $(left 560) -gt 30 ] && { timeout $(left 560) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --json "$OUT/bench_cache.json" 2>&1 | grep -v "^\\[" | tail -24 || status=1; }
     ;;
   fp8-attention|fp8-attention-step)
     # issue 36: FP8 attention for `high` on Hopper. fa3-fwd (and einops, which it imports) from .whl/fp8attn into
