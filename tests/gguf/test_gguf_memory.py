@@ -41,15 +41,13 @@ BF = torch.bfloat16
 KW = dict(height=32, width=48, max_sequence_length=64, num_steps=1, seed=1, output_type="latent")
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny FLUX.1-dev pipeline folder, its transformer as a BFL-named GGUF file (Q4_0, Q8_0 where a row does
-    not hold whole Q4_0 blocks), and CLIP and T5 folders for the BFL file set."""
+def build_files(root: Path) -> dict[str, Path]:
+    """A tiny FLUX.1-dev pipeline folder under `root`, its transformer as a BFL-named GGUF file (Q4_0, Q8_0 where a
+    row does not hold whole Q4_0 blocks), and CLIP and T5 folders for the BFL file set."""
     from diffusers import FluxTransformer2DModel
 
     from tests.pipeline.test_flux1_pipeline import _save_pipeline
 
-    root = tmp_path_factory.mktemp("gguf-memory")
     folder = _save_pipeline(root / "FLUX.1-tiny", True)
     model = FluxTransformer2DModel.from_pretrained(folder / "transformer")
     bfl, _, _ = write_flux1_pair(model, root / "files", "Q4_0")
@@ -62,9 +60,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"gguf": bfl, "vae": folder / "vae", "clip": root / "clip", "t5": root / "t5"}
 
 
-def _load(files: dict[str, Path], **kw: object) -> Pipeline:
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_files(tmp_path_factory.mktemp("gguf-memory"))
+
+
+def load(files: dict[str, Path], device: str = "cpu", **kw: object) -> Pipeline:
+    """The GGUF pipeline of `build_files` in bf16 on `device`."""
     return Pipeline.from_pretrained(
-        files["gguf"], device="cpu", dtype=BF, vae=files["vae"], text_encoder=files["clip"],
+        files["gguf"], device=device, dtype=BF, vae=files["vae"], text_encoder=files["clip"],
         text_encoder_2=files["t5"], **kw,
     )  # fmt: skip
 
@@ -72,7 +76,7 @@ def _load(files: dict[str, Path], **kw: object) -> Pipeline:
 @pytest.fixture(scope="module")
 def resident(files: dict[str, Path]) -> tuple[Pipeline, torch.Tensor]:
     """The GGUF pipeline without a plan and its latents for "a red fox"."""
-    pipe = _load(files)
+    pipe = load(files)
     return pipe, pipe("a red fox", **KW).latents
 
 
@@ -96,7 +100,7 @@ def test_every_plan_gives_the_resident_bits(
     files: dict[str, Path], resident: tuple[Pipeline, torch.Tensor]
 ) -> None:
     _, want = resident
-    pipe = _load(files)
+    pipe = load(files)
     plans = _plans(footprint(pipe))
     assert len(footprint(pipe).dit.layers) == 4  # the odd-slot plan's positions exist
     for plan in plans:
@@ -120,7 +124,7 @@ def test_streamed_blocks_hold_the_files_quantized_bytes(files: dict[str, Path]) 
     the unit is smaller than the block dequantized to bf16, and while a block computes its projection reads those
     bytes from a ring slot."""
     src = GgufSource(files["gguf"])
-    pipe = _load(files)
+    pipe = load(files)
     t = pipe.transformer
     nd = len(dit_layers(t))
     apply_plan(pipe, Plan("stream", None, text="offloaded", dit="streamed", streamed_dit=spread(nd, nd),
@@ -201,7 +205,7 @@ def test_plans_are_chosen_on_the_stored_sizes(
     budget = budget_needed(plan_memory(fp, 1 << 40).peak, fp.workspace)
     assert plan_memory(fp, budget).name == "resident"
     assert plan_memory(bf16, budget).name != "resident"
-    pipe = _load(files, memory=budget)
+    pipe = load(files, memory=budget)
     assert pipe.memory_plan.name == "resident"
     assert torch.equal(pipe("a red fox", **KW).latents, want)
     # and one that must stream the GGUF blocks: the bf16 blocks do not fit it at all
@@ -263,7 +267,7 @@ def test_a_lora_on_a_streamed_gguf_model(files: dict[str, Path], tmp_path: Path)
     slot's) and keeps streaming; unloading gives the streamed GGUF latents back."""
     from tests.lora import lora_fixtures as lf
 
-    ref = _load(files)
+    ref = load(files)
     base = ref("a red fox", **KW).latents
     shapes = lf.linear_shapes(ref.transformer)
     lora = lf.bfl_file(
@@ -272,7 +276,7 @@ def test_a_lora_on_a_streamed_gguf_model(files: dict[str, Path], tmp_path: Path)
     ref.load_lora(lora, 0.9)
     want = ref("a red fox", **KW).latents
     assert not torch.equal(want, base)
-    pipe = _load(files)
+    pipe = load(files)
     nd = len(dit_layers(pipe.transformer))
     plan = Plan("stream", None, text="offloaded", dit="streamed", streamed_dit=spread(nd, nd), together=False)
     apply_plan(pipe, plan, torch.device("cpu"))
