@@ -86,12 +86,14 @@ def load_lora(pipe: Any, path: str | Path, scale: float = 1.0) -> LoadedLora:
     clip_names = None if clip is None else {n for n, m in clip.named_modules() if isinstance(m, nn.Linear)}
     table = LayerTable.of(pipe.transformer)
     weights = convert(sd, metadata, table, clip_names, file.name)
+    moving = _off_device(pipe)
     report = fuse(
         pipe.transformer, table, weights, scale, loras.state,
         text_encoder=clip, name=file.name,
     )  # fmt: skip
     pipe._graphed.clear()  # graphs replay the old weights' addresses
-    if report.gguf_layers:  # GGUF layers grew to the compute dtype: a memory plan counts them anew
+    # GGUF layers grew to the compute dtype; under a plan that moves models the fused tensors are new: packed anew
+    if report.gguf_layers or moving:
         from flux_runtime.pipeline import placement
 
         placement.replan(pipe)
@@ -117,16 +119,31 @@ def unload_loras(pipe: Any) -> None:
     if not loras.loaded:
         return
     gguf = any(lo.gguf_layers for lo in loras.loaded)
+    moving = _off_device(pipe)
     unfuse(pipe.transformer, _clip(pipe), loras.state)
     if loras.variant is not None:
         pipe.variant = loras.variant
     loras.loaded.clear()
     loras.variant = None
     pipe._graphed.clear()
-    if gguf:  # the GGUF layers are back: a memory plan counts their blocks again
+    if gguf or moving:  # the GGUF layers are back, the originals are other tensors: packed anew
         from flux_runtime.pipeline import placement
 
         placement.replan(pipe)
+
+
+def _off_device(pipe: Any) -> bool:
+    """Whether a memory plan moves any of `pipe`'s models; if so, every moved model is taken off the device first.
+
+    Between calls a moved model's tensors are views of its device copy, or, for a streamed layer, of a ring slot
+    that holds whichever block was copied there last: a fuse must read and change the host bytes instead. Its
+    saved and fused tensors are new ones, outside the packed units, so the caller re-plans after (`replan`
+    packs the models again from the tensors they hold then)."""
+    placement = getattr(pipe, "placement", None)
+    if placement is None or all(m.mode == "resident" for m in placement.models.values()):
+        return False
+    placement.reset()
+    return True
 
 
 def provenance_fields(pipe: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flux_runtime.pipeline.dequant_memory import dequant_bytes
 from flux_runtime.pipeline.memory import (
     UNLIMITED,
     VAE_TILE,
@@ -98,7 +99,7 @@ class Placement:
         cfg = call.true_cfg_scale > 1
         batch = _batch(call)
         text_tokens, extra_tokens = pipe.planned_tokens(call)
-        act = _denoise(pipe, call.height, call.width, text_tokens, batch, cfg, extra_tokens)
+        act = _denoise(pipe, call.height, call.width, text_tokens, batch, cfg, extra_tokens, self.device)
         dec = _decode(pipe, call.height, call.width, batch, tiled=plan.vae_tiled or pipe.vae_tile is not None)
         graphs = pipe._graphs_enabled()  # a captured pool stays beside the decode
         need = self.weights_at_denoise + max(act, dec + (act if graphs else 0))
@@ -190,11 +191,15 @@ def decode_bytes(config: Any, dtype: torch.dtype, height: int, width: int, batch
 
 
 def _denoise(
-    pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: bool, extra_tokens: int = 0
-) -> int:
-    return denoise_bytes(
-        pipe.transformer.config, pipe.dtype, height, width, max_len, batch, cfg, extra_tokens
-    )
+    pipe: Any, height: int, width: int, max_len: int, batch: int, cfg: bool, extra_tokens: int = 0,
+    device: torch.device | None = None,
+) -> int:  # fmt: skip
+    """`denoise_bytes` for `pipe`'s transformer, plus what dequantizing its largest GGUF projection holds on
+    `device` (default: the pipeline's), once per CUDA-graph pool as the activations are counted (0 for a model
+    without GGUF layers)."""
+    act = denoise_bytes(pipe.transformer.config, pipe.dtype, height, width, max_len, batch, cfg, extra_tokens)
+    dequant = dequant_bytes(pipe.transformer, kernel=(device or pipe.device).type == "cuda")
+    return act + (2 if cfg else 1) * dequant
 
 
 def dit_layers(transformer: nn.Module) -> list[nn.Module]:
@@ -265,7 +270,8 @@ def footprint(pipe: Any, device: torch.device | None = None) -> Footprint:
         dit=part_of([t], dit_layers(t)),
         vae=part_of([pipe.vae], []).rest + resident_adapter_bytes(getattr(pipe, "controlnets", ())),
         act_encode=encode_bytes(text_roots, max_len, 2 if cfg else 1),
-        act_denoise=_denoise(pipe, size, size, max_len, 1, cfg) + control_residual_bytes(pipe, size, size, 1),
+        act_denoise=_denoise(pipe, size, size, max_len, 1, cfg, device=device)
+        + control_residual_bytes(pipe, size, size, 1),
         act_decode=_decode(pipe, size, size, 1, tiled=False),
         act_decode_tiled=_decode(pipe, size, size, 1, tiled=True),
         workspace=_workspace(device or pipe.device),

@@ -474,3 +474,32 @@ def test_a_plan_budgets_flux2_reference_tokens() -> None:
     pipe("a red fox", image=refs, **KW)
     token = 2 * pipe.vae.config.spatial_factor
     assert seen["tokens"][1] == (64 // token) ** 2 + (64 // token) * (128 // token) > 0
+
+
+@pytest.mark.parametrize("dit", ["offloaded", "streamed"])
+def test_a_lora_fused_under_a_plan_that_moves_the_transformer(dit: str, tmp_path: Path) -> None:
+    """A LoRA loaded after a call (the transformer on the device: its own copies, or ring slots holding other
+    blocks) fuses into the host bytes and stays through the text encoder's turn; unloading gives the base back."""
+    from tests.lora import lora_fixtures as lf
+
+    ref = Pipeline.from_pretrained("tiny", device="cpu")
+    base = [ref(p, **KW).latents for p in ("a red fox", "a lighthouse")]
+    lora = lf.bfl_file(
+        tmp_path / "s.safetensors", lf.linear_shapes(ref.transformer),
+        ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear1"],
+    )  # fmt: skip
+    ref.load_lora(lora, 0.9)
+    want = [ref(p, **KW).latents for p in ("a red fox", "a lighthouse")]
+    pipe = Pipeline.from_pretrained("tiny", device="cpu")
+    nd = len(footprint(pipe).dit.layers)
+    streamed = spread(nd, nd) if dit == "streamed" else ()
+    plan = Plan("swap", None, text="offloaded", dit=dit, streamed_dit=streamed, together=False)
+    apply_plan(pipe, plan, torch.device("cpu"))
+    assert torch.equal(pipe("a red fox", **KW).latents, base[0])
+    pipe.load_lora(lora, 0.9)
+    got = [
+        pipe(p, **KW).latents for p in ("a red fox", "a lighthouse")
+    ]  # the second brings the text encoder in
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    pipe.unload_loras()
+    assert torch.equal(pipe("a lighthouse", **KW).latents, base[1])
