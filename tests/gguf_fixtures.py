@@ -167,3 +167,19 @@ def diffusers_dequantize(raw: torch.Tensor, name: str) -> torch.Tensor:
     from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
 
     return dequantize_gguf_tensor(GGUFParameter(raw, quant_type=T[name]))
+
+
+def text_encoder_folders(folder: Path, root: Path) -> dict[str, Path]:
+    """CLIP and T5 folders under `root` (each model with its tokenizer), copied from the diffusers pipeline
+    `folder`: the text encoders of a BFL file set beside a GGUF transformer."""
+    import shutil
+
+    out = {}
+    for name, (enc, tok) in {
+        "clip": ("text_encoder", "tokenizer"),
+        "t5": ("text_encoder_2", "tokenizer_2"),
+    }.items():
+        shutil.copytree(folder / enc, root / name)
+        shutil.copytree(folder / tok, root / name, dirs_exist_ok=True)
+        out[name] = root / name
+    return out

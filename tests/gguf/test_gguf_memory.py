@@ -8,7 +8,6 @@ tests/gguf/test_gguf_memory_gpu.py runs it on CUDA.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -33,7 +32,7 @@ from flux_runtime.pipeline.memory import (
 from flux_runtime.pipeline.memory_trace import LiveBytes
 from flux_runtime.pipeline.placement import apply_plan, denoise_bytes, dit_layers, footprint
 from flux_runtime.weights.gguf_file import GgufSource
-from tests.gguf_fixtures import write_flux1_pair
+from tests.gguf_fixtures import text_encoder_folders, write_flux1_pair
 
 pytest.importorskip("diffusers")
 
@@ -51,12 +50,7 @@ def build_files(root: Path) -> dict[str, Path]:
     folder = _save_pipeline(root / "FLUX.1-tiny", True)
     model = FluxTransformer2DModel.from_pretrained(folder / "transformer")
     bfl, _, _ = write_flux1_pair(model, root / "files", "Q4_0")
-    for name, (enc, tok) in {
-        "clip": ("text_encoder", "tokenizer"),
-        "t5": ("text_encoder_2", "tokenizer_2"),
-    }.items():
-        shutil.copytree(folder / enc, root / name)
-        shutil.copytree(folder / tok, root / name, dirs_exist_ok=True)
+    text_encoder_folders(folder, root)
     return {"gguf": bfl, "vae": folder / "vae", "clip": root / "clip", "t5": root / "t5"}
 
 

@@ -3,13 +3,11 @@ GGUF transformer, the precision recorded."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from flux_runtime.pipeline import Pipeline
-from tests.gguf_fixtures import diffusers_gguf_transformer, write_flux1_pair
+from tests.gguf_fixtures import diffusers_gguf_transformer, text_encoder_folders, write_flux1_pair
 from tests.pipeline.test_flux1_pipeline import _save_pipeline
 
 pytest.importorskip("diffusers")
@@ -25,12 +23,7 @@ def gguf_pipeline(request, tmp_path_factory):
     folder = _save_pipeline(root / "FLUX.1-tiny", request.param)
     model = FluxTransformer2DModel.from_pretrained(folder / "transformer")
     bfl, dif, cfg = write_flux1_pair(model, root / "files", "Q8_0")
-    for name, (enc, tok) in {
-        "clip": ("text_encoder", "tokenizer"),
-        "t5": ("text_encoder_2", "tokenizer_2"),
-    }.items():
-        shutil.copytree(folder / enc, root / name)
-        shutil.copytree(folder / tok, root / name, dirs_exist_ok=True)
+    text_encoder_folders(folder, root)
     return folder, bfl, dif, cfg, root, request.param
 
 

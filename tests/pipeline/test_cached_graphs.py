@@ -12,18 +12,14 @@ from flux_runtime.pipeline.cached_graphs import SplitGraphs
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from scripts.bench_cache import Skips
 from tests.graph_emulator import EmulatedCapture
+from tests.pipeline.test_step_cache import MODELS, _cfg
 
-MODELS = ("tiny", "tiny-flux2", "tiny-flux3-random")
 KW = dict(num_steps=6, height=32, width=32, seed=3, output_type="latent")
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def pipe(request: pytest.FixtureRequest) -> Pipeline:
     return Pipeline.from_pretrained(request.param, device="cpu", dtype=torch.float32)
-
-
-def _cfg(pipe: Pipeline) -> dict:
-    return dict(negative_prompt="blurry", true_cfg_scale=2.0) if pipe.family == "flux1" else {}
 
 
 def _graphed(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> list[SplitGraphs]:
