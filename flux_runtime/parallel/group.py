@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,6 +152,13 @@ class World:
         with collective(self.rank, what):
             dist.broadcast_object_list(objs, src=0)
         return objs
+
+    def gather_objects(self, obj: Any, what: str) -> list:
+        """A small picklable value from every rank, in rank order, on every rank."""
+        out: list = [None] * self.size
+        with collective(self.rank, what):
+            dist.all_gather_object(out, obj)
+        return out
 
     def barrier(self, what: str) -> None:
         with collective(self.rank, what):

@@ -94,6 +94,16 @@ class SequenceParallel:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
+    @property
+    def step_hook(self) -> Any:
+        """The model's step cache hook (`models.dit.step_hook`): set on the model, which calls it on this rank's
+        tokens."""
+        return self.model.step_hook
+
+    @step_hook.setter
+    def step_hook(self, hook: Any) -> None:
+        self.model.step_hook = hook
+
     def __call__(
         self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, *args: Any, pe: RoPE | None = None,
         **kwargs: Any,

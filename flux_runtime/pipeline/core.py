@@ -265,7 +265,7 @@ class Recipe:
         """check → encode → latents → schedule → denoise → decode → provenance, one FluxError on OOM."""
         self.check(call)
         if call.cache is not None:
-            check_policy(call.cache, self.transformer, self.parallel, self.model_name)
+            check_policy(call.cache, self.transformer, self.model_name)
         if call.seed is None and call.generator is None:
             call.seed = 0
         tier = resolve_tier(call.quality, self.device, self.dtype)
@@ -385,7 +385,9 @@ class Recipe:
         # step caching decides on the host, step by step: with CUDA graphs, each step replays the probe's graph,
         # then the rest's or the reuse's (`SplitGraphs`)
         cache_run = (
-            None if call.cache is None else CacheRun(call.cache, self.transformer, len(start.timesteps))
+            None
+            if call.cache is None
+            else CacheRun(call.cache, self.transformer, len(start.timesteps), par.sequence_means(world))
         )
         if cache_run is not None:
             call.prepared["cache"] = cache_run
@@ -472,6 +474,8 @@ class Recipe:
                 callback=after_step,
                 after_step=start.blend,
             )
+        if cache_run is not None:
+            par.share_cache_records(world, plan, cache_run)
         watch.raise_if_bad()  # a NaN step is an error naming the step, never a picture
         kernels = kernels_used(self._graphed.get(graph_keys.get("cond", ())) if use_graphs else None)
         attention = attention_used(self._graphed.get(graph_keys.get("cond", ())) if use_graphs else None)

@@ -110,10 +110,6 @@ class Pipeline(Flux1Pipe):
         """
         reject_unknown_load(cls.from_pretrained, unknown)
         policy = as_policy(cache)
-        if policy is not None and parallel is not None:
-            raise FluxError(
-                "step caching runs on one GPU for now: drop cache= (--cache) or parallel= (--gpus)"
-            )
         pipe = cls._open(
             path_or_id, device=device, dtype=dtype, quality=quality, vae=vae, text_encoder=text_encoder,
             text_encoder_2=text_encoder_2, cuda_graphs=cuda_graphs, offload_text_encoders=offload_text_encoders,

@@ -13,10 +13,11 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from flux_runtime.parallel.cfg import ModelFn, cfg_branches
-from flux_runtime.parallel.group import Plan, World
+from flux_runtime.parallel.group import Plan, World, collective
 from flux_runtime.parallel.ulysses import SequenceParallel
 from flux_runtime.pipeline.state import Conditioning, Start
 
@@ -75,3 +76,37 @@ def running(world: World | None, plan: Plan | None) -> AbstractContextManager[An
     if world is None or plan is None:
         return nullcontext()
     return world.running(plan)
+
+
+def sequence_means(world: World | None) -> Callable[..., list[Tensor]] | None:
+    """For a step cache's decision in a parallel run: the means over the whole sequence of tensors of which each
+    rank of the running branch holds a slice of the tokens (one all-reduce of their sums and sizes over the
+    active plan's sequence group), the same bits on every rank of it, so they skip the same steps and meet in
+    the same collectives. None outside a parallel run (the tensors are whole: `Tensor.mean`)."""
+    if world is None:
+        return None
+
+    def means(*tensors: Tensor) -> list[Tensor]:
+        group = world.active.seq
+        if group.size == 1:
+            return [t.mean() for t in tensors]
+        sums = [t.sum(dtype=torch.float64) for t in tensors]
+        sizes = [torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device) for t in tensors]
+        totals = torch.stack(sums + sizes)
+        with collective(world.rank, "the step cache's decision"):
+            dist.all_reduce(totals, group=group.pg)
+        k = len(tensors)
+        return [(totals[i] / totals[k + i]).float() for i in range(k)]
+
+    return means
+
+
+def share_cache_records(world: World | None, plan: Plan | None, run: Any) -> None:
+    """With CFG parallelism each half of the ranks ran one branch: every rank's step-cache record (`run`, a
+    `CacheRun`) gets the other half's branch, so rank 0's provenance lists both as one process's does."""
+    if world is None or plan is None or plan.branch is None:
+        return
+    mine = {name: branch.record() for name, branch in run.branches.items()}
+    for records in world.gather_objects(mine, "sharing the step caches' records"):
+        for name, record in records.items():
+            run.adopt(name, record)

@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # the CLI parses specs before torch is imported
     from torch import Tensor
 
 
+Means = Callable[..., "list[Tensor]"]  # (tensor, ...) -> the mean of each, as 0-d tensors
+
+
 class CacheSpecError(ValueError):
     """A cache spec that does not parse or holds a value out of range; the message says which and the fix."""
 
@@ -62,9 +65,10 @@ class CachePolicy:
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def start(self, steps: int) -> BranchCache:
-        """A fresh cache for one branch of one generation of `steps` transformer calls."""
-        return BranchCache(self, steps)
+    def start(self, steps: int, means: Means | None = None) -> BranchCache:
+        """A fresh cache for one branch of one generation of `steps` transformer calls (`means`: see
+        `BranchCache.means`)."""
+        return BranchCache(self, steps, means=means)
 
     def always_runs(self, i: int, steps: int) -> bool:
         """Whether step `i` of `steps` must run in full whatever the probe says (warm-up and final steps)."""
@@ -104,9 +108,12 @@ class FirstBlockCache(CachePolicy):
         prev = cache.probe_residual
         if prev is None or cache.remainder is None or self.threshold == 0.0:
             return False
-        change = (probe_residual.float() - prev.float()).abs().mean() / prev.float().abs().mean().clamp_min(
-            1e-12
-        )
+        moved, base = (probe_residual.float() - prev.float()).abs(), prev.float().abs()
+        if cache.means is None:
+            change = moved.mean() / base.mean().clamp_min(1e-12)
+        else:  # a parallel run: each rank holds a slice of the tokens, the means are the whole image's
+            moved_mean, base_mean = cache.means(moved, base)
+            change = moved_mean / base_mean.clamp_min(1e-12)
         cache.last_change = float(change)  # one host sync: the decision is the host's
         return cache.last_change < self.threshold
 
@@ -165,6 +172,9 @@ class BranchCache:
 
     policy: CachePolicy
     steps: int
+    # the means of tensors of which this process holds a slice of the tokens, over the whole sequence (a
+    # parallel run's all-reduce, so that every rank decides alike); None: the tensors are whole, `Tensor.mean`
+    means: Means | None = None
     step: int = 0  # the transformer call this branch is at (0-based)
     computed: list[int] = field(default_factory=list)
     probe_residual: Tensor | None = None  # the probe's residual at the last full step

@@ -154,7 +154,9 @@ def pipeline_parity(rank: int, n: int, runs: list[dict[str, Any]]) -> list[dict[
                 name, device="cpu", dtype=torch.float32, parallel=ParallelConfig(world_size=n, **cfg)
             )
         many = parallel[key](**call, output_type="pt")
-        entry: dict[str, Any] = {"info": many.info.get("parallel"), "images_none": many.images is None}
+        entry: dict[str, Any] = {
+            "info": many.info.get("parallel"), "images_none": many.images is None, "cache": many.info["cache"]
+        }  # fmt: skip
         if rank == 0:
             if name not in single:
                 single[name] = Pipeline.from_pretrained(name, device="cpu", dtype=torch.float32)
@@ -163,6 +165,7 @@ def pipeline_parity(rank: int, n: int, runs: list[dict[str, Any]]) -> list[dict[
                 equal=torch.equal(one.images, many.images) and torch.equal(one.latents, many.latents),
                 max_diff=_err(one.latents, many.latents),
                 text_encoder=parallel[key].text_encoder is not None,
+                one_cache=one.info["cache"],
             )
         else:
             entry.update(text_encoder=parallel[key].text_encoder is not None)
