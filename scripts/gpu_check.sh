@@ -5,6 +5,8 @@
 #   bash scripts/gpu_check.sh kernels   GPU tests, kernel_check.py, FLUX.1 per-step bench (+ profile)
 #   bash scripts/gpu_check.sh controlnet  the ControlNets' GPU tests, one FLUX.1-dev + ControlNet step vs diffusers
 #   bash scripts/gpu_check.sh next-22   the GPU tests written on 2026-12-04 (adapters, GGUF kernel), the ControlNet step bench
+#   bash scripts/gpu_check.sh next-23a  every GPU test written since 2026-12-04 and never run, ControlNet + Redux benches
+#   bash scripts/gpu_check.sh next-23b  issue 33's cold start (FLUX.1-dev), then bench_cache.py eager and under graphs
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -570,6 +572,31 @@ case "$phase" in
       tests/kernels/test_dispatch.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_22.txt" | tail -30 || status=1
     timeout $(left 420) python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -10 || status=1
     [ $(left 540) -gt 30 ] && { timeout $(left 540) python3 scripts/bench_redux.py --json "$OUT/bench_redux.json" 2>&1 | tail -6 || status=1; }
+    ;;
+  next-23a)
+    # the first call of a session after 2026-12-05 (no GPU was lent on 2026-12-04 or -05), most needed first:
+    # every GPU test written those days and never run (ControlNets, IP-Adapter, Redux, GGUF with its memory plans
+    # and kernel, the dispatcher, step caching under split CUDA graphs), then the ControlNet step against
+    # diffusers' and Redux's encoding beside diffusers' (carry .whl's top-level wheels)
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    timeout 300 python3 -m pytest -q -m gpu tests/controlnet tests/ip_adapter/test_ip_adapter_gpu.py \
+      tests/pipeline/test_redux_gpu.py tests/gguf tests/kernels/test_gguf_dequant_kernel.py \
+      tests/kernels/test_dispatch.py tests/pipeline/test_step_cache.py -p no:cacheprovider --durations=8 2>&1 \
+      | tee "$OUT/gpu_tests_23.txt" | tail -30 || status=1
+    [ $(left 420) -gt 60 ] && { timeout $(left 420) python3 scripts/bench_controlnet.py --json "$OUT/bench_controlnet.json" 2>&1 | tail -10 || status=1; }
+    [ $(left 560) -gt 30 ] && { timeout $(left 560) python3 scripts/bench_redux.py --json "$OUT/bench_redux.json" 2>&1 | tail -6 || status=1; }
+    ;;
+  next-23b)
+    # the second call: issue 33's cold start re-timed (FLUX.1-dev bf16 and --fp8 against the diffusers script, in
+    # fresh processes; no read-rate table, no prompts file), then issue 37's bench_cache.py on the same folder:
+    # every row eagerly and under split CUDA graphs (carry .whl's top-level wheels)
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout $(left 300) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
+    cat "$OUT/cold_start.jsonl"
+    [ $(left 575) -gt 60 ] && { timeout $(left 575) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --json "$OUT/bench_cache.json" 2>&1 | grep -v "^\\[" | tail -24 || status=1; }
     ;;
   cache-graphs)
     # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached
