@@ -1,14 +1,15 @@
 """Step caching in a pipeline call: the policy checked once, one cache per sampling branch, the record.
 
-In a parallel run each rank's transformer sees a slice of the tokens: the branch's decision then reads the
-whole image's means through `means` (an all-reduce over the branch's ranks), so its ranks skip together.
-
 The policies are `flux_runtime.sampling.step_cache`'s; here a call's policy (the call's `cache=`, else the
 pipeline's) is checked against the model before any work, each branch's transformer calls run with that
 branch's cache hooked into the transformer, and the provenance gets the policy and the steps that ran in full.
 A skipped step is a host decision between two different amounts of work, which one recorded CUDA graph cannot
 replay: with CUDA graphs, a cached branch runs as `pipeline.cached_graphs.SplitGraphs` (the probe, then the
 rest or the reuse, each a graph), eagerly otherwise.
+
+In a parallel run each rank's transformer sees a slice of the tokens: the branch's decision then reads the
+whole image's means through `means` (an all-reduce over the branch's ranks), so its ranks skip together; with
+CFG parallelism each half runs one branch, and `adopt` brings the other half's record into this rank's.
 """
 
 from __future__ import annotations
