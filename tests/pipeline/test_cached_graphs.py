@@ -121,3 +121,23 @@ def test_the_stand_in_refuses_host_reads_and_replays_new_inputs() -> None:
     with pytest.raises(RuntimeError, match="reads a tensor on the host"):
         float(x.sum())
     capture.end(graph)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model", MODELS)
+def test_gpu_split_graphs_replay_the_eager_cached_call(model: str) -> None:
+    """On CUDA with real recording (each signature's three graphs in a pool of their own), two branches replayed
+    in turn, a second call replaying every step: the eager cached call's latents, bit for bit."""
+    graphed = Pipeline.from_pretrained(model, device="cuda")
+    eager = Pipeline.from_pretrained(model, device="cuda", cuda_graphs=False)
+    kw = dict(num_steps=8, height=128, width=128, seed=4, output_type="latent", **_cfg(graphed))
+    for policy in (Skips(skip=(2, 3, 5)), "taylor:order=2,refresh=2", "first-block:threshold=0.2"):
+        want = eager("a red circle", **kw, cache=policy)
+        for _ in range(2):
+            got = graphed("a red circle", **kw, cache=policy)
+            assert got.info["cuda_graphs"] and not want.info["cuda_graphs"]
+            assert torch.equal(got.latents, want.latents), (model, policy)
+            assert got.info["cache"] == want.info["cache"]
+    splits = [g for g in graphed._graphed.values() if isinstance(g, SplitGraphs)]
+    assert len(splits) == 2 and all(s.replays["reuse"] > 0 and s.replays["rest"] > 0 for s in splits)
