@@ -282,8 +282,8 @@ class Flux1Pipe(Recipe):
         pooled_prompt_embeds_scale: float | list[float] = 1.0,
         ip_adapter_image: Image.Image | None = None,
         negative_ip_adapter_image: Image.Image | None = None,
-        ip_adapter_image_embeds: list[Tensor] | None = None,
-        negative_ip_adapter_image_embeds: list[Tensor] | None = None,
+        ip_adapter_image_embeds: list[Tensor] | Tensor | None = None,
+        negative_ip_adapter_image_embeds: list[Tensor] | Tensor | None = None,
         **unknown: Any,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
@@ -311,8 +311,9 @@ class Flux1Pipe(Recipe):
         `ip_adapter_image` (with an IP-Adapter loaded, `load_ip_adapter`): the image prompt;
         `negative_ip_adapter_image`: the negative branch's under true CFG (default: a black image).
         `ip_adapter_image_embeds` / `negative_ip_adapter_image_embeds`: that branch's CLIP image embeddings in
-        place of its image, a list of one tensor (1, num_images, E) as `encode_ip_adapter_image` returns (so
-        an image prompt is encoded once and reused across calls); the same bits as the image.
+        place of its image, a list of one tensor (1, num_images, E) as `encode_ip_adapter_image` returns, or
+        that tensor alone (so an image prompt is encoded once and reused across calls); the same bits as the
+        image, repeated over the images as the image's embedding is.
         """
         reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.1")
         if max_sequence_length is None:

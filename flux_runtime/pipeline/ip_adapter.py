@@ -3,9 +3,11 @@ record it, take it off again.
 
 As diffusers' `FluxPipeline` after `load_ip_adapter`: the image prompt goes through `CLIPImageProcessor`
 (the encoder's image size, shortest side resized, centre-cropped) and `CLIPVisionModelWithProjection` (fp16
-by default, diffusers' `image_encoder_dtype`) once per call; its embedding is repeated over the batch. With
-true CFG the negative branch reads the negative image's embedding, an all-black image when none is given
-(and a black positive image when only a negative one is). The transformer projects each branch's embedding
+by default, diffusers' `image_encoder_dtype`) once per call; its embedding is repeated over the batch. A call
+may give that embedding instead (`ip_adapter_image_embeds`, as diffusers; `encode_image` makes it), to encode
+an image prompt once for many calls. With true CFG the negative branch reads the negative image's embedding
+(or embeddings), an all-black image when none is given (and a black positive image when only a negative one
+is). The transformer projects each branch's embedding
 to image tokens once per generation (`Flux1Pipe.fixed_extra`) and its double blocks attend to them
 (`models.dit.ip_adapter`). transformers is imported only when an adapter loads.
 """

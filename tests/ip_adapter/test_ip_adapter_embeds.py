@@ -160,6 +160,14 @@ def test_bad_embeds_are_one_line_errors_before_any_model_runs(
         assert "\n" not in str(err.value)
 
 
+def test_flux2_refuses_to_encode_an_image_prompt() -> None:
+    flux2 = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
+    with pytest.raises(FluxError, match=r"IP-Adapters are for FLUX\.1 models; tiny-flux2 is not one"):
+        flux2.encode_ip_adapter_image(picture(1))
+    with pytest.raises(FluxError, match="ip_adapter_image_embeds"):
+        flux2("a fox", ip_adapter_image_embeds=[torch.zeros(1, 1, EMBED_DIM)])
+
+
 def _no_run(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("a model ran")
 
