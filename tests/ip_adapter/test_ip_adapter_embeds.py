@@ -160,6 +160,23 @@ def test_bad_embeds_are_one_line_errors_before_any_model_runs(
         assert "\n" not in str(err.value)
 
 
+def test_under_a_memory_plan(ip_files: dict) -> None:
+    """Encoding under an offloading plan (the encoder moved in for it) and a call with embeddings (the encoder
+    moved in only for the black negative image) keep the resident image call's bits."""
+    from flux_runtime.pipeline.memory import Plan
+    from flux_runtime.pipeline.placement import apply_plan
+
+    pipe = Pipeline.from_pretrained(ip_files["pipe"], device="cpu", dtype=torch.float32)
+    pipe.load_ip_adapter(ip_files["adapter"], 0.7, image_encoder=ip_files["clip"])
+    want = pipe(PROMPT, ip_adapter_image=picture(1), **RUN, **CFG, output_type="latent").latents
+    apply_plan(
+        pipe, Plan("swap", 1 << 40, text="offloaded", dit="offloaded", together=False), torch.device("cpu")
+    )
+    embeds = pipe.encode_ip_adapter_image(picture(1))
+    got = pipe(PROMPT, ip_adapter_image_embeds=embeds, **RUN, **CFG, output_type="latent").latents
+    assert torch.equal(got, want)
+
+
 def test_flux2_refuses_to_encode_an_image_prompt() -> None:
     flux2 = Pipeline.from_pretrained("tiny-flux2", device="cpu", dtype=torch.float32)
     with pytest.raises(FluxError, match=r"IP-Adapters are for FLUX\.1 models; tiny-flux2 is not one"):
