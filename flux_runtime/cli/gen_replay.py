@@ -3,7 +3,7 @@
 The record gives every setting that shapes the pixels (`REPLAYED`; given beside --replay they are refused,
 not ignored), the whole batch the image was made in, and the files it read: reference images, masks and LoRAs,
 which must still be at their paths with the same pixels or bytes. A record the command cannot remake
-(a list of prompts, embeddings, a torch.Generator) is refused with what it was made from.
+(a list of prompts, embeddings, IP-Adapter image embeddings, a torch.Generator) is refused with what it was made from.
 """
 
 from __future__ import annotations
@@ -127,6 +127,12 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         opts.update(_replay_redux(png, rec["redux"]))
     opts["_loras"] = _replay_loras(png, rec.get("loras") or [])
     _replay_controlnets(png, rec.get("controlnets") or [], opts)
+    if rec.get("ip_adapter_image_embeds"):  # fingerprinted, but the tensors are not in the PNG
+        roles = " and ".join(rec["ip_adapter_image_embeds"])
+        raise click.ClickException(
+            f"cannot replay {png}: its IP-Adapter image prompt was given as embeddings ({roles}), which the "
+            "record fingerprints but cannot re-create; generate again with --ip-image instead"
+        )
     if rec.get("ip_adapter") is not None:
         opts["_ip_adapter"] = _replay_ip_adapter(png, rec["ip_adapter"])
     ip_images = rec.get("ip_adapter_images") or {}

@@ -232,6 +232,11 @@ class Recipe:
         """IP-Adapters are FLUX.1's (`Flux1Pipe.load_ip_adapter`); other families refuse them in one line."""
         raise FluxError(f"IP-Adapters are for FLUX.1 models; {self.model_name} is not one")
 
+    def encode_ip_adapter_image(self, image: Any) -> Any:
+        """An IP-Adapter's image embedding (`Flux1Pipe.encode_ip_adapter_image`): other families have no adapter
+        to encode for and refuse in one line, as `load_ip_adapter`."""
+        raise FluxError(f"IP-Adapters are for FLUX.1 models; {self.model_name} is not one")
+
     # ------------------------------------------------------------------ LoRAs
     def load_lora(self, path: str | Path, scale: float = 1.0) -> LoadedLora:
         """Fuse a LoRA into the weights (as diffusers' `load_lora_weights` + `fuse_lora(lora_scale=scale)`).

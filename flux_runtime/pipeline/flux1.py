@@ -282,6 +282,8 @@ class Flux1Pipe(Recipe):
         pooled_prompt_embeds_scale: float | list[float] = 1.0,
         ip_adapter_image: Image.Image | None = None,
         negative_ip_adapter_image: Image.Image | None = None,
+        ip_adapter_image_embeds: list[Tensor] | Tensor | None = None,
+        negative_ip_adapter_image_embeds: list[Tensor] | Tensor | None = None,
         **unknown: Any,
     ) -> PipelineOutput:
         """Generate images. Arguments as diffusers' FluxPipeline (and its variants) where they overlap.
@@ -308,6 +310,10 @@ class Flux1Pipe(Recipe):
         or one per image); img2img, Kontext and Fill, which read `image` too, are refused.
         `ip_adapter_image` (with an IP-Adapter loaded, `load_ip_adapter`): the image prompt;
         `negative_ip_adapter_image`: the negative branch's under true CFG (default: a black image).
+        `ip_adapter_image_embeds` / `negative_ip_adapter_image_embeds`: that branch's CLIP image embeddings in
+        place of its image, a list of one tensor (1, num_images, E) as `encode_ip_adapter_image` returns, or
+        that tensor alone (so an image prompt is encoded once and reused across calls); the same bits as the
+        image, repeated over the images as the image's embedding is.
         """
         reject_unknown(type(self).__call__, unknown, self.model_name, "FLUX.1")
         if max_sequence_length is None:
@@ -324,6 +330,8 @@ class Flux1Pipe(Recipe):
                 control_guidance_end=control_guidance_end,
                 prompt_embeds_scale=prompt_embeds_scale, pooled_prompt_embeds_scale=pooled_prompt_embeds_scale,
                 ip_adapter_image=ip_adapter_image, negative_ip_adapter_image=negative_ip_adapter_image,
+                ip_adapter_image_embeds=ip_adapter_image_embeds,
+                negative_ip_adapter_image_embeds=negative_ip_adapter_image_embeds,
             ),
             cache=self.cache if cache is None else as_policy(cache),
         )  # fmt: skip
@@ -445,6 +453,15 @@ class Flux1Pipe(Recipe):
         return ip_adapter.load_ip_adapter(
             self, path, scale, image_encoder=image_encoder, image_encoder_dtype=image_encoder_dtype
         )
+
+    @torch.no_grad()
+    def encode_ip_adapter_image(self, image: Image.Image) -> list[Tensor]:
+        """The loaded IP-Adapter's CLIP image embedding of `image`: `[tensor (1, 1, E)]` in the image encoder's
+        dtype on the pipeline's device, what a call takes as `ip_adapter_image_embeds` (or the negative one)
+        in place of the image, with the same result. Encode an image prompt once and reuse it across calls;
+        `torch.cat(..., dim=1)` of several makes one prompt of several images, as diffusers reads it.
+        (Not diffusers' `prepare_ip_adapter_image_embeds`, which also repeats over a batch: a call does that.)"""
+        return ip_adapter.encode_image(self, image)
 
     def unload_ip_adapter(self) -> None:
         """Take the IP-Adapter and its image encoder off: calls run as the plain pipeline again."""

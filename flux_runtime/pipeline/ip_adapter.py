@@ -3,9 +3,11 @@ record it, take it off again.
 
 As diffusers' `FluxPipeline` after `load_ip_adapter`: the image prompt goes through `CLIPImageProcessor`
 (the encoder's image size, shortest side resized, centre-cropped) and `CLIPVisionModelWithProjection` (fp16
-by default, diffusers' `image_encoder_dtype`) once per call; its embedding is repeated over the batch. With
-true CFG the negative branch reads the negative image's embedding, an all-black image when none is given
-(and a black positive image when only a negative one is). The transformer projects each branch's embedding
+by default, diffusers' `image_encoder_dtype`) once per call; its embedding is repeated over the batch. A call
+may give that embedding instead (`ip_adapter_image_embeds`, as diffusers; `encode_image` makes it), to encode
+an image prompt once for many calls. With true CFG the negative branch reads the negative image's embedding
+(or embeddings), an all-black image when none is given (and a black positive image when only a negative one
+is). The transformer projects each branch's embedding
 to image tokens once per generation (`Flux1Pipe.fixed_extra`) and its double blocks attend to them
 (`models.dit.ip_adapter`). transformers is imported only when an adapter loads.
 """
@@ -25,7 +27,7 @@ from torch import Tensor
 
 from flux_runtime.models.dit.ip_adapter import IPAdapter
 from flux_runtime.pipeline.errors import FluxError
-from flux_runtime.pipeline.provenance import image_record
+from flux_runtime.pipeline.provenance import image_record, tensor_record
 from flux_runtime.pipeline.state import Call
 from flux_runtime.sampling.reference_images import require_image
 from flux_runtime.weights.errors import WeightsError
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 ENCODER_FOLDER = "image_encoder"
 DEFAULT_ENCODER = "openai/clip-vit-large-patch14"
 IMAGE_ROLES = ("ip_adapter_image", "negative_ip_adapter_image")
+# the same branches' precomputed CLIP image embeddings, which a call may pass in place of the images
+EMBEDS_ROLES = ("ip_adapter_image_embeds", "negative_ip_adapter_image_embeds")
 
 
 @dataclass
@@ -250,21 +254,30 @@ def set_ip_adapter_scale(pipe: Any, scale: float | list[float]) -> None:
 
 
 def check_call(pipe: Any, call: Call) -> None:
-    """The call's IP-Adapter images, before any model runs: PIL images, only with an adapter loaded and on
-    FLUX.1 text to image / img2img / inpainting, and an image whenever an adapter is loaded (diffusers fails
-    without one)."""
+    """The call's IP-Adapter inputs, before any model runs: PIL images or embeddings (`check_embeds`), only with
+    an adapter loaded and on FLUX.1 text to image / img2img / inpainting / Kontext, not an image and embeddings
+    for the same branch, and one of them whenever an adapter is loaded (diffusers fails without one). The
+    embeddings are left in `call.inputs` as a list of one tensor (diffusers also takes a bare tensor)."""
     inputs = call.inputs
     given = [role for role in IMAGE_ROLES if inputs.get(role) is not None]
     for role in given:
         require_image(role, inputs[role], FluxError)
+    embedded = [role for role in EMBEDS_ROLES if inputs.get(role) is not None]
     record = loaded(pipe)
     if record is None:
-        if given:
-            raise FluxError(f"{given[0]} needs an IP-Adapter: pipe.load_ip_adapter(path) first")
+        if given or embedded:
+            raise FluxError(f"{(given + embedded)[0]} needs an IP-Adapter: pipe.load_ip_adapter(path) first")
         return
-    if not given:
+    for image_role, embeds_role in zip(IMAGE_ROLES, EMBEDS_ROLES, strict=True):
+        if image_role in given and embeds_role in embedded:
+            raise FluxError(f"pass either {image_role} or {embeds_role}, not both")
+    width = pipe.transformer.ip_adapter.embed_dim
+    for role in embedded:
+        inputs[role] = check_embeds(role, inputs[role], width)
+    if not given and not embedded:
         raise FluxError(
-            "an IP-Adapter is loaded: pass ip_adapter_image (or negative_ip_adapter_image), or unload_ip_adapter()"
+            "an IP-Adapter is loaded: pass ip_adapter_image or ip_adapter_image_embeds (or a negative one), or "
+            "unload_ip_adapter()"
         )
     if pipe.variant not in ("text2img", "kontext"):
         raise FluxError(
@@ -275,42 +288,100 @@ def check_call(pipe: Any, call: Call) -> None:
         raise FluxError("the IP-Adapter does not run in a parallel (multi-GPU) run yet: run on one GPU")
 
 
+def check_embeds(role: str, value: object, width: int) -> list[Tensor]:
+    """Precomputed CLIP image embeddings for the one loaded adapter: a list of one float tensor
+    (1, num_images, `width`), or that tensor alone (diffusers wraps a bare tensor in a list too).
+
+    diffusers repeats the tensor over the call's batch on dim 0 and its attention then folds every row of it
+    into the image tokens each image reads, so a batch of k rows is one prompt of k images for all the images,
+    never one image per prompt; that is refused here with the shape that says it outright, (1, k, width).
+    """
+    shape = f"(1, num_images, {width})"
+    items = [value] if isinstance(value, Tensor) else value
+    if not isinstance(items, list) or not all(isinstance(t, Tensor) for t in items):
+        raise FluxError(
+            f"{role} must be a list of one tensor {shape} per loaded IP-Adapter, as "
+            "pipe.encode_ip_adapter_image(image) returns"
+        )
+    if len(items) != 1:
+        raise FluxError(f"{role}: {len(items)} tensors for 1 loaded IP-Adapter; pass a list of one {shape}")
+    (embeds,) = items
+    if embeds.dim() != 3 or embeds.shape[2] != width or embeds.shape[1] < 1:
+        raise FluxError(
+            f"{role}[0] must be {shape} (the adapter reads {width}-wide CLIP image embeddings), got "
+            f"{tuple(embeds.shape)}: pipe.encode_ip_adapter_image(image) makes one"
+        )
+    if not embeds.is_floating_point():
+        raise FluxError(f"{role}[0] must be a floating-point tensor, got {embeds.dtype}")
+    if embeds.shape[0] != 1:
+        raise FluxError(
+            f"{role}[0] has batch {embeds.shape[0]}, but the call repeats one row {shape} over its images "
+            f"itself; for one prompt of several images put them on dim 1 (torch.cat(embeds, dim=1)), for "
+            "one image prompt per prompt run one call per prompt"
+        )
+    return [embeds]
+
+
 def encode_images(pipe: Any, call: Call, batch: int) -> tuple[Tensor, Tensor | None]:
-    """The CLIP image embeddings (batch, 1, E) of the positive branch and, with true CFG, of the negative one,
-    on the pipeline's device in the encoder's dtype (a missing side is a black image of the output size)."""
+    """The CLIP image embeddings (batch, num_images, E) of the positive branch and, with true CFG, of the
+    negative one, on the pipeline's device: a branch's given embeddings (in their dtype) or its image's (in the
+    encoder's dtype; a missing side is a black image of the output size), repeated over the batch."""
     record = loaded(pipe)
     assert record is not None and call.width is not None and call.height is not None  # checked
-    positive, negative = (call.inputs.get(role) for role in IMAGE_ROLES)
     black = np.zeros((call.width, call.height, 3), dtype=np.uint8)  # diffusers' (width, height) order
-    images = [black if positive is None else positive]
-    if call.true_cfg_scale > 1:
-        images.append(black if negative is None else negative)
-    with pipe.using("text"):
-        embeds = [_embed(record, image, batch, pipe.device) for image in images]
+    sides = (0, 1) if call.true_cfg_scale > 1 else (0,)
+    rows: dict[int, Tensor] = {}
+    for side in sides:
+        embeds = call.inputs.get(EMBEDS_ROLES[side])
+        if embeds is not None:
+            rows[side] = embeds[0]  # a list of one, `check_embeds`
+    if len(rows) < len(sides):  # the encoder on the device only when an image is encoded
+        with pipe.using("text"):
+            for side in sides:
+                if side not in rows:
+                    image = call.inputs.get(IMAGE_ROLES[side])
+                    rows[side] = _embed(record, black if image is None else image)
+    # prepare_ip_adapter_image_embeds: the row repeated over the batch, then moved to the device
+    embeds = [torch.cat([rows[side]] * batch, dim=0).to(device=pipe.device) for side in sides]
     return embeds[0], (embeds[1] if len(embeds) > 1 else None)
 
 
-def _embed(
-    record: LoadedIPAdapter, image: Image.Image | np.ndarray, batch: int, device: torch.device
-) -> Tensor:
-    """`FluxPipeline.encode_image` then `prepare_ip_adapter_image_embeds` for one adapter: (batch, 1, E)."""
+def encode_image(pipe: Any, image: object) -> list[Tensor]:
+    """`[embeds]`, the CLIP image embedding (1, 1, E) of `image` for the loaded adapter, in the encoder's dtype
+    on the pipeline's device: what a call takes as `ip_adapter_image_embeds` in place of the image, with the
+    same bits as the image gives."""
+    record = loaded(pipe)
+    if record is None:
+        raise FluxError("no IP-Adapter is loaded: load_ip_adapter(path, scale) first")
+    require_image("image", image, FluxError)
+    with pipe.using("text"):
+        return [_embed(record, image).to(device=pipe.device)]
+
+
+def _embed(record: LoadedIPAdapter, image: Image.Image | np.ndarray) -> Tensor:
+    """`FluxPipeline.encode_image` for one image, as `prepare_ip_adapter_image_embeds` shapes it: (1, 1, E) on
+    the encoder's device."""
     encoder = record.image_encoder
     weight = next(encoder.parameters())
     pixels = record.feature_extractor(image, return_tensors="pt").pixel_values
     pixels = pixels.to(device=weight.device, dtype=weight.dtype)
-    embeds = encoder(pixels).image_embeds[None, :]
-    return torch.cat([embeds] * batch, dim=0).to(device=device)
+    return encoder(pixels).image_embeds[None, :]
 
 
 def record_inputs(pipe: Any, call: Call) -> dict[str, Any]:
-    """Provenance: the adapter's record (file, sha256, scale, encoder) and the images' fingerprints (under
-    `input_images`, by role)."""
+    """Provenance: the adapter's record (file, sha256, scale, encoder), the images' fingerprints (under
+    `ip_adapter_images`, by role) and, for embeddings given in place of an image, their shape, dtype and
+    fingerprint (under `ip_adapter_image_embeds`, by role: a replay cannot make them again, it refuses)."""
     record = loaded(pipe)
     if record is None:
         return {}
-    return {
+    out: dict[str, Any] = {
         "ip_adapter": record.record(),
         "ip_adapter_images": {
             role: image_record(call.inputs[role]) for role in IMAGE_ROLES if call.inputs.get(role) is not None
         },
     }
+    embeds = {role: tensor_record(call.inputs[role][0]) for role in EMBEDS_ROLES if call.inputs.get(role)}
+    if embeds:
+        out["ip_adapter_image_embeds"] = embeds
+    return out

@@ -59,6 +59,17 @@ def _is_reference(v: object) -> bool:
     )
 
 
+def _is_tensor(v: object) -> bool:
+    """An input tensor's record (`tensor_record`): its shape, dtype and fingerprint."""
+    return (
+        isinstance(v, dict)
+        and isinstance(v.get("shape"), list)
+        and all(_int_at_least(0).ok(n) for n in v["shape"])
+        and isinstance(v.get("dtype"), str)
+        and isinstance(v.get("sha256"), str)
+    )
+
+
 def _is_redux(v: object) -> bool:
     """FLUX.1 Redux: the files named, their fingerprint, each image, and a scale per image."""
     return (
@@ -187,6 +198,12 @@ OPTIONAL_FIELDS: dict[str, Kind] = {
     "ip_adapter_images": Kind(
         "an object of {path, width, height, sha256} objects by role (ip_adapter_image, negative_ip_adapter_image)",
         lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_reference(r) for k, r in v.items()),
+    ),
+    # IP-Adapter image embeddings given in place of an image: what they were, not how to make them again
+    "ip_adapter_image_embeds": Kind(
+        "an object of {shape, dtype, sha256} objects by role (ip_adapter_image_embeds, "
+        "negative_ip_adapter_image_embeds)",
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_tensor(r) for k, r in v.items()),
     ),
     "input_images": Kind(
         "an object of {path, width, height, sha256} objects by role (image, mask_image, control_image)",
@@ -369,4 +386,22 @@ def image_record(image: Image.Image) -> dict[str, Any]:
         "width": image.width,
         "height": image.height,
         "sha256": image_fingerprint(image),
+    }
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> str:
+    """sha256 over a tensor's dtype, shape and bytes (row-major, as on the CPU): the values the call read,
+    wherever they were."""
+    t = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}:{'x'.join(map(str, t.shape))}:".encode())
+    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
+    """What the provenance keeps of an input tensor: its shape, dtype and `tensor_fingerprint`."""
+    return {
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "sha256": tensor_fingerprint(tensor),
     }
