@@ -89,6 +89,7 @@ def run(folder: Path, fp8: bool, quality: str) -> dict:
         timed(pipe, "off")  # warm: kernels, graphs, the prompt's encoding
         base, want = timed(pipe, "off")
         results[f"no cache, {mode}"] = base
+        print(f"{'fp8' if fp8 else 'bf16'} {quality}, no cache, {mode}: {json.dumps(base)}", flush=True)
         cases = [("first-block:threshold=0", "first-block:threshold=0 (nothing skipped)")]
         cases += [(pattern(frac), f"forced {frac:.0%}") for frac in (0.75, 0.5)]
         cases += [("first-block", "first-block at its default")]  # the image time users get (random weights)
@@ -105,7 +106,9 @@ def run(folder: Path, fp8: bool, quality: str) -> dict:
                 row["equal to eager cached"] = bool(torch.equal(got, eager_latents[label]))
             else:
                 eager_latents[label] = got
-            results[f"{label}, {mode}: {row['computed']} of {STEPS} steps computed"] = row
+            name = f"{label}, {mode}: {row['computed']} of {STEPS} steps computed"
+            results[name] = row
+            print(f"{'fp8' if fp8 else 'bf16'} {quality}, {name}: {json.dumps(row)}", flush=True)
         del pipe
         torch.cuda.empty_cache()
     return results
@@ -123,9 +126,6 @@ def main() -> int:
         "bf16 lossless": run(args.folder, False, "lossless"),
         "fp8 high": run(args.folder, True, "high"),
     }
-    for name, rows in report.items():
-        for label, row in rows.items():
-            print(f"{name}, {label}: {json.dumps(row)}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -489,14 +489,25 @@ folder, steps, guidance = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 pipe = Pipeline.from_pretrained(folder, device="cuda", cuda_graphs=False)
 torch.cuda.synchronize(); t4 = time.perf_counter()
 row = dict(import_torch=t1 - t0, cuda_context=t2 - t1, import_pipeline=t3 - t2, load=t4 - t3)
+profile = sys.argv[4] if len(sys.argv) > 4 else ""
 for k in (1, 2):
     marks = []
     def progress(stage, done, total):
         torch.cuda.synchronize(); marks.append((stage, done, time.perf_counter()))
+    prof = None
+    if profile and k == 1:  # where the first call's extra second goes: Python's own profile of it
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     t = time.perf_counter()
     pipe(PROMPT, height=1024, width=1024, num_steps=steps, guidance=guidance, seed=0,
          progress=progress)
     torch.cuda.synchronize(); end = time.perf_counter()
+    if prof is not None:
+        import pstats
+        prof.disable()
+        pstats.Stats(prof, stream=open(profile, "w")).sort_stats("cumulative").print_stats(60)
+        pstats.Stats(prof, stream=open(profile, "a")).sort_stats("tottime").print_stats(40)
     at = {(s, d): x for s, d, x in marks}
     row[f"call{k}"] = dict(
         before_encode=at[("encode", 0)] - t, encode=at[("encode", 1)] - at[("encode", 0)],
@@ -514,7 +525,8 @@ def cmd_first_call(args: argparse.Namespace) -> None:
     for name, steps, guidance in (("flux1-dev", 28, 3.5), ("klein-4b", 4, 1.0)):
         if name not in args.models:
             continue
-        cmd = [sys.executable, "-c", FIRST_CALL, str(args.root / name), str(steps), str(guidance)]
+        profile = "" if args.profile is None else str(args.profile / f"first_call_{name}.txt")
+        cmd = [sys.executable, "-c", FIRST_CALL, str(args.root / name), str(steps), str(guidance), profile]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         exited = time.time()
         row: dict = {"first-call": name, "rc": proc.returncode}
@@ -578,6 +590,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--cold", action="store_true", help="read: drop the page cache before each reader")
     p.add_argument("--prompts", type=int, default=8, help="cold: images of the --prompts run (0: none)")
+    p.add_argument(
+        "--profile", type=Path, default=None,
+        help="first-call: a folder for cProfile's table of each model's first call (where its extra time goes)",
+    )  # fmt: skip
     p.add_argument(
         "--variant", type=lambda v: v.split(), action="append", default=[],
         help="cold: also time flux-gen with these options (e.g. '--no-cuda-graphs'); repeatable",
