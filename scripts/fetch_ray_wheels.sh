@@ -125,3 +125,55 @@ XZ_OPT=-6 tar -C "$WORK/tree" -cJf "$DEST/${RAY/==/-}-$tag-slim.tar.xz" .
 du_mib() { du -cb "$@" | tail -1 | awk '{printf "%.1f", $1 / 2^20}'; }
 echo "fetch_ray_wheels: $DEST $(du_mib "$DEST") MiB ($(ls "$DEST" | wc -l) files; the Ray tree $(du_mib "$DEST"/*.tar.xz) MiB)," \
   "$SERVE $(du_mib "$SERVE") MiB, together $(du_mib "$DEST" "$SERVE") MiB"
+
+# a bare Python of that version (`-S`: no site-packages) runs a Ray Serve app from DEST, --serve and the
+# downloaded wheels of what the device has, when one is found ($PYTHON_CHECK, pythonX.Y, or pyenv's)
+PYCHECK=
+for candidate in ${PYTHON_CHECK:-} "python$PYV" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$PYV".*/bin/python3; do
+  if "$candidate" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$PYV'" >/dev/null 2>&1; then
+    PYCHECK=$candidate
+    break
+  fi
+done
+if [ -z "$PYCHECK" ]; then
+  echo "fetch_ray_wheels: no Python $PYV here (set PYTHON_CHECK): the Ray Serve check did not run" >&2
+  exit 0
+fi
+SITE="$WORK/site"
+device_wheels=()
+for name in numpy requests urllib3 idna charset_normalizer certifi pyyaml jinja2 markupsafe filelock typing_extensions; do
+  device_wheels+=("$WORK"/all/"$name"-*.whl)
+done
+"$PYCHECK" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --target "$SITE" \
+  "$DEST"/*.whl "$SERVE"/*.whl
+"$PYCHECK" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --target "$SITE/device" \
+  "${device_wheels[@]}"
+tar -xJf "$DEST"/ray-*-slim.tar.xz -C "$SITE"
+PYTHONPATH="$SITE:$SITE/device" RAY_USAGE_STATS_ENABLED=0 timeout 300 "$PYCHECK" -S -W ignore - "$SITE" <<'PY'
+import os, sys, time, urllib.request
+site = sys.argv[1]
+import ray
+from fastapi import FastAPI
+from ray import serve
+
+assert ray.__file__.startswith(site), ray.__file__
+app = FastAPI()
+
+@serve.deployment
+@serve.ingress(app)
+class Echo:
+    @app.get("/echo/{word}")
+    def echo(self, word: str) -> dict:
+        return {"word": word, "pid": os.getpid()}
+
+ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)  # with the dashboard, as flux-serve
+began = time.monotonic()
+serve.start(http_options={"host": "127.0.0.1", "port": 18765})
+serve.run(Echo.bind(), name="check", route_prefix="/")
+answer = urllib.request.urlopen("http://127.0.0.1:18765/echo/slim", timeout=60).read().decode()
+assert '"word":"slim"' in answer, answer
+serve.shutdown()
+ray.shutdown()
+print(f"fetch_ray_wheels: Python {sys.version.split()[0]} -S ran a Ray Serve {ray.__version__} app from the slim set "
+      f"(up and answered in {time.monotonic() - began:.0f} s)")
+PY
