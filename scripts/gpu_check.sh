@@ -31,6 +31,10 @@
 #   bash scripts/gpu_check.sh vae       all GPU tests, the autoencoders' decode bench (candidates for `high`)
 #   bash scripts/gpu_check.sh serve     flux-serve's GPU tests, its load bench on the tiny model (carry .whl: .whl/serve too)
 #   bash scripts/gpu_check.sh serve-flux1  flux-serve's load bench on full-size random FLUX.1-dev (1024², 28 steps)
+#   bash scripts/gpu_check.sh serve-ray  issue 40: FLUX.1-dev (the random-weight folder /tmp/cold/flux1-dev, built if
+#                                       missing), 1024², 28 steps, one flux-serve process against one Ray Serve replica
+#                                       (bench_serve.py --compare-replicas): images/min, p50/p99 and Ray's overhead. Carry
+#                                       .whl's top-level wheels, .whl/serve and .whl/ray (scripts/fetch_ray_wheels.sh)
 #   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH [FG [TEXT [SEED]]]]]  both tiny models' DiTs trained on from the shipped weights
 #                                       (the shipped text encoders frozen, or trained too with TEXT=train; SECONDS each [360],
 #                                       side by side; with TEXT=train each model's DiT, loss log and text encoders come
@@ -264,6 +268,25 @@ case "$phase" in
     # flux-serve's load bench on full-size FLUX.1-dev with random weights, 1024², 28 steps, batching on and off
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
     timeout 560 python3 scripts/bench_serve.py --model flux1-dev --random-weights --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
+    ;;
+  serve-ray)
+    # issue 40: Ray Serve's overhead on one GPU. The serve wheels into /tmp/site, Ray's slim set into /tmp/ray-site
+    # (first on PYTHONPATH: its protobuf is the one Ray's generated code was tested with), the random-weight
+    # FLUX.1-dev folder, then one process and one replica back to back: 16 requests each from 8 clients with
+    # batches of up to 4 (about 4 batches of 28 steps per server), warm-up and loads outside the clock
+    start=$SECONDS
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ray-site .whl/ray/*.whl || exit 1
+    tar -xJf .whl/ray/ray-*-slim.tar.xz -C /tmp/ray-site || exit 1
+    export PYTHONPATH=/tmp/ray-site:$PYTHONPATH RAY_USAGE_STATS_ENABLED=0
+    python3 -c "import ray, ray.serve; print('ray', ray.__version__, 'from', ray.__file__)" || exit 1
+    df -h /tmp /dev/shm | tail -2
+    timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout $((560 - (SECONDS - start))) python3 scripts/bench_serve.py --model /tmp/cold/flux1-dev --size 1024 --steps 28 --modes batching --compare-replicas --requests 16 --concurrency 8 --max-batch 4 --json "$OUT/bench_serve_ray.json" --log-dir "$OUT/serve_ray_logs" 2>&1 | tail -12 || status=1
+    ps -eo pid,args | grep -E "ray::|/ray/core/src/ray/" | grep -v grep || echo "no Ray processes left"
+    # the replica's own log (its load, its traceback if it failed) when something went wrong
+    [ $status = 0 ] || cp -r /tmp/ray/session_latest/logs/serve "$OUT/ray_serve_logs" 2>/dev/null
+    echo "serve-ray: $((SECONDS - start)) s"
     ;;
   train-tiny|tiny-final)
     # $OUT brings back at most 8 files: each model's DiT and loss log (its autoencoder and, frozen, its text

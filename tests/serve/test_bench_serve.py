@@ -89,3 +89,37 @@ def test_bench_runs_both_modes_on_the_cpu(tmp_path):
         assert r["images_per_min"] > 0 and 0 < r["p50_s"] <= r["p99_s"]
     assert summary["no_batching"]["mean_batch"] == 1.0 and 1.0 <= summary["batching"]["mean_batch"] <= 2.0
     assert summary["batching_speedup"] > 0
+
+
+def test_ray_overhead_is_the_ray_runs_ratios():
+    one = {"images_per_min": 12.0, "p50_s": 5.0, "p99_s": 6.0}
+    ray = {"images_per_min": 11.7, "p50_s": 5.1, "p99_s": 6.6}
+    assert bench_serve.ray_overhead(one, ray) == {
+        "images_per_min_ratio": 0.975, "throughput_loss_pct": 2.5, "p50_ratio": 1.02, "p99_ratio": 1.1,
+    }  # fmt: skip
+    assert bench_serve.ray_overhead({**one, "images_per_min": 0.0, "p50_s": None}, ray)["p50_ratio"] is None
+    keys = [bench_serve.mode_key(b, n) for b, n in ((True, None), (False, None), (True, 1), (False, 2))]
+    assert keys == ["batching", "no_batching", "batching_ray1", "no_batching_ray2"]
+
+
+@pytest.mark.slow
+def test_bench_compares_one_process_with_one_ray_replica_on_the_cpu(tmp_path):
+    pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'flux-runtime[ray]')")
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--device", "cpu", "--size", "64",
+           "--steps", "1", "--requests", "4", "--concurrency", "2", "--max-batch", "2", "--modes", "batching",
+           "--compare-replicas", "--json", str(out), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    summary = json.loads(out.read_text())
+    one, ray = summary["batching"], summary["batching_ray1"]
+    for r in (one, ray):
+        assert (r["requests"], r["answered"], r["every_request_answered_once_with_its_seed"]) == (4, 4, True)
+        assert (r["size"], r["steps"], r["device"]) == ("64x64", 1, "cpu")
+        assert r["pipeline_calls"] >= 2  # the metrics of the replica, read through Ray's proxy
+    assert "replicas" not in one and ray["replicas"] == 1 and ray["server_exit"] == 0
+    assert sum(ray["answers_per_replica"].values()) == 4 and len(ray["answers_per_replica"]) == 1
+    assert ray["ray_processes_left"] == []  # Ray shut down with the server
+    overhead = summary["ray_overhead"]["batching"]
+    assert overhead["images_per_min_ratio"] == round(ray["images_per_min"] / one["images_per_min"], 4)
+    assert "Ray Serve, 1 replica(s) vs one process, batching" in done.stdout
