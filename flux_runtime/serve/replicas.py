@@ -162,10 +162,23 @@ def build(args: dict[str, Any]) -> Any:
 
 def run(opts: dict[str, Any], keys: list[str]) -> None:
     """`flux-serve --replicas N`: start (or join) Ray, deploy, serve until SIGINT / SIGTERM, then take the
-    application down (a local Ray instance with it)."""
+    application down (a local Ray instance with it). A signal before the replicas are ready ends the start-up
+    the same way, exit status 0."""
     serve_options.configure_logging(opts)
     address = opts["ray_address"]
+    stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        # before the replicas are up, Ray's start-up waits in the main thread: leave it at once, through the
+        # `finally` below, so that a local Ray instance is taken down rather than left running
+        if not serving.is_set():
+            raise _Stopped(signum)
+        stop.set()
+
     ray.init(address=address, logging_level=logging.WARNING, log_to_driver=opts["debug"])
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start-up, which installs handlers of its own
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": opts["host"], "port": opts["port"]})
         serve_options.warn_if_open(opts, keys)
@@ -182,14 +195,18 @@ def run(opts: dict[str, Any], keys: list[str]) -> None:
                 f"{first} (the replicas' logs: /tmp/ray/session_latest/logs/serve)"
             ) from None
         click.echo("flux-serve: every replica is ready", err=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        serving.set()
         stop.wait()
         serve.delete(APP_NAME)
         with contextlib.suppress(ValueError):  # ValueError: no replica got as far as making it
             ray.kill(ray.get_actor(METRICS_ACTOR, namespace=NAMESPACE))
+    except _Stopped:
+        click.echo("flux-serve: stopped before every replica was ready", err=True)
     finally:
         if address is None:
             serve.shutdown()
             ray.shutdown()
+
+
+class _Stopped(BaseException):
+    """SIGINT / SIGTERM while Ray starts or the replicas load (a BaseException: Ray's waits catch Exception)."""

@@ -125,3 +125,50 @@ def test_build_reads_a_ray_config_as_flux_serve_options(monkeypatch):
     assert isinstance(app, Application)
     with pytest.raises(ValueError, match="FLUX_SERVE_API_KEY"):
         build({"model": "tiny", "api_keys": [KEY]})
+
+
+def _raylets() -> int:
+    """How many Ray node processes (raylet, gcs_server) run on this machine now."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "comm"], capture_output=True, text=True).stdout.split()
+    return sum(name in ("raylet", "gcs_server") for name in out)
+
+
+def test_a_signal_before_the_replicas_are_ready_takes_ray_down(tmp_path):
+    """SIGTERM while the replicas still load: flux-serve ends with status 0, saying so, and the local Ray
+    instance it started is gone (no raylet or GCS process left behind)."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.serve.server import ROOT
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    before = _raylets()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flux_runtime.serve", "--replicas", "1", "--device", "cpu", "--model", "tiny",
+         "--port", str(port), "--store-dir", str(tmp_path)],
+        env={**env, "FLUX_SERVE_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = []
+    for line in proc.stdout:  # Ray is up and the replica is loading: the deployment has begun
+        lines.append(line)
+        if "replicas of tiny on Ray Serve" in line:
+            break
+    assert _raylets() > before, "".join(lines)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert "stopped before every replica was ready" in output or "every replica is ready" in output, output
+    deadline = time.monotonic() + 30
+    while _raylets() > before and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _raylets() == before, output
