@@ -6,6 +6,7 @@ timestep) and, in `test_gguf_flux3_pipeline.py`, whole pipelines. Bad files fail
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ from tests.flux3_fixtures import (
     save_diffusers,
 )
 from tests.gguf.test_gguf_write import _check_file
-from tests.gguf_fixtures import city96_types, diffusers_gguf_transformer, write_gguf
+from tests.gguf_fixtures import city96_types, diffusers_gguf_transformer, write_gguf, write_pair
 from tests.pipeline.test_flux3_pipeline import KW, PROMPT, STEPS, _diffusers, build_folders
 
 pytest.importorskip("diffusers")
@@ -113,25 +114,26 @@ def test_flux3_from_a_diffusers_folder_is_the_same_file(tmp_path):
     assert src.ggml_type("content_mode_blocks.image.0.v_proj.weight").name == "Q8_0"
 
 
-@pytest.fixture(scope="module")
-def city96_file(tmp_path_factory):
-    """A base FLUX.3 model's BFL tensors, its config folder and a city96-typed Q8_0 writer of them."""
-    folder = tmp_path_factory.mktemp("flux3-bad")
-    model = make_diffusers_flux3(False, seed=2)
-    model.save_config(folder / "config")
-    return bfl_state_dict(model), folder
-
-
-def test_a_city96_typed_file_matches_diffusers(city96_file):
-    """A file not of our writer (the `gguf` package's, types as city96's tools choose: Q4_0 where rows hold whole
-    blocks of 32, the embedders too) loads as diffusers loads it."""
-    sd, folder = city96_file
-    path = write_gguf(sd, folder / "q4_0.gguf", city96_types("Q4_0"))
-    ours = load_transformer(path, device="cpu", dtype=torch.float32)
-    assert ours.precision == "gguf-Q4_0" and isinstance(ours.emb_in["image"], GgufLinear)
-    ref = diffusers_gguf_transformer(path, folder / "config", torch.float32, "Flux3Transformer2DModel")
-    x = make_inputs(2, 4, 3, 6, torch.float32, refs=((2, 2), (1, 3)))
-    assert torch.equal(our_forward(ours, x), reference_forward(ref, x))
+@pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["fp32", "bf16"])
+def test_city96_typed_files_match_diffusers_in_either_layout(tmp_path, dtype):
+    """Files not of our writer (the `gguf` package's, typed as city96's tools type them: Q4_0 wherever rows hold
+    whole blocks of 32, the embedders and the final layer too), under BFL names and under diffusers' (the final
+    adaLN's quantized row halves swapped): both load, projections quantized, to diffusers' output on either."""
+    model = make_diffusers_flux3(True, seed=2)
+    bfl, dif, config = write_pair(model, tmp_path, "Q4_0", "flux3")
+    x = make_inputs(2, 4, 3, 6, dtype, refs=((2, 2), (1, 3)), flow_map=True)
+    for path in (bfl, dif):
+        ours = load_transformer(path, device="cpu", dtype=dtype)
+        assert ours.precision == "gguf-Q4_0"
+        for layer in (
+            ours.emb_in["image"],
+            ours.final_layer["image"].adaLN_modulation[1],
+            ours.ref_time_in.in_layer,
+        ):
+            assert isinstance(layer, GgufLinear)
+        ref = diffusers_gguf_transformer(path, config, dtype, "Flux3Transformer2DModel")
+        want = reference_forward(ref, x)
+        assert torch.isfinite(want).all() and torch.equal(our_forward(ours, x), want), path.name
 
 
 def _one_line(path) -> str:
@@ -142,8 +144,10 @@ def _one_line(path) -> str:
     return line
 
 
-def test_bad_flux3_files_name_the_tensor(city96_file):
-    sd, folder = city96_file
+def test_bad_flux3_files_name_the_tensor(tmp_path):
+    """A FLUX.3 file (city96-typed Q8_0) with a tensor missing, a quantized projection of too few rows, a
+    modulation of the wrong width: one line each, naming the tensor."""
+    sd, folder = bfl_state_dict(make_diffusers_flux3(False, seed=2)), tmp_path
     missing = {k: v for k, v in sd.items() if k != "single_blocks.1.mlp_out.weight"}
     line = _one_line(write_gguf(missing, folder / "missing.gguf", city96_types("Q8_0")))
     assert "single_blocks.1.mlp_out.weight" in line and "missing" in line
@@ -155,6 +159,14 @@ def test_bad_flux3_files_name_the_tensor(city96_file):
     bad = dict(sd, **{"early_stream_modulations.txt.lin.weight": torch.zeros(192, 96)})
     line = _one_line(write_gguf(bad, folder / "cols.gguf", city96_types("Q8_0")))
     assert "early_stream_modulations.txt.lin.weight" in line
+    # under diffusers' names: a missing joint projection, a final adaLN (its halves swapped) of the wrong width
+    dif = make_diffusers_flux3(False, seed=2).state_dict()
+    missing = {k: v for k, v in dif.items() if k != "single_transformer_blocks.0.attn.to_k.weight"}
+    line = _one_line(write_gguf(missing, folder / "dif-missing.gguf", city96_types("Q8_0")))
+    assert "single_transformer_blocks.0.attn.to_k.weight" in line
+    bad = dict(dif, **{"norm_out.linear.weight": torch.zeros(128, 96)})
+    line = _one_line(write_gguf(bad, folder / "dif-cols.gguf", city96_types("Q8_0")))
+    assert "norm_out.linear.weight" in line and "(128, 64)" in line
 
 
 @pytest.fixture(scope="module")
@@ -179,27 +191,43 @@ def _ours(folder, path, dtype, **kw) -> Pipeline:
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype"), [("base", BF), ("flow-map", torch.float32)], ids=["base-cfg-bf16", "flow-map-fp32"]
+    ("name", "dtype", "with_ref"),
+    [("base", BF, False), ("base", torch.float32, True), ("flow-map", torch.float32, False)],
+    ids=["base-cfg-bf16", "base-cfg-reference-fp32", "flow-map-fp32-two-images"],
 )
-def test_pipeline_latents_equal_diffusers_with_the_same_gguf_file(gguf_folders, name, dtype):
+def test_pipeline_latents_equal_diffusers_with_the_same_gguf_file(gguf_folders, name, dtype, with_ref):
     """diffusers' modular FLUX.3 pipeline with the GGUF transformer `from_single_file` loads, against ours from the
-    .gguf file: the same latents, the precision recorded."""
+    .gguf file: the same latents (with a reference image: the reference stream, which the base model runs once
+    per generation, through the quantized `image_cond` blocks), the precision recorded."""
     folder, path, qtype = gguf_folders[name]
     flow_map = name == "flow-map"
     ref = _diffusers(folder, flow_map, dtype)
     transformer = diffusers_gguf_transformer(path, folder / "transformer", dtype, "Flux3Transformer2DModel")
     ref.update_components(transformer=transformer)
     n = 2 if flow_map else 1
+    image = {"image": _reference()} if with_ref else {}
     state = ref(
         prompt=PROMPT, num_inference_steps=STEPS, num_images_per_prompt=n,
-        generator=torch.Generator().manual_seed(7), **KW,
+        generator=torch.Generator().manual_seed(7), **image, **KW,
     )  # fmt: skip
     ours = _ours(folder, path, dtype)
     assert isinstance(ours.transformer.single_blocks[1].q_proj, GgufLinear)
-    out = ours(PROMPT, num_steps=STEPS, num_images_per_prompt=n, seed=7, **KW)
+    assert isinstance(ours.transformer.content_mode_blocks["image_cond"][0].v_proj, GgufLinear)
+    out = ours(PROMPT, num_steps=STEPS, num_images_per_prompt=n, seed=7, **image, **KW)
     want, got = state.get("latents"), flux2_unpack(out.latents, 16, 24)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
     assert out.info["precision"] == f"gguf-{qtype}"
+    assert len(out.info.get("reference_images", [])) == int(with_ref)
+
+
+def _reference():
+    """A 48x32 noisy gradient: a reference image of the generated size (no canvas, no crop)."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:32, 0:48]
+    noise = np.random.default_rng(0).integers(-30, 30, (32, 48, 3))
+    rgb = np.stack([x * 5, y * 7, (x + y) % 256], axis=-1) + noise
+    return Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
 
 
 def test_memory_plans_count_the_stored_bytes_and_keep_the_bits(gguf_folders):
