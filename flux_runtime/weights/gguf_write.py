@@ -1,4 +1,4 @@
-"""Writing a FLUX.1, FLUX.2 or FLUX.3 transformer as one GGUF file (`flux-convert gguf`), as city96's FLUX files are.
+"""Writing a FLUX.1, FLUX.2 or FLUX.3 transformer as one GGUF file (`flux-convert gguf`), as city96's files are.
 
 The source is planned as any conversion is (`convert_plan.plan_transformer(..., to_bfl=True)`: a BFL file, a
 diffusers folder or a cached id, every key and shape checked), its tensors under BFL names (no prefix). Each
@@ -46,8 +46,6 @@ BLOCK.update(dict.fromkeys(K_TYPES, 256))
 KEEP_PREFIXES = (
     "img_in.", "emb_in.", "txt_in.", "time_in.", "ref_time_in.", "vector_in.", "guidance_in.", "final_layer.",
 )  # fmt: skip
-# the families written (the loaders' `config.family`)
-FAMILIES = ("flux1", "flux2", "flux3")
 # 1-D tensors and 2-D ones of at most this many values are written F32 (city96's threshold)
 SMALL = 1024
 # the `general.file_type` each --type writes (llama.cpp's numbering; an all-Q4_K file is its Q4_K_S)
@@ -140,15 +138,9 @@ def _check_destination(dst: Path, sources: list[Path], overwrite: bool) -> None:
 
 
 def plan_gguf(src: str | Path) -> ConversionPlan:
-    """The BFL-named tensors of the FLUX.1, FLUX.2 or FLUX.3 transformer at `src`; FP8 checkpoints (and any
-    family not in `FAMILIES`) are refused."""
+    """The BFL-named tensors of the FLUX.1, FLUX.2 or FLUX.3 transformer at `src` (every family the plan
+    reads); FP8 checkpoints are refused."""
     plan = plan_transformer(src, to_bfl=True)
-    family = getattr(plan.config, "family", "flux1")
-    if family not in FAMILIES:
-        raise WeightsError(
-            f"{plan.source[0]}: a {family.upper().replace('FLUX', 'FLUX.')} transformer; flux-convert gguf "
-            "writes FLUX.1, FLUX.2 and FLUX.3 ones"
-        )
     for o in plan.outputs():
         if o.dtype not in _FLOAT_NAMES:  # FP8 weights: their error would add to the quantization's
             raise WeightsError(
