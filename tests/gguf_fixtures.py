@@ -84,13 +84,15 @@ def write_gguf(
     return write_encoded(encode_all(tensors, type_of), path)
 
 
-def to_diffusers_names(entries: Encoded, layout: ModuleType, model: Any, split: Callable) -> Encoded:
+def to_diffusers_names(
+    entries: Encoded, layout: ModuleType, model: Any, split: Callable, flag: str = "guidance_embeds"
+) -> Encoded:
     """The same stored rows under diffusers' names: fused BFL tensors split by rows (`split(rule, tensor)`, the
     layout's), halves swapped back, applied to the stored bytes as diffusers' own BFL conversion applies them
-    to its GGUF parameters."""
+    to its GGUF parameters. `flag` names the config field that is the layout's third `rules` argument."""
     cfg = model.config
     out: Encoded = {}
-    for rule in layout.rules(cfg.num_layers, cfg.num_single_layers, cfg.guidance_embeds):
+    for rule in layout.rules(cfg.num_layers, cfg.num_single_layers, getattr(cfg, flag)):
         kind, data = entries[rule.bfl]
         for name, part in split(rule, torch.from_numpy(data)).items():
             out[name] = (kind, part.contiguous().numpy())
@@ -104,27 +106,32 @@ def write_pair(
     family: str = "flux1",
     type_of: Callable[[str, tuple[int, ...]], str] | None = None,
 ) -> tuple[Path, Path, Path]:
-    """A tiny diffusers FLUX.1 / FLUX.2 transformer as GGUF twice, same bytes: BFL names (city96's files) and
-    diffusers names (which diffusers' `from_single_file` loads without its BFL conversion, whose FLUX.1 widths
-    are FLUX.1-dev's); plus a folder with its config.json for that loader. Types by `type_of`, default
+    """A tiny diffusers FLUX.1 / FLUX.2 / FLUX.3 transformer as GGUF twice, same bytes: BFL names (city96's
+    files) and diffusers names (which diffusers' `from_single_file` loads without its BFL conversion, whose FLUX.1
+    widths are FLUX.1-dev's); plus a folder with its config.json for that loader. Types by `type_of`, default
     `city96_types(main)`."""
-    from flux_runtime.weights import flux1_layout, flux2_layout
+    from flux_runtime.weights import flux1_layout, flux2_layout, flux3_layout
     from tests.random_models import bfl_transformer_state_dict
 
-    layout = flux1_layout if family == "flux1" else flux2_layout
+    # family -> its layout table and the config field that is the table's third argument
+    layout, flag = {
+        "flux1": (flux1_layout, "guidance_embeds"),
+        "flux2": (flux2_layout, "guidance_embeds"),
+        "flux3": (flux3_layout, "flow_map"),
+    }[family]
     if family == "flux1":
         hidden = model.config.num_attention_heads * model.config.attention_head_dim
 
         def split(rule, t):
             return flux1_layout.bfl_to_diffusers(rule, t, hidden)
     else:
-        split = flux2_layout.bfl_to_diffusers
+        split = layout.bfl_to_diffusers
     folder.mkdir(parents=True, exist_ok=True)
-    sd = bfl_transformer_state_dict(model, layout, "guidance_embeds")
+    sd = bfl_transformer_state_dict(model, layout, flag)
     entries = encode_all(sd, type_of or city96_types(main))
     bfl = write_encoded(entries, folder / f"{family}-{main}.gguf")
     diffusers = write_encoded(
-        to_diffusers_names(entries, layout, model, split), folder / f"diffusers-{main}.gguf"
+        to_diffusers_names(entries, layout, model, split, flag), folder / f"diffusers-{main}.gguf"
     )
     model.save_config(folder / "config")
     return bfl, diffusers, folder / "config"

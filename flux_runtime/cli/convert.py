@@ -1,5 +1,5 @@
 """`flux-convert`: convert a FLUX.1, FLUX.2 or FLUX.3 transformer or VAE between the BFL and diffusers layouts,
-quantize one to FP8 (`quantize`), or write a FLUX.1 / FLUX.2 transformer as a GGUF file (`gguf`).
+quantize one to FP8 (`quantize`), or write any of their transformers as a GGUF file (`gguf`).
 
 One click command: parse, call `flux_runtime.weights.convert.convert`, report what was written.
 Library errors become one line and exit 1 here, and only here (`--debug` shows the traceback instead).
@@ -113,8 +113,8 @@ def main(
     source becomes a diffusers folder DST (config.json, sharded past --max-shard-size); a diffusers
     source becomes one BFL file DST (.safetensors). Values and dtypes are kept bit for bit.
 
-    `flux-convert gguf SRC DST --type Q4_K` writes the FLUX.1 / FLUX.2 transformer at SRC as one GGUF file
-    DST (BFL names, as city96's files): 2-D weights in TYPE; norms and biases F32; the embedders, the final
+    `flux-convert gguf SRC DST --type Q4_K` writes the FLUX.1 / FLUX.2 / FLUX.3 transformer at SRC as one GGUF
+    file DST (BFL names, as city96's files): 2-D weights in TYPE; norms and biases F32; the embedders, the final
     layer and rows that are not whole blocks of TYPE in the source's float type.
 
     `flux-convert quantize SRC DST` instead writes the bf16 model at SRC (any checkpoint or model name

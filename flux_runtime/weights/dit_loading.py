@@ -144,15 +144,16 @@ def fill_model(
     dtype: torch.dtype,
     fp8_src: fp8_layers.Fp8Source | None,
     fp8: bool,
+    gguf: gguf_loading.GgufWeights | None,
 ) -> nn.Module:
     """Stream the checkpoint into `model` (on meta) through `table`, each tensor checked finite; eval, no grads.
 
-    FP8 weights stay FP8 (or `fp8` quantizes bf16 ones as they stream in); `.precision` and
-    `.quantized_at_load` record which.
+    FP8 weights stay FP8 (or `fp8` quantizes bf16 ones as they stream in); a GGUF checkpoint's (`gguf`, found
+    on the checkpoint's own reader: `reader` may be a family's wrapper of it) quantized projections stay
+    quantized. `.precision` and `.quantized_at_load` record which.
     """
     finite = FiniteCheck()
     read = finite.reader(lambda k: reader.get(k, device, dtype), reader.path_of)
-    gguf = gguf_loading.GgufWeights.of(reader)
     if gguf is not None and fp8:
         raise WeightsError(f"{gguf.src.path}: a GGUF checkpoint is already quantized; load it without fp8")
     # read ahead in the order the rules take the tensors (an FP8 checkpoint's scales are read as asked)
@@ -199,14 +200,17 @@ def load_checked(
     tensors=None,
 ) -> nn.Module:
     """The model of `cfg`, built on meta, its checkpoint checked (`checked_rules`) and streamed in (`fill_model`)
-    through `tensors` (default `reader`)."""
+    through `tensors` (default `reader`; a GGUF file is told from `reader` itself)."""
     with torch.device("meta"):
         model = model_cls(cfg)
     table, assemble = checked_rules(
         model, layout, reader, keys=keys, shape_of=shape_of, table=table, split=split, assemble=assemble
     )
+    gguf = gguf_loading.GgufWeights.of(reader)  # the checkpoint's reader: `tensors` may wrap it
     tensors = reader if tensors is None else tensors
-    return fill_model(model, table, tensors, assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8)
+    return fill_model(
+        model, table, tensors, assemble, device=device, dtype=dtype, fp8_src=fp8_src, fp8=fp8, gguf=gguf
+    )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Writing a FLUX.1 or FLUX.2 transformer as one GGUF file (`flux-convert gguf`), as city96's FLUX files are.
+"""Writing a FLUX.1, FLUX.2 or FLUX.3 transformer as one GGUF file (`flux-convert gguf`), as city96's files are.
 
 The source is planned as any conversion is (`convert_plan.plan_transformer(..., to_bfl=True)`: a BFL file, a
 diffusers folder or a cached id, every key and shape checked), its tensors under BFL names (no prefix). Each
@@ -40,8 +40,12 @@ _PACKAGE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 BLOCK = {"F16": 1, "BF16": 1, "Q8_0": 32, "Q5_1": 32, "Q5_0": 32, "Q4_1": 32, "Q4_0": 32}
 BLOCK.update(dict.fromkeys(K_TYPES, 256))
 # the embedders and the last layer stay in the source's float type, as in city96's files: they are small,
-# and every image token passes through them
-KEEP_PREFIXES = ("img_in.", "txt_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.")
+# and every image token passes through them. One tuple for every family, their names being disjoint: FLUX.1 /
+# FLUX.2 (`img_in`, `vector_in`, `guidance_in`), FLUX.3 (`emb_in.image` / `.image_cond`, the flow map's
+# `ref_time_in`); `txt_in`, `time_in` and `final_layer` are all three's
+KEEP_PREFIXES = (
+    "img_in.", "emb_in.", "txt_in.", "time_in.", "ref_time_in.", "vector_in.", "guidance_in.", "final_layer.",
+)  # fmt: skip
 # 1-D tensors and 2-D ones of at most this many values are written F32 (city96's threshold)
 SMALL = 1024
 # the `general.file_type` each --type writes (llama.cpp's numbering; an all-Q4_K file is its Q4_K_S)
@@ -134,15 +138,9 @@ def _check_destination(dst: Path, sources: list[Path], overwrite: bool) -> None:
 
 
 def plan_gguf(src: str | Path) -> ConversionPlan:
-    """The BFL-named tensors of the FLUX.1 or FLUX.2 transformer at `src`; FLUX.3 (our GGUF loader is untested on
-    it) and FP8 checkpoints are refused."""
+    """The BFL-named tensors of the FLUX.1, FLUX.2 or FLUX.3 transformer at `src` (every family the plan
+    reads); FP8 checkpoints are refused."""
     plan = plan_transformer(src, to_bfl=True)
-    family = getattr(plan.config, "family", "flux1")
-    if family not in ("flux1", "flux2"):
-        raise WeightsError(
-            f"{plan.source[0]}: a {family.upper().replace('FLUX', 'FLUX.')} transformer; flux-convert gguf "
-            "writes FLUX.1 and FLUX.2 ones"
-        )
     for o in plan.outputs():
         if o.dtype not in _FLOAT_NAMES:  # FP8 weights: their error would add to the quantization's
             raise WeightsError(
@@ -160,10 +158,11 @@ def write_gguf(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> GgufResult:
-    """Write the FLUX.1 / FLUX.2 transformer at `src` as the GGUF file `dst`, its weights in `qtype`.
+    """Write the FLUX.1 / FLUX.2 / FLUX.3 transformer at `src` as the GGUF file `dst`, its weights in `qtype`.
 
     Tensor names are BFL's without a prefix, the metadata what city96's files carry (`general.architecture`
-    "flux" — ComfyUI-GGUF's name for FLUX.1 and FLUX.2 alike, the model itself told apart by its keys —,
+    "flux" — ComfyUI-GGUF's name for FLUX.1 and FLUX.2 alike, the model itself told apart by its keys, as
+    diffusers and our loader tell FLUX.3's —,
     `general.quantization_version`, `general.file_type`); types per `tensor_type`. Raises `WeightsError`
     (bad source, destination or type); a VAE, an FP8 or a GGUF source is refused by the plan.
     """

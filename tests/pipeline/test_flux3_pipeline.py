@@ -30,7 +30,11 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny FLUX.3 folders in diffusers' component layout, base and flow map."""
-    root = tmp_path_factory.mktemp("flux3-pipelines")
+    return build_folders(tmp_path_factory.mktemp("flux3-pipelines"))
+
+
+def build_folders(root: Path) -> dict[str, Path]:
+    """Tiny FLUX.3 folders under `root` in diffusers' component layout, base and flow map (also the GGUF tests')."""
     text = Flux3TextEncoder.tiny(seed=5)
     out = {}
     for name, flow_map in (("base", False), ("flow-map", True)):
