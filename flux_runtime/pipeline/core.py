@@ -487,7 +487,8 @@ class Recipe:
         call.prepared["attention"] = attention
         if "fa3-fp8" in attention["attention"]:
             approximations.add(FP8_ATTENTION)
-        if tier.kernels == "high" and getattr(self.transformer, "precision", "bf16") != "bf16":
+        # FP8 GEMMs accumulate fast in `high` (a bf16 / fp16 / fp32 or GGUF model runs none)
+        if tier.kernels == "high" and getattr(self.transformer, "precision", "bf16").startswith("fp8"):
             approximations.add(FAST_FP8_ACCUMULATION)
         call.prepared["approximations"] = approximations
 

@@ -57,6 +57,10 @@ class GgufWeights:
             )
         return all(flags)
 
+    def stored_type(self, keys: tuple[str, ...]) -> str:
+        """The GGML type name of the first shard of one of our tensors (F16, BF16, F32, Q8_0, ...)."""
+        return self.src.ggml_type(self.name_of(keys[0])).name
+
     def read(self, keys: tuple[str, ...], swap_halves: bool, device: torch.device) -> Quantized:
         """The blocks of one of our layers from its shards' rows (halves swapped where the layout says)."""
         names = [self.name_of(k) for k in keys]
@@ -73,14 +77,16 @@ class GgufWeights:
         return raw, self.src.ggml_type(names[0])
 
 
-def precision_of(layers: dict[str, Quantized]) -> str:
+def precision_of(layers: dict[str, Quantized], plain: Counter[str] | None = None) -> str:
     """`gguf-<type>`: the GGML type that holds most of the quantized projections' weights.
 
     A GGUF file is known by its quantization (`flux1-dev-Q4_K_S.gguf`), and the quantizers keep a few
     sensitive layers in a wider type, so the dominant type is the name users recognise; the full per-type
-    count is logged at load and kept as the model's `gguf_types`.
+    count is logged at load and kept as the model's `gguf_types`. A file with no block-quantized projection
+    (`flux1-dev-F16.gguf`) is named by the type holding most of its projections' weights (`plain`: weights
+    per stored type), e.g. `gguf-F16`.
     """
-    counts = type_counts(layers)
+    counts = type_counts(layers) or dict(plain or {})
     return "gguf-" + max(counts, key=counts.__getitem__) if counts else "gguf"
 
 
@@ -112,6 +118,7 @@ def load_state(
     """
     sd: dict[str, Tensor] = {}
     layers: dict[str, Quantized] = {}
+    plain: Counter[str] = Counter()  # the stored types of the projections loaded as plain tensors
     for rule in rules:
         module, _, leaf = rule.bfl.rpartition(".")
         projection = leaf == "weight" and isinstance(model.get_submodule(module), Linear)
@@ -120,6 +127,8 @@ def load_state(
             finite.watch(rule.bfl, weights.src.path, dequantize(raw, qtype))
             continue
         sd[rule.bfl] = assemble(rule, read)
+        if projection:
+            plain[weights.stored_type(rule.diffusers)] += sd[rule.bfl].numel()
     _install(model, layers, sd, dtype)
     model.load_state_dict(sd, strict=True, assign=True)
     model.gguf_types = type_counts(layers)
@@ -129,7 +138,7 @@ def load_state(
         len(layers),
         ", ".join(f"{k} {v:,}" for k, v in model.gguf_types.items()) or "none",
     )
-    return precision_of(layers)
+    return precision_of(layers, plain)
 
 
 def _install(

@@ -84,8 +84,7 @@ def test_flux3_written_file_is_read_as_diffusers_reads_it(written, qtype, flow_m
     # the transformer, in bf16: ours (projections kept quantized, QK norms fp32) against diffusers' GGUF model
     ours = load_transformer(path, device="cpu", dtype=BF)
     assert isinstance(ours, Flux3Transformer) and ours.config.flow_map is flow_map
-    block_type = qtype if qtype not in ("F16", "BF16") else None
-    assert ours.precision == (f"gguf-{qtype}" if block_type else "gguf")
+    assert ours.precision == f"gguf-{qtype}"  # an F16 / BF16 file is named by its stored type too
     layers = [ours.content_mode_blocks["image_cond"][1].q_proj, ours.single_blocks[0].mlp_out]
     layers += [ours.txt_mode_blocks[0].mlp_in, ours.single_stream_modulations["txt"].lin]
     for layer in layers:

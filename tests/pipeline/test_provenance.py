@@ -192,3 +192,18 @@ def test_the_record_lists_what_high_approximated(
     assert out.info["quality"] == "high" and out.info["approximations"] == want
     said = [r.message for r in caplog.records if "has no approximation" in r.message]
     assert len(said) == (0 if want else 1)
+
+
+def test_high_on_a_model_without_fp8_gemms_records_no_fp8_accumulation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "fast FP8 accumulation" is recorded only where FP8 GEMMs ran: an fp32 model in `high` (forced on the CPU,
+    as above) records the batched modulation alone."""
+    from flux_runtime.pipeline import Pipeline, core
+    from flux_runtime.pipeline.tiers import RunTier
+
+    pipe = Pipeline.from_pretrained("tiny", device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(core, "resolve_tier", lambda q, d, t: RunTier("high", "high"))
+    out = pipe("a cat", quality="high", height=32, width=32, num_steps=2, output_type="latent", seed=1)
+    assert out.info["precision"] == "fp32"
+    assert out.info["approximations"] == ["adaLN projections of all steps in one GEMM"]
