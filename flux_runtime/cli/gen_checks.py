@@ -221,18 +221,12 @@ def read_boxes(value: str | list[Any] | None) -> Any:
 def parse_lora(spec: str, flag: str = "--lora") -> tuple[str, float]:
     """`PATH[:SCALE]` → (path, scale); a suffix that is not a number belongs to the path (`flag`: the option,
     for the message)."""
-    import math
+    from flux_runtime.pipeline.loras import split_spec
 
-    path, _, tail = spec.rpartition(":")
-    if path:
-        try:
-            scale = float(tail)
-        except ValueError:
-            return spec, 1.0
-        if not math.isfinite(scale):
-            raise click.ClickException(f"{flag} {spec}: the scale {tail} must be a finite number")
-        return path, scale
-    return spec, 1.0
+    try:
+        return split_spec(spec)
+    except ValueError as e:
+        raise click.ClickException(f"{flag} {spec}: {e}") from None
 
 
 def controlnets_of(opts: dict[str, Any]) -> list[tuple[str, float]]:

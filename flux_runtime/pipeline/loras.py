@@ -56,6 +56,21 @@ class PipelineLoras:
     variant: str | None = None  # FLUX.1's variant before a control LoRA
 
 
+def split_spec(spec: str) -> tuple[str, float]:
+    """A command line's `PATH[:SCALE]` → (path, scale): a suffix that is not a number belongs to the path (a
+    Windows drive, an id), none means 1.0; a ValueError for a scale that is not finite."""
+    path, _, tail = spec.rpartition(":")
+    if not path:
+        return spec, 1.0
+    try:
+        scale = float(tail)
+    except ValueError:
+        return spec, 1.0
+    if not math.isfinite(scale):
+        raise ValueError(f"the scale {tail} must be a finite number")
+    return path, scale
+
+
 def check_scale(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise FluxError(f"LoRA scale {scale!r} must be a finite number")

@@ -35,7 +35,7 @@ __all__ = ["main", "serve"]
     cls=GroupedCommand,
     # --help's headings (click's parameter names); an option not named here is listed under "Other options"
     groups=(
-        ("Model", "model fp8 quality device dtype no_cuda_graphs offload_text_encoders"),
+        ("Model", "model fp8 loras quality device dtype no_cuda_graphs offload_text_encoders"),
         ("Listening and access", "host port api_keys metrics_public shutdown_timeout"),
         ("Requests and batching", "max_queue max_batch no_batching max_n max_size max_upload_mb timeout"),
         ("Images answered by URL", "store_dir store_max"),

@@ -51,6 +51,13 @@ _OPTIONS = [
     ),
     click.option("--fp8", is_flag=True, help="Quantize the transformer's block projections to FP8 at load."),
     click.option(
+        "--lora",
+        "loras",
+        multiple=True,
+        metavar="PATH[:SCALE]",
+        help="Fuse a LoRA into the model at load, for every request (repeatable; each image records it).",
+    ),
+    click.option(
         "--quality", type=click.Choice(["lossless", "high"]), default="lossless", help="The default tier."
     ),
     click.option("--host", default="127.0.0.1", help="Address to listen on."),
@@ -173,15 +180,35 @@ def pipeline_loader(opts: dict[str, Any]) -> Callable[[], Any]:
         device = check_device(opts["device"])
     except FluxError as e:
         raise click.ClickException(str(e)) from None
+    loras = lora_specs(opts)
 
     def load() -> Any:
-        return Pipeline.from_pretrained(
+        pipe = Pipeline.from_pretrained(
             opts["model"], device=device, dtype=dtype_of(opts, device), quality=opts["quality"],
             cuda_graphs=not opts["no_cuda_graphs"], offload_text_encoders=opts["offload_text_encoders"],
             fp8=opts["fp8"],
         )  # fmt: skip
+        for path, scale in loras:
+            pipe.load_lora(path, scale)
+        return pipe
 
     return load
+
+
+def lora_specs(opts: dict[str, Any]) -> list[tuple[str, float]]:
+    """`--lora`'s (path, scale) pairs, each file checked (it exists, it is a LoRA) before the model loads."""
+    from flux_runtime.pipeline.loras import split_spec
+    from flux_runtime.weights.lora_formats import LoraError, check_lora_file
+
+    out = []
+    for spec in opts.get("loras", ()):
+        try:
+            path, scale = split_spec(spec)
+            check_lora_file(path)
+        except (ValueError, LoraError) as e:
+            raise click.ClickException(f"--lora {spec}: {str(e).removeprefix('LoRA ')}") from None
+        out.append((path, scale))
+    return out
 
 
 def dtype_of(opts: dict[str, Any], device: Any) -> Any:

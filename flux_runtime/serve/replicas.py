@@ -165,6 +165,7 @@ def run(opts: dict[str, Any], keys: list[str]) -> None:
     application down (a local Ray instance with it). A signal before the replicas are ready ends the start-up
     the same way, exit status 0."""
     serve_options.configure_logging(opts)
+    serve_options.lora_specs(opts)  # a missing or damaged LoRA fails here, before Ray starts
     address = opts["ray_address"]
     stop = threading.Event()
     serving = threading.Event()
