@@ -11,6 +11,7 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -139,8 +140,11 @@ _PARSER = click.command("flux-serve")(serve_options(lambda **opts: None))
 def require_extra(extra: str, what: str) -> None:
     """One line naming the install command when a module of the optional `extra` is missing."""
     for name in EXTRAS[extra]:
+        parts = name.split(".")
+        # a package set to None in sys.modules cannot be imported, even where a submodule of it already was
+        blocked = any(sys.modules.get(".".join(parts[:i]), True) is None for i in range(1, len(parts) + 1))
         try:
-            found = importlib.util.find_spec(name) is not None
+            found = not blocked and importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):  # a missing parent package; a module set to None in sys.modules
             found = False
         if not found:
