@@ -35,8 +35,11 @@ class CudaCapture:
 
     @contextmanager
     def stream(self) -> Iterator[None]:
-        """A side stream to record on (capture cannot run on the default stream), joined back afterwards."""
+        """A side stream to record on (capture cannot run on the default stream), joined back afterwards; the
+        allocator's free cached blocks go back to the driver first (as `torch.cuda.graph` does), so that the
+        graphs' own pool has room."""
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
