@@ -3,8 +3,9 @@
 What diffusers does with the same file (`from_single_file` with a `GGUFQuantizationConfig`), and so
 what we do: every weight the file stores in a block-quantized GGML type (Q8_0, Q6_K, ... Q2_K) that
 belongs to a projection keeps its blocks on the device and is dequantized (fp16, then the compute dtype)
-just before its GEMM; tensors stored as F32 / F16 / BF16 (norm scales, biases, whatever a quantizer left
-unquantized) load as plain tensors in the model's dtype. BF16 projections are plain here, where diffusers
+just before its GEMM; tensors stored in a plain float type (float32, float16 or bfloat16: norm scales, biases,
+whatever a quantizer left unquantized) load as plain tensors in the model's dtype. bfloat16 projections are plain
+here, where diffusers
 dequantizes them before each GEMM: bf16 to fp32 is exact, so the weight it multiplies by is the same.
 
 Merged layers (BFL's fused q/k/v) concatenate the rows of their shards' blocks, which dequantize row by row,
@@ -58,7 +59,8 @@ class GgufWeights:
         return all(flags)
 
     def stored_type(self, keys: tuple[str, ...]) -> str:
-        """The GGML type name of the first shard of one of our tensors (F16, BF16, F32, Q8_0, ...)."""
+        """The GGML type name of the first shard of one of our tensors (a plain float type or a block type such
+        as Q8_0)."""
         return self.src.ggml_type(self.name_of(keys[0])).name
 
     def read(self, keys: tuple[str, ...], swap_halves: bool, device: torch.device) -> Quantized:
