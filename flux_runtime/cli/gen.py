@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from flux_runtime.cli import early_cuda
 from flux_runtime.cli.errors import one_line_errors
 from flux_runtime.cli.gen_checks import parse_lora, prompts_file_options
 from flux_runtime.cli.gen_download import download_only
@@ -47,6 +48,8 @@ def main(**opts: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="flux-gen: %(message)s")
     opts["_watch"] = Stopwatch()
     rank = launched_rank(opts)
+    if rank is None and (opts["gpus"] or 1) == 1 and not opts["download_only"]:
+        early_cuda.start(opts["device"])  # the CUDA context made while torch imports
     with one_line_errors(opts["debug"]), rank_errors(rank, opts["debug"]):
         if opts["prompts"] is not None:
             prompts_file_options(opts, click.get_current_context())

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from flux_runtime.cli import early_cuda
 from flux_runtime.cli.gen_checks import (
     check_controlnet_files,
     check_early,
@@ -162,6 +163,7 @@ def generate(opts: dict[str, Any]) -> None:
     # torch, the pipeline and the checks before the load
     watch.laps["imports"] = time.perf_counter() - watch.start - sum(watch.laps.values())
     with watch.lap("load"):
+        early_cuda.join()  # the context started beside the imports (`early_cuda`), if one was
         pipe = Pipeline.from_pretrained(
             opts["model"],
             device=device,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import Tensor
 
-from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report
+from flux_runtime.kernels import fused_ops_report, reset_fused_ops_report, warmup
 from flux_runtime.kernels.attention_backends import attention_preference, reset_attention_record
 from flux_runtime.pipeline import loras as fused_loras
 from flux_runtime.pipeline import parallel as par
@@ -274,6 +274,7 @@ class Recipe:
         if call.seed is None and call.generator is None:
             call.seed = 0
         tier = resolve_tier(call.quality, self.device, self.dtype)
+        warmup.finish()  # the load's side thread (Triton's key) done before the first kernel needs it
         if self.placement is not None:
             self.placement.check_call(self, call)
         else:

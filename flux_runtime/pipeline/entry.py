@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flux_runtime.kernels import warmup
 from flux_runtime.parallel.group import ParallelConfig, as_config, join, launched_world_size
 from flux_runtime.pipeline import flux1_variants, placement
 from flux_runtime.pipeline.arguments import reject_unknown_load
@@ -197,6 +198,7 @@ class Pipeline(Flux1Pipe):
             )  # fmt: skip
         check_controlnet_files(nets)
         src = find_sources(path_or_id, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2)
+        warmup.start(device)  # Triton's per-process key, hashed while the weights load
         # the checkpoint is opened once: its headers tell the family and feed the loader
         family, ckpt = open_family(src)
         if redux_files is not None and family != "flux1":
