@@ -71,6 +71,8 @@ def check_early(opts: dict[str, Any]) -> None:
     if opts.get("redux") is None or opts["prompt"] is not None:  # a Redux run needs no prompt
         check_prompts(opts["prompt"])
     check_redux_options(opts)
+    if opts.get("cuda_graphs") and opts.get("no_cuda_graphs"):
+        raise click.ClickException("--cuda-graphs and --no-cuda-graphs contradict each other: give one")
     if opts["height"] is not None or opts["width"] is not None:
         # the multiple where the registry knows the model's autoencoder; else the pipeline checks it once loaded
         multiple = (None if opts["vae"] is not None else size_multiple(opts["model"])) or 0

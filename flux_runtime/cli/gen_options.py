@@ -334,6 +334,11 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             "calls (--prompts); one call runs eagerly, as capturing costs more than it saves over one image.",
         ),
         option(
+            "--cuda-graphs",
+            FLAG,
+            "Replay the denoiser in CUDA graphs even for one call (the capture is paid once, at its first step).",
+        ),
+        option(
             "--gpus",
             click.IntRange(min=1),
             "Spread the image over N GPUs. Sequence parallelism; with CFG, the two passes on two halves: "

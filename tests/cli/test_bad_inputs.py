@@ -198,6 +198,10 @@ EARLY = [
     ),
     (["--model", "tiny", "--lora", "{notes}"], "notes.txt: not a safetensors file (header length"),
     (["--model", "tiny", "--lora", "{tmp}/none.safetensors"], "--lora: '"),
+    (
+        ["--model", "tiny", "--cuda-graphs", "--no-cuda-graphs"],
+        "--cuda-graphs and --no-cuda-graphs contradict",
+    ),
 ]
 
 

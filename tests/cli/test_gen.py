@@ -124,7 +124,8 @@ def test_timings_name_each_stage_and_the_peaks(tmp_path):
 
 
 def test_cuda_graphs_only_when_the_process_makes_several_calls(tmp_path, monkeypatch):
-    """One call runs eagerly (capturing costs more than it saves over one image); --prompts replays graphs."""
+    """One call runs eagerly (capturing costs more than it saves over one image); --prompts replays graphs;
+    --cuda-graphs asks for them on one call too."""
     from flux_runtime.pipeline import Pipeline
 
     asked = []
@@ -139,4 +140,5 @@ def test_cuda_graphs_only_when_the_process_makes_several_calls(tmp_path, monkeyp
     _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"))
     _run("--prompts", str(lines), "--out", str(tmp_path))
     _run("--prompts", str(lines), "--out", str(tmp_path), "--no-cuda-graphs")
-    assert asked == [False, True, False]
+    _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"), "--cuda-graphs")  # asked for: one call too
+    assert asked == [False, True, False, True]
