@@ -114,18 +114,71 @@ def run(folder: Path, fp8: bool, quality: str) -> dict:
     return results
 
 
+def host_ms_per_step(pipe: Pipeline, cache: object) -> float:
+    """The host's time to issue one eager denoising step, the GPU held back meanwhile: a long `torch.cuda._sleep`
+    is queued as the loop starts, so the first step's launches are timed without waiting on the GPU (at or above
+    the GPU's own step time, an eager loop is bound by the host)."""
+    marks: list[float] = []
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage != "denoise" or len(marks) >= 2:
+            return
+        if done == 0:
+            torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU clock cycles: longer than one step's launches
+        marks.append(time.perf_counter())
+
+    pipe(PROMPT, height=1024, width=1024, num_steps=STEPS, seed=0, cache=cache, progress=progress,
+         output_type="latent")  # fmt: skip
+    torch.cuda.synchronize()
+    return round(1000 * (marks[1] - marks[0]), 2)
+
+
+def diagnose(folder: Path, rounds: int) -> dict:
+    """FP8 `high`, eager: the rows of `run` interleaved over `rounds` rounds (is a gap a cache's cost or the
+    loop's noise?), and the host's time to issue one step, uncached and cached, against the GPU's step."""
+    pipe = Pipeline.from_pretrained(folder, device="cuda", fp8=True, quality="high", cuda_graphs=False)
+    cases: list[tuple[object, str]] = [("off", "no cache"), ("first-block:threshold=0", "nothing skipped")]
+    cases += [(pattern(0.5), "forced 50%"), ("first-block", "first-block at its default")]
+    for policy, _ in cases:
+        timed(pipe, policy)  # warm
+    rows: dict[str, list[float]] = {label: [] for _, label in cases}
+    for _ in range(rounds):
+        for policy, label in cases:
+            rows[label].append(timed(pipe, policy)[0]["ms_per_step"])
+    host = {label: host_ms_per_step(pipe, policy) for policy, label in cases[:2]}
+    del pipe
+    torch.cuda.empty_cache()
+    pipe = Pipeline.from_pretrained(folder, device="cuda", fp8=True, quality="high", cuda_graphs=True)
+    timed(pipe, "off")  # warm: the capture
+    graphed = timed(pipe, "off")[0]["ms_per_step"]  # the GPU's step, no host in the way
+    out = {"ms_per_step by round": rows, "host ms to issue a step": host, "graphed ms_per_step": graphed}
+    for label, ms in rows.items():
+        print(f"fp8 high eager, {label}: ms/step by round {ms}", flush=True)
+    print(f"fp8 high eager, host ms to issue one step: {host}; the graphed step {graphed} ms", flush=True)
+    del pipe
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--diagnose", type=int, default=0, metavar="ROUNDS",
+        help="instead: FP8 high's eager rows interleaved over ROUNDS rounds, and the host's time to issue a step",
+    )  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_cache.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    report = {
-        "bf16 lossless": run(args.folder, False, "lossless"),
-        "fp8 high": run(args.folder, True, "high"),
-    }
+    if args.diagnose:
+        report = {"fp8 high eager": diagnose(args.folder, args.diagnose)}
+    else:
+        report = {
+            "bf16 lossless": run(args.folder, False, "lossless"),
+            "fp8 high": run(args.folder, True, "high"),
+        }
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

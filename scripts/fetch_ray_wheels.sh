@@ -3,14 +3,16 @@
 # carry: the device has no package registry and a call carries at most 64 MiB. Run it where pip reaches PyPI,
 # after scripts/fetch_serve_wheels.sh, from any folder:
 #
-#   bash scripts/fetch_ray_wheels.sh [--python-version 3.12] [--serve DIR] [DEST]   # DEST default .whl/ray
+#   bash scripts/fetch_ray_wheels.sh [--python-version 3.12] [--serve DIR] [--tree DIR] [DEST]   # DEST default .whl/ray
 #
 # It downloads ray[serve]==2.60.0 with its dependencies for CPython on x86-64 Linux (3.12: the device's), then
 # keeps in DEST only what is neither on the device (torch, numpy, transformers, safetensors, pillow, tqdm,
 # requests and their own dependencies) nor in --serve (default .whl/serve) nor left out by choice (OPTIONAL:
 # Ray's runtime-environment virtualenvs, py-spy stack dumps, the HAProxy ingress, uvloop, and the cryptography
 # that only Google's auth client pulls in; Ray Serve on one node runs without them, see below). The Ray wheel
-# itself (76 MB, 200 MB unpacked) is stored as DEST/ray-2.60.0-<tag>-slim.tar.xz, its unpacked tree without PRUNED
+# itself (76 MB, 200 MB unpacked) is stored as TREE/ray-2.60.0-<tag>-slim.tar.xz (--tree, default .whl/raytar: a
+# folder of its own, as it and DEST together exceed what one device call carries beside the repository, so
+# gpu_check.sh's `ray-stage` carries TREE in one call and `serve-ray` DEST in the next), its unpacked tree without PRUNED
 # (Java, RLlib, Data, Tune, Train, the LLM serving library and the source maps of the dashboard's web page:
 # nothing Ray Serve imports). A checker makes sure every dependency that the kept wheels and ray[serve] declare
 # is in DEST, in --serve, on the device, or in OPTIONAL, and that --serve's versions meet Ray's bounds. The total
@@ -18,7 +20,7 @@
 # from DEST, --serve and the downloaded wheels of what the device has, with `-S` (no site-packages).
 #
 # Installing on the device (scripts/gpu_check.sh serve-ray does it):
-#   pip install --no-index --no-deps --target /tmp/ray-site DEST/*.whl && tar -xJf DEST/ray-*-slim.tar.xz -C /tmp/ray-site
+#   pip install --no-index --no-deps --target /tmp/ray-site DEST/*.whl && tar -xJf TREE/ray-*-slim.tar.xz -C /tmp/ray-site
 #
 # Proof that the slim set is enough: build it for the local Python (--python-version 3.11 --serve a cp311
 # download of fetch_serve_wheels.sh's pins), install both into a fresh folder and run
@@ -31,15 +33,19 @@ cd "$(dirname "$0")/.."
 PYV=3.12
 SERVE=.whl/serve
 DEST=
+TREE=
 while [ $# -gt 0 ]; do
   case "$1" in
     --python-version) PYV=$2; shift 2 ;;
     --serve) SERVE=$2; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    --tree) TREE=$2; shift 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) DEST=$1; shift ;;
   esac
 done
 DEST=${DEST:-.whl/ray}
+TREE=${TREE:-.whl/raytar}
+mkdir -p "$TREE"
 RAY=ray==2.60.0
 # on the device with torch and transformers (their dependencies included; packaging stays: Ray needs >= 24.2)
 ON_DEVICE="torch numpy transformers safetensors pillow tqdm requests filelock typing-extensions sympy mpmath
@@ -127,9 +133,9 @@ for path in $PRUNED; do  # unquoted: a path may be a pattern
   rm -rf "${WORK:?}"/tree/$path
 done
 find "$WORK/tree" -name __pycache__ -prune -exec rm -rf {} +
-XZ_OPT=-6 tar -C "$WORK/tree" -cJf "$DEST/${RAY/==/-}-$tag-slim.tar.xz" .
+XZ_OPT=-6 tar -C "$WORK/tree" -cJf "$TREE/${RAY/==/-}-$tag-slim.tar.xz" .
 du_mib() { du -cb "$@" | tail -1 | awk '{printf "%.1f", $1 / 2^20}'; }
-echo "fetch_ray_wheels: $DEST $(du_mib "$DEST") MiB ($(ls "$DEST" | wc -l) files; the Ray tree $(du_mib "$DEST"/*.tar.xz) MiB)," \
+echo "fetch_ray_wheels: $DEST $(du_mib "$DEST") MiB ($(ls "$DEST" | wc -l) files; $TREE (the Ray tree) $(du_mib "$TREE"/*.tar.xz) MiB)," \
   "$SERVE $(du_mib "$SERVE") MiB, together $(du_mib "$DEST" "$SERVE") MiB"
 
 # a bare Python of that version (`-S`: no site-packages) runs a Ray Serve app from DEST, --serve and the
@@ -154,7 +160,7 @@ done
   "$DEST"/*.whl "$SERVE"/*.whl
 "$PYCHECK" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --target "$SITE/device" \
   "${device_wheels[@]}"
-tar -xJf "$DEST"/ray-*-slim.tar.xz -C "$SITE"
+tar -xJf "$TREE"/ray-*-slim.tar.xz -C "$SITE"
 PYTHONPATH="$SITE:$SITE/device" RAY_USAGE_STATS_ENABLED=0 timeout 300 "$PYCHECK" -S -W ignore - "$SITE" <<'PY'
 import os, sys, time, urllib.request
 site = sys.argv[1]

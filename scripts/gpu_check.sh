@@ -7,6 +7,8 @@
 #   bash scripts/gpu_check.sh next-22   the GPU tests written on 2026-12-04 (adapters, GGUF kernel), the ControlNet step bench
 #   bash scripts/gpu_check.sh next-23a  every GPU test written since 2026-12-04 and never run, ControlNet + Redux benches
 #   bash scripts/gpu_check.sh next-23b  issue 33's cold start (FLUX.1-dev), then bench_cache.py eager and under graphs
+#   bash scripts/gpu_check.sh next-24a  issue 33's cold start after the start-up threads (bf16, --fp8, FP8 high +- cache, eager and
+#                                       --cuda-graphs), the first call's profile, issue 37's eager FP8 high diagnosis
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -34,7 +36,10 @@
 #   bash scripts/gpu_check.sh serve-ray  issue 40: FLUX.1-dev (the random-weight folder /tmp/cold/flux1-dev, built if
 #                                       missing), 1024², 28 steps, one flux-serve process against one Ray Serve replica
 #                                       (bench_serve.py --compare-replicas): images/min, p50/p99 and Ray's overhead. Carry
-#                                       .whl's top-level wheels, .whl/serve and .whl/ray (scripts/fetch_ray_wheels.sh)
+#                                       .whl's top-level wheels, .whl/serve and .whl/ray (scripts/fetch_ray_wheels.sh), after
+#                                       ray-stage (or with .whl/raytar, where the carry allows)
+#   bash scripts/gpu_check.sh ray-stage  serve-ray's first call on a machine: carry .whl/raytar only (the Ray tree); it stays in
+#                                       /tmp/ray-stage for serve-ray, then carrying the top-level wheels, .whl/serve and .whl/ray
 #   bash scripts/gpu_check.sh train-tiny [SECONDS [BATCH [FG [TEXT [SEED]]]]]  both tiny models' DiTs trained on from the shipped weights
 #                                       (the shipped text encoders frozen, or trained too with TEXT=train; SECONDS each [360],
 #                                       side by side; with TEXT=train each model's DiT, loss log and text encoders come
@@ -118,7 +123,10 @@
 set -uo pipefail
 phase=${1:-kernels}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# a call that carries none of .whl's top-level wheels (ray-stage) installs none
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
@@ -277,7 +285,10 @@ case "$phase" in
     start=$SECONDS
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ray-site .whl/ray/*.whl || exit 1
-    tar -xJf .whl/ray/ray-*-slim.tar.xz -C /tmp/ray-site || exit 1
+    # the Ray tree: carried now (.whl/raytar) or by the `ray-stage` call just before, which left it in /tmp/ray-stage
+    tree=$(ls .whl/raytar/ray-*-slim.tar.xz /tmp/ray-stage/ray-*-slim.tar.xz 2>/dev/null | head -1)
+    [ -n "$tree" ] || { echo "serve-ray: no Ray tree: carry .whl/raytar, or run ray-stage first on this machine"; exit 1; }
+    tar -xJf "$tree" -C /tmp/ray-site || exit 1
     export PYTHONPATH=/tmp/ray-site:$PYTHONPATH RAY_USAGE_STATS_ENABLED=0
     python3 -c "import ray, ray.serve; print('ray', ray.__version__, 'from', ray.__file__)" || exit 1
     df -h /tmp /dev/shm | tail -2
@@ -287,6 +298,11 @@ case "$phase" in
     # the replica's own log (its load, its traceback if it failed) when something went wrong
     [ $status = 0 ] || cp -r /tmp/ray/session_latest/logs/serve "$OUT/ray_serve_logs" 2>/dev/null
     echo "serve-ray: $((SECONDS - start)) s"
+    ;;
+  ray-stage)
+    # the first of serve-ray's two calls: the tree and the wheels do not fit one call's carry beside the repository,
+    # so this one carries .whl/raytar alone and leaves the tree in /tmp/ray-stage for serve-ray on the warm machine
+    mkdir -p /tmp/ray-stage && cp .whl/raytar/ray-*-slim.tar.xz /tmp/ray-stage/ && ls -la /tmp/ray-stage || exit 1
     ;;
   train-tiny|tiny-final)
     # $OUT brings back at most 8 files: each model's DiT and loss log (its autoencoder and, frozen, its text
@@ -622,6 +638,25 @@ case "$phase" in
     [ $(left 510) -gt 60 ] && { timeout $(left 510) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --json "$OUT/bench_cache.json" 2>&1 | grep -v "^\\[" | tail -24 || status=1; }
     # what a fresh process's first call spends beyond the second's (cProfile's table into $OUT), with the time left
     [ $(left 580) -gt 40 ] && { timeout $(left 580) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
+    ;;
+  next-24a)
+    # the session's first call: issue 33's cold start after the side-thread start-up work (Triton's key during the
+    # load, the CUDA context during torch's import): FLUX.1-dev flux-gen bf16 and --fp8 against the diffusers
+    # script, FP8 high with and without the default step cache, each eager and with --cuda-graphs on one image;
+    # the first call's stages (cProfile); then issue 37's eager FP8 high rows interleaved, with the host's time to
+    # issue a step (bench_cache.py --diagnose). Carry .whl's top-level wheels
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    timeout 120 python3 -m pytest -q -m gpu tests/cli/test_early_cuda.py tests/kernels/test_warmup.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    timeout 120 python3 -m pytest -q tests/cli/test_early_cuda.py tests/kernels/test_warmup.py -p no:cacheprovider 2>&1 | tail -2 || status=1
+    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout $(left 330) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
+      --variant "--fp8 --quality high" --variant "--fp8 --quality high --cuda-graphs" \
+      --variant "--fp8 --quality high --cache first-block" --variant "--fp8 --quality high --cache first-block --cuda-graphs" \
+      --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
+    cat "$OUT/cold_start.jsonl"
+    [ $(left 390) -gt 30 ] && { timeout $(left 390) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
+    [ $(left 570) -gt 60 ] && { timeout $(left 570) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 3 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -12 || status=1; }
     ;;
   cache-graphs)
     # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached
