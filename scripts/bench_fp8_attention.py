@@ -13,11 +13,12 @@ random rotations):
 - the error of each attention against float64 attention of the bf16 q, k, v (relative L2), with K smoothing
   (eager) and the e4m3 reference with e4m3 probabilities beside it; whether the producers' codes are
   `torch.equal` to the eager chain's.
-Step (`--steps`): FLUX.1-dev (and `--models flux2-dev`) at 1024², random weights, B=1, + CUDA graph: bf16 lossless;
+Step (`--steps`): FLUX.1-dev (and `--models flux2-dev`) at 1024² (and `--sizes 1024,2048`), random weights, B=1, + CUDA graph: bf16 lossless;
 bf16 high with SDPA (`attention_backend("sdpa")`), with FP8 attention, and with FP8 attention but in the first
 double and last single block (`keep_bf16_attention`); the model quantized at load (FP8 GEMMs) in high, the same
 three. Relative L2 error of each step against the bf16 lossless step.
-Usage: python3 scripts/bench_fp8_attention.py [--ops] [--steps] [--models flux1-dev,flux2-dev] [--json out.json]
+Usage: python3 scripts/bench_fp8_attention.py [--ops] [--steps] [--models flux1-dev,flux2-dev] [--sizes 1024,2048]
+[--json out.json]
 (neither --ops nor --steps: both). Needs an sm90 GPU and the fa3-fwd package (`pip install
 'flux-runtime[fp8-attention]'`, or scripts/gpu_check.sh fp8-attention's wheel).
 """
@@ -260,23 +261,26 @@ def bench_ops(iters: int) -> None:
 
 
 @torch.no_grad()
-def bench_step(name: str, iters: int) -> None:
-    """One step of `name` at 1024², each arm a new CUDA graph (the attention backend is read at capture)."""
+def bench_step(name: str, iters: int, size: int = 1024) -> None:
+    """One step of `name` at `size`² (512 text tokens), each arm a new CUDA graph (the attention backend is read
+    at capture)."""
     flux1 = name == "flux1-dev"
+    n_img = (size // 16) ** 2
     if flux1:
         ref, ours = flux1_pair()
-        img, img_ids, txt, txt_ids, t, y, g = flux1_step_inputs()
+        img, img_ids, txt, txt_ids, t, y, g = flux1_step_inputs(n_img)
         extra: tuple = (y,)
     else:
         cfg, kw = FLUX2_MODELS[name.removeprefix("flux2-")]
         ref, ours = flux2_pair(cfg, kw)
-        img, img_ids, txt, txt_ids, t, g = flux2_step_inputs(cfg)
+        img, img_ids, txt, txt_ids, t, g = flux2_step_inputs(cfg, n_img)
         extra = ()
     del ref
     free_cuda()
     pe = ours.rope(txt_ids, img_ids)
     rows: dict[str, object] = {}
-    RESULTS[f"step {name}"] = rows
+    RESULTS[f"step {name}" + ("" if size == 1024 else f" {size}²")] = rows
+    name = name if size == 1024 else f"{name} {size}²"
 
     def arm(label: str, tier: str, attention: str, expected: torch.Tensor | None) -> torch.Tensor:
         def step(x: torch.Tensor, tt: torch.Tensor, gg: torch.Tensor | None) -> torch.Tensor:
@@ -318,6 +322,9 @@ def main() -> int:
     ap.add_argument(
         "--models", default="flux1-dev", help="for --steps: flux1-dev, flux2-dev (comma separated)"
     )
+    ap.add_argument(
+        "--sizes", default="1024", help="for --steps: image sides (comma separated), e.g. 1024,2048"
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -333,7 +340,8 @@ def main() -> int:
         bench_ops(args.iters)
     if args.steps or both:
         for name in args.models.split(","):
-            bench_step(name, args.iters)
+            for size in (int(v) for v in args.sizes.split(",")):
+                bench_step(name, args.iters, size)
     finish_run(RESULTS, t0, args.json)
     return 0
 

@@ -681,7 +681,7 @@ case "$phase" in
         tests/models/test_fp8_attention.py -p no:cacheprovider 2>&1 | tail -8 || status=1
       timeout 240 python3 scripts/bench_fp8_attention.py --ops --json "$OUT/bench_fp8_attention_ops.json" 2>&1 | tail -60 || status=1
     else
-      timeout 500 python3 scripts/bench_fp8_attention.py --steps --models "${MODELS:-flux1-dev}" \
+      timeout 500 python3 scripts/bench_fp8_attention.py --steps --models "${MODELS:-flux1-dev}" --sizes "${SIZES:-1024,2048}" --iters 10 \
         --json "$OUT/bench_fp8_attention_steps.json" 2>&1 | tail -12 || status=1
     fi
     ;;
