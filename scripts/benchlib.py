@@ -282,21 +282,33 @@ def flux1_pair(in_channels: int = 64):
     return ref, share_weights(ref, cfg, flux1_layout, Flux1Transformer, cfg.guidance_embed)
 
 
-def flux1_step_inputs(n_img: int = 4096, n_txt: int = 512, batch: int = 1, channels: int = 64):
-    """One FLUX.1 step's inputs: packed latents, text states, pooled vector, bf16 ids, t/1000, guidance."""
-    g = torch.Generator(device=DEV).manual_seed(1)
+def flux1_step_inputs(
+    n_img: int = 4096,
+    n_txt: int = 512,
+    batch: int = 1,
+    channels: int = 64,
+    *,
+    txt_dim: int = 4096,
+    vec_dim: int = 768,
+    device: torch.device = DEV,
+):
+    """One FLUX.1 step's inputs: packed latents, text states, pooled vector, bf16 ids, t/1000, guidance.
+
+    `txt_dim` and `vec_dim` are the text states' and pooled vector's widths (T5-XXL's and CLIP-L's; a shrunk
+    model's for a CPU smoke run, on `device`)."""
+    g = torch.Generator(device=device).manual_seed(1)
     bf = torch.bfloat16
-    img = torch.randn(batch, n_img, channels, device=DEV, generator=g).to(bf)
-    txt = torch.randn(batch, n_txt, 4096, device=DEV, generator=g).to(bf)
-    y = torch.randn(batch, 768, device=DEV, generator=g).to(bf)
+    img = torch.randn(batch, n_img, channels, device=device, generator=g).to(bf)
+    txt = torch.randn(batch, n_txt, txt_dim, device=device, generator=g).to(bf)
+    y = torch.randn(batch, vec_dim, device=device, generator=g).to(bf)
     side = int(n_img**0.5)
-    ids = torch.zeros(side, side, 3, device=DEV)
-    ids[..., 1] = torch.arange(side, device=DEV)[:, None]
-    ids[..., 2] = torch.arange(side, device=DEV)[None, :]
+    ids = torch.zeros(side, side, 3, device=device)
+    ids[..., 1] = torch.arange(side, device=device)[:, None]
+    ids[..., 2] = torch.arange(side, device=device)[None, :]
     img_ids = ids.reshape(-1, 3).to(bf)
-    txt_ids = torch.zeros(n_txt, 3, device=DEV, dtype=bf)
-    t = torch.full((batch,), 988.0, device=DEV, dtype=bf) / 1000
-    guidance = torch.full((batch,), 3.5, device=DEV)
+    txt_ids = torch.zeros(n_txt, 3, device=device, dtype=bf)
+    t = torch.full((batch,), 988.0, device=device, dtype=bf) / 1000
+    guidance = torch.full((batch,), 3.5, device=device)
     return img, img_ids, txt, txt_ids, t, y, guidance
 
 

@@ -13,6 +13,10 @@
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
 #                                       FLUX.1-dev step with Q4_K / Q8_0 projections vs the bf16 step
+#   bash scripts/gpu_check.sh gguf-diffusers  issue 39's remaining measurement, bench_gguf.py's step part alone: one
+#                                       FLUX.1-dev step (1024²) with Q8_0 / Q5_K / Q4_K projections against our bf16 step and
+#                                       diffusers' GGUF step (from_single_file of a GGUF file of the same blocks written under
+#                                       /tmp), each model's weights and peak memory; about 4-5 min (carry .whl's top-level wheels)
 #   bash scripts/gpu_check.sh fp8-attention  issue 36: fa3-fwd installed from .whl/fp8attn, the FP8 attention GPU tests,
 #                                       scripts/bench_fp8_attention.py --ops (one attention call at FLUX shapes). Carry
 #                                       .whl's top-level wheels and .whl/fp8attn, not all of .whl (.whl/flashinfer is 62 MiB)
@@ -597,7 +601,19 @@ case "$phase" in
     # GPU, lossless tier included), the dispatcher's all-ops check; then scripts/bench_gguf.py (carry .whl)
     timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_gguf_dequant_kernel.py tests/gguf \
       tests/kernels/test_dispatch.py -p no:cacheprovider 2>&1 | tail -6 || status=1
-    timeout 330 python3 scripts/bench_gguf.py --json "$OUT/bench_gguf.json" 2>&1 | tail -120 || status=1
+    # (its step part as before: Q4_K and Q8_0 against the bf16 twin only; gguf-diffusers adds diffusers and memory)
+    timeout 330 python3 scripts/bench_gguf.py --step-types Q4_K,Q8_0 --no-diffusers --json "$OUT/bench_gguf.json" 2>&1 \
+      | tail -120 || status=1
+    ;;
+  gguf-diffusers)
+    # issue 39: per type (Q8_0, Q5_K, Q4_K) our GGUF step (eager off / lossless, lossless + CUDA graph) against the
+    # bf16 twin and against diffusers' from_single_file GGUF model on a file of the same blocks (BFL names, written
+    # to /tmp and deleted once loaded: 12.7 / 8.2 / 6.7 GB), torch.equal checked, each model's resident weights and
+    # peak during one eager step. Part 1 skipped (--types ''). Estimate: ~40-60 s per type (two builds of the
+    # random model, the file written and read back through the page cache, 11 calls per variant at
+    # 0.13-0.5 s) plus the Triton kernels' first compile and diffusers' import, about 4-5 min in all (carry .whl)
+    timeout 540 python3 scripts/bench_gguf.py --types '' --step-types Q8_0,Q5_K,Q4_K --iters 5 \
+      --json "$OUT/bench_gguf_steps.json" 2>&1 | tail -100 || status=1
     ;;
   next-22)
     # the first call of the session after 2026-12-04 (no GPU was lent that day), most needed first: every GPU
