@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh next-23b  issue 33's cold start (FLUX.1-dev), then bench_cache.py eager and under graphs
 #   bash scripts/gpu_check.sh next-24a  issue 33's cold start after the start-up threads (bf16, --fp8, FP8 high +- cache, eager and
 #                                       --cuda-graphs), the first call's profile, issue 37's eager FP8 high diagnosis
+#   bash scripts/gpu_check.sh next-24b  issue 36's FP8-attention step at 1024² and 2048², issue 39's GGUF steps and memory against
+#                                       diffusers' (carry the top-level wheels and .whl/fp8attn)
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -673,6 +675,18 @@ case "$phase" in
     cat "$OUT/cold_start.jsonl"
     [ $(left 390) -gt 30 ] && { timeout $(left 390) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
     [ $(left 570) -gt 60 ] && { timeout $(left 570) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 3 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -12 || status=1; }
+    ;;
+  next-24b)
+    # the session's second call: issue 36's FLUX.1-dev step with and without FP8 attention at 1024² and 2048² (fa3-fwd
+    # from .whl/fp8attn), then issue 39's GGUF steps against diffusers' and their memory with the time left (carry
+    # .whl's top-level wheels and .whl/fp8attn)
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    timeout 240 python3 scripts/bench_fp8_attention.py --steps --models flux1-dev --sizes 1024,2048 --iters 10 \
+      --json "$OUT/bench_fp8_attention_steps.json" 2>&1 | grep -v "^\\[" | tail -16 || status=1
+    timeout $(left 585) python3 scripts/bench_gguf.py --types '' --step-types Q8_0,Q5_K,Q4_K --iters 5 \
+      --json "$OUT/bench_gguf_steps.json" 2>&1 | tail -60 || status=1
     ;;
   cache-graphs)
     # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached

@@ -79,3 +79,29 @@ def test_start_leaves_an_initialised_torch_alone(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(early_cuda, "_thread", None)
     monkeypatch.setattr(early_cuda.sys.modules["torch"].cuda, "is_initialized", lambda: True)
     assert not early_cuda.start("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_torch_uses_the_context_made_before_it() -> None:
+    """In a fresh process: the driver's primary context retained first, then torch's allocations and kernels on
+    that device work and the context torch runs in is the one retained."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes\n"
+        "from flux_runtime.cli import early_cuda\n"
+        "assert early_cuda.retain_primary_context(0)\n"
+        "cuda = ctypes.CDLL('libcuda.so.1')\n"
+        "dev, retained, current = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()\n"
+        "cuda.cuDeviceGet(ctypes.byref(dev), 0)\n"
+        "cuda.cuDevicePrimaryCtxRetain(ctypes.byref(retained), dev)\n"
+        "import torch\n"
+        "x = torch.arange(4.0, device='cuda:0') * 2\n"
+        "assert x.tolist() == [0.0, 2.0, 4.0, 6.0]\n"
+        "cuda.cuCtxGetCurrent(ctypes.byref(current))\n"
+        "assert current.value == retained.value, (current.value, retained.value)\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
