@@ -684,7 +684,7 @@ case "$phase" in
     left() { echo $(( $1 - (SECONDS - start) )); }
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
     timeout 240 python3 scripts/bench_fp8_attention.py --steps --models flux1-dev --sizes 1024,2048 --iters 10 \
-      --json "$OUT/bench_fp8_attention_steps.json" 2>&1 | grep -v "^\\[" | tail -16 || status=1
+      --json "$OUT/bench_fp8_attention_steps.json" 2>&1 | tail -16 || status=1
     timeout $(left 585) python3 scripts/bench_gguf.py --types '' --step-types Q8_0,Q5_K,Q4_K --iters 5 \
       --json "$OUT/bench_gguf_steps.json" 2>&1 | tail -60 || status=1
     ;;
