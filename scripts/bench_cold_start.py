@@ -245,6 +245,22 @@ def pinned_copy_rate() -> float:
     return 8 * (1 << 30) / 1e9 / s
 
 
+def per_tensor_windows(plan: list, buffer_bytes: int) -> tuple[list, list]:
+    """`pinned_stream.plan_windows` with every tensor in reads of its own (no buffer shared by small tensors):
+    the A/B row of `read`."""
+    from dataclasses import replace
+
+    from flux_runtime.weights import pinned_stream
+
+    windows: list = []
+    pieces: list = []
+    for span in plan:
+        own_windows, (own,) = pinned_stream.plan_windows([span], buffer_bytes)
+        pieces.append([replace(p, window=p.window + len(windows)) for p in own])
+        windows += own_windows
+    return windows, pieces
+
+
 def cmd_read(args: argparse.Namespace) -> None:
     import torch
 
@@ -305,6 +321,24 @@ def cmd_read(args: argparse.Namespace) -> None:
     rate("ours stream alone (file order, kept)", s)
     del kept
     torch.cuda.empty_cache()
+    # the same two with a read of its own for each tensor (the stream before back-to-back tensors shared buffers)
+    from flux_runtime.weights import pinned_stream
+
+    packed = pinned_stream.plan_windows
+    pinned_stream.plan_windows = per_tensor_windows
+    try:
+        prepare()
+        s, kept = _timed(stream_only)
+        rate("ours stream alone, a read per tensor", s)
+        del kept
+        torch.cuda.empty_cache()
+        prepare()
+        s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
+        rate("ours load_transformer, a read per tensor", s)
+        del model
+        torch.cuda.empty_cache()
+    finally:
+        pinned_stream.plan_windows = packed
     prepare()
     s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16, fp8=True))
     rate("ours load_transformer fp8=True", s)

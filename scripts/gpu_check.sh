@@ -7,7 +7,8 @@
 #   bash scripts/gpu_check.sh next-22   the GPU tests written on 2026-12-04 (adapters, GGUF kernel), the ControlNet step bench
 #   bash scripts/gpu_check.sh next-23a  every GPU test written since 2026-12-04 and never run, ControlNet + Redux benches
 #   bash scripts/gpu_check.sh next-23b  issue 33's cold start (FLUX.1-dev), then bench_cache.py eager and under graphs
-#   bash scripts/gpu_check.sh next-24a  issue 33's cold start after the start-up threads (bf16, --fp8, FP8 high +- cache, eager and
+#   bash scripts/gpu_check.sh next-24a  issue 33's read rates (buffers shared by back-to-back tensors or not), its cold start
+#                                       after the start-up threads (bf16, --fp8, FP8 high +- cache, eager and
 #                                       --cuda-graphs), the first call's profile, issue 37's eager FP8 high diagnosis
 #   bash scripts/gpu_check.sh next-24b  issue 36's FP8-attention step at 1024² and 2048², issue 39's GGUF steps and memory against
 #                                       diffusers' (carry the top-level wheels and .whl/fp8attn)
@@ -665,15 +666,17 @@ case "$phase" in
     # issue a step (bench_cache.py --diagnose). Carry .whl's top-level wheels
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
-    timeout 120 python3 -m pytest -q -m gpu tests/cli/test_early_cuda.py tests/kernels/test_warmup.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    timeout 120 python3 -m pytest -q -m gpu tests/cli/test_early_cuda.py tests/kernels/test_warmup.py tests/weights/test_pinned_stream.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     timeout 120 python3 -m pytest -q tests/cli/test_early_cuda.py tests/kernels/test_warmup.py -p no:cacheprovider 2>&1 | tail -2 || status=1
     [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
-    timeout $(left 330) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
+    # the transformer's read rates: the ring's limit, ours with back-to-back tensors sharing buffers and without
+    timeout 120 python3 scripts/bench_cold_start.py read /tmp/cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -14 || status=1
+    timeout $(left 400) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
       --variant "--fp8 --quality high" --variant "--fp8 --quality high --cuda-graphs" \
       --variant "--fp8 --quality high --cache first-block" --variant "--fp8 --quality high --cache first-block --cuda-graphs" \
       --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
     cat "$OUT/cold_start.jsonl"
-    [ $(left 390) -gt 30 ] && { timeout $(left 390) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
+    [ $(left 450) -gt 30 ] && { timeout $(left 450) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
     [ $(left 570) -gt 60 ] && { timeout $(left 570) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 3 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -12 || status=1; }
     ;;
   next-24b)

@@ -163,12 +163,61 @@ class Span:
 
 
 @dataclass(frozen=True)
-class _Chunk:
-    tensor: int  # index into the plan
+class _Window:
+    """One read into one ring buffer: `length` bytes of `path` from absolute `offset`, holding the bytes of one
+    or more planned tensors that lie back to back in the file (`keys`, with where each starts in the window)."""
+
     path: Path
-    offset: int  # absolute, in the file
+    offset: int
+    length: int
+    keys: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    window: int  # index into the windows
+    start: int  # offset in the window's buffer
     length: int
     into: int  # offset in the tensor's bytes
+    last: bool  # the window's last piece: its buffer is free once this copy has run
+
+
+def plan_windows(plan: Sequence[Span], buffer_bytes: int) -> tuple[list[_Window], list[list[_Piece]]]:
+    """The reads of a stream and each planned tensor's pieces of them.
+
+    Tensors that lie back to back in one file, in plan order (a safetensors file read in file order), share
+    full buffers: a buffer is filled with up to `buffer_bytes` of the file whatever the tensors' sizes, so a
+    run of small tensors (biases, norms: most of a FLUX transformer's tensors by count) costs one read and one
+    buffer, not one each. A tensor larger than a buffer spans several; a jump (another file, a gap, plan order
+    against file order) starts a new read. An empty tensor has no pieces.
+    """
+    reads: list[list] = []  # [path, offset, length, [(start in the window, key), ...]]
+    pieces: list[list[_Piece]] = []
+    for s in plan:
+        mine: list[_Piece] = []
+        into = 0
+        while into < s.nbytes:
+            pos = s.offset + into
+            last = reads[-1] if reads else None
+            if last is None or last[0] != s.path or last[1] + last[2] != pos or last[2] == buffer_bytes:
+                last = [s.path, pos, 0, []]
+                reads.append(last)
+            n = min(s.nbytes - into, buffer_bytes - last[2])
+            last[3].append((last[2], s.key))
+            mine.append(_Piece(len(reads) - 1, last[2], n, into, False))
+            last[2] += n
+            into += n
+        pieces.append(mine)
+    # a window's last piece frees its buffer
+    seen: set[int] = set()
+    for mine in reversed(pieces):
+        for k in range(len(mine) - 1, -1, -1):
+            piece = mine[k]
+            if piece.window not in seen:
+                seen.add(piece.window)
+                mine[k] = _Piece(piece.window, piece.start, piece.length, piece.into, True)
+    windows = [_Window(path, offset, length, tuple(keys)) for path, offset, length, keys in reads]
+    return windows, pieces
 
 
 class DeviceStream:
@@ -176,9 +225,9 @@ class DeviceStream:
 
     `take(key)` returns a key's bytes as a 1-D uint8 tensor on `device`, ready for the caller's current
     stream. Keys are meant to be taken in plan order; one taken early makes the stream read (and hold)
-    the keys before it. A key taken twice, or not planned, is not served here (`has`). On a GPU the
-    copies out of the ring run on a side stream; onto the CPU (tests of the same logic, no GPU needed)
-    they run at once.
+    the keys before it. A key taken twice, or not planned, is not served here (`has`). The reads are
+    `plan_windows`' (full buffers of back-to-back tensors). On a GPU the copies out of the ring run on a
+    side stream; onto the CPU (tests of the same logic, no GPU needed) they run at once.
     """
 
     def __init__(self, plan: Sequence[Span], device: torch.device, ring: PinnedRing) -> None:
@@ -188,15 +237,7 @@ class DeviceStream:
         self._index = {s.key: i for i, s in enumerate(self.plan)}
         if len(self._index) != len(self.plan):
             raise ValueError("a stream's plan names a key twice")
-        size = ring.shape.buffer_bytes
-        self._chunks: list[_Chunk] = []
-        self._first_chunk: list[int] = []
-        for i, s in enumerate(self.plan):
-            self._first_chunk.append(len(self._chunks))
-            for into in range(0, s.nbytes, size):
-                n = min(size, s.nbytes - into)
-                self._chunks.append(_Chunk(i, s.path, s.offset + into, n, into))
-        self._first_chunk.append(len(self._chunks))
+        self._windows, self._pieces = plan_windows(self.plan, ring.shape.buffer_bytes)
         self._fds: dict[Path, int] = {}
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(ring.shape.threads, thread_name_prefix="flux-load")
@@ -211,8 +252,8 @@ class DeviceStream:
         except OSError as e:
             self.close()
             raise WeightsError(f"{e.filename}: cannot open ({e.strerror})") from None
-        for j in range(min(ring.shape.slots, len(self._chunks))):
-            self._submit(j)
+        for w in range(min(ring.shape.slots, len(self._windows))):
+            self._submit(w)
 
     def has(self, key: str) -> bool:
         return key in self._index and key not in self._taken
@@ -240,17 +281,17 @@ class DeviceStream:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _submit(self, j: int) -> None:
-        self._reads[j] = self._pool.submit(self._read, j)
+    def _submit(self, w: int) -> None:
+        self._reads[w] = self._pool.submit(self._read, w)
 
-    def _read(self, j: int) -> None:
-        c = self._chunks[j]
-        slot = j % self.ring.shape.slots
+    def _read(self, w: int) -> None:
+        window = self._windows[w]
+        slot = w % self.ring.shape.slots
         ev = self.ring.events[slot]
         if ev is not None:  # the buffer's previous copy must have run before it is overwritten
             ev.synchronize()
-        view = memoryview(self.ring.buffers[slot].numpy())[: c.length]
-        read_exactly(self._fds[c.path], view, c.offset, c.path, self.plan[c.tensor].key)
+        view = memoryview(self.ring.buffers[slot].numpy())[: window.length]
+        read_exactly(self._fds[window.path], view, window.offset, window.path, window.keys)
 
     def _issue(self, i: int) -> None:
         span = self.plan[i]
@@ -260,10 +301,11 @@ class DeviceStream:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
         done = None
         slots = self.ring.shape.slots
-        for j in range(self._first_chunk[i], self._first_chunk[i + 1]):
-            self._reads.pop(j).result()  # a read error surfaces here, naming the file and the tensor
-            c, slot = self._chunks[j], j % slots
-            into, src = data[c.into : c.into + c.length], self.ring.buffers[slot][: c.length]
+        for piece in self._pieces[i]:
+            w, slot = piece.window, piece.window % slots
+            self._reads[w].result()  # a read error surfaces here, naming the file and the tensor
+            into = data[piece.into : piece.into + piece.length]
+            src = self.ring.buffers[slot][piece.start : piece.start + piece.length]
             if self._side is None:
                 into.copy_(src)
             else:
@@ -272,13 +314,18 @@ class DeviceStream:
                     done = torch.cuda.Event()
                     done.record(self._side)
                 self.ring.events[slot] = done
-            if j + slots < len(self._chunks):
-                self._submit(j + slots)
+            if piece.last:
+                del self._reads[w]
+                if w + slots < len(self._windows):
+                    self._submit(w + slots)
         self._ready[span.key] = (data, done)
 
 
-def read_exactly(fd: int, view: memoryview, offset: int, path: Path, key: str) -> None:
-    """Fill `view` with the file's bytes from `offset`, or a WeightsError if the file ends first."""
+def read_exactly(
+    fd: int, view: memoryview, offset: int, path: Path, keys: tuple[tuple[int, str], ...]
+) -> None:
+    """Fill `view` with the file's bytes from `offset`, or a WeightsError naming the tensor the file ends in
+    (`keys`: the tensors the bytes hold, with where each starts in `view`)."""
     done, total = 0, len(view)
     while done < total:
         if hasattr(os, "preadv"):
@@ -288,6 +335,7 @@ def read_exactly(fd: int, view: memoryview, offset: int, path: Path, key: str) -
             got = len(chunk)
             view[done : done + got] = chunk
         if got == 0:
+            key = next((k for start, k in reversed(keys) if start <= done), keys[0][1] if keys else "?")
             raise WeightsError(f"{path}: cannot read {key!r} (the file is shorter than its header says)")
         done += got
 

@@ -296,3 +296,50 @@ def test_a_text_encoder_streamed_onto_the_gpu_keeps_the_streamed_tensors(tmp_pat
     plain = T5EncoderModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
     for name, p in plain.named_parameters():
         assert torch.equal(params[name].cpu(), p), name
+
+
+def _window_case(
+    sizes: list[int], buffer: int, order: list[int] | None = None
+) -> tuple[list, list, list[Span]]:
+    """Spans of `sizes` bytes back to back in one file (taken in `order`), and their windows."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    spans = [Span(f"t{i}", Path("f"), offsets[i], n) for i, n in enumerate(sizes)]
+    plan = [spans[i] for i in (order or range(len(sizes)))]
+    windows, pieces = pinned_stream.plan_windows(plan, buffer)
+    return windows, pieces, plan
+
+
+def test_small_tensors_back_to_back_share_full_buffers() -> None:
+    sizes = [4, 4, 100, 4, 4, 4, 50]  # 170 bytes, a 64-byte buffer: 3 reads, not one per tensor or more
+    windows, pieces, _ = _window_case(sizes, 64)
+    assert [(w.offset, w.length) for w in windows] == [(0, 64), (64, 64), (128, 42)]
+    assert windows[0].keys == ((0, "t0"), (4, "t1"), (8, "t2"))
+    assert [(p.window, p.start, p.length, p.into) for p in pieces[2]] == [(0, 8, 56, 0), (1, 0, 44, 56)]
+
+
+def test_every_byte_lands_once_and_each_read_frees_its_buffer_once() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for case in range(60):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        sizes = [int(v) for v in torch.randint(0, 200, (n,), generator=gen)]
+        buffer = int(torch.randint(1, 90, (1,), generator=gen))
+        order = torch.randperm(n, generator=gen).tolist() if case % 2 else None
+        windows, pieces, plan = _window_case(sizes, buffer, order)
+        assert all(0 < w.length <= buffer for w in windows)
+        for span, mine in zip(plan, pieces, strict=True):
+            assert sum(p.length for p in mine) == span.nbytes
+            for p in mine:  # the piece reads exactly the tensor's own bytes
+                assert windows[p.window].offset + p.start == span.offset + p.into
+                assert p.start + p.length <= windows[p.window].length
+        flat = [p for mine in pieces for p in mine]
+        assert [p.window for p in flat] == sorted(p.window for p in flat)  # reads used in order
+        assert sorted(p.window for p in flat if p.last) == list(range(len(windows)))
+        for w in range(len(windows)):  # the freeing piece is the window's last in issue order
+            assert [p for p in flat if p.window == w][-1].last
+
+
+def test_a_jump_in_the_file_or_order_starts_a_new_read() -> None:
+    windows, _, _ = _window_case([10, 10, 10], 1000, order=[0, 2, 1])
+    assert [(w.offset, w.length) for w in windows] == [(0, 10), (20, 10), (10, 10)]
+    two = [Span("a", Path("f"), 0, 10), Span("b", Path("g"), 10, 10)]
+    assert len(pinned_stream.plan_windows(two, 1000)[0]) == 2
