@@ -482,7 +482,7 @@ def cmd_cold(args: argparse.Namespace) -> None:
             variants = [("flux-gen", []), ("flux-gen (again)", [])]
             if name == "flux1-dev":
                 variants += [("flux-gen --fp8", ["--fp8"]), ("flux-gen --fp8 (again)", ["--fp8"])]
-            variants += [(f"flux-gen {' '.join(v)}", v) for v in args.variant]
+                variants += [(f"flux-gen {' '.join(v)}", v) for v in args.variant]
             for label, extra in variants:
                 png = work / f"{name}-{label.replace(' ', '').replace('(again)', '')}.png"
                 cmd = [*flux_gen, "--model", str(d), "--prompt", PROMPT, "--width", "1024", "--height", "1024",
@@ -630,7 +630,7 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument(
         "--variant", type=lambda v: v.split(), action="append", default=[],
-        help="cold: also time flux-gen with these options (e.g. '--no-cuda-graphs'); repeatable",
+        help="cold: also time FLUX.1-dev's flux-gen with these options (e.g. '--no-cuda-graphs'); repeatable",
     )  # fmt: skip
     p.add_argument(
         "--ring", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="*",

@@ -677,7 +677,13 @@ case "$phase" in
       --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
     cat "$OUT/cold_start.jsonl"
     [ $(left 450) -gt 30 ] && { timeout $(left 450) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
-    [ $(left 570) -gt 60 ] && { timeout $(left 570) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 3 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -12 || status=1; }
+    [ $(left 480) -gt 60 ] && { timeout $(left 480) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 3 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -12 || status=1; }
+    # klein-4B (its Qwen3-4B ours since 2026-12-04) against its diffusers script, with the time left
+    if [ $(left 570) -gt 80 ]; then
+      timeout $(left 570) bash -c "python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out $OUT/cold_start.jsonl | grep '^{' && \
+        python3 scripts/bench_cold_start.py cold /tmp/cold --models klein-4b --prompts 0 --out $OUT/cold_start.jsonl | tail -2" || status=1
+      tail -1 "$OUT/cold_start.jsonl"
+    fi
     ;;
   next-24b)
     # the session's second call: issue 36's FLUX.1-dev step with and without FP8 attention at 1024² and 2048² (fa3-fwd
