@@ -36,6 +36,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -245,17 +247,15 @@ def pinned_copy_rate() -> float:
     return 8 * (1 << 30) / 1e9 / s
 
 
-def per_tensor_windows(plan: list, buffer_bytes: int) -> tuple[list, list]:
-    """`pinned_stream.plan_windows` with every tensor in reads of its own (no buffer shared by small tensors):
-    the A/B row of `read`."""
+def per_tensor_windows(plan: list, buffer_bytes: int, packed: Callable) -> tuple[list, list]:
+    """`packed` (`pinned_stream.plan_windows`) with every tensor in reads of its own (no buffer shared by small
+    tensors): the A/B row of `read`."""
     from dataclasses import replace
-
-    from flux_runtime.weights import pinned_stream
 
     windows: list = []
     pieces: list = []
     for span in plan:
-        own_windows, (own,) = pinned_stream.plan_windows([span], buffer_bytes)
+        own_windows, (own,) = packed([span], buffer_bytes)
         pieces.append([replace(p, window=p.window + len(windows)) for p in own])
         windows += own_windows
     return windows, pieces
@@ -325,7 +325,7 @@ def cmd_read(args: argparse.Namespace) -> None:
     from flux_runtime.weights import pinned_stream
 
     packed = pinned_stream.plan_windows
-    pinned_stream.plan_windows = per_tensor_windows
+    pinned_stream.plan_windows = partial(per_tensor_windows, packed=packed)
     try:
         prepare()
         s, kept = _timed(stream_only)

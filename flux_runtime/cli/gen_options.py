@@ -331,7 +331,8 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             "--no-cuda-graphs",
             FLAG,
             "Run the denoiser eagerly. By default CUDA graphs are replayed when the process makes several "
-            "calls (--prompts); one call runs eagerly, as capturing costs more than it saves over one image.",
+            "calls (--prompts) or runs a step cache (--cache); one plain call runs eagerly, as capturing costs "
+            "more than it saves over one image.",
         ),
         option(
             "--cuda-graphs",

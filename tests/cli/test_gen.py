@@ -125,7 +125,8 @@ def test_timings_name_each_stage_and_the_peaks(tmp_path):
 
 def test_cuda_graphs_only_when_the_process_makes_several_calls(tmp_path, monkeypatch):
     """One call runs eagerly (capturing costs more than it saves over one image); --prompts replays graphs;
-    --cuda-graphs asks for them on one call too."""
+    one call with a step cache replays them too (its per-step decision stalls an eager GPU); --cuda-graphs and
+    --no-cuda-graphs decide alone."""
     from flux_runtime.pipeline import Pipeline
 
     asked = []
@@ -141,4 +142,7 @@ def test_cuda_graphs_only_when_the_process_makes_several_calls(tmp_path, monkeyp
     _run("--prompts", str(lines), "--out", str(tmp_path))
     _run("--prompts", str(lines), "--out", str(tmp_path), "--no-cuda-graphs")
     _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"), "--cuda-graphs")  # asked for: one call too
-    assert asked == [False, True, False, True]
+    _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"), "--cache", "first-block")  # a cached call
+    _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"), "--cache", "off")
+    _run("--prompt", "a fox", "--out", str(tmp_path / "one.png"), "--cache", "taylor", "--no-cuda-graphs")
+    assert asked == [False, True, False, True, True, False, False]
