@@ -116,14 +116,16 @@ def run(folder: Path, fp8: bool, quality: str) -> dict:
 
 def host_ms_per_step(pipe: Pipeline, cache: object) -> float:
     """The host's time to issue one eager denoising step, the GPU held back meanwhile: a long `torch.cuda._sleep`
-    is queued as the loop starts, so the first step's launches are timed without waiting on the GPU (at or above
-    the GPU's own step time, an eager loop is bound by the host)."""
+    is queued after the first step (whose set-up, the modulation table and the fixed conditioning, may read from
+    the GPU), so the second step's launches are timed without waiting on the GPU (at or above the GPU's own step
+    time, an eager loop is bound by the host). A policy whose decision reads the GPU would wait out the sleep."""
     marks: list[float] = []
 
     def progress(stage: str, done: int, total: int) -> None:
-        if stage != "denoise" or len(marks) >= 2:
+        if stage != "denoise" or done not in (1, 2):
             return
-        if done == 0:
+        if done == 1:
+            torch.cuda.synchronize()
             torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU clock cycles: longer than one step's launches
         marks.append(time.perf_counter())
 
