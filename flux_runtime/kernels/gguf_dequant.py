@@ -37,12 +37,10 @@ class GgmlType:
     type_size: int
 
 
-# the float types a GGUF file may store a tensor in as is (no blocks)
-F32 = GgmlType(0, "F32", 1, 4)
-F16 = GgmlType(1, "F16", 1, 2)
-BF16 = GgmlType(30, "BF16", 1, 2)
-PLAIN_TYPES = {t.id: t for t in (F32, F16, BF16)}
-PLAIN_DTYPES = {F32.id: torch.float32, F16.id: torch.float16, BF16.id: torch.bfloat16}
+# the float types a GGUF file may store a tensor in as is (no blocks): GGML's id and name, and the torch dtype
+_PLAIN = ((0, "F32", torch.float32), (1, "F16", torch.float16), (30, "BF16", torch.bfloat16))
+PLAIN_TYPES = {i: GgmlType(i, name, 1, dtype.itemsize) for i, name, dtype in _PLAIN}
+PLAIN_DTYPES = {i: dtype for i, _, dtype in _PLAIN}
 
 # the block-quantized types this runtime dequantizes (FLUX GGUF files use these)
 QUANT_TYPES = {

@@ -84,9 +84,9 @@ def precision_of(layers: dict[str, Quantized], plain: Counter[str] | None = None
 
     A GGUF file is known by its quantization (`flux1-dev-Q4_K_S.gguf`), and the quantizers keep a few
     sensitive layers in a wider type, so the dominant type is the name users recognise; the full per-type
-    count is logged at load and kept as the model's `gguf_types`. A file with no block-quantized projection
-    (`flux1-dev-F16.gguf`) is named by the type holding most of its projections' weights (`plain`: weights
-    per stored type), e.g. `gguf-F16`.
+    count is logged at load and kept as the model's `gguf_types`. A file with no block-quantized projection (plain
+    16-bit floats) is named by the stored type holding most of its projections' weights (`plain`: weights per
+    stored type): `gguf-` and GGML's name of that type.
     """
     counts = type_counts(layers) or dict(plain or {})
     return "gguf-" + max(counts, key=counts.__getitem__) if counts else "gguf"
