@@ -309,6 +309,30 @@ def cmd_read(args: argparse.Namespace) -> None:
         rate("ours load_transformer", s)
         del model
         torch.cuda.empty_cache()
+    # the A/B of FLUX_LOAD_RESERVE: the device memory of the tensors taken in one allocation before the load
+    os.environ["FLUX_LOAD_RESERVE"] = "1"
+    try:
+        for _ in range(args.repeat):
+            prepare()
+            segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+            s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
+            rate("ours load_transformer, FLUX_LOAD_RESERVE=1", s)
+            row["cudaMalloc calls of that load"] = (
+                torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
+            )
+            del model
+            torch.cuda.empty_cache()
+    finally:
+        del os.environ["FLUX_LOAD_RESERVE"]
+    prepare()
+    segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+    s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
+    rate("ours load_transformer (again, for the cudaMalloc count)", s)
+    row["cudaMalloc calls without reserving"] = (
+        torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
+    )
+    del model
+    torch.cuda.empty_cache()
     src = TensorSource(files)
     order = src.keys()
 
@@ -451,6 +475,12 @@ def _same_png(a: Path, b: Path) -> bool | str:
     )
 
 
+def _is_assignment(word: str) -> bool:
+    """`NAME=VALUE` with an upper-case environment name (flux-gen's options start with `--`)."""
+    name, eq, _ = word.partition("=")
+    return bool(eq) and name.isidentifier() and name.isupper()
+
+
 def cmd_cold(args: argparse.Namespace) -> None:
     # Bytecode cached for both, as on a user's machine after the first run (the device's site-packages carry
     # none): one untimed import of each side's modules writes it under PYTHONPYCACHEPREFIX.
@@ -483,12 +513,15 @@ def cmd_cold(args: argparse.Namespace) -> None:
             if name == "flux1-dev":
                 variants += [("flux-gen --fp8", ["--fp8"]), ("flux-gen --fp8 (again)", ["--fp8"])]
                 variants += [(f"flux-gen {' '.join(v)}", v) for v in args.variant]
-            for label, extra in variants:
+            for label, words in variants:
+                # a variant's NAME=VALUE words set the environment of its process, the rest are options
+                extra = [w for w in words if not _is_assignment(w)]
+                run_env = dict(env, **dict(w.split("=", 1) for w in words if _is_assignment(w)))
                 png = work / f"{name}-{label.replace(' ', '').replace('(again)', '')}.png"
                 cmd = [*flux_gen, "--model", str(d), "--prompt", PROMPT, "--width", "1024", "--height", "1024",
                        "--steps", str(steps), "--guidance", str(guidance), "--seed", "0", "--out", str(png),
                        "--overwrite", "--quiet", "--timings", *extra]  # fmt: skip
-                rows[label] = _run(cmd, env)
+                rows[label] = _run(cmd, run_env)
                 if "--fp8" not in extra:
                     rows[label]["png equal to diffusers"] = _same_png(png, ref)
             base = rows["diffusers script"]["wall_s"]
@@ -630,7 +663,8 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument(
         "--variant", type=lambda v: v.split(), action="append", default=[],
-        help="cold: also time FLUX.1-dev's flux-gen with these options (e.g. '--no-cuda-graphs'); repeatable",
+        help="cold: also time FLUX.1-dev's flux-gen with these options (e.g. '--no-cuda-graphs'; NAME=VALUE words "
+        "set its environment, e.g. 'FLUX_LOAD_RESERVE=1'); repeatable",
     )  # fmt: skip
     p.add_argument(
         "--ring", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="*",
