@@ -10,6 +10,9 @@ environment is kept.
 huggingface_hub starts in offline mode (HF_HUB_OFFLINE=1 unless the environment says otherwise), so a load
 that would fetch reads the local cache instead; the tests of fetching point it at a local stand-in of the Hub
 (`tests/hub_server.py`).
+
+Fused kernels are verified in every test process (FLUX_VERIFY_CACHE=0): a pass remembered on this machine by an
+earlier run (`flux_runtime.kernels.verified`) would let a test's own kernel skip the check it is testing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("FLUX_VERIFY_CACHE", "0")
 
 import pytest
 import torch

@@ -12,7 +12,9 @@ The pipeline sets the quality tier for a block of work::
   bit for bit (`torch.equal`, NaNs in the same places allowed). A mismatch is logged as an error,
   recorded, and that signature uses the reference from then on (the idea of sglang's
   `BitExactFusionGate`). Verification needs a host sync, so it never happens while a CUDA
-  graph is captured; an unverified signature runs the reference there.
+  graph is captured; an unverified signature runs the reference there. On a CUDA device a pass is
+  written down (`verified`): a later process on the same machine, with the same kernels, torch, Triton,
+  GPU model and driver, takes that signature's kernel without running both paths again.
 - `high`: also kernels that change rounding (none of the kernels here yet: the pipeline's `high` tier batches
   the adaLN projections of all steps instead); lossless kernels are still verified.
 
@@ -35,6 +37,8 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
+
+from flux_runtime.kernels import verified
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,7 @@ class FusedOpsReport:
     fallbacks: dict[tuple[str, str], int]
     mismatches: tuple[str, ...]
     verified_signatures: int
+    remembered_signatures: int = 0  # of those, passed in an earlier process on this machine (`verified`)
 
     @property
     def all_fused(self) -> bool:
@@ -111,6 +116,7 @@ class FusedOpsReport:
             f"fused tier {self.tier_used}: {sum(self.fused_calls.values())} fused calls, "
             f"{sum(self.fallbacks.values())} reference fallbacks, "
             f"{self.verified_signatures} signatures verified bit-exact"
+            + (f" ({self.remembered_signatures} by an earlier process)" if self.remembered_signatures else "")
         ]
         lines += [f"  fused     {op}: {n}" for op, n in sorted(self.fused_calls.items())]
         lines += [f"  reference {op}: {n} x {reason}" for (op, reason), n in sorted(self.fallbacks.items())]
@@ -127,6 +133,7 @@ class _Record:
     logged: set[tuple[str, str]] = field(default_factory=set)
     # signature -> None (verified) or the reason the reference is used for it from now on
     signatures: dict[tuple[Any, ...], str | None] = field(default_factory=dict)
+    remembered: int = 0  # signatures taken as verified from an earlier process's record
 
 
 _lock = threading.Lock()
@@ -142,6 +149,7 @@ def fused_ops_report() -> FusedOpsReport:
             fallbacks=dict(_record.fallbacks),
             mismatches=tuple(_record.mismatches),
             verified_signatures=sum(1 for v in _record.signatures.values() if v is None),
+            remembered_signatures=_record.remembered,
         )
 
 
@@ -150,7 +158,8 @@ def reset_fused_ops_report(forget_signatures: bool = False) -> None:
     global _record
     with _lock:
         signatures = {} if forget_signatures else _record.signatures
-        _record = _Record(signatures=signatures)
+        remembered = 0 if forget_signatures else _record.remembered
+        _record = _Record(signatures=signatures, remembered=remembered)
 
 
 def run_op(op: FusedOp, *args: Any) -> Any:
@@ -182,11 +191,16 @@ def run_op(op: FusedOp, *args: Any) -> Any:
     if reason is not None:
         _fallback(op.name, reason)
         return op.reference(*args)
+    if not known and op.tier == "lossless" and verified.was_verified(sig, device):
+        _remember(sig, None)  # verified by an earlier process on this machine (`verified`)
+        with _lock:
+            _record.remembered += 1
+        known = True
     if not known and op.tier == "lossless":
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             _fallback(op.name, "signature not yet verified while a CUDA graph is captured")
             return op.reference(*args)
-        return _verify(op, sig, args)
+        return _verify(op, sig, args, device)
 
     out = _fused(op, sig, args)
     if out is _REJECTED:
@@ -210,8 +224,9 @@ def _fused(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         return _REJECTED
 
 
-def _verify(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
-    """First call of a lossless signature: run both paths, keep the fused one only if bit-identical."""
+def _verify(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...], device: torch.device) -> Any:
+    """First call of a lossless signature: run both paths, keep the fused one only if bit-identical (and
+    write a pass down for later processes on this machine, `verified`)."""
     out = _fused(op, sig, args)
     if out is _REJECTED:
         return op.reference(*args)
@@ -222,6 +237,7 @@ def _verify(op: FusedOp, sig: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         problem = op.self_check(*args)
     if problem is None:
         _remember(sig, None)
+        verified.remember(sig, device)
         with _lock:
             _record.fused_calls[op.name] += 1
         return out
