@@ -15,6 +15,8 @@
 #   bash scripts/gpu_check.sh next-25a  what 2026-12-05 left: issue 36's image (eval_high_image.py) and FLUX.2-dev FP8-attention step,
 #                                       issue 33's read A/B, issue 39's eager Q8_0 re-check, issue 37's host time (carry the
 #                                       top-level wheels and .whl/fp8attn)
+#   bash scripts/gpu_check.sh next-25b  issue 33's cold start after session 25's start-up work, each piece switched off or on
+#                                       (verification record, text warm-up, reserved load), its GPU tests (carry the top-level wheels)
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -714,6 +716,23 @@ case "$phase" in
     [ $(left 380) -gt 40 ] && { timeout $(left 380) python3 scripts/bench_fp8_attention.py --steps --models flux2-dev --sizes 1024 --iters 10 --json "$OUT/bench_fp8_attention_flux2.json" 2>&1 | tail -8 || status=1; }
     [ $(left 470) -gt 40 ] && { timeout $(left 470) python3 scripts/bench_gguf.py --types '' --step-types Q4_K,Q8_0 --no-diffusers --iters 5 --json "$OUT/bench_gguf_q8_second.json" 2>&1 | grep "^|" | tail -20 || status=1; }
     [ $(left 575) -gt 60 ] && { timeout $(left 575) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 2 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -8 || status=1; }
+    ;;
+  next-25b)
+    # issue 33 after session 25's start-up work (best after next-25a, on the same warm machine): its GPU tests
+    # (verification record, text warm-up, reserved load), then FLUX.1-dev's cold flux-gen against the diffusers
+    # script as it is now (the second run takes the kernels the first verified), and with each piece switched off
+    # (FLUX_VERIFY_CACHE=0, FLUX_TEXT_WARMUP=0) or on (FLUX_LOAD_RESERVE=1), then the first call's stages.
+    # Carry .whl's top-level wheels
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_verified.py tests/pipeline/test_text_warmup.py \
+      tests/weights/test_pinned_stream.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout $(left 470) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
+      --variant "FLUX_VERIFY_CACHE=0" --variant "FLUX_TEXT_WARMUP=0" --variant "FLUX_LOAD_RESERVE=1" \
+      --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
+    cat "$OUT/cold_start.jsonl"
+    [ $(left 570) -gt 30 ] && { timeout $(left 570) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
     ;;
   cache-graphs)
     # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached

@@ -21,7 +21,7 @@ from flux_runtime.models.dit import Flux1Transformer
 from flux_runtime.models.vae import Flux1VAE
 from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
-from flux_runtime.pipeline import controlnets, flux1_variants, ip_adapter, placement
+from flux_runtime.pipeline import controlnets, flux1_variants, ip_adapter, placement, text_warmup
 from flux_runtime.pipeline import redux as redux_stage
 from flux_runtime.pipeline.arguments import reject_unknown
 from flux_runtime.pipeline.checks import (
@@ -151,27 +151,33 @@ class Flux1Pipe(Recipe):
         # with a budget the transformer loads to host memory unless it fits the device, the text encoders
         # to host memory always: the plan then puts on the device what it keeps there
         dit_device = placement.transformer_device(left, checkpoint, dtype, fp8, device)
-        transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
-        assert isinstance(transformer, Flux1Transformer)  # told by the keys
-        sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
         vae_model = load_vae(src.vae, device=device, dtype=dtype)
         if vae_model.config.family != "flux1":
             raise FluxError(
                 f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE"
             )
+        # the text encoders before the transformer, warmed up while it streams in (`text_warmup`)
+        main = parallel is None or parallel.is_main  # only rank 0 encodes
+        text_device = placement.text_device(
+            left, device, offload_text_encoders, _text_sources(src),
+            beside=placement.checkpoint_bytes(checkpoint, dtype, fp8) if dit_device == device else 0,
+        )  # fmt: skip
+        text = _open_text(src, text_device, dtype) if main else None
+        if fp8_text and text is not None:
+            text.quantize_fp8()
+        with text_warmup.warming(text, text_device):
+            transformer = load_transformer(
+                checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8
+            )
+        assert isinstance(transformer, Flux1Transformer)  # told by the keys
+        sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
         named = flux1_variants.named_variant(src, variant)
-        # before the text encoders load
         check_latent_widths(
             transformer,
             vae_model,
             src.name,
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
-        main = parallel is None or parallel.is_main  # only rank 0 encodes
-        text_device = placement.text_device(left, device, offload_text_encoders, _text_sources(src))
-        text = _open_text(src, text_device, dtype) if main else None
-        if fp8_text and text is not None:
-            text.quantize_fp8()
         loaded = None
         if redux is not None and main:
             loaded = open_redux(redux, transformer, device=text_device, dtype=dtype, name=src.name)

@@ -11,7 +11,7 @@ from flux_runtime.models.dit import Flux2Transformer
 from flux_runtime.models.vae import Flux2VAE
 from flux_runtime.parallel.group import World
 from flux_runtime.parallel.ulysses import SequenceParallel
-from flux_runtime.pipeline import placement
+from flux_runtime.pipeline import placement, text_warmup
 from flux_runtime.pipeline.checks import (
     check_latent_widths,
 )
@@ -68,21 +68,34 @@ def open_flux2(
     if text_encoder_2 is not None:
         raise FluxError("FLUX.2 has one text encoder: pass text_encoder=, not text_encoder_2=")
     dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
-    transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
-    assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys
-    sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
     vae = load_vae(src.vae, device=device, dtype=dtype)
     if not isinstance(vae, Flux2VAE):
         raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.2 needs the FLUX.2 VAE")
-    check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
     main = parallel is None or parallel.is_main  # only rank 0 encodes
     sources = [text_encoder] if text_encoder is not None else [src.text] if src.text is not None else None
     if builtin_files(src.name) is not None and text_encoder is None:
         sources = []  # a built-in model's small encoders
-    text_device = placement.text_device(budget, device, offload_text_encoders, sources)
-    text = _open_text(src, text_encoder, transformer, text_device, dtype) if main else None
-    if fp8_text and text is not None:
-        text.quantize_fp8()
+    text_device = placement.text_device(
+        budget, device, offload_text_encoders, sources,
+        beside=placement.checkpoint_bytes(checkpoint, dtype, fp8) if dit_device == device else 0,
+    )  # fmt: skip
+
+    def open_text(transformer: Flux2Transformer | None) -> TextEncoder:
+        text = _open_text(src, text_encoder, transformer, text_device, dtype)
+        if fp8_text:
+            text.quantize_fp8()
+        return text
+
+    # the text encoder before the transformer, warmed up while it streams in (`text_warmup`), unless it is the
+    # one BFL pairs with the transformer, told by the transformer's widths
+    text = open_text(None) if main and sources is not None else None
+    with text_warmup.warming(text, text_device):
+        transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
+    assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys
+    sharded = None if parallel is None else SequenceParallel(transformer, parallel)  # heads checked first
+    check_latent_widths(transformer, vae, src.name)
+    if main and text is None:
+        text = open_text(transformer)
     distilled = (src.model_index or {}).get("is_distilled", False) if is_distilled is None else is_distilled
     if not isinstance(distilled, bool):
         raise WeightsError(f"model_index.json: is_distilled must be true or false, got {distilled!r}")
@@ -106,11 +119,12 @@ def open_flux2(
 def _open_text(
     src: Sources,
     text_encoder: str | Path | None,
-    transformer: Flux2Transformer,
+    transformer: Flux2Transformer | None,
     device: torch.device,
     dtype: torch.dtype,
 ) -> TextEncoder:
-    """The FLUX.2 text encoder for these sources (see `Flux2Pipe.from_sources`)."""
+    """The FLUX.2 text encoder for these sources (see `Flux2Pipe.from_sources`); `transformer` is needed (and
+    only then) for a BFL file set with no `text_encoder`, whose encoder BFL pairs with the transformer."""
     spec = builtin_files(src.name)
     if spec is not None and spec.trained and text_encoder is None:  # the encoder it was trained with
         return KleinTextEncoder.from_components(spec.folder / "text_encoder", device=device, dtype=dtype)
@@ -128,6 +142,7 @@ def _open_text(
             return Flux2TextEncoder.from_components(root, MISTRAL_PROCESSOR_ID, device=device, dtype=dtype)
         return KleinTextEncoder.from_components(root, device=device, dtype=dtype)
     # a BFL file set: the encoder BFL pairs with this transformer
+    assert transformer is not None  # `open_flux2` loads the encoder after the transformer here
     cfg = transformer.config
     if cfg.guidance_embed:
         return Flux2TextEncoder.from_components(*FLUX2_DEV_TEXT_ENCODERS, device=device, dtype=dtype)

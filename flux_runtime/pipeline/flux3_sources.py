@@ -9,7 +9,7 @@ import torch
 
 from flux_runtime.models.dit.flux3 import Flux3Transformer
 from flux_runtime.models.vae import Flux2VAE
-from flux_runtime.pipeline import placement
+from flux_runtime.pipeline import placement, text_warmup
 from flux_runtime.pipeline.checks import (
     check_latent_widths,
 )
@@ -56,20 +56,25 @@ def open_flux3(
     projections / the text encoder's decoder layers to FP8 at load (bf16). `budget`: the memory budget the
     plan is chosen for (`Pipeline.from_pretrained`'s `memory`; None: everything on the device)."""
     dit_device = placement.transformer_device(budget, checkpoint, dtype, fp8, device)
-    transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
-    assert isinstance(transformer, Flux3Transformer)  # dispatched on the keys
     vae = load_vae(src.vae, device=device, dtype=dtype)
     if not isinstance(vae, Flux2VAE):
         raise FluxError(f"{src.vae} is a {vae.config.family} autoencoder; FLUX.3 needs the FLUX.2 VAE")
-    check_latent_widths(transformer, vae, src.name)  # before the text encoder loads
     sources = [text_encoder] if text_encoder is not None else [src.text] if src.text is not None else None
     spec = spec_for(src.name)
     if spec is not None and spec.builtin and text_encoder is None:
         sources = []  # a built-in model's small encoders
-    text_device = placement.text_device(budget, device, offload_text_encoders, sources)
+    # the text encoder before the transformer, warmed up while it streams in (`text_warmup`)
+    text_device = placement.text_device(
+        budget, device, offload_text_encoders, sources,
+        beside=placement.checkpoint_bytes(checkpoint, dtype, fp8) if dit_device == device else 0,
+    )  # fmt: skip
     text = _open_text(src, text_encoder, text_device, dtype)
     if fp8_text:
         text.quantize_fp8()
+    with text_warmup.warming(text, text_device):
+        transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
+    assert isinstance(transformer, Flux3Transformer)  # dispatched on the keys
+    check_latent_widths(transformer, vae, src.name)
     pipe = cls(
         transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
         guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,

@@ -378,18 +378,23 @@ def budget_for(memory: str | int | None, device: torch.device, offload_text_enco
 
 
 def text_device(
-    budget: int | None, device: torch.device, offload: bool, sources: Sequence[str | Path] | None
+    budget: int | None,
+    device: torch.device,
+    offload: bool,
+    sources: Sequence[str | Path] | None,
+    beside: int = 0,
 ) -> torch.device:
     """Where the text encoders load. Without a budget: the device. With one: the device too when the plan will
     keep them there (no offload asked, and their weights, by the sizes of their files `sources`, fit beside
-    what the device holds now with a fifth of the budget to spare), so they stream straight onto the GPU;
-    otherwise host memory (also when their size is not known), and the plan moves them as it says."""
+    what the device holds now and `beside` bytes still to load there (the transformer, when the encoders load
+    first), with a fifth of the budget to spare), so they stream straight onto the GPU; otherwise host memory
+    (also when their size is not known), and the plan moves them as it says."""
     if budget is None:
         return device
     if offload or device.type != "cuda" or sources is None:
         return torch.device("cpu")
     size = files_bytes(sources)
-    if size is None or torch.cuda.memory_allocated(device) + size > 0.8 * budget:
+    if size is None or torch.cuda.memory_allocated(device) + beside + size > 0.8 * budget:
         return torch.device("cpu")
     return device
 

@@ -304,6 +304,9 @@ def provenance(
     }
 
 
+PNG_COMPRESS_LEVEL = 4
+
+
 def png_bytes(image: Image.Image, info: Mapping[str, Any], *, where: Path | str = "<memory>") -> bytes:
     """`image` as PNG bytes with the provenance in text chunks (`flux_runtime` JSON + a readable summary).
 
@@ -315,7 +318,9 @@ def png_bytes(image: Image.Image, info: Mapping[str, Any], *, where: Path | str 
     meta.add_text("Description", str(record.get("prompt", "")))
     meta.add_text("Software", f"flux-runtime {flux_runtime.__version__}")
     buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=meta)
+    # zlib level 4, not PIL's 6: a smooth 1024² image took 0.053 s against 0.106 s, for a file 6 % larger (one
+    # core of the development machine, 2026-12-05), time the user waits for after every image; same pixels
+    image.save(buf, format="PNG", pnginfo=meta, compress_level=PNG_COMPRESS_LEVEL)
     return buf.getvalue()
 
 
