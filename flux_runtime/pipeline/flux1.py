@@ -156,15 +156,21 @@ class Flux1Pipe(Recipe):
             raise FluxError(
                 f"{src.vae} is a {vae_model.config.family} autoencoder; FLUX.1 needs the FLUX.1 VAE"
             )
-        # the text encoders before the transformer, warmed up while it streams in (`text_warmup`)
         main = parallel is None or parallel.is_main  # only rank 0 encodes
         text_device = placement.text_device(
             left, device, offload_text_encoders, _text_sources(src),
             beside=placement.checkpoint_bytes(checkpoint, dtype, fp8) if dit_device == device else 0,
         )  # fmt: skip
-        text = _open_text(src, text_device, dtype) if main else None
-        if fp8_text and text is not None:
-            text.quantize_fp8()
+
+        def open_text() -> Flux1TextEncoder:
+            text = _open_text(src, text_device, dtype)
+            if fp8_text:
+                text.quantize_fp8()
+            return text
+
+        # on a GPU the text encoders load first, warmed up while the transformer streams in (`text_warmup`)
+        first = main and text_warmup.loads_first(text_device, _text_sources(src))
+        text = open_text() if first else None
         with text_warmup.warming(text, text_device):
             transformer = load_transformer(
                 checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8
@@ -178,6 +184,8 @@ class Flux1Pipe(Recipe):
             src.name,
             flux1_variants.variant_of(transformer, vae_model, named, src.name),
         )
+        if main and text is None:
+            text = open_text()
         loaded = None
         if redux is not None and main:
             loaded = open_redux(redux, transformer, device=text_device, dtype=dtype, name=src.name)

@@ -86,9 +86,9 @@ def open_flux2(
             text.quantize_fp8()
         return text
 
-    # the text encoder before the transformer, warmed up while it streams in (`text_warmup`), unless it is the
-    # one BFL pairs with the transformer, told by the transformer's widths
-    text = open_text(None) if main and sources is not None else None
+    # on a GPU the text encoder loads first, warmed up while the transformer streams in (`text_warmup`), unless it
+    # is the one BFL pairs with the transformer, told by the transformer's widths
+    text = open_text(None) if main and text_warmup.loads_first(text_device, sources) else None
     with text_warmup.warming(text, text_device):
         transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
     assert isinstance(transformer, Flux2Transformer)  # dispatched on the keys

@@ -63,18 +63,25 @@ def open_flux3(
     spec = spec_for(src.name)
     if spec is not None and spec.builtin and text_encoder is None:
         sources = []  # a built-in model's small encoders
-    # the text encoder before the transformer, warmed up while it streams in (`text_warmup`)
     text_device = placement.text_device(
         budget, device, offload_text_encoders, sources,
         beside=placement.checkpoint_bytes(checkpoint, dtype, fp8) if dit_device == device else 0,
     )  # fmt: skip
-    text = _open_text(src, text_encoder, text_device, dtype)
-    if fp8_text:
-        text.quantize_fp8()
+
+    def open_text() -> Flux3TextEncoder:
+        text = _open_text(src, text_encoder, text_device, dtype)
+        if fp8_text:
+            text.quantize_fp8()
+        return text
+
+    # on a GPU the text encoder loads first, warmed up while the transformer streams in (`text_warmup`)
+    text = open_text() if text_warmup.loads_first(text_device, sources) else None
     with text_warmup.warming(text, text_device):
         transformer = load_transformer(checkpoint or src.transformer, device=dit_device, dtype=dtype, fp8=fp8)
     assert isinstance(transformer, Flux3Transformer)  # dispatched on the keys
     check_latent_widths(transformer, vae, src.name)
+    if text is None:
+        text = open_text()
     pipe = cls(
         transformer, vae, text, schedule=_schedule_config(src.scheduler_config),
         guidance=_guider_scale(src), model_name=src.name, weights_id=weights_id(src), quality=quality,

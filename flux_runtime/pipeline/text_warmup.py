@@ -2,11 +2,11 @@
 
 In a fresh process the first prompt encode on a GPU paid 0.52 s on the H200 (FLUX.1-dev's CLIP-L and T5-XXL)
 where a later one takes a few tens of milliseconds: what it pays is the process's first use of things, not
-the encoders' arithmetic: cuBLAS's start-up, each kernel's first load, the tokenizers' first call. A recipe
-loads its text encoders before the transformer and encodes one fixed prompt with them on a daemon thread for
-as long as the transformer's load runs (mostly file reads and copies that hold no lock, so the two overlap),
-then joins the thread before anything else touches the encoders. The embeddings are dropped: no call's result
-depends on the warm-up, only its time does.
+the encoders' arithmetic: cuBLAS's start-up, each kernel's first load, the tokenizers' first call. When
+`loads_first` says so, a recipe loads its text encoders before the transformer and encodes one fixed prompt with
+them on a daemon thread for as long as the transformer's load runs (mostly file reads and copies that hold no
+lock, so the two overlap), then joins the thread before anything else touches the encoders. The embeddings are
+dropped: no call's result depends on the warm-up, only its time does.
 
 On the CPU, or with the encoders in host memory (a memory plan moves them in when it encodes), nothing runs;
 nor with `FLUX_TEXT_WARMUP=0` (the A/B switch of the cold-start bench). A warm-up that fails is dropped too: the
@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,18 @@ import torch
 log = logging.getLogger(__name__)
 
 WARM_PROMPT = "a photograph of a lighthouse on a cliff at dusk"
+
+
+def loads_first(text_device: torch.device, sources: Sequence[str | Path] | None) -> bool:
+    """Whether the text encoders load before the transformer: where they will be warmed (on a CUDA device) and
+    every file they read is found locally (`sources`, as `placement.files_bytes` counts them; None: they depend on
+    the transformer). Otherwise they load after it, so that a damaged or unsuitable transformer is reported before
+    a missing encoder, as the CPU always does."""
+    from flux_runtime.pipeline.placement import files_bytes
+
+    if text_device.type != "cuda" or sources is None or os.environ.get("FLUX_TEXT_WARMUP") == "0":
+        return False
+    return files_bytes(sources) is not None
 
 
 @contextmanager

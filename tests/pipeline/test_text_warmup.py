@@ -4,6 +4,7 @@ error of its own, and no change to any image."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,3 +80,20 @@ def test_a_warmed_load_gives_the_same_image(model: str, monkeypatch: pytest.Monk
     monkeypatch.setattr(text_warmup, "_encode", lambda text_encoder, device: None)
     without = Pipeline.from_pretrained(model, device="cuda", cuda_graphs=False)(**args).latents
     assert torch.equal(with_warmup, without)
+
+
+def test_the_encoders_load_first_only_on_a_gpu_with_every_file_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Otherwise the transformer loads first, so that its own problems are reported before a missing encoder."""
+    folder = tmp_path / "pipe"
+    (folder / "text_encoder").mkdir(parents=True)
+    (folder / "text_encoder" / "model.safetensors").write_bytes(b"")
+    gpu = torch.device("cuda", 0)
+    assert text_warmup.loads_first(gpu, [folder])
+    assert text_warmup.loads_first(gpu, [])  # a built-in model's small encoders
+    assert not text_warmup.loads_first(torch.device("cpu"), [folder])
+    assert not text_warmup.loads_first(gpu, None)  # the encoder BFL pairs with the transformer: told by it
+    assert not text_warmup.loads_first(gpu, [folder, "no-such-org/no-such-encoder"])  # not in the local cache
+    monkeypatch.setenv("FLUX_TEXT_WARMUP", "0")
+    assert not text_warmup.loads_first(gpu, [folder])
