@@ -303,36 +303,27 @@ def cmd_read(args: argparse.Namespace) -> None:
     rate("ours load_transformer (allocator warm)", s)
     del model
     torch.cuda.empty_cache()
-    for _ in range(args.repeat):
-        prepare()
-        s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
-        rate("ours load_transformer", s)
-        del model
-        torch.cuda.empty_cache()
-    # the A/B of FLUX_LOAD_RESERVE: the device memory of the tensors taken in one allocation before the load
-    os.environ["FLUX_LOAD_RESERVE"] = "1"
-    try:
-        for _ in range(args.repeat):
+
+    def counted_load(name: str, reserve: bool) -> None:
+        """One timed load and the cudaMalloc calls it made (segments allocated); `reserve`: FLUX_LOAD_RESERVE=1,
+        the device memory of the tensors taken in one allocation before the load."""
+        os.environ["FLUX_LOAD_RESERVE"] = "1" if reserve else "0"
+        try:
             prepare()
-            segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+            before = torch.cuda.memory_stats().get("segment.all.allocated", 0)
             s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
-            rate("ours load_transformer, FLUX_LOAD_RESERVE=1", s)
-            row["cudaMalloc calls of that load"] = (
-                torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
+            rate(name, s)
+            row[f"{name}: cudaMalloc calls"] = (
+                torch.cuda.memory_stats().get("segment.all.allocated", 0) - before
             )
             del model
             torch.cuda.empty_cache()
-    finally:
-        del os.environ["FLUX_LOAD_RESERVE"]
-    prepare()
-    segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
-    s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
-    rate("ours load_transformer (again, for the cudaMalloc count)", s)
-    row["cudaMalloc calls without reserving"] = (
-        torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
-    )
-    del model
-    torch.cuda.empty_cache()
+        finally:
+            del os.environ["FLUX_LOAD_RESERVE"]
+
+    for _ in range(args.repeat):  # the A/B of FLUX_LOAD_RESERVE, interleaved
+        counted_load("ours load_transformer", reserve=False)
+        counted_load("ours load_transformer, FLUX_LOAD_RESERVE=1", reserve=True)
     src = TensorSource(files)
     order = src.keys()
 
