@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from flux_runtime.pipeline.placement import files_bytes
+
 log = logging.getLogger(__name__)
 
 WARM_PROMPT = "a photograph of a lighthouse on a cliff at dusk"
@@ -35,8 +37,6 @@ def loads_first(text_device: torch.device, sources: Sequence[str | Path] | None)
     every file they read is found locally (`sources`, as `placement.files_bytes` counts them; None: they depend on
     the transformer). Otherwise they load after it, so that a damaged or unsuitable transformer is reported before
     a missing encoder, as the CPU always does."""
-    from flux_runtime.pipeline.placement import files_bytes
-
     if text_device.type != "cuda" or sources is None or os.environ.get("FLUX_TEXT_WARMUP") == "0":
         return False
     return files_bytes(sources) is not None
