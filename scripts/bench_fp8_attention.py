@@ -16,7 +16,9 @@ random rotations):
 Step (`--steps`): FLUX.1-dev (and `--models flux2-dev`) at 1024² (and `--sizes 1024,2048`), random weights, B=1, + CUDA graph: bf16 lossless;
 bf16 high with SDPA (`attention_backend("sdpa")`), with FP8 attention, and with FP8 attention but in the first
 double and last single block (`keep_bf16_attention`); the model quantized at load (FP8 GEMMs) in high, the same
-three. Relative L2 error of each step against the bf16 lossless step.
+three; then (unless `--no-static`) the FP8 model with static input scales from this step's ranges
+(`set_static_input_scales`: lossless with SDPA, high with FP8 attention) and with per-tensor weights too (the
+tensorwise GEMM of a ModelOpt checkpoint). Relative L2 error of each step against the bf16 lossless step.
 Usage: python3 scripts/bench_fp8_attention.py [--ops] [--steps] [--models flux1-dev,flux2-dev] [--sizes 1024,2048]
 [--json out.json]
 (neither --ops nor --steps: both). Needs an sm90 GPU and the fa3-fwd package (`pip install
@@ -59,12 +61,14 @@ from flux_runtime.kernels.attention_quant import (
     relative_error,
 )
 from flux_runtime.kernels.dispatch import use_fused
+from flux_runtime.kernels.fp8 import E4M3, E4M3_MAX, MIN_AMAX
 from flux_runtime.kernels.heads_fp8 import heads_fp8, qk_norm_rope_fp8
 from flux_runtime.kernels.qk_norm_rope import empty_heads, head_major_layout, is_head_major, qk_norm_rope
 from flux_runtime.models.dit.fp8_attention import keep_bf16_attention
-from flux_runtime.models.dit.layers import sdpa
+from flux_runtime.models.dit.layers import Fp8Linear, sdpa
 from flux_runtime.pipeline.graphs import GraphedDenoiser
-from flux_runtime.weights.fp8 import quantize_model
+from flux_runtime.weights.fp8 import quantize_model, set_static_input_scales
+from flux_runtime.weights.fp8_export import record_input_ranges
 
 # name -> (heads, text tokens, image tokens)
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -261,9 +265,9 @@ def bench_ops(iters: int) -> None:
 
 
 @torch.no_grad()
-def bench_step(name: str, iters: int, size: int = 1024) -> None:
+def bench_step(name: str, iters: int, size: int = 1024, static: bool = True) -> None:
     """One step of `name` at `size`² (512 text tokens), each arm a new CUDA graph (the attention backend is read
-    at capture)."""
+    at capture); `static`: also the FP8 arms with static input scales (this step's ranges)."""
     flux1 = name == "flux1-dev"
     n_img = (size // 16) ** 2
     if flux1:
@@ -307,12 +311,40 @@ def bench_step(name: str, iters: int, size: int = 1024) -> None:
     keep_bf16_attention(ours, first=1, last=1)
     arm("bf16 high + graph, FP8 attention but the first and last blocks", "high", "fa3-fp8", want)
     keep_bf16_attention(ours)
+    # each projection's max |input| over this step, for the static-scale arms below (max calibration on one step)
+    ranges, remove = record_input_ranges(ours)
+    with use_fused("lossless"):
+        ours(img, img_ids, txt, txt_ids, t, *extra, g, pe=pe)
+    remove()
     quantize_model(ours, torch.bfloat16)
     free_cuda()
     arm("fp8 high + graph, SDPA", "high", "sdpa", want)
     arm("fp8 high + graph, FP8 attention", "high", "fa3-fp8", want)
     keep_bf16_attention(ours, first=1, last=1)
     arm("fp8 high + graph, FP8 attention but the first and last blocks", "high", "fa3-fp8", want)
+    keep_bf16_attention(ours)
+    if not static:
+        return
+    # static input scales (a calibrated checkpoint's kind): the producers write e4m3 with no row absmax pass
+    set_static_input_scales(ours, ranges)
+    arm("fp8 static lossless + graph, SDPA", "lossless", "sdpa", want)
+    arm("fp8 static high + graph, FP8 attention", "high", "fa3-fp8", want)
+    per_tensor_weights(
+        ours
+    )  # as a ModelOpt checkpoint stores them: the tensorwise GEMM instead of the row-wise
+    free_cuda()
+    arm("fp8 static, per-tensor weights, high + graph, FP8 attention", "high", "fa3-fp8", want)
+
+
+def per_tensor_weights(model: torch.nn.Module) -> None:
+    """Requantize each per-output-channel e4m3 weight with one scale (from its dequantized values: a second
+    rounding, so the error grows a little; the speed is a per-tensor checkpoint's)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and module.weight_scale.ndim == 1:
+            w = module.weight.float() * module.weight_scale[:, None]
+            scale = (w.abs().amax().clamp(min=MIN_AMAX) / E4M3_MAX).reshape(())
+            module.weight = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            module.weight_scale = scale
 
 
 def main() -> int:
@@ -326,6 +358,7 @@ def main() -> int:
         "--sizes", default="1024", help="for --steps: image sides (comma separated), e.g. 1024,2048"
     )
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-static", action="store_true", help="for --steps: skip the static-scale FP8 arms")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not require_cuda("bench_fp8_attention.py"):
@@ -341,7 +374,7 @@ def main() -> int:
     if args.steps or both:
         for name in args.models.split(","):
             for size in (int(v) for v in args.sizes.split(",")):
-                bench_step(name, args.iters, size)
+                bench_step(name, args.iters, size, static=not args.no_static)
     finish_run(RESULTS, t0, args.json)
     return 0
 

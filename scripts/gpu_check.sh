@@ -15,8 +15,9 @@
 #   bash scripts/gpu_check.sh next-25a  what 2026-12-05 left: issue 36's image (eval_high_image.py) and FLUX.2-dev FP8-attention step,
 #                                       issue 33's read A/B, issue 39's eager Q8_0 re-check, issue 37's host time (carry the
 #                                       top-level wheels and .whl/fp8attn)
-#   bash scripts/gpu_check.sh next-25b  issue 33's cold start after session 25's start-up work, each piece switched off or on
-#                                       (verification record, text warm-up, reserved load), its GPU tests (carry the top-level wheels)
+#   bash scripts/gpu_check.sh next-25b  issue 36's FP8 step with static input scales; issue 33's cold start after session 25's
+#                                       start-up work, each piece switched off or on (verification record, text warm-up,
+#                                       reserved load), its GPU tests (carry the top-level wheels and .whl/fp8attn)
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -721,12 +722,16 @@ case "$phase" in
     # issue 33 after session 25's start-up work (best after next-25a, on the same warm machine): its GPU tests
     # (verification record, text warm-up, reserved load), then FLUX.1-dev's cold flux-gen against the diffusers
     # script as it is now (the second run takes the kernels the first verified), and with each piece switched off
-    # (FLUX_VERIFY_CACHE=0, FLUX_TEXT_WARMUP=0) or on (FLUX_LOAD_RESERVE=1), then the first call's stages.
-    # Carry .whl's top-level wheels
+    # (FLUX_VERIFY_CACHE=0, FLUX_TEXT_WARMUP=0) or on (FLUX_LOAD_RESERVE=1), then the first call's stages; first,
+    # issue 36's FLUX.1-dev step with static input scales (bench_fp8_attention.py's static arms: lossless, high +
+    # FP8 attention, per-tensor weights). Carry .whl's top-level wheels and .whl/fp8attn
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
     timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_verified.py tests/pipeline/test_text_warmup.py \
       tests/weights/test_pinned_stream.py -p no:cacheprovider 2>&1 | tail -4 || status=1
+    timeout 150 python3 scripts/bench_fp8_attention.py --steps --models flux1-dev --sizes 1024 --iters 10 \
+      --json "$OUT/bench_fp8_attention_static.json" 2>&1 | tail -12 || status=1
     [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
     timeout $(left 470) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
       --variant "FLUX_VERIFY_CACHE=0" --variant "FLUX_TEXT_WARMUP=0" --variant "FLUX_LOAD_RESERVE=1" \

@@ -38,7 +38,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -361,6 +361,30 @@ def quantize_model(model: nn.Module, dtype: torch.dtype, under: str = "") -> str
         done[name] = Fp8Tensors(t.weight, t.weight_scale, None)
         del module, t
     return precision_of(done, dtype)
+
+
+def static_input_scale(amax: float) -> Tensor:
+    """The static input scale of a projection whose inputs reached `amax` in calibration ("max" calibration, as
+    ModelOpt's): `max(amax, MIN_AMAX) / 448`, fp32, 0-dim."""
+    return torch.tensor(max(amax, MIN_AMAX) / E4M3_MAX, dtype=torch.float32)
+
+
+def set_static_input_scales(model: nn.Module, ranges: Mapping[str, float]) -> int:
+    """Give each FP8 projection of `model` that scales its input per row, and that `ranges` names (its calibrated
+    max |input|, `fp8_export.record_input_ranges`), the static input scale of that range instead: the producers
+    before it then write e4m3 at once, with no pass over the row for its absmax. The weights stay as they are.
+    An approximation of its own (a range seen in calibration, not each row's): returns how many changed."""
+    changed = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Fp8Linear) or module.input_scale is not None or name not in ranges:
+            continue
+        device = module.weight.device
+        scale = static_input_scale(ranges[name]).to(device)
+        del module.input_scale, module.input_scale_inv  # plain None attributes of a per-row layer
+        module.register_buffer("input_scale", scale)
+        module.register_buffer("input_scale_inv", scale.reciprocal())
+        changed += 1
+    return changed
 
 
 def _install(

@@ -25,7 +25,7 @@ from flux_runtime.weights.convert_plan import ConversionPlan, Step
 from flux_runtime.weights.convert_write import DEFAULT_MAX_SHARD_SIZE, write_diffusers
 from flux_runtime.weights.diffusers_config import transformer_diffusers_config
 from flux_runtime.weights.errors import WeightsError
-from flux_runtime.weights.fp8 import may_run_fp8
+from flux_runtime.weights.fp8 import may_run_fp8, static_input_scale
 from flux_runtime.weights.safetensors_writer import Output
 
 # diffusers names of the layers FP8 exports keep in bf16 (embedders, modulation, final layer)
@@ -121,7 +121,7 @@ def write_modelopt_fp8(
         parts = split(rule, sd[rule.bfl])
         if leaf != "weight" or module not in ranges:
             return {k: v.contiguous().cpu() for k, v in parts.items()}
-        s_in = torch.tensor(max(ranges[module], MIN_AMAX) / E4M3_MAX, dtype=torch.float32)
+        s_in = static_input_scale(ranges[module])
         out = {}
         for key, w in parts.items():
             base = key.removesuffix(".weight")
