@@ -11,11 +11,13 @@ loop's time, the attention backend the provenance records and the PSNR of its 8-
 arm's, bf16 `lossless` (inf: identical).
 
 Arms: bf16 `lossless` (the reference); bf16 `high` with attention as the runtime chooses it (`auto`) and with
-SDPA forced; FP8 `high`, `auto` and SDPA; FP8 `lossless`.
+SDPA forced; FP8 `high`, `auto` and SDPA; FP8 `lossless`; then, unless `--no-static`, the FP8 model with static
+input scales (`set_static_input_scales`) from max calibration over one bf16 call of another prompt and seed at
+the same size and steps (`record_input_ranges`, as `flux-convert quantize` calibrates), `high` and `lossless`.
 
 Usage: python3 scripts/eval_high_image.py FOLDER [--size 1024] [--steps 28] [--device cuda] [--json out.json].
-On the CPU (`--device cpu`, e.g. with the built-in `tiny` and a small size) it runs the same arms, FP8 excepted,
-as a check of the script itself: the timings mean nothing there.
+On the CPU (`--device cpu`, e.g. with the built-in `tiny` and a small size) it runs the same arms, the FP8 ones
+with `--dtype bf16`, as a check of the script itself: the timings mean nothing there.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flux_runtime.kernels.attention_backends import attention_backend
 from flux_runtime.pipeline import Pipeline
+from flux_runtime.weights.fp8 import set_static_input_scales
+from flux_runtime.weights.fp8_export import record_input_ranges
 
 PROMPT = "a red fox in the snow, golden hour, photograph"
+CALIBRATION_PROMPT = "a street in Tokyo at night with neon signs, rain"  # not the evaluated prompt
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -85,6 +90,16 @@ def run_arm(pipe: Pipeline, quality: str, attention: str, size: int, steps: int)
     return row, image
 
 
+def calibrate(pipe: Pipeline, size: int, steps: int) -> dict[str, float]:
+    """Each block projection's max |input| over one lossless call of `CALIBRATION_PROMPT` (seed 1)."""
+    ranges, remove = record_input_ranges(pipe.transformer)
+    try:
+        pipe(CALIBRATION_PROMPT, height=size, width=size, num_steps=steps, seed=1, output_type="latent")
+    finally:
+        remove()
+    return ranges
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", help="a FLUX pipeline folder, a model name or `tiny`")
@@ -92,20 +107,39 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-static", action="store_true", help="skip the FP8 arms with static input scales")
+    ap.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default=None,
+        help="default: bf16 on a GPU, fp32 on the CPU; the FP8 arms run with bf16",
+    )  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("eval_high_image.py: no CUDA GPU here (give --device cpu to check the script)", file=sys.stderr)
         return 1
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     base = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
     arms = {base: [("lossless", "auto"), ("high", "auto"), ("high", "sdpa")]}
-    if device.type == "cuda":
+    if dtype == torch.bfloat16:  # FP8 computes in bf16 between its GEMMs
         arms["fp8"] = [("high", "auto"), ("high", "sdpa"), ("lossless", "auto")]
+    static = "fp8" in arms and not args.no_static
+    if static:
+        arms["fp8 static"] = [("high", "auto"), ("lossless", "auto")]
     rows: dict[str, dict] = {}
     reference: np.ndarray | None = None
+    ranges: dict[str, float] = {}
+    pipe = None
     for precision, cases in arms.items():
-        pipe = Pipeline.from_pretrained(args.folder, device=device, dtype=dtype, fp8=precision == "fp8")
+        if precision == "fp8 static":  # the FP8 pipeline of the arms before, its input scales now static
+            assert pipe is not None
+            set_static_input_scales(pipe.transformer, ranges)
+            pipe._graphed.clear()  # graphs captured before replay the per-row quantization
+        else:
+            pipe = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            pipe = Pipeline.from_pretrained(args.folder, device=device, dtype=dtype, fp8=precision == "fp8")
         for quality, attention in cases:
             label = f"{precision} {quality}" + ("" if attention == "auto" else f", attention {attention}")
             row, image = run_arm(pipe, quality, attention, args.size, args.steps)
@@ -114,9 +148,8 @@ def main() -> int:
             row["psnr_vs_lossless_db"] = psnr(reference, image)
             rows[label] = row
             print(f"{label}: {json.dumps(row)}", flush=True)
-        del pipe
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if static and precision == base:
+            ranges = calibrate(pipe, args.size, args.steps)
     report = {"folder": str(args.folder), "size": args.size, "steps": args.steps, "arms": rows}
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))

@@ -705,17 +705,18 @@ case "$phase" in
     ;;
   next-25a)
     # what the 2026-12-05 session left to measure, most needed first (carry .whl's top-level wheels and .whl/fp8attn):
-    # issue 36's whole image (eval_high_image.py: high and FP8 high, FP8 attention or SDPA, PSNR against lossless,
-    # the image's time) and FLUX.2-dev's FP8-attention step; issue 33's read-rate A/B (ring buffers shared by
-    # back-to-back tensors or not); issue 37's eager host time per step; issue 39's eager Q8_0 step measured second
+    # issue 36's whole image (eval_high_image.py: high and FP8 high, FP8 attention or SDPA, FP8 with static input
+    # scales, PSNR against lossless, the image's time) and FLUX.2-dev's FP8-attention step (static arms too); issue
+    # 33's read-rate A/B (ring buffers shared by back-to-back tensors or not, FLUX_LOAD_RESERVE); with the time left,
+    # issue 39's eager Q8_0 step measured second and issue 37's eager host time per step
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
     [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
-    timeout $(left 200) python3 scripts/eval_high_image.py /tmp/cold/flux1-dev --json "$OUT/eval_high_image.json" 2>&1 | grep -v "^\\[" | tail -8 || status=1
-    timeout $(left 290) python3 scripts/bench_cold_start.py read /tmp/cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -14 || status=1
-    [ $(left 380) -gt 40 ] && { timeout $(left 380) python3 scripts/bench_fp8_attention.py --steps --models flux2-dev --sizes 1024 --iters 10 --json "$OUT/bench_fp8_attention_flux2.json" 2>&1 | tail -8 || status=1; }
-    [ $(left 470) -gt 40 ] && { timeout $(left 470) python3 scripts/bench_gguf.py --types '' --step-types Q4_K,Q8_0 --no-diffusers --iters 5 --json "$OUT/bench_gguf_q8_second.json" 2>&1 | grep "^|" | tail -20 || status=1; }
+    timeout $(left 330) python3 scripts/eval_high_image.py /tmp/cold/flux1-dev --json "$OUT/eval_high_image.json" 2>&1 | grep -v "^\\[" | tail -10 || status=1
+    timeout $(left 430) python3 scripts/bench_cold_start.py read /tmp/cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -14 || status=1
+    [ $(left 520) -gt 60 ] && { timeout $(left 520) python3 scripts/bench_fp8_attention.py --steps --models flux2-dev --sizes 1024 --iters 10 --json "$OUT/bench_fp8_attention_flux2.json" 2>&1 | tail -11 || status=1; }
+    [ $(left 570) -gt 40 ] && { timeout $(left 570) python3 scripts/bench_gguf.py --types '' --step-types Q4_K,Q8_0 --no-diffusers --iters 5 --json "$OUT/bench_gguf_q8_second.json" 2>&1 | grep "^|" | tail -20 || status=1; }
     [ $(left 575) -gt 60 ] && { timeout $(left 575) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 2 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -8 || status=1; }
     ;;
   next-25b)

@@ -373,17 +373,22 @@ def set_static_input_scales(model: nn.Module, ranges: Mapping[str, float]) -> in
     """Give each FP8 projection of `model` that scales its input per row, and that `ranges` names (its calibrated
     max |input|, `fp8_export.record_input_ranges`), the static input scale of that range instead: the producers
     before it then write e4m3 at once, with no pass over the row for its absmax. The weights stay as they are.
-    An approximation of its own (a range seen in calibration, not each row's): returns how many changed."""
+    An approximation of its own (a range seen in calibration, not each row's): returns how many changed, and
+    `model.precision` (what the provenance records) says the layers' kinds afterwards."""
     changed = 0
+    kinds = set()
     for name, module in model.named_modules():
-        if not isinstance(module, Fp8Linear) or module.input_scale is not None or name not in ranges:
+        if not isinstance(module, Fp8Linear):
             continue
-        device = module.weight.device
-        scale = static_input_scale(ranges[name]).to(device)
-        del module.input_scale, module.input_scale_inv  # plain None attributes of a per-row layer
-        module.register_buffer("input_scale", scale)
-        module.register_buffer("input_scale_inv", scale.reciprocal())
-        changed += 1
+        if module.input_scale is None and name in ranges:
+            scale = static_input_scale(ranges[name]).to(module.weight.device)
+            del module.input_scale, module.input_scale_inv  # plain None attributes of a per-row layer
+            module.register_buffer("input_scale", scale)
+            module.register_buffer("input_scale_inv", scale.reciprocal())
+            changed += 1
+        kinds.add("static" if module.input_scale is not None else "dynamic")
+    if kinds:
+        model.precision = "fp8-" + "+".join(sorted(kinds))
     return changed
 
 

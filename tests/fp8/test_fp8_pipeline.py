@@ -190,12 +190,16 @@ def test_static_input_scales_from_calibrated_ranges(tmp_path):
     write_modelopt_fp8(pipe.transformer, ranges, tmp_path / "modelopt")
     exported = dict(load_transformer(tmp_path / "modelopt", dtype=torch.bfloat16).named_modules())
 
-    quantize_model(pipe.transformer, torch.bfloat16)
+    pipe.transformer.precision = quantize_model(pipe.transformer, torch.bfloat16)
     dynamic = pipe("a red fox", **kw).images.float()
     layers = {n: m for n, m in pipe.transformer.named_modules() if isinstance(m, Fp8Linear)}
     assert layers and all(quantizes_per_row(m) for m in layers.values())
-    assert set_static_input_scales(pipe.transformer, ranges) == len(layers)
-    assert set_static_input_scales(pipe.transformer, ranges) == 0  # static already: left alone
+    assert pipe.transformer.precision == "fp8-dynamic"
+    first = next(iter(layers))
+    assert set_static_input_scales(pipe.transformer, {first: ranges[first]}) == 1
+    assert pipe.transformer.precision == "fp8-dynamic+static"
+    assert set_static_input_scales(pipe.transformer, ranges) == len(layers) - 1  # the first is static already
+    assert pipe.transformer.precision == "fp8-static"
     for name, m in layers.items():
         assert not quantizes_per_row(m)
         assert torch.equal(m.input_scale, exported[name].input_scale), name
