@@ -287,6 +287,11 @@ def cmd_read(args: argparse.Namespace) -> None:
         subprocess.run(["dd", f"if={files[0]}", "of=/dev/null", "bs=64M"], capture_output=True, check=True)
         rate("disk dd (first shard)", (time.perf_counter() - t0) * total / files[0].stat().st_size)
     row["pinned copy alone"] = round(pinned_copy_rate(), 2)
+    from flux_runtime.weights.pinned_stream import PinnedRing, RingShape
+
+    t0 = time.perf_counter()
+    PinnedRing(RingShape.default()).release()  # what flux-gen's prepare_ring moves out of the load
+    row["seconds to page-lock the default ring"] = round(time.perf_counter() - t0, 3)
     for threads, buffer_mb, slots in args.ring:
         prepare()
         rate(f"ring {threads}x{buffer_mb}MiBx{slots}", ring_limit(files, threads, buffer_mb, slots))

@@ -66,6 +66,11 @@ def retain_primary_context(index: int, library: str = "libcuda.so.1") -> bool:
     )
 
 
+def started() -> bool:
+    """Whether `start` began the context: one process, on a CUDA device, on Linux."""
+    return _thread is not None
+
+
 def join() -> None:
     """Wait for `start`'s thread, if one runs."""
     if _thread is not None:

@@ -145,12 +145,17 @@ def generate(opts: dict[str, Any]) -> None:
     (`opts["_rank"]`), only rank 0 shows progress and saves."""
     import torch
 
+    rank = opts.get("_rank")
+    if early_cuda.started():
+        # one process on a GPU: the load's pinned ring (and torch's CUDA start-up) made while our modules import
+        from flux_runtime.weights import pinned_stream
+
+        pinned_stream.prepare_ring()
     from flux_runtime.pipeline import Pipeline
     from flux_runtime.pipeline.checks import check_device
     from flux_runtime.pipeline.sources import model_family
 
     watch: Stopwatch = opts["_watch"]
-    rank = opts.get("_rank")
     main_rank = rank in (None, 0)
     jobs = plan(opts, main_rank)
     loras = loras_of(opts)

@@ -121,6 +121,43 @@ class PinnedRing:
 _kept: list[PinnedRing | None] = [None]
 _kept_depth = [0]
 _lock = threading.Lock()
+_spare: list[PinnedRing] = []  # made ahead by `prepare_ring`, for the next scope's first GPU load
+_preparing: list[threading.Thread] = []
+
+
+def prepare_ring() -> bool:
+    """Make the next `keep_ring` scope's ring now, on a daemon thread: page-locking 512 MiB (and torch's CUDA
+    start-up, which a pinned allocation needs) then runs while the caller goes on with other work (a command still
+    importing its modules) instead of inside the load. Once per process; an error there leaves no ring, and the
+    load makes its own (and reports the problem) as without this. Returns whether a thread was started."""
+    with _lock:
+        if _preparing or _kept[0] is not None:
+            return False
+        thread = threading.Thread(target=_make_spare, name="flux-load-ring", daemon=True)
+        _preparing.append(thread)
+    thread.start()
+    return True
+
+
+def _make_spare() -> None:
+    try:
+        made = PinnedRing(RingShape.default())
+    except Exception:  # the load's own ring meets the same problem and reports it
+        return
+    with _lock:
+        _spare.append(made)
+
+
+def _take_spare(shape: RingShape) -> PinnedRing | None:
+    """`prepare_ring`'s ring when it is of `shape` (waiting for it if it is still being made), else None."""
+    for thread in _preparing:
+        thread.join()
+    with _lock:
+        spare = _spare.pop() if _spare else None
+    if spare is not None and spare.shape != shape:
+        spare.release()
+        return None
+    return spare
 
 
 class keep_ring(ContextDecorator):
@@ -149,15 +186,19 @@ class keep_ring(ContextDecorator):
 def ring(pinned: bool = True) -> Iterator[PinnedRing]:
     """The scope's ring (made now if this is its first GPU load), or a ring of this load's own (always
     for an unpinned one: a stream onto the CPU)."""
+    shape = RingShape.default()
+    spare = _take_spare(shape) if pinned and _kept_depth[0] > 0 and _kept[0] is None else None
     with _lock:
         shared = pinned and _kept_depth[0] > 0
         if shared and _kept[0] is None:
-            _kept[0] = PinnedRing(RingShape.default())
+            _kept[0] = spare if spare is not None else PinnedRing(shape)
+        elif spare is not None:
+            _spare.append(spare)
         kept = _kept[0] if shared else None
     if kept is not None:
         yield kept
         return
-    own = PinnedRing(RingShape.default(), pinned)
+    own = PinnedRing(shape, pinned)
     try:
         yield own
     finally:

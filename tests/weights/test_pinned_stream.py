@@ -399,3 +399,43 @@ def test_a_jump_in_the_file_or_order_starts_a_new_read() -> None:
     assert [(w.offset, w.length) for w in windows] == [(0, 10), (20, 10), (10, 10)]
     two = [Span("a", Path("f"), 0, 10), Span("b", Path("g"), 10, 10)]
     assert len(pinned_stream.plan_windows(two, 1000)[0]) == 2
+
+
+def test_a_prepared_ring_serves_the_next_scope_of_its_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare_ring`'s ring (made on its thread) is the next scope's, once; another shape is not taken."""
+    monkeypatch.setattr(pinned_stream, "_spare", [])
+    monkeypatch.setattr(pinned_stream, "_preparing", [])
+    monkeypatch.setattr(pinned_stream, "PinnedRing", lambda shape, pinned=True: _FakeRing(shape))
+    monkeypatch.setenv("FLUX_LOAD_BUFFER_MB", "1")
+    assert pinned_stream.prepare_ring()
+    assert not pinned_stream.prepare_ring()  # once per process
+    made = pinned_stream._take_spare(RingShape.default())
+    assert isinstance(made, _FakeRing) and made.shape == RingShape.default()
+    pinned_stream._spare.append(made)
+    with pinned_stream.keep_ring(), pinned_stream.ring() as r:
+        assert r is made
+    assert made.released and pinned_stream._spare == []
+    other = _FakeRing(RingShape(1, 2, 64))
+    pinned_stream._spare.append(other)
+    assert pinned_stream._take_spare(RingShape.default()) is None and other.released
+
+
+def test_a_ring_that_cannot_be_made_ahead_leaves_the_load_to_make_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fail(shape: RingShape, pinned: bool = True) -> None:
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(pinned_stream, "_spare", [])
+    monkeypatch.setattr(pinned_stream, "_preparing", [])
+    monkeypatch.setattr(pinned_stream, "PinnedRing", fail)
+    assert pinned_stream.prepare_ring()
+    assert pinned_stream._take_spare(RingShape.default()) is None
+
+
+class _FakeRing:
+    def __init__(self, shape: RingShape) -> None:
+        self.shape, self.released = shape, False
+
+    def release(self) -> None:
+        self.released = True
