@@ -352,7 +352,8 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
         option(
             "--timings",
             FLAG,
-            "Print where the time went, at the end. Start-up, imports, load, each image and save, and the "
+            "Print where the time went, at the end. Start-up, imports, load, each image (and within the images: "
+            "encode, prepare, first step, other steps, decode, waiting for the GPU at each) and save, and the "
             "peak memory.",
         ),
         option("--debug", FLAG, "On an error, show the Python traceback instead of one line."),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,12 +68,21 @@ class Job:
 
 
 class Progress:
-    """tqdm bars on stderr for encoding, denoising and decoding (at `position` 1 under --prompts' bar)."""
+    """tqdm bars on stderr for encoding, denoising and decoding (at `position` 1 under --prompts' bar); each event
+    also goes to `clock` when given (--timings: `Stopwatch.stage`)."""
 
-    def __init__(self, enabled: bool, position: int | None = None) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        position: int | None = None,
+        clock: Callable[[str, int, int], None] | None = None,
+    ) -> None:
         self.enabled, self.position, self.bar, self.stage = enabled, position, None, None
+        self.clock = clock
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.clock is not None:
+            self.clock(stage, done, total)
         if not self.enabled:
             return
         from tqdm import tqdm
@@ -246,7 +255,7 @@ def _run(pipe: Any, jobs: list[Job], opts: dict[str, Any], rank: int | None) -> 
     main_rank = rank in (None, 0)
     shown = main_rank and not opts["quiet"] and sys.stderr.isatty()
     many = opts["prompts"] is not None
-    progress = Progress(shown, position=1 if many else None)
+    progress = Progress(shown, position=1 if many else None, clock=watch.stage if opts["timings"] else None)
     file_bar = None
     if shown and many:
         from tqdm import tqdm

@@ -1,7 +1,8 @@
 """`flux-gen --timings`: where a run's time went, stage by stage, and its peak memory, in one line.
 
 The stages are the ones a user waits through: importing the libraries, loading the weights, each image's
-call (text encoding, denoising, decoding), writing the PNGs. The line also gives the time from the process's
+call, split into its text encoding, preparation, first denoising step, other steps and decoding (`stage`),
+writing the PNGs. The line also gives the time from the process's
 start to `main` (the interpreter and the command's own imports) when the platform says when it started, and
 the peaks of host RSS and of GPU memory.
 """
@@ -34,6 +35,7 @@ class Stopwatch:
         self.before_main = _process_age()
         self.start = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self._mark: float | None = None  # the last `stage` event's time
 
     @contextmanager
     def lap(self, name: str) -> Iterator[None]:
@@ -43,6 +45,28 @@ class Stopwatch:
         finally:
             self._sync()
             self.laps[name] = self.laps.get(name, 0.0) + time.perf_counter() - t0
+
+    def stage(self, stage: str, done: int, total: int) -> None:
+        """A pipeline call's progress event (`progress=`): its text encoding, preparation (noise, input images),
+        first denoising step, other steps and decoding each add to the lap of that name, timed with the GPU's
+        work done (a wait at each of those six events, none inside the loop)."""
+        if (stage, done) == ("encode", 0):
+            lap = None  # the call begins
+        elif stage == "denoise" and done == 1:
+            lap = "first step"
+        elif stage == "denoise" and done == total:
+            lap = "other steps"
+        else:
+            lap = {("encode", 1): "encode", ("denoise", 0): "prepare", ("decode", 1): "decode"}.get(
+                (stage, done)
+            )
+            if lap is None:
+                return
+        self._sync()
+        now = time.perf_counter()
+        if lap is not None and self._mark is not None:
+            self.laps[lap] = self.laps.get(lap, 0.0) + now - self._mark
+        self._mark = now
 
     @staticmethod
     def _sync() -> None:

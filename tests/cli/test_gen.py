@@ -123,6 +123,26 @@ def test_timings_name_each_stage_and_the_peaks(tmp_path):
     assert "timings:" not in _run("--prompt", "a fox", "--out", str(tmp_path / "one.png")).output
 
 
+def test_timings_split_each_call_into_its_stages(tmp_path):
+    """--timings also splits the calls: encode, prepare, first step, other steps and decode, summed over the
+    calls, lie within the calls' own laps."""
+    import re
+
+    lines = tmp_path / "p.txt"
+    lines.write_text("a red fox\na blue bird\n")
+    res = CliRunner().invoke(
+        main, [*BASE, "--prompts", str(lines), "--out", str(tmp_path), "--timings"], catch_exceptions=False
+    )
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if "timings:" in x)
+    laps = {k.strip(" ,"): float(v) for k, v in re.findall(r"([a-z0-9 -]+?) ([0-9]+\.[0-9]+) s", line)}
+    parts = ["encode", "prepare", "first step", "other steps", "decode"]
+    assert set(parts) <= set(laps), laps
+    assert all(laps[p] >= 0 for p in parts) and laps["other steps"] > 0
+    # the laps are printed to 0.01 s each
+    assert sum(laps[p] for p in parts) <= laps["image 1"] + laps["image 2"] + 0.05, laps
+
+
 def test_cuda_graphs_only_when_the_process_makes_several_calls(tmp_path, monkeypatch):
     """One call runs eagerly (capturing costs more than it saves over one image); --prompts replays graphs;
     one call with a step cache replays them too (its per-step decision stalls an eager GPU); --cuda-graphs and
