@@ -18,6 +18,7 @@
 #   bash scripts/gpu_check.sh next-25b  issue 36's FP8 step with static input scales; issue 33's cold start after session 25's
 #                                       start-up work, each piece switched off or on (verification record, text warm-up,
 #                                       reserved load), its GPU tests (carry the top-level wheels and .whl/fp8attn)
+#   bash scripts/gpu_check.sh next-25c  issue 33 from disk (page cache dropped before each read row), klein-4B's cold flux-gen
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -739,6 +740,20 @@ case "$phase" in
       --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
     cat "$OUT/cold_start.jsonl"
     [ $(left 570) -gt 30 ] && { timeout $(left 570) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
+    ;;
+  next-25c)
+    # issue 33 from disk, if a third call has time (after next-25a/b on the same machine): the transformer's read
+    # rates with the page cache dropped before each row, against dd in the same run; then klein-4B's cold flux-gen
+    # after session 25's start-up work. Carry .whl's top-level wheels
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout $(left 400) python3 scripts/bench_cold_start.py read /tmp/cold --cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -16 || status=1
+    if [ $(left 570) -gt 90 ]; then
+      timeout $(left 570) bash -c "python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out $OUT/cold_start.jsonl | grep '^{' && \
+        python3 scripts/bench_cold_start.py cold /tmp/cold --models klein-4b --prompts 0 --out $OUT/cold_start.jsonl | tail -2" || status=1
+      tail -1 "$OUT/cold_start.jsonl"
+    fi
     ;;
   cache-graphs)
     # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached
