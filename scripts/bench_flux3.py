@@ -9,7 +9,8 @@ bf16 step at 1024² (4096 image tokens, 480 text tokens, a 4096-token reference 
 require `torch.equal`, then print per-step ms for the library floor (the step's GEMMs, per-token modulation
 included, and SDPA calls timed alone), diffusers eager, ours eager with reference ops and with the lossless
 fused kernels, and ours lossless + CUDA graph (median of >= 10 after warm-up), then the fused-ops report (which
-kernels ran, which fell back and why). Exit status 1 if any step differs. Writes every number to --json;
+kernels ran, which fell back and why); with `--high`, bf16 `high` + CUDA graph with SDPA and with FP8 attention
+(its ratio to the lossless graphed step, its error against diffusers' step). Exit status 1 if any step differs. Writes every number to --json;
 `--profile` adds a kernel table of one lossless eager step per case.
 
 `--per-image` adds, for the base model, the whole denoising of one image (`--image-steps`, default 50, with CFG
@@ -37,6 +38,7 @@ from benchlib import (  # scripts/benchlib.py, beside this file
     FLUX3_N_IMG,
     FLUX3_N_TXT,
     cuda_event_ms,
+    cuda_time,
     diffusers_fn,
     finish_run,
     flux3_library_floor,
@@ -54,8 +56,45 @@ from flux_runtime.text.flux3 import text_ids
 RESULTS: dict[str, object] = {}
 
 
+def high_arms(label_case: str, step, img, t, target, expected, lossless_ms: float, iters: int) -> dict:
+    """bf16 `high` + CUDA graph with SDPA and with FP8 attention (where the GPU and fa3-fwd allow it): ms per step,
+    the ratio to the lossless graphed step (issue 36: at most 0.94) and the relative L2 error of the step's output
+    against diffusers' (lossless: 0)."""
+    from flux_runtime.kernels.attention_backends import (
+        attention_backend,
+        attention_record,
+        reset_attention_record,
+    )
+    from flux_runtime.kernels.attention_quant import relative_error
+    from flux_runtime.pipeline.graphs import GraphedDenoiser
+
+    rows = {}
+    for label, backend in (("high + CUDA graph, SDPA", "sdpa"), ("high + CUDA graph, FP8 attention", "auto")):
+
+        def run(x, tt, tg, backend=backend):
+            with attention_backend(backend):
+                return step("high", x, tt, tg)
+
+        graphed = GraphedDenoiser(run)
+        reset_attention_record()
+        out = graphed(img, t, target)
+        out = graphed(img, t, target).clone()  # captured
+        ms = cuda_time(lambda g=graphed: g(img, t, target), iters=iters)
+        rows[label] = {
+            "step_ms": ms, "x_lossless": ms / lossless_ms, "error_vs_diffusers": relative_error(out, expected),
+            "attention": graphed.attention or attention_record(),
+        }  # fmt: skip
+        print(
+            f"[{label_case}] {label}: {ms:.1f} ms ({ms / lossless_ms:.3f}x lossless), {rows[label]}",
+            flush=True,
+        )
+    return rows
+
+
 @torch.no_grad()
-def bench_case(name: str, case: str, ref, ours, iters: int, profile: bool = False) -> bool:
+def bench_case(
+    name: str, case: str, ref, ours, iters: int, profile: bool = False, high: bool = False
+) -> bool:
     from flux_runtime.kernels.dispatch import fused_ops_report, reset_fused_ops_report, use_fused
     from flux_runtime.pipeline.graphs import GraphedDenoiser
 
@@ -99,6 +138,10 @@ def bench_case(name: str, case: str, ref, ours, iters: int, profile: bool = Fals
     if profile:  # where the lossless step's time goes, kernel by kernel
         profile_step(variants["ours eager, lossless fused kernels"])
     res["step_ms"], res["equal_to_diffusers"] = times, equal
+    if high:
+        res["high"] = high_arms(
+            label_case, step, img, t, target, expected, times["ours lossless + CUDA graph"], iters
+        )
     print_step_table(
         f"FLUX.3 Klein {label_case}, 1024², bf16, B=1, per step", floor, times, equal, "torch.equal"
     )
@@ -241,6 +284,9 @@ def main() -> int:
     ap.add_argument("--flow-map-steps", type=int, default=16, help="the distilled image's steps")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="kernel table of one lossless eager step per case")
+    ap.add_argument(
+        "--high", action="store_true", help="also bf16 high + CUDA graph, SDPA and FP8 attention (issue 36)"
+    )
     args = ap.parse_args()
     if not require_cuda("bench_flux3.py"):
         return 2
@@ -250,7 +296,7 @@ def main() -> int:
         ref, ours = flux3_pair(FLUX3_MODELS[name])
         print(f"[{name}] {sum(p.numel() for p in ours.parameters()):,} parameters", flush=True)
         for case in args.cases:
-            ok.append(bench_case(name, case, ref, ours, args.iters, args.profile))
+            ok.append(bench_case(name, case, ref, ours, args.iters, args.profile, args.high))
             if args.per_image and name == "base":
                 ok.append(bench_image(case, ref, ours, args.image_steps))
             if args.per_image and name == "flow-map":

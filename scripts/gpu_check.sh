@@ -18,7 +18,8 @@
 #   bash scripts/gpu_check.sh next-25b  issue 36's FP8 step with static input scales; issue 33's cold start after session 25's
 #                                       start-up work, each piece switched off or on (verification record, text warm-up,
 #                                       reserved load), its GPU tests (carry the top-level wheels and .whl/fp8attn)
-#   bash scripts/gpu_check.sh next-25c  issue 33 from disk (page cache dropped before each read row), klein-4B's cold flux-gen
+#   bash scripts/gpu_check.sh next-25c  issue 36's bf16 high on FLUX.3 Klein (new FP8 attention) and klein-4B; issue 33 from
+#                                       disk (page cache dropped before each read row), klein-4B's cold flux-gen
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -742,13 +743,18 @@ case "$phase" in
     [ $(left 570) -gt 30 ] && { timeout $(left 570) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }
     ;;
   next-25c)
-    # issue 33 from disk, if a third call has time (after next-25a/b on the same machine): the transformer's read
-    # rates with the page cache dropped before each row, against dd in the same run; then klein-4B's cold flux-gen
-    # after session 25's start-up work. Carry .whl's top-level wheels
+    # a third call (after next-25a/b on the same machine): issue 36's bf16 high on the models not measured yet
+    # (FLUX.3 Klein base with its new FP8 attention, klein-4B: target at most 0.94x lossless), then issue 33 from
+    # disk: the transformer's read rates with the page cache dropped before each row, against dd in the same run;
+    # then klein-4B's cold flux-gen after session 25's start-up work. Carry .whl's top-level wheels and .whl/fp8attn
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    timeout 150 python3 -m pytest -q -m gpu tests/models/test_fp8_attention.py -p no:cacheprovider 2>&1 | tail -3 || status=1
+    timeout 150 python3 scripts/bench_flux3.py --models base --cases t2i --high --iters 10 --json "$OUT/bench_flux3_high.json" 2>&1 | grep -E "high|floor|equal" | tail -8 || status=1
+    timeout $(left 330) python3 scripts/bench_fp8_attention.py --steps --models flux2-klein-4b --sizes 1024 --iters 10 --no-static --json "$OUT/bench_fp8_attention_klein.json" 2>&1 | tail -6 || status=1
     [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
-    timeout $(left 400) python3 scripts/bench_cold_start.py read /tmp/cold --cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -16 || status=1
+    timeout $(left 480) python3 scripts/bench_cold_start.py read /tmp/cold --cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -16 || status=1
     if [ $(left 570) -gt 90 ]; then
       timeout $(left 570) bash -c "python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out $OUT/cold_start.jsonl | grep '^{' && \
         python3 scripts/bench_cold_start.py cold /tmp/cold --models klein-4b --prompts 0 --out $OUT/cold_start.jsonl | tail -2" || status=1

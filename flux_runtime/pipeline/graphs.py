@@ -121,7 +121,8 @@ def kernels_used(graphed: Any) -> str:
     return getattr(graphed, "tier_used", None) or report.tier_used
 
 
-# what the provenance says when no attention call was recorded (a model whose attention has one path: FLUX.3)
+# what the provenance says when no attention call was recorded (every family's blocks record theirs; this is
+# the record of a denoiser that would not)
 SDPA_ONLY = {"attention": "sdpa", "attention_reason": "the model's attention runs SDPA only"}
 
 

@@ -335,3 +335,81 @@ def test_high_image_with_fp8_attention_gpu() -> None:
     psnr, info = psnr_high_fp8_vs_sdpa(wide_head_pipe("cuda"))
     assert info["attention"] == "fa3-fp8" and info["quality"] == "high"
     assert 40 < psnr < 90, psnr
+
+
+def _flux3() -> tuple[Any, Any]:
+    """Our tiny FLUX.3 (QK-norm weights fp32, the rest bf16, as loaded) and inputs with one reference image."""
+    from tests.flux3_fixtures import make_diffusers_flux3, make_inputs
+    from tests.models.test_flux3_dit import _ours_from
+
+    model = _ours_from(make_diffusers_flux3(flow_map=False, seed=4), torch.bfloat16)
+    return model, make_inputs(2, 3, 4, 5, torch.bfloat16, refs=((2, 2),))
+
+
+def _flux3_run(model: Any, x: Any, tier: str) -> Tensor:
+    from tests.flux3_fixtures import our_forward
+
+    with use_fused(tier):  # type: ignore[arg-type]
+        return our_forward(model, x)
+
+
+def test_flux3_high_runs_fp8_attention_in_every_block(fake_fa3: list) -> None:
+    """FLUX.3's blocks (per-mode and joint) attend in FP8 under `high`: e4m3 q, k, v with (B, H) descales, every
+    call recorded; the forward stays close to the lossless one, which is unchanged and recorded as SDPA."""
+    model, x = _flux3()
+    want = _flux3_run(model, x, "lossless")
+    calls = backends.attention_calls()
+    assert not fake_fa3 and set(calls) == {"sdpa"} and calls["sdpa"] > 0
+    assert backends.attention_record()["attention_reason"] == "the lossless tier runs SDPA only"
+    backends.reset_attention_record()
+    got = _flux3_run(model, x, "high")
+    assert len(fake_fa3) == calls["sdpa"] and backends.attention_calls() == {"fa3-fp8": calls["sdpa"]}
+    heads, dim = model.config.num_heads, model.config.head_dim
+    for q, k, v in fake_fa3:
+        for t in (q, k, v):
+            assert t.data.dtype == torch.float8_e4m3fn and t.data.shape[2:] == (heads, dim)
+            assert t.descale.shape == (2, heads)
+    err = relative_error(got, want)
+    assert 0 < err < 0.1, err
+
+
+def test_flux3_high_without_fa3_is_lossless_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing_fa3(monkeypatch)
+    model, x = _flux3()
+    want = _flux3_run(model, x, "lossless")
+    assert torch.equal(_flux3_run(model, x, "high"), want)
+    assert backends.attention_record()["attention"] == "sdpa"
+
+
+@gpu
+@pytest.mark.gpu
+def test_flux3_high_fp8_attention_forward_gpu() -> None:
+    """FLUX.3 on an sm90 GPU with fa3-fwd: a tiny model with heads of 128, its `high` forward within 10 % of its
+    lossless one, every attention call FA3's, the producers fused."""
+    if backends.fp8_obstacle(torch.device("cuda"), torch.bfloat16, 128) is not None:
+        pytest.skip(str(backends.fp8_obstacle(torch.device("cuda"), torch.bfloat16, 128)))
+    from dataclasses import replace
+
+    from flux_runtime.models.dit import TINY_FLUX3
+    from flux_runtime.models.dit.flux3 import Flux3Transformer
+    from tests.flux3_fixtures import make_inputs, our_forward
+
+    model = Flux3Transformer(replace(TINY_FLUX3, num_heads=2, hidden_size=256, axes_dim=(32, 32, 32, 32)))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(
+                torch.randn(p.shape, generator=gen) * (p.shape[-1] ** -0.5 if p.ndim > 1 else 0.02)
+                + (p.ndim == 1)
+            )
+    model = model.cast_to(torch.bfloat16).to("cuda").eval()
+    x = make_inputs(1, 16, 16, 64, torch.bfloat16, refs=((8, 8),))
+    x = type(x)(*(t.cuda() if isinstance(t, Tensor) else t for t in x))
+    with use_fused("lossless"):
+        want = our_forward(model, x)
+    lossless_calls = backends.attention_calls()["sdpa"]
+    backends.reset_attention_record()
+    with use_fused("high"):
+        got = our_forward(model, x)
+    assert backends.attention_calls() == {"fa3-fp8": lossless_calls}
+    assert relative_error(got, want) < 0.1

@@ -39,10 +39,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flux_runtime import kernels
+from flux_runtime.kernels.attention_backends import record_attention
 from flux_runtime.kernels.swiglu import swiglu
 from flux_runtime.models.dit import blocks
 from flux_runtime.models.dit.blocks import check_shape, check_tokens
 from flux_runtime.models.dit.config import DiTConfig
+from flux_runtime.models.dit.fp8_attention import attention_choice, flux3_fp8
 from flux_runtime.models.dit.layers import (
     EPS,
     AnyLinear,
@@ -146,16 +148,21 @@ class Block(nn.Module):
             p(t).unflatten(-1, (self.num_heads, -1))
             for p, t in ((self.q_proj, x_q), (self.k_proj, x_k), (self.v_proj, x_v))
         )
-        # QK norm and RoPE in fp32, one cast back to the stream dtype: (B, L, H, Dh), stored head-major where
-        # `kernels.is_head_major` says (v stays v_proj's output: making it head-major would be a copy)
-        q, k = kernels.qk_norm_rope_fp32(
-            q, k, self.norm.query_norm.scale, self.norm.key_norm.scale, *pe, EPS,
-            kernels.is_head_major("q"), kernels.is_head_major("k"),
-        )  # fmt: skip
-        o = F.scaled_dot_product_attention(
-            q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
-        )
-        attn = self.attn_out(o.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype))
+        choice = attention_choice(self, q)
+        if choice.fp8:  # `high` on Hopper: e4m3 q, k, v into FA3 (`fp8_attention.flux3_fp8`)
+            attn = self.attn_out(flux3_fp8(self, q, k, v, pe).flatten(2, 3))
+        else:
+            record_attention(choice)
+            # QK norm and RoPE in fp32, one cast back to the stream dtype: (B, L, H, Dh), stored head-major where
+            # `kernels.is_head_major` says (v stays v_proj's output: making it head-major would be a copy)
+            q, k = kernels.qk_norm_rope_fp32(
+                q, k, self.norm.query_norm.scale, self.norm.key_norm.scale, *pe, EPS,
+                kernels.is_head_major("q"), kernels.is_head_major("k"),
+            )  # fmt: skip
+            o = F.scaled_dot_product_attention(
+                q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+            )
+            attn = self.attn_out(o.permute(0, 2, 1, 3).flatten(2, 3).to(q.dtype))
         # SwiGLU in e4m3 when mlp_out is FP8: its input quantized as the product is formed (no 16-bit copy)
         gate_up, quant = self.mlp_in(x_mlp), self.mlp_out.act_quant
         mlp = self.mlp_out(swiglu(gate_up) if quant is None else kernels.swiglu_fp8(gate_up, *quant))

@@ -4,8 +4,9 @@
 tier but `high`, in a sequence-parallel run (its attention exchanges bf16 heads), in blocks kept in bf16
 (`keep_bf16_attention`) and wherever FP8 attention cannot run; `fa3-fp8` otherwise. The double blocks call
 `double_fp8` in place of their bf16 q/k/v and attention; the single blocks rotate q and k straight into e4m3
-(`rotate_fp8`) and attend with `single_fp8_heads`, which quantizes v from linear1's output. Each attention call records the backend it ran (`record_attention`), which
-the pipeline's provenance reports.
+(`rotate_fp8`) and attend with `single_fp8_heads`, which quantizes v from linear1's output; FLUX.3's blocks call
+`flux3_fp8`. Each attention call records the backend it ran (`record_attention`), which the pipeline's
+provenance reports.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def attention_choice(block: nn.Module, heads: Tensor) -> AttentionChoice:
     if torch.compiler.is_compiling():
         return COMPILED
     tier = kernels.fused_tier()
-    if tier == "high" and block.attend is not attention:
+    if tier == "high" and getattr(block, "attend", attention) is not attention:
         return SEQUENCE_PARALLEL
     if tier == "high" and getattr(block, "bf16_attention", False):
         return KEPT_BF16
@@ -92,3 +93,20 @@ def single_fp8_heads(q: Fp8Heads, k: Fp8Heads, v: Tensor) -> Tensor:
     view of linear1's output, quantized here."""
     record_attention(FA3_FP8)
     return fa3_fp8_attention(q, k, heads_fp8(None, v, kernels.is_head_major("v")))
+
+
+def flux3_fp8(block: nn.Module, q: Tensor, k: Tensor, v: Tensor, pe: RoPE) -> Tensor:
+    """A FLUX.3 block's attention in FP8: (B, L, H, D) bf16 heads from its q, k, v projections (B, L, H, D).
+
+    q and k go through the e4m3 QK-norm + RoPE producer of FLUX.1 and FLUX.2 (`qk_norm_rope_fp8`), with FLUX.3's
+    fp32 norm weights rounded to the stream's dtype: that producer normalizes in the stream's dtype where
+    `lossless` FLUX.3 normalizes in fp32, one bf16 rounding apart (2^-9 relative), small beside e4m3's 2^-4."""
+    norm = block.norm
+    q8 = qk_norm_rope_fp8(
+        None, q, None, norm.query_norm.scale.to(q.dtype), *pe, EPS, kernels.is_head_major("q")
+    )
+    k8 = qk_norm_rope_fp8(
+        None, k, None, norm.key_norm.scale.to(k.dtype), *pe, EPS, kernels.is_head_major("k")
+    )
+    record_attention(FA3_FP8)
+    return fa3_fp8_attention(q8, k8, heads_fp8(None, v, kernels.is_head_major("v")))
