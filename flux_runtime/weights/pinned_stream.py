@@ -13,8 +13,9 @@ copy waits for the read, the read for the copy, and pageable copies are staged b
 
 Host memory beyond the process's baseline is the ring (`slots * buffer_bytes`, 512 MiB by default) whatever
 the checkpoint's size; GPU memory is the tensors asked for plus those read ahead of the loader (at most the
-ring's worth). A ring is made once per `keep_ring()` scope (a pipeline's whole load) and reused by every
-component's load inside it; outside one, each load makes and frees its own.
+ring's worth). A ring is made once per `keep_ring()` scope (a pipeline's whole load), or ahead of it by
+`prepare_ring` (flux-gen, while it imports), and reused by every component's load inside it; outside one, each
+load makes and frees its own.
 
 With `FLUX_LOAD_RESERVE=1` a GPU load first takes, in one allocation that it frees at once, the device memory of
 the tensors it will keep as read (`reserve_bytes`): torch's caching allocator then serves each tensor from that
