@@ -313,7 +313,7 @@ def bench_step(name: str, iters: int, size: int = 1024, static: bool = True) -> 
     keep_bf16_attention(ours)
     # each projection's max |input| over this step, for the static-scale arms below (max calibration on one step)
     ranges, remove = record_input_ranges(ours)
-    with use_fused("lossless"):
+    with torch.no_grad(), use_fused("lossless"):
         ours(img, img_ids, txt, txt_ids, t, *extra, g, pe=pe)
     remove()
     quantize_model(ours, torch.bfloat16)
@@ -329,9 +329,8 @@ def bench_step(name: str, iters: int, size: int = 1024, static: bool = True) -> 
     set_static_input_scales(ours, ranges)
     arm("fp8 static lossless + graph, SDPA", "lossless", "sdpa", want)
     arm("fp8 static high + graph, FP8 attention", "high", "fa3-fp8", want)
-    per_tensor_weights(
-        ours
-    )  # as a ModelOpt checkpoint stores them: the tensorwise GEMM instead of the row-wise
+    # the weights as a ModelOpt checkpoint stores them: the tensorwise GEMM instead of the row-wise one
+    per_tensor_weights(ours)
     free_cuda()
     arm("fp8 static, per-tensor weights, high + graph, FP8 attention", "high", "fa3-fp8", want)
 
