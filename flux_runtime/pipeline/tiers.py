@@ -59,7 +59,8 @@ DENOISER_APPROXIMATIONS = (BATCHED_MODULATION, FAST_FP8_ACCUMULATION, FP8_ATTENT
 def record_approximations(tier: RunTier, made: set[str], model: str, precision: str) -> list[str]:
     """The provenance's `approximations`: what `high` approximated in a call, in a fixed order (empty under
     `lossless`). When `high` ran and had nothing to approximate in the denoiser (a bf16 FLUX.2 or FLUX.3
-    model: no batched adaLN, no FP8 GEMMs) it says so once: those steps are the lossless kernels' bits."""
+    model where FP8 attention cannot run: no batched adaLN, no FP8 GEMMs, no FP8 attention) it says so once:
+    those steps are the lossless kernels' bits."""
     if tier.kernels == "high" and not any(a in made for a in DENOISER_APPROXIMATIONS):
         _say_once(
             ("high-denoiser", f"{model}/{precision}"),
