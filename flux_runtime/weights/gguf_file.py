@@ -3,8 +3,9 @@
 The container is parsed by the `gguf` package's `GGUFReader` (the optional `gguf` extra), never by hand.
 `GgufSource` offers what the transformer loaders read of a safetensors `TensorSource` (keys, shapes,
 header dtypes, `get`), plus the raw blocks of quantized tensors (`raw`, `ggml_type`) so that a loader can
-keep them quantized. A quantized tensor reports the header dtype `F16`: the values its blocks stand for
-are fp16 (see `kernels.gguf_dequant`), so every floating-point check of the loaders applies to it as it is.
+keep them quantized. A quantized tensor reports the safetensors header name of float16: the values its blocks
+stand for are float16 (see `kernels.gguf_dequant`), so every floating-point check of the loaders applies to it as
+it is.
 
 Problems are one-line `WeightsError`s naming the file and, where there is one, the tensor: a file cut
 short, a GGML type this runtime does not dequantize, a row that is not a whole number of blocks.
@@ -25,6 +26,7 @@ import torch
 
 from flux_runtime.kernels import gguf_dequant
 from flux_runtime.kernels.gguf_dequant import GgmlType
+from flux_runtime.weights.dtype_names import ST_DTYPES
 from flux_runtime.weights.errors import WeightsError
 
 GGUF_MAGIC = b"GGUF"
@@ -54,7 +56,8 @@ def require_gguf() -> Any:
 @dataclass(frozen=True)
 class GgufTensor:
     """One tensor of a GGUF file: its name, GGML type, shape in torch order (rows first) and stored data
-    (a read-only memory map: typed values for F32/F16, uint8 bytes for BF16 and the quantized types)."""
+    (a read-only memory map: typed values for float32 and float16, uint8 bytes for bfloat16 and the quantized
+    types)."""
 
     name: str
     ggml_type: GgmlType
@@ -165,9 +168,9 @@ class GgufSource:
         return self.tensors[key].shape
 
     def dtype(self, key: str) -> str:
-        """The safetensors name of the values' dtype: F32, F16, BF16, and F16 for the quantized types."""
-        t = self.tensors[key].ggml_type
-        return t.name if t.id in gguf_dequant.PLAIN_TYPES else "F16"
+        """The safetensors header name of the values' dtype: the stored float type's, float16's for the quantized
+        types (the dtype their blocks dequantize to)."""
+        return ST_DTYPES[gguf_dequant.PLAIN_DTYPES.get(self.tensors[key].ggml_type.id, torch.float16)]
 
     def ggml_type(self, key: str) -> GgmlType:
         return self.tensors[key].ggml_type
