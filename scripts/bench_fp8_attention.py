@@ -61,14 +61,13 @@ from flux_runtime.kernels.attention_quant import (
     relative_error,
 )
 from flux_runtime.kernels.dispatch import use_fused
-from flux_runtime.kernels.fp8 import E4M3, E4M3_MAX, MIN_AMAX
 from flux_runtime.kernels.heads_fp8 import heads_fp8, qk_norm_rope_fp8
 from flux_runtime.kernels.qk_norm_rope import empty_heads, head_major_layout, is_head_major, qk_norm_rope
 from flux_runtime.models.dit.fp8_attention import keep_bf16_attention
 from flux_runtime.models.dit.layers import Fp8Linear, sdpa
 from flux_runtime.pipeline.graphs import GraphedDenoiser
 from flux_runtime.weights.fp8 import quantize_model, set_static_input_scales
-from flux_runtime.weights.fp8_export import record_input_ranges
+from flux_runtime.weights.fp8_export import quantize_per_tensor, record_input_ranges
 
 # name -> (heads, text tokens, image tokens)
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -340,10 +339,8 @@ def per_tensor_weights(model: torch.nn.Module) -> None:
     rounding, so the error grows a little; the speed is a per-tensor checkpoint's)."""
     for module in model.modules():
         if isinstance(module, Fp8Linear) and module.weight_scale.ndim == 1:
-            w = module.weight.float() * module.weight_scale[:, None]
-            scale = (w.abs().amax().clamp(min=MIN_AMAX) / E4M3_MAX).reshape(())
-            module.weight = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-            module.weight_scale = scale
+            dequantized = module.weight.float() * module.weight_scale[:, None]
+            module.weight, module.weight_scale = quantize_per_tensor(dequantized)
 
 
 def main() -> int:

@@ -89,7 +89,8 @@ def record_input_ranges(model: nn.Module) -> tuple[dict[str, float], Callable[[]
     return ranges, remove
 
 
-def _quantize_per_tensor(w: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_per_tensor(w: Tensor) -> tuple[Tensor, Tensor]:
+    """`w` in e4m3 with one fp32 scale (`amax / 448`), as a ModelOpt checkpoint stores a weight."""
     scale = (w.abs().amax().float().clamp(min=MIN_AMAX) / E4M3_MAX).reshape(())
     return (w.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
@@ -125,7 +126,7 @@ def write_modelopt_fp8(
         out = {}
         for key, w in parts.items():
             base = key.removesuffix(".weight")
-            q, scale = _quantize_per_tensor(w)
+            q, scale = quantize_per_tensor(w)
             out[key], out[f"{base}.weight_scale"], out[f"{base}.input_scale"] = (
                 q.cpu(),
                 scale.cpu(),

@@ -106,17 +106,22 @@ def test_replay_needs_a_flux_png(tmp_path):
     assert res.exit_code != 0 and "carries no flux-runtime provenance" in res.output
 
 
-def test_timings_name_each_stage_and_the_peaks(tmp_path):
-    """--timings: one line with the stages a user waits through, each image on its own, and the peaks."""
-    import re
-
+def _timings_line(tmp_path):
+    """The --timings line of a two-line --prompts run."""
     lines = tmp_path / "p.txt"
     lines.write_text("a red fox\na blue bird\n")
     res = CliRunner().invoke(
         main, [*BASE, "--prompts", str(lines), "--out", str(tmp_path), "--timings"], catch_exceptions=False
     )
     assert res.exit_code == 0, res.output
-    line = next(x for x in res.output.splitlines() if "timings:" in x)
+    return next(x for x in res.output.splitlines() if "timings:" in x)
+
+
+def test_timings_name_each_stage_and_the_peaks(tmp_path):
+    """--timings: one line with the stages a user waits through, each image on its own, and the peaks."""
+    import re
+
+    line = _timings_line(tmp_path)
     stages = dict(re.findall(r"([a-z0-9 -]+?) ([0-9]+\.[0-9]+) s", line.split("timings: ")[1]))
     assert {"imports", "load", "image 1", "image 2", "save", "total"} <= {k.strip(" ,") for k in stages}
     assert "peak host RSS" in line
@@ -128,13 +133,7 @@ def test_timings_split_each_call_into_its_stages(tmp_path):
     calls, lie within the calls' own laps."""
     import re
 
-    lines = tmp_path / "p.txt"
-    lines.write_text("a red fox\na blue bird\n")
-    res = CliRunner().invoke(
-        main, [*BASE, "--prompts", str(lines), "--out", str(tmp_path), "--timings"], catch_exceptions=False
-    )
-    assert res.exit_code == 0, res.output
-    line = next(x for x in res.output.splitlines() if "timings:" in x)
+    line = _timings_line(tmp_path)
     laps = {k.strip(" ,"): float(v) for k, v in re.findall(r"([a-z0-9 -]+?) ([0-9]+\.[0-9]+) s", line)}
     parts = ["encode", "prepare", "first step", "other steps", "decode"]
     assert set(parts) <= set(laps), laps
