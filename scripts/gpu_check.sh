@@ -13,8 +13,7 @@
 #   bash scripts/gpu_check.sh next-24b  issue 36's FP8-attention step at 1024² and 2048², issue 39's GGUF steps and memory against
 #                                       diffusers' (carry the top-level wheels and .whl/fp8attn)
 #   bash scripts/gpu_check.sh next-25a  what 2026-12-05 left: issue 36's image (eval_high_image.py) and FLUX.2-dev FP8-attention step,
-#                                       issue 33's read A/B, issue 39's eager Q8_0 re-check, issue 37's host time (carry the
-#                                       top-level wheels and .whl/fp8attn)
+#                                       issue 33's read A/B (carry the top-level wheels and .whl/fp8attn)
 #   bash scripts/gpu_check.sh next-25b  issue 36's FP8 step with static input scales; issue 33's cold start after session 25's
 #                                       start-up work, each piece switched off or on (verification record, text warm-up,
 #                                       reserved load), its GPU tests (carry the top-level wheels and .whl/fp8attn)
@@ -709,8 +708,7 @@ case "$phase" in
     # what the 2026-12-05 session left to measure, most needed first (carry .whl's top-level wheels and .whl/fp8attn):
     # issue 36's whole image (eval_high_image.py: high and FP8 high, FP8 attention or SDPA, FP8 with static input
     # scales, PSNR against lossless, the image's time) and FLUX.2-dev's FP8-attention step (static arms too); issue
-    # 33's read-rate A/B (ring buffers shared by back-to-back tensors or not, FLUX_LOAD_RESERVE); with the time left,
-    # issue 39's eager Q8_0 step measured second and issue 37's eager host time per step
+    # 33's read-rate A/B (ring buffers shared by back-to-back tensors or not, FLUX_LOAD_RESERVE)
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
@@ -718,8 +716,6 @@ case "$phase" in
     timeout $(left 330) python3 scripts/eval_high_image.py /tmp/cold/flux1-dev --json "$OUT/eval_high_image.json" 2>&1 | grep -v "^\\[" | tail -10 || status=1
     timeout $(left 430) python3 scripts/bench_cold_start.py read /tmp/cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -14 || status=1
     [ $(left 520) -gt 60 ] && { timeout $(left 520) python3 scripts/bench_fp8_attention.py --steps --models flux2-dev --sizes 1024 --iters 10 --json "$OUT/bench_fp8_attention_flux2.json" 2>&1 | tail -11 || status=1; }
-    [ $(left 570) -gt 40 ] && { timeout $(left 570) python3 scripts/bench_gguf.py --types '' --step-types Q4_K,Q8_0 --no-diffusers --iters 5 --json "$OUT/bench_gguf_q8_second.json" 2>&1 | grep "^|" | tail -20 || status=1; }
-    [ $(left 575) -gt 60 ] && { timeout $(left 575) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 2 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -8 || status=1; }
     ;;
   next-25b)
     # issue 33 after session 25's start-up work (best after next-25a, on the same warm machine): its GPU tests
@@ -735,6 +731,10 @@ case "$phase" in
       tests/weights/test_pinned_stream.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     timeout 150 python3 scripts/bench_fp8_attention.py --steps --models flux1-dev --sizes 1024 --iters 10 \
       --json "$OUT/bench_fp8_attention_static.json" 2>&1 | tail -12 || status=1
+    # what `import torch` costs here, and whether its bytecode is cached (a read-only install recompiles every time)
+    python3 -c "import os, sys, torch; d = os.path.dirname(torch.__file__); print('torch', torch.__version__, d, 'writable', os.access(d, os.W_OK), 'pycache', os.path.isdir(os.path.join(d, '__pycache__')), 'dont_write_bytecode', sys.flags.dont_write_bytecode)" || status=1
+    for i in 1 2; do (TIMEFORMAT="import torch: %R s wall, %U s user, %S s sys"; time python3 -c "import torch") 2>&1 || status=1; done
+    python3 -X importtime -c "import torch" 2>&1 | sort -t'|' -k2 -n | tail -12
     [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
     timeout $(left 470) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
       --variant "FLUX_VERIFY_CACHE=0" --variant "FLUX_TEXT_WARMUP=0" --variant "FLUX_LOAD_RESERVE=1" \
