@@ -93,10 +93,14 @@ def run_arm(pipe: Pipeline, quality: str, attention: str, size: int, steps: int)
 def calibrate(pipe: Pipeline, size: int, steps: int) -> dict[str, float]:
     """Each block projection's max |input| over one lossless call of `CALIBRATION_PROMPT` (seed 1)."""
     ranges, remove = record_input_ranges(pipe.transformer)
+    graphs, pipe.cuda_graphs = pipe.cuda_graphs, False  # a graph's replay would run no hook
     try:
         pipe(CALIBRATION_PROMPT, height=size, width=size, num_steps=steps, seed=1, output_type="latent")
     finally:
         remove()
+        pipe.cuda_graphs = graphs
+    if not ranges:
+        raise SystemExit("eval_high_image.py: the calibration call recorded no projection's input")
     return ranges
 
 
@@ -133,7 +137,8 @@ def main() -> int:
     for precision, cases in arms.items():
         if precision == "fp8 static":  # the FP8 pipeline of the arms before, its input scales now static
             assert pipe is not None
-            set_static_input_scales(pipe.transformer, ranges)
+            if set_static_input_scales(pipe.transformer, ranges) == 0:
+                raise SystemExit("eval_high_image.py: no FP8 projection took a static input scale")
             pipe._graphed.clear()  # graphs captured before replay the per-row quantization
         else:
             pipe = None

@@ -1,7 +1,8 @@
 """The attention backends in the blocks (`kernels.attention_backends`, `models.dit.fp8_attention`).
 
-`lossless` runs SDPA only, bit for bit as before; `high` runs FA3's e4m3 attention where it can (a CUDA sm90
-device, the fa3-fwd package, bf16, heads of 128) and otherwise says once why attention stays bf16. On the CPU the
+`lossless` runs SDPA only, bit for bit as before; `high` runs SDPA too unless FP8 attention is asked for, and set to
+"auto" runs FA3's e4m3 attention where it can (a CUDA sm90 device, the fa3-fwd package, bf16, heads of 128) and
+otherwise says once why attention stays bf16. Every test but the default's starts from "auto". On the CPU the
 FP8 path is exercised with a stand-in for FA3 (`fp8_attention_reference`: the attention its e4m3 inputs stand
 for) and the obstacle check switched off: the producers then run their eager references, and every block's
 wiring (double blocks' joint `[txt | img]`, single blocks' 16-bit, static-e4m3 and per-row FP8 outputs) runs.
@@ -167,7 +168,22 @@ def test_forcing_sdpa_keeps_high_in_bf16(fake_fa3: list) -> None:
     with backends.attention_backend("sdpa"):
         assert torch.equal(run(model, "high"), want)
     assert not fake_fa3 and backends._preference == ["auto"]
-    assert backends.attention_record()["attention_reason"].endswith("attention backend set to sdpa")
+    assert "attention backend set to sdpa" in backends.attention_record()["attention_reason"]
+
+
+def test_fp8_attention_is_opt_in(
+    fake_fa3: list, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """By default `high` attends in bf16 even where FP8 attention could run (its image error is outside `high`'s
+    budget): the lossless bits, nothing said, and the record says why."""
+    monkeypatch.setattr(backends, "_preference", ["sdpa"])  # the module's default, as a fresh process has it
+    model = random_model("flux1", 3, torch.bfloat16)
+    want = run(model, "lossless")
+    backends.reset_attention_record()
+    with caplog.at_level(logging.WARNING, logger=backends.__name__):
+        assert torch.equal(run(model, "high"), want)
+    assert not fake_fa3 and not caplog.records
+    assert backends.attention_record()["attention_reason"].endswith("(FP8 attention is opt-in)")
 
 
 def test_sequence_parallel_attention_stays_bf16(fake_fa3: list) -> None:
