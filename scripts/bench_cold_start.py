@@ -309,26 +309,18 @@ def cmd_read(args: argparse.Namespace) -> None:
     del model
     torch.cuda.empty_cache()
 
-    def counted_load(name: str, reserve: bool) -> None:
-        """One timed load and the cudaMalloc calls it made (segments allocated); `reserve`: FLUX_LOAD_RESERVE=1,
-        the device memory of the tensors taken in one allocation before the load."""
-        os.environ["FLUX_LOAD_RESERVE"] = "1" if reserve else "0"
-        try:
-            prepare()
-            before = torch.cuda.memory_stats().get("segment.all.allocated", 0)
-            s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
-            rate(name, s)
-            row[f"{name}: cudaMalloc calls"] = (
-                torch.cuda.memory_stats().get("segment.all.allocated", 0) - before
-            )
-            del model
-            torch.cuda.empty_cache()
-        finally:
-            del os.environ["FLUX_LOAD_RESERVE"]
+    def counted_load(name: str) -> None:
+        """One timed load and the cudaMalloc calls it made (segments allocated)."""
+        prepare()
+        before = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+        s, model = _timed(lambda: load_transformer(folder, device="cuda", dtype=torch.bfloat16))
+        rate(name, s)
+        row[f"{name}: cudaMalloc calls"] = torch.cuda.memory_stats().get("segment.all.allocated", 0) - before
+        del model
+        torch.cuda.empty_cache()
 
-    for _ in range(args.repeat):  # the A/B of FLUX_LOAD_RESERVE, interleaved
-        counted_load("ours load_transformer", reserve=False)
-        counted_load("ours load_transformer, FLUX_LOAD_RESERVE=1", reserve=True)
+    for _ in range(args.repeat):
+        counted_load("ours load_transformer")
     src = TensorSource(files)
     order = src.keys()
 
@@ -660,7 +652,7 @@ def main() -> int:
     p.add_argument(
         "--variant", type=lambda v: v.split(), action="append", default=[],
         help="cold: also time FLUX.1-dev's flux-gen with these options (e.g. '--no-cuda-graphs'; NAME=VALUE words "
-        "set its environment, e.g. 'FLUX_LOAD_RESERVE=1'); repeatable",
+        "set its environment, e.g. 'FLUX_TEXT_WARMUP=0'); repeatable",
     )  # fmt: skip
     p.add_argument(
         "--ring", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="*",

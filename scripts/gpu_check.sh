@@ -15,8 +15,8 @@
 #   bash scripts/gpu_check.sh next-25a  what 2026-12-05 left: issue 36's image (eval_high_image.py) and FLUX.2-dev FP8-attention step,
 #                                       issue 33's read A/B (carry the top-level wheels and .whl/fp8attn)
 #   bash scripts/gpu_check.sh next-25b  issue 36's FP8 step with static input scales; issue 33's cold start after session 25's
-#                                       start-up work, each piece switched off or on (verification record, text warm-up,
-#                                       reserved load), its GPU tests (carry the top-level wheels and .whl/fp8attn)
+#                                       start-up work, each piece switched off (verification record, text warm-up),
+#                                       its GPU tests (carry the top-level wheels and .whl/fp8attn)
 #   bash scripts/gpu_check.sh next-25c  issue 36's bf16 high on FLUX.3 Klein (new FP8 attention) and klein-4B; issue 33 from
 #                                       disk (page cache dropped before each read row), klein-4B's cold flux-gen
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
@@ -708,7 +708,7 @@ case "$phase" in
     # what the 2026-12-05 session left to measure, most needed first (carry .whl's top-level wheels and .whl/fp8attn):
     # issue 36's whole image (eval_high_image.py: high and FP8 high, FP8 attention or SDPA, FP8 with static input
     # scales, PSNR against lossless, the image's time) and FLUX.2-dev's FP8-attention step (static arms too); issue
-    # 33's read-rate A/B (ring buffers shared by back-to-back tensors or not, FLUX_LOAD_RESERVE)
+    # 33's read-rate A/B (ring buffers shared by back-to-back tensors or not)
     start=$SECONDS
     left() { echo $(( $1 - (SECONDS - start) )); }
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
@@ -719,9 +719,9 @@ case "$phase" in
     ;;
   next-25b)
     # issue 33 after session 25's start-up work (best after next-25a, on the same warm machine): its GPU tests
-    # (verification record, text warm-up, reserved load), then FLUX.1-dev's cold flux-gen against the diffusers
+    # (verification record, text warm-up), then FLUX.1-dev's cold flux-gen against the diffusers
     # script as it is now (the second run takes the kernels the first verified), and with each piece switched off
-    # (FLUX_VERIFY_CACHE=0, FLUX_TEXT_WARMUP=0) or on (FLUX_LOAD_RESERVE=1), then the first call's stages; first,
+    # (FLUX_VERIFY_CACHE=0, FLUX_TEXT_WARMUP=0), then the first call's stages; first,
     # issue 36's FLUX.1-dev step with static input scales (bench_fp8_attention.py's static arms: lossless, high +
     # FP8 attention, per-tensor weights). Carry .whl's top-level wheels and .whl/fp8attn
     start=$SECONDS
@@ -737,7 +737,7 @@ case "$phase" in
     python3 -X importtime -c "import torch" 2>&1 | sort -t'|' -k2 -n | tail -12
     [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
     timeout $(left 470) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
-      --variant "FLUX_VERIFY_CACHE=0" --variant "FLUX_TEXT_WARMUP=0" --variant "FLUX_LOAD_RESERVE=1" \
+      --variant "FLUX_VERIFY_CACHE=0" --variant "FLUX_TEXT_WARMUP=0" \
       --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
     cat "$OUT/cold_start.jsonl"
     [ $(left 570) -gt 30 ] && { timeout $(left 570) python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --profile "$OUT" --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1; tail -1 "$OUT/cold_start.jsonl"; }

@@ -58,7 +58,7 @@ def load_native(
     read_on = dev if dev.type == "cuda" or pinned_stream.stream_on_cpu else torch.device("cpu")
     order = src.file_order(keys)
     state = {}
-    with src.streaming(order, read_on, dtype):
+    with src.streaming(order, read_on):
         for key in order:
             t = src.get(key, read_on)
             want = wanted[keys[key]]

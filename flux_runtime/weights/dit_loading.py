@@ -157,9 +157,7 @@ def fill_model(
     if gguf is not None and fp8:
         raise WeightsError(f"{gguf.src.path}: a GGUF checkpoint is already quantized; load it without fp8")
     # read ahead in the order the rules take the tensors (an FP8 checkpoint's scales are read as asked)
-    # the tensors read are those kept unless quantized now (`keep` for the device reservation, see streaming)
-    keep = None if fp8 or gguf is not None else dtype
-    with reader.streaming([d for r in table for d in r.diffusers], device, keep):
+    with reader.streaming([d for r in table for d in r.diffusers], device):
         if gguf is not None:
             model.precision = gguf_loading.load_state(
                 model, table, read, assemble, device=device, dtype=dtype, weights=gguf, finite=finite

@@ -54,10 +54,8 @@ class _Fp32Norms:
     def path_of(self, key: str) -> Path:
         return self.reader.path_of(key)  # type: ignore[attr-defined]
 
-    def streaming(
-        self, keys: Iterable[str], device: torch.device, keep: torch.dtype | None = None
-    ) -> AbstractContextManager[None]:
-        return self.reader.streaming(keys, device, keep)  # type: ignore[attr-defined]
+    def streaming(self, keys: Iterable[str], device: torch.device) -> AbstractContextManager[None]:
+        return self.reader.streaming(keys, device)  # type: ignore[attr-defined]
 
 
 # The BFL-named tensors that state a FLUX.3 DiT's widths (`infer_dit_config`); the per-mode blocks'

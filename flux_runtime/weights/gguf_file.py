@@ -190,9 +190,7 @@ class GgufSource:
         return sorted(keys, key=order.__getitem__)
 
     @contextlib.contextmanager
-    def streaming(
-        self, keys: Iterable[str], device: torch.device | str, keep: torch.dtype | None = None
-    ) -> Iterator[None]:
+    def streaming(self, keys: Iterable[str], device: torch.device | str) -> Iterator[None]:
         """No read-ahead plan for GGUF files yet: each tensor is copied from the memory map as asked."""
         yield
 

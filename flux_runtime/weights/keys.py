@@ -72,11 +72,9 @@ class KeyView:
     ) -> torch.Tensor:
         return self.src.get(self.names[key], device, dtype)
 
-    def streaming(
-        self, keys: Iterable[str], device: torch.device | str, keep: torch.dtype | None = None
-    ) -> AbstractContextManager[None]:
+    def streaming(self, keys: Iterable[str], device: torch.device | str) -> AbstractContextManager[None]:
         """`TensorSource.streaming` of these keys, under this view's names."""
-        return self.src.streaming([self.names[k] for k in keys if k in self.names], device, keep)
+        return self.src.streaming([self.names[k] for k in keys if k in self.names], device)
 
 
 def need_shape(shape_of: ShapeOf, key: str, what: str, ndim: int) -> tuple[int, ...]:

@@ -16,11 +16,6 @@ the checkpoint's size; GPU memory is the tensors asked for plus those read ahead
 ring's worth). A ring is made once per `keep_ring()` scope (a pipeline's whole load), or ahead of it by
 `prepare_ring` (flux-gen, while it imports), and reused by every component's load inside it; outside one, each
 load makes and frees its own.
-
-With `FLUX_LOAD_RESERVE=1` a GPU load first takes, in one allocation that it frees at once, the device memory of
-the tensors it will keep as read (`reserve_bytes`): torch's caching allocator then serves each tensor from that
-cached block instead of calling `cudaMalloc`, which CUDA may order against the copies in flight on other
-streams. It is off by default until the read bench (`scripts/bench_cold_start.py read`) shows it pays.
 """
 
 from __future__ import annotations
@@ -42,13 +37,6 @@ MIB = 1024 * 1024
 # streaming logic (an unpinned ring, copies at once); otherwise a CPU load reads one tensor at a time, which
 # keeps its host memory at the model's size.
 stream_on_cpu = os.environ.get("FLUX_LOAD_STREAM_CPU") == "1"
-
-
-def _env_flag(name: str) -> bool:
-    raw = os.environ.get(name, "0")
-    if raw not in ("0", "1"):
-        raise WeightsError(f"{name}={raw!r} must be 0 or 1")
-    return raw == "1"
 
 
 def _env_int(name: str, default: int, low: int) -> int:
@@ -214,35 +202,6 @@ class Span:
     path: Path
     offset: int
     nbytes: int
-    dtype: torch.dtype | None = None  # as stored; `reserve_bytes` counts the spans stored as they are kept
-
-
-# torch's caching allocator: requests up to 1 MiB come from its small pool, larger ones from blocks it rounds
-# to 512 bytes and splits from any cached block big enough
-_SMALL_POOL = 1 << 20
-_BLOCK = 512
-
-
-def reserve_bytes(plan: Sequence[Span], keep: torch.dtype | None) -> int:
-    """The device memory to reserve for `plan`'s tensors stored in `keep` (the dtype the loader keeps them in, so
-    the tensors read are the tensors kept: none when the loader converts them, as quantizing at load does):
-    each large-pool request rounded as torch's allocator rounds it."""
-    if keep is None:
-        return 0
-    sizes = (-(-s.nbytes // _BLOCK) * _BLOCK for s in plan if s.dtype == keep)
-    return sum(n for n in sizes if n > _SMALL_POOL)
-
-
-def reserve(device: torch.device, nbytes: int) -> bool:
-    """Allocate and free `nbytes` on `device` at once, so torch's allocator keeps them as one cached block that
-    the load's tensors are split from; skipped (False) when the device lacks the room (with 1 GiB to spare)."""
-    if nbytes == 0 or device.type != "cuda":
-        return False
-    free, _ = torch.cuda.mem_get_info(device)
-    if nbytes + (1 << 30) > free:
-        return False
-    torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return True
 
 
 @dataclass(frozen=True)
@@ -424,13 +383,8 @@ def read_exactly(
 
 
 @contextmanager
-def device_stream(
-    plan: Sequence[Span], device: torch.device, keep: torch.dtype | None = None
-) -> Iterator[DeviceStream]:
-    """A `DeviceStream` over `plan` for the length of the scope (its ring the scope's, or its own); with
-    `FLUX_LOAD_RESERVE=1`, the device memory of the tensors kept in `keep` reserved first (`reserve`)."""
-    if _env_flag("FLUX_LOAD_RESERVE"):
-        reserve(device, reserve_bytes(plan, keep))
+def device_stream(plan: Sequence[Span], device: torch.device) -> Iterator[DeviceStream]:
+    """A `DeviceStream` over `plan` for the length of the scope (its ring the scope's, or its own)."""
     with ring(pinned=device.type == "cuda") as r:
         stream = DeviceStream(plan, device, r)
         try:

@@ -187,27 +187,18 @@ class TensorSource:
         """The file holding `key`."""
         return self._where[key]
 
-    def _span(self, key: str) -> tuple[int, int]:
-        """`key`'s absolute offset in its file and its byte count."""
-        begin, end = self._spans[key]
-        return begin, end - begin
-
     def file_order(self, keys: Iterable[str]) -> list[str]:
         """`keys` in the order they lie on disk (file by file, by offset): the order a read streams best."""
         return sorted(keys, key=lambda k: (self.files.index(self._where[k]), self._spans[k][0]))
 
     @contextmanager
-    def streaming(
-        self, keys: Iterable[str], device: torch.device | str, keep: torch.dtype | None = None
-    ) -> Iterator[None]:
+    def streaming(self, keys: Iterable[str], device: torch.device | str) -> Iterator[None]:
         """Within the scope, `get(key, device)` of the planned `keys` is served by reading ahead in this order.
 
         On a GPU the bytes go through a bounded ring of pinned buffers filled by several reader threads and
         are copied on a side stream (`pinned_stream`): the load runs at the machine's copy bandwidth and
         its per-tensor work (casts, merges, quantization) overlaps the reads. Keys outside the plan, and
         every key on the CPU, are read as without a plan. The bytes, hence the loaded tensors, are the same.
-        `keep`: the dtype the caller keeps the tensors stored in as read (None: it converts them all), whose
-        device memory `FLUX_LOAD_RESERVE=1` reserves up front (`pinned_stream.reserve_bytes`).
         """
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -218,11 +209,11 @@ class TensorSource:
             yield
             return
         plan = [
-            pinned_stream.Span(k, self._where[k], *self._span(k), TORCH_DTYPES[self._dtypes[k]])
+            pinned_stream.Span(k, self._where[k], self._spans[k][0], self._spans[k][1] - self._spans[k][0])
             for k in dict.fromkeys(keys)
             if TORCH_DTYPES.get(self._dtypes[k]) is not None
         ]
-        with pinned_stream.device_stream(plan, dev, keep) as stream:
+        with pinned_stream.device_stream(plan, dev) as stream:
             self._stream = stream
             try:
                 yield

@@ -403,7 +403,7 @@ def load_vae(
     with torch.device("meta"):
         model = build_vae(ckpt.config)
     finite = FiniteCheck()
-    with ckpt.view.streaming([ckpt.source_key(rule) for rule in ckpt.table], device, dtype):
+    with ckpt.view.streaming([ckpt.source_key(rule) for rule in ckpt.table], device):
         sd = {
             rule.bfl: finite.watch(
                 ckpt.source_key(rule),

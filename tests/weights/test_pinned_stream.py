@@ -125,36 +125,6 @@ def test_a_damaged_header_fails_before_any_stream(tmp_path: Path) -> None:
         read_state_dict([path], "cpu")
 
 
-def test_the_reservation_counts_the_large_tensors_kept_as_stored(monkeypatch: pytest.MonkeyPatch) -> None:
-    mib = 1 << 20
-    plan = [
-        Span(
-            "big", Path("f"), 0, 3 * mib + 1, torch.bfloat16
-        ),  # rounded up to 512 bytes, as torch's allocator does
-        Span("small", Path("f"), 0, mib, torch.bfloat16),  # torch's small pool: not from the reserved block
-        Span("other", Path("f"), 0, 8 * mib, torch.float32),  # converted by the loader: not reserved
-        Span("unknown", Path("f"), 0, 8 * mib),
-    ]
-    assert pinned_stream.reserve_bytes(plan, torch.bfloat16) == 3 * mib + 512
-    assert pinned_stream.reserve_bytes(plan, torch.float32) == 8 * mib
-    assert pinned_stream.reserve_bytes(plan, None) == 0
-    assert not pinned_stream.reserve(torch.device("cpu"), 3 * mib)  # a CPU load has nothing to reserve
-    monkeypatch.setenv("FLUX_LOAD_RESERVE", "yes")
-    with (
-        pytest.raises(WeightsError, match="FLUX_LOAD_RESERVE='yes' must be 0 or 1"),
-        pinned_stream.device_stream(plan[:1], torch.device("cpu"), torch.bfloat16),
-    ):
-        pass
-
-
-def test_reserving_changes_no_loaded_bit(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLUX_LOAD_RESERVE=1 streamed onto the CPU (nothing to reserve there, every path taken) loads the same."""
-    monkeypatch.setattr(pinned_stream, "stream_on_cpu", True)
-    plain = load_transformer(checkpoints["flux1-diffusers"], dtype=torch.bfloat16)
-    monkeypatch.setenv("FLUX_LOAD_RESERVE", "1")
-    _same(load_transformer(checkpoints["flux1-diffusers"], dtype=torch.bfloat16), plain)
-
-
 def test_ring_environment_overrides_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLUX_LOAD_THREADS", "3")
     monkeypatch.setenv("FLUX_LOAD_BUFFER_MB", "2")
@@ -284,32 +254,6 @@ def test_gpu_load_through_the_ring_equals_the_cpu_load(checkpoints, name: str) -
 
 
 @pytest.mark.gpu
-def test_a_reserved_gpu_load_takes_one_device_allocation(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """FLUX_LOAD_RESERVE=1: the large tensors kept as stored come out of one cached block (one cudaMalloc, not
-    one each), with the same bytes as the load without it."""
-    gen = torch.Generator().manual_seed(0)
-    want = {f"w{i}": torch.randn(1024, 1536 + 64 * i, generator=gen).to(torch.bfloat16) for i in range(12)}
-    save_file(want, str(tmp_path / "big.safetensors"))
-    src = TensorSource([tmp_path / "big.safetensors"])
-
-    def load() -> tuple[dict[str, torch.Tensor], int]:
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_stats().get("segment.large_pool.allocated", 0)
-        with src.streaming(src.keys(), "cuda", torch.bfloat16):
-            got = {k: src.get(k, "cuda") for k in src.keys()}
-        return got, torch.cuda.memory_stats().get("segment.large_pool.allocated", 0) - before
-
-    plain, segments = load()
-    monkeypatch.setenv("FLUX_LOAD_RESERVE", "1")
-    reserved, reserved_segments = load()
-    for k, v in want.items():
-        assert torch.equal(plain[k].cpu(), v) and torch.equal(reserved[k].cpu(), v), k
-    assert reserved_segments == 1 < segments, (reserved_segments, segments)
-
-
-@pytest.mark.gpu
 def test_gpu_quantize_at_load_through_the_ring_is_unchanged(checkpoints) -> None:
     path = checkpoints["flux1-diffusers"]
     streamed = load_transformer(path, dtype=torch.bfloat16, device="cuda", fp8=True)
@@ -318,7 +262,7 @@ def test_gpu_quantize_at_load_through_the_ring_is_unchanged(checkpoints) -> None
 
     orig = Src.streaming
     try:
-        Src.streaming = lambda self, keys, device, *keep: orig(self, [], device)  # type: ignore[method-assign]
+        Src.streaming = lambda self, keys, device: orig(self, [], device)  # type: ignore[method-assign]
         plain = load_transformer(path, dtype=torch.bfloat16, device="cuda", fp8=True)
     finally:
         Src.streaming = orig  # type: ignore[method-assign]
