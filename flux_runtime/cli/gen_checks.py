@@ -91,6 +91,32 @@ def check_early(opts: dict[str, Any]) -> None:
     if opts.get("strength") is not None and not opts["image"]:
         raise click.ClickException("--strength needs --image (img2img or inpainting)")
     check_ip_options(opts)
+    if opts.get("attention", "sdpa") != "sdpa" and opts["quality"] != "high":
+        raise click.ClickException(
+            f"--attention {opts['attention']} needs --quality high (lossless always attends with SDPA)"
+        )
+
+
+def check_attention(opts: dict[str, Any], device: Any, dtype: Any) -> None:
+    """--attention fa3-fp8 where FP8 attention cannot run on this device (the GPU, the package, the dtype): a
+    one-line error naming the obstacle, before any weights load."""
+    from flux_runtime.kernels import attention_backends as backends
+
+    if opts.get("attention") == "fa3-fp8":
+        obstacle = backends.fp8_obstacle(device, dtype, backends.FP8_HEAD_DIM)
+        if obstacle is not None:
+            raise click.ClickException(f"--attention fa3-fp8 cannot run here: {obstacle}")
+
+
+def check_attention_heads(opts: dict[str, Any], head_dim: int) -> None:
+    """--attention fa3-fp8 on a model whose heads the e4m3 producers do not take, before the first image."""
+    from flux_runtime.kernels import attention_backends as backends
+
+    if opts.get("attention") == "fa3-fp8" and head_dim != backends.FP8_HEAD_DIM:
+        raise click.ClickException(
+            f"--attention fa3-fp8 cannot run on this model: its heads are {head_dim} wide, FP8 attention takes "
+            f"{backends.FP8_HEAD_DIM}; use --attention auto or sdpa"
+        )
 
 
 def check_ip_options(opts: dict[str, Any]) -> None:

@@ -162,6 +162,15 @@ OPTIONS: dict[str, tuple[click.Option, ...]] = {
             "lossless",
         ),
         option(
+            "--attention",
+            click.Choice(["sdpa", "auto", "fa3-fp8"]),
+            "high's attention: sdpa (bf16), auto or fa3-fp8 (FP8). auto takes FP8 attention (FA3 e4m3, "
+            "Hopper, pip install 'flux-runtime[fp8-attention]') where it can run, fa3-fp8 insists; faster, but "
+            "it moves the image more than high's budget allows (docs/quality.md).",
+            "sdpa",
+            metavar="NAME",
+        ),
+        option(
             "--cache",
             CacheSpec(),
             "Step caching, off by default: POLICY[:key=value,...], e.g. first-block:threshold=0.1 or "

@@ -22,6 +22,7 @@ REPLAYED = (
     "prompt",
     "model",
     "quality",
+    "attention",
     "cache",
     "steps",
     "guidance",
@@ -108,6 +109,8 @@ def apply_replay(opts: dict[str, Any], ctx: click.Context) -> None:
         negative_prompt=rec.get("negative_prompt"),
         true_cfg=rec.get("true_cfg_scale", 1.0),
         strength=rec.get("strength"),
+        # FP8 attention where the image had it (insisted on: a replay that cannot run it says so)
+        attention="fa3-fp8" if "fa3-fp8" in str(rec.get("attention", "")) else "sdpa",
         # the step cache's policy in full (a record from before step caching ran none)
         cache=rec["cache"]["spec"] if isinstance(rec.get("cache"), dict) else None,
     )

@@ -20,6 +20,8 @@ import click
 
 from flux_runtime.cli import early_cuda
 from flux_runtime.cli.gen_checks import (
+    check_attention,
+    check_attention_heads,
     check_controlnet_files,
     check_early,
     check_flux1_variant,
@@ -173,6 +175,7 @@ def generate(opts: dict[str, Any]) -> None:
     dtype_name = opts["dtype"] or (
         "bf16" if device.type == "cuda" or opts["fp8"] or opts["fp8_text"] else "fp32"
     )
+    check_attention(opts, device, getattr(torch, DTYPES[dtype_name]))
     if rank is None:  # the ranks of a parallel run read the cache (`--gpus` fetched before starting them)
         with watch.lap("download"):
             fetch(opts)
@@ -214,6 +217,7 @@ def generate(opts: dict[str, Any]) -> None:
     if not opts["quiet"] and main_rank:
         click.echo(f"flux-gen: {pipe.memory_plan.describe()}", err=True)
     pipe.vae_tile = opts["vae_tile"]
+    check_attention_heads(opts, pipe.transformer.config.head_dim)
     with watch.lap("load"):
         for path, scale in loras:
             pipe.load_lora(path, scale=scale)
@@ -230,7 +234,10 @@ def generate(opts: dict[str, Any]) -> None:
         for job in jobs:  # every line's FLUX.1 variant checks, before the first image is drawn
             with job.errors():
                 check_flux1_variant(pipe, job.opts)
-    _run(pipe, jobs, opts, rank)
+    from flux_runtime.kernels.attention_backends import attention_backend
+
+    with attention_backend(opts["attention"]):  # --attention, for this command's calls only
+        _run(pipe, jobs, opts, rank)
 
 
 def _replay_warnings(opts: dict[str, Any], weights_id: Any) -> None:

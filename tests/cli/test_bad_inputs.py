@@ -202,6 +202,11 @@ EARLY = [
         ["--model", "tiny", "--cuda-graphs", "--no-cuda-graphs"],
         "--cuda-graphs and --no-cuda-graphs contradict",
     ),
+    (["--model", "tiny", "--attention", "fa3-fp8"], "--attention fa3-fp8 needs --quality high"),
+    (
+        ["--model", "tiny", "--attention", "fa3-fp8", "--quality", "high"],
+        "--attention fa3-fp8 cannot run here: on cpu; FP8 attention needs an sm90 (Hopper) GPU",
+    ),
 ]
 
 
