@@ -19,6 +19,12 @@
 #                                       its GPU tests (carry the top-level wheels and .whl/fp8attn)
 #   bash scripts/gpu_check.sh next-25c  issue 36's bf16 high on FLUX.3 Klein (new FP8 attention) and klein-4B; issue 33 from
 #                                       disk (page cache dropped before each read row), klein-4B's cold flux-gen
+#   bash scripts/gpu_check.sh next-26a  issue 33 on the H200 as a user's Python runs it (bytecode cached: the device's Python
+#                                       writes none, and recompiling torch costs 1.5 s a process): FLUX.1-dev's and klein-4B's
+#                                       cold flux-gen against their diffusers scripts, then the read bench (its GIL arms)
+#   bash scripts/gpu_check.sh next-26b  issue 36 on the H200: the image (eval_high_image.py, static arms calibrated eagerly
+#                                       now), FLUX.2-dev's FP8-attention step, FLUX.3 Klein's and klein-4B's bf16 high
+#                                       (carry the top-level wheels and .whl/fp8attn for both)
 #   bash scripts/gpu_check.sh cache-graphs  issue 37: step-cached calls under split CUDA graphs, GPU tests + bench_cache.py
 #   bash scripts/gpu_check.sh gguf      the GGUF GPU tests (tests/gguf, the dequantization kernel's), then bench_gguf.py: reference
 #                                       dequantization vs the Triton kernel vs the GEMMs at FLUX.1-dev's shapes, and a
@@ -760,6 +766,36 @@ case "$phase" in
         python3 scripts/bench_cold_start.py cold /tmp/cold --models klein-4b --prompts 0 --out $OUT/cold_start.jsonl | tail -2" || status=1
       tail -1 "$OUT/cold_start.jsonl"
     fi
+    ;;
+  next-26a)
+    # issue 33's targets where they were set (H200), in a user's setting: Python keeps bytecode (the device's
+    # environment says PYTHONDONTWRITEBYTECODE=1 and torch's install has no __pycache__, so there every process
+    # compiles torch again: import torch 3.5 s against 1.9-2.3 s with the bytecode kept, run P on an H100)
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    unset PYTHONDONTWRITEBYTECODE
+    export PYTHONPYCACHEPREFIX=/tmp/pyc
+    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    [ -d /tmp/cold/klein-4b ] || timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    (TIMEFORMAT="bytecode warm-up imports: %R s"; time python3 -c "import torch, diffusers, transformers, transformers.models.qwen3.modeling_qwen3; from diffusers import FluxPipeline, Flux2KleinPipeline; import flux_runtime.cli.gen, flux_runtime.pipeline") 2>&1 | tail -1
+    for i in 1 2; do (TIMEFORMAT="import torch, bytecode kept: %R s"; time python3 -c "import torch") 2>&1; done
+    timeout $(left 330) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev,klein-4b --prompts 0 --repeat 2 \
+      --out "$OUT/cold_start.jsonl" 2>&1 | tail -2 || status=1
+    [ $(left 560) -gt 60 ] && { timeout $(left 560) python3 scripts/bench_cold_start.py read /tmp/cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -24 || status=1; }
+    cat "$OUT/cold_start.jsonl"
+    ;;
+  next-26b)
+    # issue 36 where its targets were set (H200): the whole image (static arms calibrated eagerly now), FLUX.2-dev's
+    # FP8-attention step (80 GB did not hold it), FLUX.3 Klein's and klein-4B's bf16 high (carry .whl's top-level
+    # wheels and .whl/fp8attn)
+    start=$SECONDS
+    left() { echo $(( $1 - (SECONDS - start) )); }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    timeout $(left 330) python3 scripts/eval_high_image.py /tmp/cold/flux1-dev --json "$OUT/eval_high_image.json" 2>&1 | grep -v "^\\[" | tail -10 || status=1
+    [ $(left 430) -gt 60 ] && { timeout $(left 430) python3 scripts/bench_fp8_attention.py --steps --models flux2-dev --sizes 1024 --iters 10 --no-static --json "$OUT/bench_fp8_attention_flux2.json" 2>&1 | tail -8 || status=1; }
+    [ $(left 500) -gt 40 ] && { timeout $(left 500) python3 scripts/bench_flux3.py --models base --cases t2i --high --iters 10 --json "$OUT/bench_flux3_high.json" 2>&1 | grep -E "high|floor|equal" | tail -8 || status=1; }
+    [ $(left 570) -gt 40 ] && { timeout $(left 570) python3 scripts/bench_fp8_attention.py --steps --models flux2-klein-4b --sizes 1024 --iters 10 --no-static --json "$OUT/bench_fp8_attention_klein.json" 2>&1 | tail -6 || status=1; }
     ;;
   cache-graphs)
     # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached
