@@ -49,6 +49,7 @@ from benchlib import (  # scripts/benchlib.py, beside this file
     FLUX3_N_IMG,
     cuda_time,
     diffusers_fn,
+    fa3_floor_ms,
     flux1_pair,
     flux1_step_inputs,
     flux2_pair,
@@ -126,6 +127,12 @@ def print_fp8_table(
         f"| FP8 floor (e4m3 GEMMs {floor['fp8_gemm']:.1f} [fast accum {floor['fp8_gemm_fast_accum']:.1f}] + bf16 GEMMs "
         f"{floor['bf16_gemm']:.1f} + attention {floor['attention']:.1f}) | {floor['total']:.1f} | 1.00 | | | | |"
     )
+    if "high_total" in floor:
+        print(
+            f"| `high` floor with FP8 attention (fast-accum e4m3 GEMMs {floor['fp8_gemm_fast_accum']:.1f} + bf16 GEMMs "
+            f"{floor['bf16_gemm']:.1f} + FA3 e4m3 attention {floor['attention_fa3_e4m3']:.1f}) | "
+            f"{floor['high_total']:.1f} | {floor['high_total'] / floor['total']:.2f} | | | | |"
+        )
     if "sequence" in floor:
         seq = floor["sequence"]
         print(
@@ -223,6 +230,11 @@ def fp8_floor(cfg, flux1: bool, n_img: int = 4096, n_txt: int = 512) -> dict[str
         out[f"attention_{key}"] = (cfg.depth + cfg.depth_single_blocks) * ms
         out[f"attention_{key}_equal"] = same
     out["total"] = out["fp8_gemm"] + out["bf16_gemm"] + out["attention"]
+    # what `high` with FP8 attention could reach: fast-accumulation e4m3 GEMMs and FA3's e4m3 attention
+    fa3 = fa3_floor_ms(cfg, [(L, cfg.depth + cfg.depth_single_blocks)])
+    if fa3 is not None:
+        out["attention_fa3_e4m3"] = fa3
+        out["high_total"] = out["fp8_gemm_fast_accum"] + out["bf16_gemm"] + fa3
     out["sequence"] = sequence_floor(cfg, calls, flux1)
     return out
 

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,26 @@ def sdpa_floor_ms(cfg: DiTConfig, calls: list[tuple[int, int]]) -> float:
             for _ in range(3)
         )
         total += count * cuda_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v), iters=20)
+    return total
+
+
+def fa3_floor_ms(cfg: DiTConfig, calls: list[tuple[int, int]]) -> float | None:
+    """Summed ms of a step's attention calls as FA3's e4m3 forward (`fa3-fp8`, per-head descales, k and v
+    head-major as the producers write them), each length timed alone; None where it cannot run here."""
+    from flux_runtime.kernels import attention_backends as backends
+    from flux_runtime.kernels.attention_quant import quantize_heads_reference
+
+    if backends.fp8_obstacle(torch.device(DEV), torch.bfloat16, cfg.head_dim) is not None:
+        return None
+    total = 0.0
+    for length, count in calls:
+        q, k, v = (
+            torch.randn(1, length, cfg.num_heads, cfg.head_dim, device=DEV, dtype=torch.bfloat16)
+            for _ in range(3)
+        )
+        q8 = quantize_heads_reference(q)
+        k8, v8 = (quantize_heads_reference(t, head_major=True) for t in (k, v))
+        total += count * cuda_time(partial(backends.fa3_fp8_attention, q8, k8, v8), iters=20)
     return total
 
 
