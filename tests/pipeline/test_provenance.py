@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from flux_runtime.pipeline import FluxError
+from flux_runtime.pipeline import provenance as provenance_module
 from flux_runtime.pipeline.provenance import parse_provenance, provenance, read_provenance, save_png
 from tests.fuzz import mutations
 
@@ -70,19 +71,18 @@ def test_png_that_is_not_one_is_a_flux_error(tmp_path: Path) -> None:
         read_provenance(bad)
 
 
-def _interrupted_save(exc: BaseException):
-    """An `Image.save` that writes half a PNG into the file, then is interrupted (as by Ctrl-C or a full disk)."""
+def _interrupted_encode(exc: BaseException):
+    """A PNG encoder (`provenance.encode_png`) interrupted halfway (as by Ctrl-C or a full disk)."""
 
-    def save(image: Image.Image, fp, **kwargs) -> None:
-        fp.write(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+    def encode(image: Image.Image, text, level: int) -> bytes:
         raise exc
 
-    return save
+    return encode
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), OSError(28, "No space left on device")], ids=repr)
 def test_an_interrupted_write_leaves_no_file(tmp_path: Path, monkeypatch, exc) -> None:
-    monkeypatch.setattr(Image.Image, "save", _interrupted_save(exc))
+    monkeypatch.setattr(provenance_module, "encode_png", _interrupted_encode(exc))
     with pytest.raises(type(exc)):
         save_png(_image(), tmp_path / "a.png", _record())
     assert list(tmp_path.iterdir()) == []
@@ -97,15 +97,14 @@ def test_a_killed_write_leaves_no_file(tmp_path: Path) -> None:
         import sys, time
         from pathlib import Path
         from PIL import Image
+        from flux_runtime.pipeline import provenance
         from flux_runtime.pipeline.provenance import save_png
 
-        def stuck(image, fp, **kw):
-            fp.write(b"half a png")
-            fp.flush()
+        def stuck(image, text, level):
             print("writing", flush=True)
             time.sleep(60)
 
-        Image.Image.save = stuck
+        provenance.encode_png = stuck
         save_png(Image.new("RGB", (8, 8)), Path({str(tmp_path / "a.png")!r}), {_record()!r})
         """
     )
@@ -123,13 +122,14 @@ def test_a_killed_write_leaves_no_file(tmp_path: Path) -> None:
 def test_two_writers_of_one_path_one_wins_the_other_fails_loudly(tmp_path: Path, monkeypatch) -> None:
     # both finish writing their temporary files before either is put in place
     barrier = threading.Barrier(2, timeout=30)
-    real_save = Image.Image.save
+    real_encode = provenance_module.encode_png
 
-    def save_then_wait(image: Image.Image, fp, **kwargs) -> None:
-        real_save(image, fp, **kwargs)
+    def encode_then_wait(image: Image.Image, text, level: int) -> bytes | None:
+        data = real_encode(image, text, level)
         barrier.wait()
+        return data
 
-    monkeypatch.setattr(Image.Image, "save", save_then_wait)
+    monkeypatch.setattr(provenance_module, "encode_png", encode_then_wait)
     out = tmp_path / "a.png"
     results: dict[int, BaseException | None] = {}
 
