@@ -9,8 +9,8 @@ raw deflate primed with the 32 KiB of filtered bytes before it (`zdict`) and end
 the stream's end), behind one zlib header and before the Adler-32 of the whole. Any inflater reads it as one
 stream; the pixels are the image's, bit for bit.
 
-Each row is filtered as PIL does by default for 8-bit images: the one of PNG's five filters (none, sub, up,
-average, Paeth) whose bytes, read as signed, have the smallest sum of magnitudes. Modes other than L, RGB and
+Each row takes, as PNG encoders commonly choose (PIL picks per row too), the one of PNG's five filters (none,
+sub, up, average, Paeth) whose bytes, read as signed, have the smallest sum of magnitudes. Modes other than L, RGB and
 RGBA go through PIL (`encode_png` returns None for them).
 """
 
