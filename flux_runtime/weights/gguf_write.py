@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flux_runtime.kernels.gguf_dequant import BY_NAME, PLAIN_DTYPES, PLAIN_TYPES
 from flux_runtime.weights.convert_plan import ConversionPlan, plan_transformer
 from flux_runtime.weights.errors import WeightsError
 from flux_runtime.weights.gguf_file import require_gguf
@@ -36,9 +37,8 @@ log = logging.getLogger(__name__)
 # what `flux-convert gguf --type` writes, smallest error first
 GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K")
 _PACKAGE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
-# the type's values per block (a row must hold whole blocks)
-BLOCK = {"F16": 1, "BF16": 1, "Q8_0": 32, "Q5_1": 32, "Q5_0": 32, "Q4_1": 32, "Q4_0": 32}
-BLOCK.update(dict.fromkeys(K_TYPES, 256))
+# the type's values per block (a row must hold whole blocks), from the one table of GGML types
+BLOCK = {name: BY_NAME[name].block for name in GGUF_TYPES}
 # the embedders and the last layer stay in the source's float type, as in city96's files: they are small,
 # and every image token passes through them. One tuple for every family, their names being disjoint: FLUX.1 /
 # FLUX.2 (`img_in`, `vector_in`, `guidance_in`), FLUX.3 (`emb_in.image` / `.image_cond`, the flow map's
@@ -55,7 +55,8 @@ _FILE_TYPES = {
     "Q4_1": "MOSTLY_Q4_1", "Q4_0": "MOSTLY_Q4_0", "Q3_K": "MOSTLY_Q3_K_S", "Q2_K": "MOSTLY_Q2_K",
 }  # fmt: skip
 FP16_MAX = 65504.0
-_FLOAT_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# a float tensor's GGML type name by its torch dtype (the plain types of the same table)
+_FLOAT_NAMES = {dtype: PLAIN_TYPES[i].name for i, dtype in PLAIN_DTYPES.items()}
 
 
 def check_type(qtype: str) -> str:
