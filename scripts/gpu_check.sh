@@ -148,6 +148,22 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# fa3-fwd (FlashAttention-3's FP8 forward) and einops from .whl/fp8attn, for the phases of issue 36
+install_fp8_attention() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl
+}
+# klein-4B's random-weight folder (built again), then its cold flux-gen against its diffusers script, within $1 s
+klein_cold() {
+  timeout "$1" bash -c "python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out $OUT/cold_start.jsonl | grep '^{' && \
+    python3 scripts/bench_cold_start.py cold /tmp/cold --models klein-4b --prompts 0 --out $OUT/cold_start.jsonl | tail -2"
+  local rc=$?
+  tail -1 "$OUT/cold_start.jsonl"
+  return $rc
+}
+# the random-weight folder /tmp/cold/NAME (bench_cold_start.py build), unless an earlier call left it
+cold_folder() {
+  [ -d "/tmp/cold/$1" ] || timeout "$2" python3 scripts/bench_cold_start.py build /tmp/cold --models "$1" --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{'
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
 swap_score() {
@@ -217,6 +233,9 @@ ab_score() {
 # every other GPU test)
 FP8_TESTS="tests/kernels/test_fp8.py tests/kernels/test_attention_act_fp8.py tests/kernels/test_token_layer_norm_modulate_fp8.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_qk_norm_rope_fp32.py tests/models/test_head_major.py tests/fp8"
 status=0
+# a phase's clock: `left N` is what remains of N seconds since the phase began
+start=$SECONDS
+left() { echo $(( $1 - (SECONDS - start) )); }
 case "$phase" in
   kernels)
     timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.txt" | tail -20 || status=1
@@ -302,7 +321,6 @@ case "$phase" in
     # (first on PYTHONPATH: its protobuf is the one Ray's generated code was tested with), the random-weight
     # FLUX.1-dev folder, then one process and one replica back to back: 16 requests each from 8 clients with
     # batches of up to 4 (about 4 batches of 28 steps per server), warm-up and loads outside the clock
-    start=$SECONDS
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ray-site .whl/ray/*.whl || exit 1
     # the Ray tree: carried now (.whl/raytar) or by the `ray-stage` call just before, which left it in /tmp/ray-stage
@@ -540,7 +558,6 @@ case "$phase" in
     ;;
   flux1-reach)
     unset PYTORCH_CUDA_ALLOC_CONF
-    start=$SECONDS
     timeout 150 python3 scripts/bench_memory.py --model flux1 --no-diffusers --json "$OUT/bench_memory_flux1_bf16.json" 2>"$OUT/bench_memory_flux1_bf16.err" | tail -6 || status=1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
     timeout 250 python3 scripts/bench_serve.py --model flux1-dev --random-weights --requests 8 --json "$OUT/bench_serve_flux1.json" --log-dir "$OUT/serve_logs" 2>&1 | tail -12 || status=1
@@ -565,7 +582,6 @@ case "$phase" in
     # session 21's one call: every GPU test outside the kernels' (those passed after the refactor) and issue 33's
     # cold start of the transformers-free FLUX.1 path (FLUX.1-dev bf16 / --fp8 and klein-4B against the diffusers
     # scripts, --prompts 8), then the import table if time is left (carry .whl)
-    start=$SECONDS
     timeout 200 python3 -m pytest -q -m gpu tests --ignore=tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_nonkernel.txt" | tail -5 || status=1
     timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev,klein-4b --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
     timeout $((560 - (SECONDS - start))) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev,klein-4b --prompts 8 --out "$OUT/cold_start.jsonl" 2>&1 | tail -3 || status=1
@@ -578,8 +594,6 @@ case "$phase" in
     # memory plans), issue 33's cold start (FLUX.1-dev bf16 / --fp8 and klein-4B against the diffusers scripts)
     # with the first call's stages, then step caching at full size (scripts/bench_cache.py) and a tiny FLUX.2
     # sweep with what time is left (carry .whl)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
     timeout 100 python3 -m pytest -q -m gpu tests/pipeline/test_step_cache.py tests/text tests/pipeline/test_memory.py tests/pipeline/test_flux2_pipeline.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev,klein-4b --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
     timeout 60 python3 scripts/bench_cold_start.py first-call /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" || status=1
@@ -636,8 +650,6 @@ case "$phase" in
     # test written that day and never run (ControlNets, IP-Adapter and Redux on CUDA with graphs, the GGUF
     # kernel and loaders, the dispatcher's all-ops list), then one FLUX.1-dev + ControlNet step against
     # diffusers', Redux's image encoding beside diffusers' (carry .whl; issue 33's re-time is `READ=0 MODELS=flux1-dev,klein-4b PROMPTS=0 ... cold-start`)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
     timeout 300 python3 -m pytest -q -m gpu tests/controlnet tests/ip_adapter/test_ip_adapter_gpu.py \
       tests/pipeline/test_redux_gpu.py tests/gguf tests/kernels/test_gguf_dequant_kernel.py \
       tests/kernels/test_dispatch.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_22.txt" | tail -30 || status=1
@@ -649,8 +661,6 @@ case "$phase" in
     # every GPU test written those days and never run (ControlNets, IP-Adapter, Redux, GGUF with its memory plans
     # and kernel, the dispatcher, step caching under split CUDA graphs), then the ControlNet step against
     # diffusers' and Redux's encoding beside diffusers' (carry .whl's top-level wheels)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
     timeout 300 python3 -m pytest -q -m gpu tests/controlnet tests/ip_adapter/test_ip_adapter_gpu.py \
       tests/pipeline/test_redux_gpu.py tests/gguf tests/kernels/test_gguf_dequant_kernel.py \
       tests/kernels/test_dispatch.py tests/pipeline/test_step_cache.py -p no:cacheprovider --durations=8 2>&1 \
@@ -662,8 +672,6 @@ case "$phase" in
     # the second call: issue 33's cold start re-timed (FLUX.1-dev bf16 and --fp8 against the diffusers script, in
     # fresh processes; no read-rate table, no prompts file), then issue 37's bench_cache.py on the same folder:
     # every row eagerly and under split CUDA graphs (carry .whl's top-level wheels)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
     timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
     timeout $(left 300) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
     cat "$OUT/cold_start.jsonl"
@@ -677,11 +685,9 @@ case "$phase" in
     # script, FP8 high with and without the default step cache, each eager and with --cuda-graphs on one image;
     # the first call's stages (cProfile); then issue 37's eager FP8 high rows interleaved, with the host's time to
     # issue a step (bench_cache.py --diagnose). Carry .whl's top-level wheels
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
     timeout 120 python3 -m pytest -q -m gpu tests/cli/test_early_cuda.py tests/kernels/test_warmup.py tests/weights/test_pinned_stream.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     timeout 120 python3 -m pytest -q tests/cli/test_early_cuda.py tests/kernels/test_warmup.py -p no:cacheprovider 2>&1 | tail -2 || status=1
-    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    cold_folder flux1-dev 150 || status=1
     # the transformer's read rates: the ring's limit, ours with back-to-back tensors sharing buffers and without
     timeout 120 python3 scripts/bench_cold_start.py read /tmp/cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -14 || status=1
     timeout $(left 400) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
@@ -693,18 +699,14 @@ case "$phase" in
     [ $(left 480) -gt 60 ] && { timeout $(left 480) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --diagnose 3 --json "$OUT/bench_cache_diagnose.json" 2>&1 | grep -v "^\\[" | tail -12 || status=1; }
     # klein-4B (its Qwen3-4B ours since 2026-12-04) against its diffusers script, with the time left
     if [ $(left 570) -gt 80 ]; then
-      timeout $(left 570) bash -c "python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out $OUT/cold_start.jsonl | grep '^{' && \
-        python3 scripts/bench_cold_start.py cold /tmp/cold --models klein-4b --prompts 0 --out $OUT/cold_start.jsonl | tail -2" || status=1
-      tail -1 "$OUT/cold_start.jsonl"
+      klein_cold "$(left 570)" || status=1
     fi
     ;;
   next-24b)
     # the session's second call: issue 36's FLUX.1-dev step with and without FP8 attention at 1024² and 2048² (fa3-fwd
     # from .whl/fp8attn), then issue 39's GGUF steps against diffusers' and their memory with the time left (carry
     # .whl's top-level wheels and .whl/fp8attn)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    install_fp8_attention || status=1
     timeout 240 python3 scripts/bench_fp8_attention.py --steps --models flux1-dev --sizes 1024,2048 --iters 10 \
       --json "$OUT/bench_fp8_attention_steps.json" 2>&1 | tail -16 || status=1
     timeout $(left 585) python3 scripts/bench_gguf.py --types '' --step-types Q8_0,Q5_K,Q4_K --iters 5 \
@@ -715,10 +717,8 @@ case "$phase" in
     # issue 36's whole image (eval_high_image.py: high and FP8 high, FP8 attention or SDPA, FP8 with static input
     # scales, PSNR against lossless, the image's time) and FLUX.2-dev's FP8-attention step (static arms too); issue
     # 33's read-rate A/B (ring buffers shared by back-to-back tensors or not)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
-    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    install_fp8_attention || status=1
+    cold_folder flux1-dev 150 || status=1
     timeout $(left 330) python3 scripts/eval_high_image.py /tmp/cold/flux1-dev --json "$OUT/eval_high_image.json" 2>&1 | grep -v "^\\[" | tail -10 || status=1
     timeout $(left 430) python3 scripts/bench_cold_start.py read /tmp/cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -14 || status=1
     [ $(left 520) -gt 60 ] && { timeout $(left 520) python3 scripts/bench_fp8_attention.py --steps --models flux2-dev --sizes 1024 --iters 10 --json "$OUT/bench_fp8_attention_flux2.json" 2>&1 | tail -11 || status=1; }
@@ -730,9 +730,7 @@ case "$phase" in
     # (FLUX_VERIFY_CACHE=0, FLUX_TEXT_WARMUP=0), then the first call's stages; first,
     # issue 36's FLUX.1-dev step with static input scales (bench_fp8_attention.py's static arms: lossless, high +
     # FP8 attention, per-tensor weights). Carry .whl's top-level wheels and .whl/fp8attn
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    install_fp8_attention || status=1
     timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_verified.py tests/pipeline/test_text_warmup.py \
       tests/weights/test_pinned_stream.py -p no:cacheprovider 2>&1 | tail -4 || status=1
     timeout 150 python3 scripts/bench_fp8_attention.py --steps --models flux1-dev --sizes 1024 --iters 10 \
@@ -741,7 +739,7 @@ case "$phase" in
     python3 -c "import os, sys, torch; d = os.path.dirname(torch.__file__); print('torch', torch.__version__, d, 'writable', os.access(d, os.W_OK), 'pycache', os.path.isdir(os.path.join(d, '__pycache__')), 'dont_write_bytecode', sys.flags.dont_write_bytecode)" || status=1
     for i in 1 2; do (TIMEFORMAT="import torch: %R s wall, %U s user, %S s sys"; time python3 -c "import torch") 2>&1 || status=1; done
     python3 -X importtime -c "import torch" 2>&1 | sort -t'|' -k2 -n | tail -12
-    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    cold_folder flux1-dev 150 || status=1
     timeout $(left 470) python3 scripts/bench_cold_start.py cold /tmp/cold --models flux1-dev --prompts 0 \
       --variant "FLUX_VERIFY_CACHE=0" --variant "FLUX_TEXT_WARMUP=0" \
       --out "$OUT/cold_start.jsonl" 2>&1 | tail -4 || status=1
@@ -753,30 +751,24 @@ case "$phase" in
     # (FLUX.3 Klein base with its new FP8 attention, klein-4B: target at most 0.94x lossless), then issue 33 from
     # disk: the transformer's read rates with the page cache dropped before each row, against dd in the same run;
     # then klein-4B's cold flux-gen after session 25's start-up work. Carry .whl's top-level wheels and .whl/fp8attn
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    install_fp8_attention || status=1
     timeout 150 python3 -m pytest -q -m gpu tests/models/test_fp8_attention.py -p no:cacheprovider 2>&1 | tail -3 || status=1
     timeout 150 python3 scripts/bench_flux3.py --models base --cases t2i --high --iters 10 --json "$OUT/bench_flux3_high.json" 2>&1 | grep -E "high|floor|equal" | tail -8 || status=1
     timeout $(left 330) python3 scripts/bench_fp8_attention.py --steps --models flux2-klein-4b --sizes 1024 --iters 10 --no-static --json "$OUT/bench_fp8_attention_klein.json" 2>&1 | tail -6 || status=1
-    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    cold_folder flux1-dev 150 || status=1
     timeout $(left 480) python3 scripts/bench_cold_start.py read /tmp/cold --cold --ring 16x32x16 --out "$OUT/cold_start.jsonl" 2>&1 | tail -16 || status=1
     if [ $(left 570) -gt 90 ]; then
-      timeout $(left 570) bash -c "python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out $OUT/cold_start.jsonl | grep '^{' && \
-        python3 scripts/bench_cold_start.py cold /tmp/cold --models klein-4b --prompts 0 --out $OUT/cold_start.jsonl | tail -2" || status=1
-      tail -1 "$OUT/cold_start.jsonl"
+      klein_cold "$(left 570)" || status=1
     fi
     ;;
   next-26a)
     # issue 33's targets where they were set (H200), in a user's setting: Python keeps bytecode (the device's
     # environment says PYTHONDONTWRITEBYTECODE=1 and torch's install has no __pycache__, so there every process
     # compiles torch again: import torch 3.5 s against 1.9-2.3 s with the bytecode kept, run P on an H100)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
     unset PYTHONDONTWRITEBYTECODE
     export PYTHONPYCACHEPREFIX=/tmp/pyc
-    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
-    [ -d /tmp/cold/klein-4b ] || timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models klein-4b --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    cold_folder flux1-dev 150 || status=1
+    cold_folder klein-4b 100 || status=1
     (TIMEFORMAT="bytecode warm-up imports: %R s"; time python3 -c "import torch, diffusers, transformers, transformers.models.qwen3.modeling_qwen3; from diffusers import FluxPipeline, Flux2KleinPipeline; import flux_runtime.cli.gen, flux_runtime.pipeline") 2>&1 | tail -1
     for i in 1 2; do (TIMEFORMAT="import torch, bytecode kept: %R s"; time python3 -c "import torch") 2>&1; done
     # the PNG writer on this machine's cores against PIL (a 1024² noisy image, level 4, best of 7)
@@ -798,10 +790,8 @@ print('PNG 1024² noisy, level 4: PIL %.4f s, banded %.4f s' % (best(lambda: im.
     # issue 36 where its targets were set (H200): the whole image (static arms calibrated eagerly now), FLUX.2-dev's
     # FP8-attention step (80 GB did not hold it), FLUX.3 Klein's and klein-4B's bf16 high (carry .whl's top-level
     # wheels and .whl/fp8attn)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
-    [ -d /tmp/cold/flux1-dev ] || timeout 150 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    install_fp8_attention || status=1
+    cold_folder flux1-dev 150 || status=1
     timeout $(left 330) python3 scripts/eval_high_image.py /tmp/cold/flux1-dev --json "$OUT/eval_high_image.json" 2>&1 | grep -v "^\\[" | tail -10 || status=1
     [ $(left 430) -gt 60 ] && { timeout $(left 430) python3 scripts/bench_fp8_attention.py --steps --models flux2-dev --sizes 1024 --iters 10 --no-static --json "$OUT/bench_fp8_attention_flux2.json" 2>&1 | tail -8 || status=1; }
     [ $(left 500) -gt 40 ] && { timeout $(left 500) python3 scripts/bench_flux3.py --models base --cases t2i --high --iters 10 --json "$OUT/bench_flux3_high.json" 2>&1 | grep -E "high|floor|equal" | tail -8 || status=1; }
@@ -811,11 +801,9 @@ print('PNG 1024² noisy, level 4: PIL %.4f s, banded %.4f s' % (best(lambda: im.
     # issue 37: step-cached calls under split CUDA graphs (probe / reuse / rest). The GPU tests (the graphed cached
     # latents against the eager cached ones, bf16 / high / FP8), then bench_cache.py at full size (FLUX.1-dev
     # random weights, built here): every row eagerly and under graphs (carry .whl)
-    start=$SECONDS
-    left() { echo $(( $1 - (SECONDS - start) )); }
     timeout 120 python3 -m pytest -q -m gpu tests/pipeline/test_step_cache.py -p no:cacheprovider 2>&1 | tail -6 || status=1
     timeout 120 python3 -m pytest -q tests/pipeline/test_cached_graphs.py -p no:cacheprovider 2>&1 | tail -3 || status=1
-    [ -d /tmp/cold/flux1-dev ] || timeout 100 python3 scripts/bench_cold_start.py build /tmp/cold --models flux1-dev --out "$OUT/cold_start.jsonl" 2>&1 | grep '^{' || status=1
+    cold_folder flux1-dev 100 || status=1
     [ $(left 560) -gt 30 ] && { timeout $(left 560) python3 scripts/bench_cache.py /tmp/cold/flux1-dev --json "$OUT/bench_cache.json" 2>&1 | grep -v "^\\[" | tail -24 || status=1; }
     ;;
   fp8-attention|fp8-attention-step)
@@ -823,7 +811,7 @@ print('PNG 1024² noisy, level 4: PIL %.4f s, banded %.4f s' % (best(lambda: im.
     # /tmp/site (already on PYTHONPATH); FlashInfer's FP8 prefill is compared where `flashinfer` imports.
     # fp8-attention: the GPU tests, then one attention call at FLUX shapes; fp8-attention-step: the FLUX.1-dev step
     # in high with and without FP8 attention (MODELS=flux1-dev,flux2-dev adds FLUX.2-dev, if the call has time)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fp8attn/*.whl || status=1
+    install_fp8_attention || status=1
     python3 -c "import fa3_fwd_interface, torch; print('fa3-fwd imports; torch', torch.__version__)" 2>&1 | tail -2 || status=1
     if [ "$phase" = fp8-attention ]; then
       timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_heads_fp8.py tests/kernels/test_attention_quant.py \
